@@ -1,0 +1,141 @@
+"""The integer NPU architecture ("march") that quantlens targets.
+
+This module is the executable half of ``docs/march.md``: every number that the fake quant, the lookup tables
+and the integer simulator share lives here, and nowhere else. Change the spec and this file together.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from quantlens.errors import QuantLensError
+
+__all__ = ["QuantDType", "RoundingMode", "MarchSpec", "March", "set_march", "get_march"]
+
+
+class QuantDType(str, Enum):
+    """Integer storage types of the march. All are symmetric (zero point 0)."""
+
+    qint8 = "qint8"
+    qint16 = "qint16"
+    qint32 = "qint32"
+
+    @property
+    def bits(self) -> int:
+        return {"qint8": 8, "qint16": 16, "qint32": 32}[self.value]
+
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.bits - 1)) - 1
+
+    @classmethod
+    def parse(cls, value: "QuantDType | str") -> "QuantDType":
+        """Accept ``QuantDType.qint8``, ``"qint8"`` or ``"int8"``; anything else is a clear error."""
+        if isinstance(value, QuantDType):
+            return value
+        text = str(value).replace("torch.", "")
+        if not text.startswith("q"):
+            text = "q" + text
+        try:
+            return cls(text)
+        except ValueError:
+            raise QuantLensError(
+                f"Unknown quantized dtype {value!r}. Expected one of {[d.value for d in cls]} "
+                "(or 'int8'/'int16'/'int32')."
+            ) from None
+
+
+class RoundingMode(str, Enum):
+    """How a real value becomes an integer. The march uses one mode for quantize and requantize alike."""
+
+    HALF_TO_EVEN = "half_to_even"
+
+
+@dataclass(frozen=True)
+class MarchSpec:
+    """The numeric contract of one integer NPU architecture (see ``docs/march.md``)."""
+
+    name: str
+    activation_dtypes: tuple[QuantDType, ...]
+    weight_dtypes: tuple[QuantDType, ...]
+    accumulator_dtype: QuantDType
+    high_precision_output_dtype: QuantDType
+    rounding: RoundingMode
+    #: smallest scale an observer may produce; guards all-zero tensors.
+    min_scale: float
+    #: requantize multipliers are integers in [2**(bits-1), 2**bits).
+    requant_multiplier_bits: int
+    #: largest right shift a requantize may use.
+    max_requant_shift: int
+    #: whether a conv/linear/matmul may take int16 on both operands.
+    allow_int16_x_int16_gemm: bool
+
+    def scale_from_range(self, min_val: float, max_val: float, dtype: QuantDType) -> float:
+        """Scale of a symmetric quantizer covering ``[min_val, max_val]``: ``max(|min|, |max|) / qmax``.
+
+        The result is rounded to float32 (scales are stored as float32) and is at least ``min_scale``.
+        """
+        if not (math.isfinite(min_val) and math.isfinite(max_val)):
+            raise QuantLensError(
+                f"Cannot derive a {dtype.value} scale from a non-finite range [{min_val}, {max_val}]. "
+                "An observer saw NaN/Inf; check the model input or the op that produced it."
+            )
+        absmax = max(abs(min_val), abs(max_val))
+        scale = max(absmax / dtype.qmax, self.min_scale)
+        return float(_to_float32(scale))
+
+
+def _to_float32(value: float) -> float:
+    import struct
+
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+class March(Enum):
+    """Integer NPU architectures quantlens knows. ``QL1`` is the only one, and the default."""
+
+    QL1 = MarchSpec(
+        name="ql1",
+        activation_dtypes=(QuantDType.qint8, QuantDType.qint16),
+        weight_dtypes=(QuantDType.qint8, QuantDType.qint16),
+        accumulator_dtype=QuantDType.qint32,
+        high_precision_output_dtype=QuantDType.qint32,
+        rounding=RoundingMode.HALF_TO_EVEN,
+        min_scale=2.0**-24,
+        requant_multiplier_bits=31,
+        max_requant_shift=62,
+        allow_int16_x_int16_gemm=False,
+    )
+
+    @property
+    def spec(self) -> MarchSpec:
+        return self.value
+
+
+_current_march: March = March.QL1
+
+
+def set_march(march: "March | str") -> None:
+    """Select the target architecture. Call it before ``prepare``."""
+    global _current_march
+    if isinstance(march, str):
+        try:
+            march = March[march.upper()]
+        except KeyError:
+            raise QuantLensError(
+                f"Unknown march {march!r}. Known: {[m.name for m in March]}."
+            ) from None
+    if not isinstance(march, March):
+        raise QuantLensError(f"set_march expects a quantlens.March, got {type(march).__name__}.")
+    _current_march = march
+
+
+def get_march() -> March:
+    """The architecture selected with :func:`set_march` (``March.QL1`` by default)."""
+    return _current_march

@@ -1,0 +1,132 @@
+"""Quantize, fake-quantize and requantize exactly as ``docs/march.md`` specifies.
+
+The fake quant used in calibration and QAT, and the integer simulator, both call these functions, so there is
+one implementation of each rule:
+
+* quantize:   ``q = clamp(round_half_to_even(x / s), qmin, qmax)`` computed in float32;
+* fake quant: ``dequantize(quantize(x))  = q * s`` (float32);
+* requantize: ``y = saturate(rshift_round_half_to_even(acc * M, shift))`` in int64, where ``M * 2**-shift``
+  approximates a real multiplier.
+
+``fake_quant`` is a ``torch.library`` custom op (``torch.ops.quantlens.fake_quant``) so that it survives
+``torch.export`` as one node, with a straight-through gradient for QAT.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from quantlens.errors import QuantLensError
+from quantlens.march import QuantDType, get_march
+
+__all__ = [
+    "fake_quant",
+    "quantize",
+    "dequantize",
+    "quantize_multiplier",
+    "rshift_round_half_to_even",
+    "requantize",
+    "saturate",
+]
+
+
+def _broadcast_scale(scale: torch.Tensor, x: torch.Tensor, axis: int) -> torch.Tensor:
+    if axis < 0 or scale.numel() == 1:
+        return scale.reshape(())
+    shape = [1] * x.dim()
+    shape[axis] = -1
+    return scale.reshape(shape)
+
+
+@torch.library.custom_op("quantlens::fake_quant", mutates_args=())
+def _fake_quant_op(x: torch.Tensor, scale: torch.Tensor, qmin: int, qmax: int, axis: int) -> torch.Tensor:
+    s = _broadcast_scale(scale.to(torch.float32), x, axis)
+    q = torch.clamp(torch.round(x.to(torch.float32) / s), qmin, qmax)
+    return (q * s).to(x.dtype)
+
+
+@_fake_quant_op.register_fake
+def _(x, scale, qmin, qmax, axis):
+    return torch.empty_like(x)
+
+
+def _fake_quant_setup(ctx, inputs, output):
+    x, scale, qmin, qmax, axis = inputs
+    ctx.save_for_backward(x, scale)
+    ctx.qmin, ctx.qmax, ctx.axis = qmin, qmax, axis
+
+
+def _fake_quant_backward(ctx, grad):
+    # Straight-through estimator, clipped: the gradient passes where x lies inside the representable range.
+    x, scale = ctx.saved_tensors
+    s = _broadcast_scale(scale.to(torch.float32), x, ctx.axis)
+    inside = (x >= ctx.qmin * s) & (x <= ctx.qmax * s)
+    return grad * inside.to(grad.dtype), None, None, None, None
+
+
+_fake_quant_op.register_autograd(_fake_quant_backward, setup_context=_fake_quant_setup)
+
+
+def fake_quant(x: torch.Tensor, scale: torch.Tensor, dtype: QuantDType, axis: int | None = None) -> torch.Tensor:
+    """Quantize then dequantize ``x`` with a symmetric scale (per-tensor, or per-channel along ``axis``)."""
+    return torch.ops.quantlens.fake_quant(x, scale, dtype.qmin, dtype.qmax, -1 if axis is None else axis)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: QuantDType, axis: int | None = None) -> torch.Tensor:
+    """Real values to integers (returned as int64 holding values in the dtype's range)."""
+    s = _broadcast_scale(scale.to(torch.float32), x, -1 if axis is None else axis)
+    return torch.clamp(torch.round(x.to(torch.float32) / s), dtype.qmin, dtype.qmax).to(torch.int64)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    """Integers back to float32 reals."""
+    s = _broadcast_scale(scale.to(torch.float32), q, -1 if axis is None else axis)
+    return q.to(torch.float32) * s
+
+
+def saturate(x: torch.Tensor, dtype: QuantDType) -> torch.Tensor:
+    """Clamp integers to the dtype's range (the march saturates, it never wraps)."""
+    return torch.clamp(x, dtype.qmin, dtype.qmax)
+
+
+def quantize_multiplier(real: float) -> tuple[int, int]:
+    """Represent a positive real multiplier as ``M * 2**-shift`` with ``M`` in ``[2**30, 2**31)``.
+
+    ``M = round_half_to_even(real * 2**shift)``; if rounding reaches ``2**31`` the shift drops by one.
+    """
+    spec = get_march().spec
+    bits = spec.requant_multiplier_bits
+    if not (real > 0 and math.isfinite(real)):
+        raise QuantLensError(f"A requantize multiplier must be positive and finite, got {real!r}.")
+    exponent = math.floor(math.log2(real))
+    shift = (bits - 1) - exponent
+    mult = round(real * 2.0**shift)  # Python's round() is half-to-even
+    if mult >= 1 << bits:
+        mult //= 2
+        shift -= 1
+    if shift < 0 or shift > spec.max_requant_shift:
+        raise QuantLensError(
+            f"Requantize multiplier {real!r} needs shift {shift}, outside [0, {spec.max_requant_shift}] of "
+            f"march {spec.name}. The scales involved differ by too many orders of magnitude; check the observers."
+        )
+    return int(mult), int(shift)
+
+
+def rshift_round_half_to_even(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """``x / 2**shift`` rounded half to even, on int64 tensors."""
+    if shift == 0:
+        return x
+    x = x.to(torch.int64)
+    floor = torch.bitwise_right_shift(x, shift)  # arithmetic shift: floor division
+    rem = x - torch.bitwise_left_shift(floor, shift)
+    half = 1 << (shift - 1)
+    round_up = (rem > half) | ((rem == half) & (torch.bitwise_and(floor, 1) == 1))
+    return floor + round_up.to(torch.int64)
+
+
+def requantize(acc: torch.Tensor, multiplier: int, shift: int, dtype: QuantDType) -> torch.Tensor:
+    """Scale an int32 accumulator by ``multiplier * 2**-shift`` and saturate to ``dtype``."""
+    prod = acc.to(torch.int64) * int(multiplier)
+    return saturate(rshift_round_half_to_even(prod, shift), dtype)

@@ -1,0 +1,1 @@
+"""Quantization stage: prepare a float model, calibrate it, train it with fake quant (QAT)."""

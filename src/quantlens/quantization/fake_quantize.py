@@ -1,0 +1,119 @@
+"""FakeQuantize modules and the model-wide state switch (float / calibration / QAT / validation)."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch import nn
+
+from quantlens.errors import QuantLensError
+from quantlens.march import QuantDType
+from quantlens.numerics import fake_quant
+from quantlens.quantization.qconfig import QuantSpec
+
+__all__ = ["FakeQuantState", "FakeQuantize", "set_fake_quantize"]
+
+
+class FakeQuantState(str, Enum):
+    """What every fake quant of a prepared model does.
+
+    ========== ============ ============
+    state      observe      fake-quantize
+    ========== ============ ============
+    FLOAT      no           no   (the float model; for diagnosis)
+    CALIBRATION yes         no   (post-training statistics)
+    QAT        yes          yes  (training; observers follow the data)
+    VALIDATION no           yes  (frozen scales: what the NPU computes)
+    ========== ============ ============
+    """
+
+    FLOAT = "float"
+    CALIBRATION = "calibration"
+    QAT = "qat"
+    VALIDATION = "validation"
+
+
+_STATE_FLAGS = {
+    FakeQuantState.FLOAT: (False, False),
+    FakeQuantState.CALIBRATION: (True, False),
+    FakeQuantState.QAT: (True, True),
+    FakeQuantState.VALIDATION: (False, True),
+}
+
+
+class FakeQuantize(nn.Module):
+    """Observer plus symmetric fake quant of one tensor, following ``docs/march.md``.
+
+    The scale is a buffer: it is refreshed from the observer while observing and frozen otherwise, so a
+    calibrated state_dict fully describes the quantization.
+    """
+
+    def __init__(self, spec: QuantSpec):
+        super().__init__()
+        if spec.dtype is QuantDType.qint32:
+            raise QuantLensError("qint32 is the high-precision output type; it has no fake quant.")
+        self.dtype = spec.dtype
+        self.ch_axis = spec.ch_axis
+        self.spec_text = spec.describe()
+        self.observer = spec.observer(spec.dtype, spec.ch_axis)
+        self.register_buffer("scale", torch.ones(()))
+        self.observe_enabled = False
+        self.fake_quant_enabled = False
+        #: whether the scale came from data (observation or a loaded state dict) rather than the placeholder.
+        self.register_buffer("calibrated", torch.zeros((), dtype=torch.bool))
+
+    def set_state(self, state: FakeQuantState) -> None:
+        self.observe_enabled, self.fake_quant_enabled = _STATE_FLAGS[FakeQuantState(state)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.observe_enabled:
+            self.observer(x)
+            scale = self.observer.calculate_scale().to(self.scale.device)
+            if scale.shape != self.scale.shape:
+                self.scale = scale
+            else:
+                self.scale.copy_(scale)
+            self.calibrated.fill_(True)
+        if self.fake_quant_enabled:
+            return fake_quant(x, self.scale, self.dtype, self.ch_axis)
+        return x
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Per-channel scales are shaped on first observation; accept a calibrated shape on load.
+        key = prefix + "scale"
+        if key in state_dict and state_dict[key].shape != self.scale.shape:
+            self.scale = torch.empty_like(state_dict[key])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"{self.spec_text}, observe={self.observe_enabled}, fake_quant={self.fake_quant_enabled}"
+
+
+def set_fake_quantize(model: nn.Module, state: FakeQuantState | str) -> nn.Module:
+    """Switch every fake quant of a prepared model to ``state``; returns the model for chaining.
+
+    Typical use: ``model.eval(); set_fake_quantize(model, FakeQuantState.CALIBRATION)`` for calibration,
+    ``model.train(); set_fake_quantize(model, FakeQuantState.QAT)`` for QAT, and
+    ``model.eval(); set_fake_quantize(model, FakeQuantState.VALIDATION)`` to evaluate.
+    """
+    try:
+        state = FakeQuantState(state)
+    except ValueError:
+        raise QuantLensError(
+            f"Unknown fake quant state {state!r}; expected one of {[s.name for s in FakeQuantState]}."
+        ) from None
+    found = False
+    for module in model.modules():
+        if isinstance(module, FakeQuantize):
+            module.set_state(state)
+            found = True
+    if not found:
+        raise QuantLensError(
+            f"set_fake_quantize: {type(model).__name__} has no FakeQuantize modules. Call "
+            "quantlens.quantization.prepare(model, example_inputs) first and pass the model it returns."
+        )
+    state_holder = getattr(model, "_quantlens_state", None)
+    if state_holder is not None:
+        state_holder.fake_quant_state = state
+    return model

@@ -1,0 +1,182 @@
+"""What each intercepted torch operation means for quantization (the op-rule registry).
+
+Every op the tracer sees is classified once, here:
+
+* ``QUANTIZED``: computes new values; its output gets an output fake quant and its float inputs must arrive
+  quantized (an input fake quant is added where they do not);
+* ``PASSTHROUGH``: moves, selects or compares existing values (view, getitem, relu, max-pool ...); an int8
+  value stays on its grid, so the output inherits the input's quantization;
+* ``IGNORED``: metadata and non-float work (``size``, ``shape``, comparisons, creation ops); no op site.
+
+Ops not in the registry that touch float tensors are treated as ``QUANTIZED`` and reported as "no integer rule"
+in ``model_check_result.txt``; export will refuse them.
+
+To support a new op, add one ``register_function_op`` / ``register_module_op`` line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable
+
+import torch
+from torch import nn
+
+from quantlens.quantization.stubs import DeQuantStub, QuantStub
+
+__all__ = [
+    "OpKind",
+    "OpRule",
+    "register_function_op",
+    "register_module_op",
+    "function_rule",
+    "module_rule",
+    "canonical_op_name",
+]
+
+
+class OpKind(str, Enum):
+    QUANTIZED = "quantized"
+    PASSTHROUGH = "passthrough"
+    IGNORED = "ignored"
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """Quantization behaviour of one op type."""
+
+    op_type: str
+    kind: OpKind
+    #: conv/linear/matmul-like: the march forbids int16 on both operands.
+    gemm: bool = False
+    #: argument positions that hold weights when the op is called functionally.
+    weight_args: tuple[int, ...] = ()
+    #: output positions that are integer indices (argmax, topk indices): the profiler substitutes them.
+    index_producing: bool = False
+    #: the output is a row of the (already quantized) weight, so it needs no own fake quant (embedding).
+    output_from_weight: bool = False
+    #: whether the op is known to the march (has an integer lowering).
+    known: bool = True
+    #: "input" for QuantStub (quantizes a raw float input), "output" for DeQuantStub.
+    boundary: str = ""
+
+
+_FUNCTION_RULES: dict[str, OpRule] = {}
+_MODULE_RULES: dict[type, OpRule] = {}
+
+
+def register_function_op(names: str | tuple[str, ...], kind: OpKind, **flags) -> None:
+    for name in (names,) if isinstance(names, str) else names:
+        _FUNCTION_RULES[name] = OpRule(op_type=name, kind=kind, **flags)
+
+
+def register_module_op(module_type: type, op_type: str, kind: OpKind, **flags) -> None:
+    _MODULE_RULES[module_type] = OpRule(op_type=op_type, kind=kind, **flags)
+
+
+Q, P, I = OpKind.QUANTIZED, OpKind.PASSTHROUGH, OpKind.IGNORED
+
+# --- functions and tensor methods -------------------------------------------------------------------
+register_function_op(("conv1d", "conv2d"), Q, gemm=True, weight_args=(1,))
+register_function_op("linear", Q, gemm=True, weight_args=(1,))
+register_function_op(("matmul", "bmm", "mm", "scaled_dot_product_attention"), Q, gemm=True)
+register_function_op("embedding", Q, weight_args=(1,), output_from_weight=True)
+register_function_op(("add", "sub", "rsub", "mul", "div", "neg", "cat", "concat", "stack"), Q)
+register_function_op(("mean", "sum", "avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d"), Q)
+register_function_op(("softmax", "log_softmax", "layer_norm", "batch_norm", "group_norm"), Q)
+register_function_op(("gelu", "sigmoid", "tanh", "silu", "exp", "softplus", "reciprocal", "rsqrt", "sqrt"), Q)
+register_function_op(("clamp", "clip", "hardtanh", "relu6", "pow", "interpolate", "masked_fill", "where"), Q)
+register_function_op(("abs", "erf", "log", "square", "leaky_relu", "hardsigmoid", "hardswish", "elu"), Q)
+register_function_op(
+    (
+        "view", "reshape", "permute", "transpose", "t", "flatten", "unflatten", "squeeze", "unsqueeze",
+        "expand", "expand_as", "contiguous", "getitem", "split", "chunk", "unbind", "narrow", "select",
+        "index_select", "gather", "repeat", "tile", "flip", "roll", "relu", "max_pool1d", "max_pool2d",
+        "max_pool1d_with_indices", "max_pool2d_with_indices", "adaptive_max_pool2d", "dropout", "clone",
+        "to", "float", "type", "detach", "pixel_shuffle", "amax", "amin", "view_as", "reshape_as",
+        "movedim", "swapaxes", "pad", "identity",
+    ),
+    P,
+)
+register_function_op(("max", "min", "topk", "sort"), P, index_producing=True)
+register_function_op(("argmax", "argmin", "argsort"), I, index_producing=True)
+register_function_op(
+    (
+        "size", "dim", "numel", "__get__", "__set__", "bool", "item", "tolist", "eq", "ne", "lt", "le", "gt",
+        "ge", "isnan", "isinf", "isfinite", "all", "any", "len", "iter", "format", "repr", "setitem",
+        "stride", "is_contiguous", "is_floating_point", "element_size", "data_ptr", "get_device",
+        "long", "int", "bool_", "logical_and", "logical_or", "logical_not", "and", "or", "invert",
+        "requires_grad_", "has_torch_function", "_has_compatible_shallow_copy_type", "cpu", "cuda",
+        "zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full",
+        "new_tensor", "arange", "zeros", "ones", "full", "empty", "tensor", "finfo", "iinfo",
+    ),
+    I,
+)
+
+# --- leaf modules: the tracer treats these as one op site named by the module's qualified name ---------
+register_module_op(QuantStub, "quant_stub", Q, boundary="input")
+register_module_op(DeQuantStub, "dequant_stub", P, boundary="output")
+register_module_op(nn.Conv1d, "conv1d", Q, gemm=True)
+register_module_op(nn.Conv2d, "conv2d", Q, gemm=True)
+register_module_op(nn.Linear, "linear", Q, gemm=True)
+register_module_op(nn.Embedding, "embedding", Q, output_from_weight=True)
+register_module_op(nn.LayerNorm, "layer_norm", Q)
+register_module_op(nn.BatchNorm1d, "batch_norm", Q)
+register_module_op(nn.BatchNorm2d, "batch_norm", Q)
+register_module_op(nn.GELU, "gelu", Q)
+register_module_op(nn.Sigmoid, "sigmoid", Q)
+register_module_op(nn.Tanh, "tanh", Q)
+register_module_op(nn.SiLU, "silu", Q)
+register_module_op(nn.Softmax, "softmax", Q)
+register_module_op(nn.ReLU6, "relu6", Q)
+register_module_op(nn.Hardtanh, "hardtanh", Q)
+register_module_op(nn.AvgPool2d, "avg_pool2d", Q)
+register_module_op(nn.AdaptiveAvgPool1d, "adaptive_avg_pool1d", Q)
+register_module_op(nn.AdaptiveAvgPool2d, "adaptive_avg_pool2d", Q)
+register_module_op(nn.Upsample, "interpolate", Q)
+register_module_op(nn.ReLU, "relu", P)
+register_module_op(nn.MaxPool1d, "max_pool1d", P)
+register_module_op(nn.MaxPool2d, "max_pool2d", P)
+register_module_op(nn.Dropout, "dropout", P)
+register_module_op(nn.Identity, "identity", P)
+register_module_op(nn.Flatten, "flatten", P)
+
+
+_DUNDER = {
+    "radd": "add", "iadd": "add", "rsub": "rsub", "isub": "sub", "rmul": "mul", "imul": "mul",
+    "truediv": "div", "rtruediv": "div", "itruediv": "div", "rmatmul": "matmul", "imatmul": "matmul",
+    "rpow": "pow", "ipow": "pow", "floordiv": "floordiv", "rfloordiv": "floordiv", "getitem": "getitem",
+    "setitem": "setitem", "bool": "bool", "len": "len", "iter": "iter", "format": "format", "repr": "repr",
+    "and": "and", "rand": "and", "or": "or", "ror": "or", "invert": "invert", "eq": "eq", "ne": "ne",
+    "lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "neg": "neg", "add": "add", "sub": "sub", "mul": "mul",
+    "matmul": "matmul", "pow": "pow", "abs": "abs", "get": "__get__", "set": "__set__",
+}
+
+
+def canonical_op_name(func: Callable) -> str:
+    """``torch.add``, ``Tensor.add``, ``Tensor.__radd__`` and ``Tensor.add_`` are all ``"add"``."""
+    name = getattr(func, "__name__", None) or type(func).__name__
+    if name.startswith("__") and name.endswith("__"):
+        stripped = name[2:-2]
+        return _DUNDER.get(stripped, stripped)
+    if name.endswith("_") and not name.startswith("_") and name[:-1] in _FUNCTION_RULES:
+        return name[:-1]  # in-place variant
+    return name
+
+
+def function_rule(op_name: str) -> OpRule:
+    """The rule for a function op; unknown ops are QUANTIZED with ``known=False``."""
+    rule = _FUNCTION_RULES.get(op_name)
+    if rule is None:
+        return OpRule(op_type=op_name, kind=OpKind.QUANTIZED, known=False)
+    return rule
+
+
+def module_rule(module: nn.Module) -> OpRule | None:
+    """The rule for a leaf module, or ``None`` for modules whose forward is traced op by op."""
+    for cls in type(module).__mro__:
+        rule = _MODULE_RULES.get(cls)
+        if rule is not None:
+            return rule
+    return None

@@ -1,0 +1,152 @@
+"""QAT versions of weighted modules: the float module plus a weight fake quant (and BN folding when fused).
+
+``prepare`` swaps a float module for its QAT class in place (same qualified name, so op site names do not change).
+Activation fake quants are not here: they belong to op sites and live in the model's ``_quantlens_state``.
+
+Bias: when the input is fake-quantized, the bias is fake-quantized to int32 with scale ``s_in * s_w[c]``,
+exactly as the integer kernel adds it to the accumulator (``docs/march.md``, "Bias").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantlens.quantization.fake_quantize import FakeQuantize
+from quantlens.quantization.qconfig import QuantSpec
+
+__all__ = [
+    "QATConv1d",
+    "QATConv2d",
+    "QATLinear",
+    "QATEmbedding",
+    "QATConvBn1d",
+    "QATConvBn2d",
+    "QATLinearBn1d",
+    "qat_class_for",
+    "fused_class_for",
+]
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+class _WeightQuantMixin:
+    """Shared by every QAT class: the weight fake quant and the int32 bias rule."""
+
+    weight_fake_quant: FakeQuantize
+
+    def _init_qat(self, weight_spec: QuantSpec) -> None:
+        self.weight_fake_quant = FakeQuantize(weight_spec)
+        # Set by the op-site runtime for the duration of one call: the input's fake quant, if any.
+        self.__dict__["_ql_input_fq"] = None
+
+    def _quant_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
+        in_fq = self.__dict__.get("_ql_input_fq")
+        wfq = self.weight_fake_quant
+        if bias is None or in_fq is None or not (in_fq.fake_quant_enabled and wfq.fake_quant_enabled):
+            return bias
+        scale = (in_fq.scale.reshape(()) * wfq.scale).reshape(-1).expand(bias.shape[0]).contiguous()
+        return torch.ops.quantlens.fake_quant(bias, scale, _INT32_MIN, _INT32_MAX, 0)
+
+    @classmethod
+    def from_float(cls, mod: nn.Module, weight_spec: QuantSpec):
+        qat = cls.__new__(cls)
+        qat.__dict__.update({k: v for k, v in mod.__dict__.items()})
+        # Fresh containers so the QAT module does not share registration dicts with the float one.
+        for key in ("_parameters", "_buffers", "_modules"):
+            qat.__dict__[key] = dict(mod.__dict__[key])
+        qat._init_qat(weight_spec)
+        return qat
+
+
+class QATConv1d(_WeightQuantMixin, nn.Conv1d):
+    def forward(self, x):
+        return self._conv_forward(x, self.weight_fake_quant(self.weight), self._quant_bias(self.bias))
+
+
+class QATConv2d(_WeightQuantMixin, nn.Conv2d):
+    def forward(self, x):
+        return self._conv_forward(x, self.weight_fake_quant(self.weight), self._quant_bias(self.bias))
+
+
+class QATLinear(_WeightQuantMixin, nn.Linear):
+    def forward(self, x):
+        return F.linear(x, self.weight_fake_quant(self.weight), self._quant_bias(self.bias))
+
+
+class QATEmbedding(_WeightQuantMixin, nn.Embedding):
+    """Embedding with a per-tensor weight fake quant; its output is a row of that quantized table."""
+
+    def forward(self, x):
+        w = self.weight_fake_quant(self.weight)
+        return F.embedding(x, w, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
+
+
+class _FoldedBnMixin(_WeightQuantMixin):
+    """conv/linear followed by BatchNorm, folded for quantization.
+
+    * eval (calibration, validation): BN running statistics are folded into the weight and bias, and the
+      folded weight is what gets fake-quantized, as the NPU sees it.
+    * train (QAT): the folded weight is fake-quantized with the running std, the conv output is scaled back,
+      and the real BN runs on it with batch statistics, so running_mean/var keep tracking the data that the
+      quantized conv produces (the folding used at eval time stays consistent with training).
+    """
+
+    bn: nn.modules.batchnorm._BatchNorm
+
+    def _affine(self, x, w, b):
+        raise NotImplementedError
+
+    def _bn_shape(self, x: torch.Tensor) -> list[int]:
+        return [1, -1] + [1] * (x.dim() - 2)
+
+    def forward(self, x):
+        bn = self.bn
+        std = torch.sqrt(bn.running_var + bn.eps)
+        gamma = bn.weight if bn.affine else torch.ones_like(std)
+        beta = bn.bias if bn.affine else torch.zeros_like(std)
+        factor = gamma / std
+        w_shape = [-1] + [1] * (self.weight.dim() - 1)
+        w_fold = self.weight_fake_quant(self.weight * factor.reshape(w_shape))
+        bias = self.bias if self.bias is not None else torch.zeros_like(bn.running_mean)
+        if self.training:
+            y = self._affine(x, w_fold, None)
+            y = y / factor.reshape(self._bn_shape(y)) + bias.reshape(self._bn_shape(y))
+            return bn(y)
+        b_fold = beta + (bias - bn.running_mean) * factor
+        return self._affine(x, w_fold, self._quant_bias(b_fold))
+
+    @classmethod
+    def from_modules(cls, mod: nn.Module, bn: nn.Module, weight_spec: QuantSpec):
+        fused = cls.from_float(mod, weight_spec)
+        fused.bn = bn
+        return fused
+
+
+class QATConvBn1d(_FoldedBnMixin, nn.Conv1d):
+    def _affine(self, x, w, b):
+        return self._conv_forward(x, w, b)
+
+
+class QATConvBn2d(_FoldedBnMixin, nn.Conv2d):
+    def _affine(self, x, w, b):
+        return self._conv_forward(x, w, b)
+
+
+class QATLinearBn1d(_FoldedBnMixin, nn.Linear):
+    def _affine(self, x, w, b):
+        return F.linear(x, w, b)
+
+
+_QAT_CLASSES = {nn.Conv1d: QATConv1d, nn.Conv2d: QATConv2d, nn.Linear: QATLinear, nn.Embedding: QATEmbedding}
+_FUSED_CLASSES = {nn.Conv1d: QATConvBn1d, nn.Conv2d: QATConvBn2d, nn.Linear: QATLinearBn1d}
+
+
+def qat_class_for(module: nn.Module) -> type | None:
+    """The QAT class for an exact float module type (subclasses of nn.Conv2d etc. are not swapped)."""
+    return _QAT_CLASSES.get(type(module))
+
+
+def fused_class_for(module: nn.Module) -> type | None:
+    return _FUSED_CLASSES.get(type(module))

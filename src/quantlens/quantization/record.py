@@ -1,0 +1,226 @@
+"""Recording the op sites of a float model: names, types, data flow, shapes and source lines.
+
+``prepare`` records the float model on every example input; fusion, qconfig templates and the check report all
+work from the returned :class:`ModelRecord`. :func:`get_op_sites` exposes the same record to users and the
+profiler (op site names are identical in the float and the prepared model).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from quantlens.errors import QuantLensError
+from quantlens.quantization.op_rules import OpKind
+from quantlens.quantization.tracer import (
+    OpSiteTracer,
+    SiteCall,
+    SiteHandler,
+    float_tensor_leaves,
+    is_float_tensor,
+    user_source_location,
+)
+
+__all__ = ["SiteInput", "OpSiteRecord", "ModelRecord", "record_model", "get_op_sites", "call_model"]
+
+_MARK = "_ql_record_mark"
+_generation = itertools.count(1)
+
+
+@dataclass
+class SiteInput:
+    """One float tensor input of an op site (position among the call's float tensor leaves)."""
+
+    position: int
+    producer: str | None  # op site that produced it; None for model inputs and constants
+    is_parameter: bool
+    shape: tuple[int, ...]
+
+
+@dataclass
+class OpSiteRecord:
+    """Everything known about one op site after recording."""
+
+    name: str
+    op_type: str
+    kind: OpKind
+    module_name: str
+    module_type: str | None  # class name for module sites
+    is_module: bool
+    known: bool
+    gemm: bool
+    boundary: str
+    weight_args: tuple[int, ...]
+    output_from_weight: bool
+    index_producing: bool
+    inputs: list[SiteInput]
+    output_shapes: list[tuple[int, ...]]
+    source: str
+    calls: int = 1
+
+
+@dataclass
+class ModelRecord:
+    """Op sites in first-execution order, with their data flow."""
+
+    sites: dict[str, OpSiteRecord] = field(default_factory=dict)
+    module_calls: Counter = field(default_factory=Counter)
+    num_examples: int = 0
+
+    def consumers(self, name: str) -> list[str]:
+        return [s.name for s in self.sites.values() if any(i.producer == name for i in s.inputs)]
+
+    def origin(self, name: str) -> str | None:
+        """Follow passthrough sites back to the site that computed the values (None: a model input)."""
+        seen = set()
+        while name is not None and name not in seen:
+            seen.add(name)
+            site = self.sites[name]
+            if site.kind is not OpKind.PASSTHROUGH or site.boundary:
+                return name
+            data = [i for i in site.inputs if not i.is_parameter]
+            name = data[0].producer if data else None
+        return None
+
+    def feeds_only_dequant(self, name: str) -> bool:
+        """True when every use of the site's output, through passthrough ops, ends in a DeQuantStub."""
+        stack, seen = list(self.consumers(name)), set()
+        if not stack:
+            return False
+        while stack:
+            consumer = stack.pop()
+            if consumer in seen:
+                continue
+            seen.add(consumer)
+            site = self.sites[consumer]
+            if site.boundary == "output":
+                continue
+            if site.kind is not OpKind.PASSTHROUGH:
+                return False
+            nxt = self.consumers(consumer)
+            if not nxt:
+                return False  # a model output that is not dequantized explicitly
+            stack.extend(nxt)
+        return True
+
+
+class _Recorder(SiteHandler):
+    def __init__(self, record: ModelRecord):
+        self.record = record
+        self.generation = next(_generation)
+
+    def _inputs(self, site: SiteCall, args: tuple, kwargs: dict) -> list[SiteInput]:
+        leaves, _, positions = float_tensor_leaves(args, kwargs)
+        result = []
+        for pos in positions:
+            t = leaves[pos]
+            mark = getattr(t, _MARK, None)
+            producer = mark[1] if mark is not None and mark[0] == self.generation else None
+            result.append(SiteInput(pos, producer, isinstance(t, nn.Parameter), tuple(t.shape)))
+        return result
+
+    def _mark_outputs(self, name: str, output: Any) -> list[tuple[int, ...]]:
+        shapes = []
+        for leaf in _output_leaves(output):
+            if is_float_tensor(leaf):
+                setattr(leaf, _MARK, (self.generation, name))
+                shapes.append(tuple(leaf.shape))
+        return shapes
+
+    def _add(self, site: SiteCall, inputs: list[SiteInput], shapes: list[tuple[int, ...]]) -> None:
+        existing = self.record.sites.get(site.name)
+        if existing is not None:
+            existing.calls += 1
+            if existing.op_type != site.rule.op_type:
+                raise QuantLensError(
+                    f"Op site '{site.name}' is a {existing.op_type} (at {existing.source}) on one example input "
+                    f"and a {site.rule.op_type} (at {user_source_location()}) on another. Python control flow "
+                    f"in module '{site.module_name or '<root>'}' changes the order of its ops between inputs; "
+                    "move each branch into its own submodule so every op keeps a stable name."
+                )
+            return
+        rule = site.rule
+        self.record.sites[site.name] = OpSiteRecord(
+            name=site.name,
+            op_type=rule.op_type,
+            kind=rule.kind,
+            module_name=site.module_name,
+            module_type=type(site.module).__name__ if site.module is not None else None,
+            is_module=site.is_module,
+            known=rule.known,
+            gemm=rule.gemm,
+            boundary=rule.boundary,
+            weight_args=rule.weight_args,
+            output_from_weight=rule.output_from_weight,
+            index_producing=rule.index_producing,
+            inputs=inputs,
+            output_shapes=shapes,
+            source=user_source_location(),
+        )
+
+    def function_op(self, site, func, args, kwargs):
+        inputs = self._inputs(site, args, kwargs)
+        out = func(*args, **kwargs)
+        self._add(site, inputs, self._mark_outputs(site.name, out))
+        return out
+
+    def module_enter(self, site, args):
+        self.record.module_calls[site.module_name] += 1
+        return None
+
+    def module_exit(self, site, args, output):
+        inputs = self._inputs(site, args, {})
+        self._add(site, inputs, self._mark_outputs(site.name, output))
+        return None
+
+
+def _output_leaves(output: Any) -> list:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, tuple) and not hasattr(output, "_fields") and type(output) is not tuple:
+        return [x for x in output if isinstance(x, torch.Tensor)]  # torch.return_types structseq
+    return pytree.tree_leaves(output)
+
+
+def call_model(model: nn.Module, example: Any) -> Any:
+    """Call ``model`` with one example: a tuple is positional args, anything else is the single argument."""
+    if isinstance(example, tuple):
+        return model(*example)
+    return model(example)
+
+
+def record_model(model: nn.Module, examples: Iterable[Any]) -> ModelRecord:
+    """Run ``model`` (unchanged, no grad) on each example and record its op sites."""
+    record = ModelRecord()
+    with torch.no_grad():
+        for example in examples:
+            recorder = _Recorder(record)
+            with OpSiteTracer(model, recorder):
+                call_model(model, example)
+            record.num_examples += 1
+    if not record.sites:
+        raise QuantLensError(
+            f"No float tensor operation ran in {type(model).__name__}.forward on the example inputs; there is "
+            "nothing to quantize. Check that example_inputs are the model's real inputs."
+        )
+    return record
+
+
+def get_op_sites(model: nn.Module, example_inputs: Any) -> list[str]:
+    """Op site names of ``model`` (float or prepared) in execution order, for one example input."""
+    from quantlens.quantization.prepare import is_prepared
+
+    if is_prepared(model):
+        return list(model._quantlens_state.last_sites(example_inputs))
+    was_training = model.training
+    model.eval()
+    try:
+        return list(record_model(model, [example_inputs]).sites)
+    finally:
+        model.train(was_training)

@@ -1,0 +1,206 @@
+"""Op sites: naming every operation of an eager model, while the user's own ``forward`` runs.
+
+The tracer is a ``torch.overrides.TorchFunctionMode`` (for torch functions, ``torch.nn.functional`` calls and
+tensor methods) plus global module forward hooks (for module calls). It assigns every op that touches a float
+tensor an **op site name** and hands the call to a *handler*; handlers record (``prepare``), quantize (the
+prepared model) or dump tensors (the profiler). The name rule (also in ``docs/architecture.md``):
+
+* a module listed in :mod:`quantlens.quantization.op_rules` (conv, linear, layernorm, QuantStub ...) is one
+  op site named by its qualified name, e.g. ``backbone.conv1``; its k-th call (k >= 1) in the same forward is
+  ``backbone.conv1@k`` (a shared module);
+* any other op is ``<enclosing module>.<op>_<k>``, e.g. ``backbone.layer1.0.add_0``, where ``<op>`` is the
+  canonical op name (``x + y``, ``torch.add`` and ``x.add`` are all ``add``) and ``k`` counts that op in that
+  module during this forward; at the root module the prefix is empty (``add_0``).
+
+Ops whose inputs include no float tensor (shape arithmetic, masks, index math) and metadata queries get no
+name, so they cannot shift the numbering of the ops that matter.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module_hooks
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from quantlens.quantization.op_rules import OpKind, OpRule, canonical_op_name, function_rule, module_rule
+
+__all__ = ["SiteCall", "SiteHandler", "OpSiteTracer", "float_tensor_leaves", "user_source_location"]
+
+_QUANTLENS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_SKIP_DIRS = (os.path.join(_QUANTLENS_DIR, "quantization"), os.path.join(_QUANTLENS_DIR, "profiler"), _TORCH_DIR)
+
+
+def user_source_location() -> str:
+    """``file:line`` of the innermost frame outside torch and quantlens' own machinery (the user's code)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_SKIP_DIRS) and not filename.startswith("<"):
+            return f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+def is_float_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def float_tensor_leaves(args: tuple, kwargs: dict) -> tuple[list, Any, list[int]]:
+    """Flatten (args, kwargs); return the leaves, the spec, and the leaf positions of float tensors."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    positions = [i for i, leaf in enumerate(leaves) if is_float_tensor(leaf)]
+    return leaves, spec, positions
+
+
+@dataclass
+class SiteCall:
+    """One execution of an op site."""
+
+    name: str
+    rule: OpRule
+    module_name: str  # the module itself for module sites, the enclosing module for function ops
+    module: nn.Module | None = None  # set for module sites
+    func: Callable | None = None  # set for function ops
+
+    @property
+    def is_module(self) -> bool:
+        return self.module is not None
+
+
+class SiteHandler:
+    """What to do at each op site. The default runs the op unchanged."""
+
+    def function_op(self, site: SiteCall, func: Callable, args: tuple, kwargs: dict) -> Any:
+        return func(*args, **kwargs)
+
+    def module_enter(self, site: SiteCall, args: tuple) -> tuple | None:
+        return None
+
+    def module_exit(self, site: SiteCall, args: tuple, output: Any) -> Any:
+        return None
+
+
+@dataclass
+class _Frame:
+    kind: str  # "container", "leaf", "skip"
+    site: SiteCall | None = None
+    args: tuple = ()
+
+
+class OpSiteTracer(TorchFunctionMode):
+    """Names op sites of ``root`` during one forward and dispatches them to ``handler``.
+
+    Use as ``with OpSiteTracer(model, handler): model(*inputs)``; each ``with`` is one forward pass, and call
+    indices restart at zero.
+    """
+
+    def __init__(self, root: nn.Module, handler: SiteHandler):
+        super().__init__()
+        self.root = root
+        self.handler = handler
+        self.qualnames: dict[int, str] = {}
+        for name, mod in root.named_modules(remove_duplicate=True):
+            self.qualnames.setdefault(id(mod), name)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.counters: dict[tuple[str, str], int] = defaultdict(int)
+        self.module_stack: list[str] = [""]
+        self.frames: list[_Frame] = []
+        self.leaf_depth = 0
+        self.internal = 0
+
+    # -- entering / leaving -------------------------------------------------------------------------------
+    def __enter__(self):
+        self._reset()
+        self._handles = [
+            _module_hooks.register_module_forward_pre_hook(self._pre_hook),
+            _module_hooks.register_module_forward_hook(self._post_hook, always_call=True),
+        ]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        return super().__exit__(*exc)
+
+    # -- function ops ---------------------------------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.leaf_depth or self.internal:
+            return func(*args, **kwargs)
+        op = canonical_op_name(func)
+        rule = function_rule(op)
+        if rule.kind is OpKind.IGNORED or not _has_float_tensor(args, kwargs):
+            return func(*args, **kwargs)
+        module_name = self.module_stack[-1]
+        index = self.counters[(module_name, op)]
+        self.counters[(module_name, op)] = index + 1
+        name = f"{module_name}.{op}_{index}" if module_name else f"{op}_{index}"
+        site = SiteCall(name=name, rule=rule, module_name=module_name, func=func)
+        self.internal += 1
+        try:
+            return self.handler.function_op(site, func, args, kwargs)
+        finally:
+            self.internal -= 1
+
+    # -- module calls ----------------------------------------------------------------------------------------
+    def _pre_hook(self, module: nn.Module, args: tuple):
+        if self.leaf_depth or self.internal:
+            self.frames.append(_Frame("skip"))
+            return None
+        qualname = self.qualnames.get(id(module))
+        if qualname is None:  # a module outside the traced model: its ops belong to the enclosing module
+            self.frames.append(_Frame("skip"))
+            return None
+        rule = module_rule(module)
+        if rule is None:  # a container or an unknown module: trace the ops of its forward one by one
+            self.frames.append(_Frame("container"))
+            self.module_stack.append(qualname)
+            return None
+        index = self.counters[(qualname, "<module>")]
+        self.counters[(qualname, "<module>")] = index + 1
+        name = qualname if index == 0 else f"{qualname}@{index}"
+        site = SiteCall(name=name, rule=rule, module_name=qualname, module=module)
+        self.internal += 1
+        try:
+            new_args = self.handler.module_enter(site, args)
+        finally:
+            self.internal -= 1
+        self.frames.append(_Frame("leaf", site, args if new_args is None else new_args))
+        self.leaf_depth += 1
+        return new_args
+
+    def _post_hook(self, module: nn.Module, args: tuple, output: Any):
+        if not self.frames:
+            return None
+        frame = self.frames.pop()
+        if frame.kind == "container":
+            self.module_stack.pop()
+            return None
+        if frame.kind == "skip":
+            return None
+        self.leaf_depth -= 1
+        self.internal += 1
+        try:
+            return self.handler.module_exit(frame.site, frame.args, output)
+        finally:
+            self.internal -= 1
+
+
+def _has_float_tensor(args: tuple, kwargs: dict) -> bool:
+    for a in args:
+        if is_float_tensor(a):
+            return True
+        if isinstance(a, (list, tuple)) and any(is_float_tensor(x) for x in a):
+            return True
+    return any(is_float_tensor(v) for v in kwargs.values())
