@@ -1,1 +1,47 @@
-"""Quantization stage: prepare a float model, calibrate it, train it with fake quant (QAT)."""
+"""Quantization stage: prepare a float model, calibrate it, train it with fake quant (QAT).
+
+Typical flow::
+
+    from quantlens.quantization import prepare, set_fake_quantize, FakeQuantState
+    from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+
+    calib = prepare(float_model, example_inputs, default_calibration_qconfig_setter)
+    calib.eval(); set_fake_quantize(calib, FakeQuantState.CALIBRATION)
+    for batch in data: calib(batch)
+    set_fake_quantize(calib, FakeQuantState.VALIDATION)   # evaluate what the NPU computes
+"""
+
+from quantlens.quantization.check import ModelCheckResult, check_qat_model
+from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
+from quantlens.quantization.observers import (
+    FixedScaleObserver,
+    MinMaxObserver,
+    MSEObserver,
+    Observer,
+    PercentileObserver,
+)
+from quantlens.quantization.prepare import is_prepared, prepare
+from quantlens.quantization.qconfig import QConfig, QuantSpec, get_qconfig
+from quantlens.quantization.record import get_op_sites
+from quantlens.quantization.stubs import DeQuantStub, QuantStub
+
+__all__ = [
+    "prepare",
+    "is_prepared",
+    "set_fake_quantize",
+    "FakeQuantState",
+    "FakeQuantize",
+    "QuantStub",
+    "DeQuantStub",
+    "QConfig",
+    "QuantSpec",
+    "get_qconfig",
+    "get_op_sites",
+    "check_qat_model",
+    "ModelCheckResult",
+    "Observer",
+    "MinMaxObserver",
+    "PercentileObserver",
+    "MSEObserver",
+    "FixedScaleObserver",
+]

@@ -1,0 +1,165 @@
+"""``check_qat_model``: what the prepared model really does, written to ``model_check_result.txt``.
+
+Users' commonest complaint about quantization tools is a setting that silently did not apply; this report
+shows the effective dtype of every op site, the observers, the fusions, shared modules, and warnings for any
+setting that matched nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from quantlens._io import atomic_write_text, format_table
+from quantlens.errors import QuantLensError
+from quantlens.quantization.fake_quantize import FakeQuantize
+from quantlens.quantization.plan import OutputMode
+
+__all__ = ["OpSiteCheck", "ModelCheckResult", "check_qat_model"]
+
+CHECK_FILE = "model_check_result.txt"
+
+
+@dataclass(frozen=True)
+class OpSiteCheck:
+    name: str
+    op_type: str
+    input_dtypes: str
+    output_dtype: str
+    observer: str
+    weight: str
+    fused: str
+    source: str
+
+
+@dataclass
+class ModelCheckResult:
+    """The data behind ``model_check_result.txt``."""
+
+    march: str
+    setter: str
+    fake_quant_state: str
+    sites: list[OpSiteCheck]
+    fused_groups: list[tuple[str, ...]]
+    unfused: list[tuple[tuple[str, ...], str]]
+    call_counts: dict[str, int]
+    shared_modules: list[str]
+    warnings: list[str] = field(default_factory=list)
+    path: str | None = None
+
+    def site(self, name: str) -> OpSiteCheck:
+        for s in self.sites:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def to_text(self) -> str:
+        lines = [
+            "quantlens model check",
+            f"march: {self.march}",
+            f"qconfig setter: {self.setter}",
+            f"fake quant state: {self.fake_quant_state}",
+            f"quantized op sites: {sum(1 for s in self.sites if s.output_dtype not in ('float', 'inherit'))} "
+            f"of {len(self.sites)} op sites",
+            "",
+            "== Op sites (execution order) ==",
+            format_table(
+                ["op site", "op type", "input dtypes", "output dtype", "output observer", "weight qconfig",
+                 "fused", "source"],
+                [[s.name, s.op_type, s.input_dtypes, s.output_dtype, s.observer, s.weight, s.fused, s.source]
+                 for s in self.sites],
+            ),
+            "",
+            "== Fused groups (the last op carries the output fake quant) ==",
+        ]
+        lines += [" -> ".join(g) for g in self.fused_groups] or ["(none)"]
+        lines += ["", "== Fusable patterns left unfused =="]
+        lines += [f"{' -> '.join(m)}: {reason}" for m, reason in self.unfused] or ["(none)"]
+        lines += ["", "== Module call counts (one forward) =="]
+        lines.append(format_table(["module", "calls"], sorted(self.call_counts.items())) if self.call_counts
+                     else "(none)")
+        lines += ["", "== Modules called more than once (shared) =="]
+        lines += self.shared_modules or ["(none)"]
+        lines += ["", "== Please check these settings =="]
+        lines += [f"WARNING: {w}" for w in self.warnings] or ["(no warnings)"]
+        return "\n".join(lines) + "\n"
+
+
+def _observer_text(fq: FakeQuantize | None) -> str:
+    return "-" if fq is None else fq.spec_text
+
+
+def check_qat_model(model: nn.Module, example_inputs: Any, out_dir: str | os.PathLike | None = ".") -> ModelCheckResult:
+    """Check a prepared model on ``example_inputs``; write ``out_dir/model_check_result.txt`` (unless
+    ``out_dir`` is None) and return the same content as data."""
+    from quantlens.quantization.prepare import is_prepared
+
+    if not is_prepared(model):
+        raise QuantLensError(
+            f"check_qat_model expects a model returned by quantlens.quantization.prepare, got "
+            f"{type(model).__name__}, which has no op site plans."
+        )
+    state = model._quantlens_state
+    modules = dict(model.named_modules())
+    # Count calls of leaf modules on a fresh forward without touching observers.
+    visited = state.last_sites(example_inputs)
+    calls = Counter()
+    for name in visited:
+        site = state.record.sites.get(name.split("@")[0])
+        if site is not None and site.is_module:
+            calls[site.module_name] += 1
+    shared = sorted(f"{m} ({n} calls)" for m, n in calls.items() if n > 1)
+
+    rows = []
+    for plan in state.plans.values():
+        site = state.record.sites[plan.name]
+        out_fq = state.fq[plan.output_fq] if plan.output_fq else None
+        module = modules.get(site.module_name) if site.is_module else None
+        wfq = getattr(module, "weight_fake_quant", None)
+        if wfq is None and plan.weight_fq:
+            wfq = state.fq[next(iter(plan.weight_fq.values()))]
+        observer = _observer_text(out_fq)
+        if plan.output is OutputMode.HIGH_PRECISION:
+            observer = "int32 high precision (no rounding)"
+        elif plan.output is OutputMode.FUSED:
+            observer = f"(in {plan.fused_into})"
+        elif plan.output is OutputMode.INHERIT:
+            observer = "(keeps input quantization)"
+        elif plan.output is OutputMode.WEIGHT:
+            observer = "(weight table)"
+        in_text = ", ".join(plan.input_dtypes) if plan.input_dtypes else "-"
+        if plan.input_fq:
+            in_text += "  [quantized here]"
+        if plan.notes:
+            in_text += "  " + "; ".join(plan.notes)
+        group = next((g for g in state.groups if plan.name in g.members), None)
+        rows.append(
+            OpSiteCheck(
+                name=plan.name,
+                op_type=plan.op_type,
+                input_dtypes=in_text,
+                output_dtype="inherit" if plan.output is OutputMode.INHERIT else plan.output_dtype,
+                observer=observer,
+                weight=_observer_text(wfq),
+                fused="+".join(m.rsplit(".", 1)[-1] for m in group.members) if group else "",
+                source=os.path.basename(site.source),
+            )
+        )
+    result = ModelCheckResult(
+        march=state.march,
+        setter=state.setter_name,
+        fake_quant_state=state.fake_quant_state.value,
+        sites=rows,
+        fused_groups=[g.members for g in state.groups],
+        unfused=[(u.members, u.reason) for u in state.unfused],
+        call_counts=dict(calls),
+        shared_modules=shared,
+        warnings=list(state.warnings),
+    )
+    if out_dir is not None:
+        result.path = str(atomic_write_text(os.path.join(out_dir, CHECK_FILE), result.to_text()))
+    return result

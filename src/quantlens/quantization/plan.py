@@ -1,0 +1,192 @@
+"""Site plans: for every op site, which tensors are fake-quantized, with which dtype, and where.
+
+The plan is computed once by ``prepare`` from the recorded data flow, the fused groups and the resolved
+qconfigs; the runtime only follows it. Keeping decisions here (and not in the runtime) means the check report
+describes exactly what the prepared model does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from quantlens.march import QuantDType, get_march
+from quantlens.quantization.fuse import FusedGroup
+from quantlens.quantization.op_rules import OpKind
+from quantlens.quantization.qconfig import QConfig, QuantSpec
+from quantlens.quantization.record import ModelRecord, OpSiteRecord
+
+__all__ = ["OutputMode", "SitePlan", "FakeQuantRequest", "build_plans"]
+
+
+class OutputMode(str, Enum):
+    QUANTIZED = "quantized"  # an output fake quant at this site
+    HIGH_PRECISION = "high_precision"  # int32 output of a final conv/linear: no rounding
+    FUSED = "fused"  # inside a fused group; the group's last op quantizes
+    WEIGHT = "weight"  # the output is a row of the quantized weight (embedding)
+    INHERIT = "inherit"  # passthrough: keeps the input's quantization
+    FLOAT = "float"  # no qconfig: the op stays float
+
+
+@dataclass(frozen=True)
+class FakeQuantRequest:
+    key: str
+    spec: QuantSpec
+    fixed_scale: float | None = None
+
+
+@dataclass
+class SitePlan:
+    name: str
+    op_type: str
+    kind: OpKind
+    output: OutputMode
+    #: leaf position (in the flattened (args, kwargs)) -> fake quant key
+    input_fq: dict[int, str] = field(default_factory=dict)
+    weight_fq: dict[int, str] = field(default_factory=dict)
+    output_fq: str | None = None
+    fused_into: str | None = None
+    qconfig: QConfig | None = None
+    input_dtypes: list[str] = field(default_factory=list)
+    output_dtype: str = "float"
+    notes: list[str] = field(default_factory=list)
+
+
+def fq_key(site: str, role: str) -> str:
+    # ModuleDict keys may not contain "."; "/" keeps names readable in state_dict keys.
+    return f"{site.replace('.', '/')}|{role}"
+
+
+def _activation_spec(qc: QConfig) -> QuantSpec:
+    if qc.input is not None:
+        return qc.input
+    out = qc.output
+    if out.dtype is QuantDType.qint32:
+        return out.with_dtype(QuantDType.qint8)
+    return out
+
+
+def build_plans(
+    record: ModelRecord,
+    groups: list[FusedGroup],
+    qconfigs: dict[str, QConfig],
+    fixed_scales: dict[str, float],
+    module_weight_dtypes: dict[str, QuantDType],
+) -> tuple[dict[str, SitePlan], list[FakeQuantRequest], list[str]]:
+    """Plans for every recorded site, the fake quants they need, and warnings for the check report."""
+    spec = get_march().spec
+    group_of = {m: g for g in groups for m in g.members}
+    out_dtype: dict[str, QuantDType | None] = {}
+    plans: dict[str, SitePlan] = {}
+    requests: list[FakeQuantRequest] = []
+    warnings: list[str] = []
+
+    for site in record.sites.values():
+        group = group_of.get(site.name)
+        qc = qconfigs.get(site.name)
+        data_inputs = [i for i in site.inputs if not _is_weight_input(site, i)]
+        in_dtypes = [out_dtype.get(i.producer) if i.producer else None for i in data_inputs]
+
+        if group is not None and site.name != group.last:
+            plans[site.name] = SitePlan(
+                site.name, site.op_type, site.kind, OutputMode.FUSED, fused_into=group.last, qconfig=qc,
+                input_dtypes=[_dt(d) for d in in_dtypes] if site.name == group.head else ["(fused)"],
+                output_dtype="(fused)",
+            )
+            out_dtype[site.name] = None
+            continue
+
+        is_group_tail = group is not None and site.name == group.last
+        if site.kind is OpKind.PASSTHROUGH and not is_group_tail:
+            inherited = in_dtypes[0] if in_dtypes else None
+            out_dtype[site.name] = inherited
+            plans[site.name] = SitePlan(
+                site.name, site.op_type, site.kind, OutputMode.INHERIT,
+                input_dtypes=[_dt(d) for d in in_dtypes], output_dtype=_dt(inherited),
+            )
+            continue
+
+        if qc is None or qc.output is None:
+            out_dtype[site.name] = None
+            plans[site.name] = SitePlan(
+                site.name, site.op_type, site.kind, OutputMode.FLOAT,
+                input_dtypes=[_dt(d) for d in in_dtypes], output_dtype="float",
+            )
+            if site.kind is OpKind.QUANTIZED:
+                warnings.append(f"Op site '{site.name}' ({site.op_type}) has no qconfig and stays float.")
+            continue
+
+        plan = SitePlan(site.name, site.op_type, site.kind, OutputMode.QUANTIZED, qconfig=qc)
+        head = record.sites[group.head] if is_group_tail else site
+        # Inputs: quantize what arrives float; respect the march's no-int16xint16 GEMM rule.
+        if not site.boundary and not is_group_tail:
+            act = _activation_spec(qc)
+            weight_dtype = module_weight_dtypes.get(site.name)
+            if weight_dtype is None and qc.weight is not None and site.weight_args:
+                weight_dtype = qc.weight.dtype
+            final_dtypes = []
+            for ordinal, (inp, dtype) in enumerate(zip(data_inputs, in_dtypes)):
+                need = None
+                if dtype is None or dtype is QuantDType.qint32:  # float, or int32 that must be requantized
+                    need = act
+                forbidden = (
+                    site.gemm
+                    and not spec.allow_int16_x_int16_gemm
+                    and (need.dtype if need else dtype) is QuantDType.qint16
+                    and (weight_dtype is QuantDType.qint16 or (weight_dtype is None and ordinal >= 1
+                         and QuantDType.qint16 in final_dtypes))
+                )
+                if forbidden:
+                    need = act.with_dtype(QuantDType.qint8)
+                    warnings.append(
+                        f"Op site '{site.name}' ({site.op_type}): int16 x int16 is not supported by march "
+                        f"{spec.name}; input {ordinal} is requantized to int8."
+                    )
+                    plan.notes.append(f"input {ordinal} requantized to int8 (no int16 x int16)")
+                if need is not None:
+                    key = fq_key(site.name, f"in{inp.position}")
+                    plan.input_fq[inp.position] = key
+                    requests.append(FakeQuantRequest(key, need))
+                    final_dtypes.append(need.dtype)
+                else:
+                    final_dtypes.append(dtype)
+            plan.input_dtypes = [_dt(d) for d in final_dtypes]
+            # Weights passed to functional ops (F.linear(x, self.weight)) get a weight fake quant here.
+            if qc.weight is not None:
+                for inp in site.inputs:
+                    if _is_weight_input(site, inp):
+                        key = fq_key(site.name, f"w{inp.position}")
+                        plan.weight_fq[inp.position] = key
+                        wspec = qc.weight if site.op_type != "embedding" else QuantSpec(qc.weight.dtype, qc.weight.observer)
+                        requests.append(FakeQuantRequest(key, wspec))
+        elif is_group_tail:
+            plan.input_dtypes = ["(fused)"]
+        else:
+            plan.input_dtypes = [_dt(d) for d in in_dtypes] or ["float"]
+
+        if head.output_from_weight:
+            plan.output = OutputMode.WEIGHT
+            weight = module_weight_dtypes.get(head.name) or (qc.weight.dtype if qc.weight else None)
+            out_dtype[site.name] = weight
+            plan.output_dtype = _dt(weight)
+        elif qc.high_precision_output and head.gemm:
+            plan.output = OutputMode.HIGH_PRECISION
+            out_dtype[site.name] = QuantDType.qint32
+            plan.output_dtype = QuantDType.qint32.value
+        else:
+            out_spec = qc.output if qc.output.dtype is not QuantDType.qint32 else _activation_spec(qc)
+            key = fq_key(site.name, "out")
+            plan.output_fq = key
+            requests.append(FakeQuantRequest(key, out_spec, fixed_scales.get(site.name)))
+            out_dtype[site.name] = out_spec.dtype
+            plan.output_dtype = out_spec.dtype.value
+        plans[site.name] = plan
+    return plans, requests, warnings
+
+
+def _is_weight_input(site: OpSiteRecord, inp) -> bool:
+    return inp.is_parameter and inp.position in site.weight_args
+
+
+def _dt(dtype: QuantDType | None) -> str:
+    return "float" if dtype is None else dtype.value

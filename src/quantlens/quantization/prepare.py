@@ -1,0 +1,339 @@
+"""``prepare``: turn a float model into a fake-quant model that still runs the user's own ``forward``.
+
+Steps (each in its own module):
+
+1. record the float model's op sites on every example input (:mod:`.record`);
+2. find fusions on the recorded data flow (:mod:`.fuse`);
+3. resolve qconfigs with the setters (:mod:`.qconfig_template`);
+4. plan every site's fake quants (:mod:`.plan`);
+5. swap weighted modules for their QAT classes (:mod:`.qat_modules`) and attach the fake quants;
+6. make ``forward`` run under the op-site tracer with the runtime below, and write the check report.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from quantlens.errors import QuantLensError
+from quantlens.march import QuantDType, get_march
+from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
+from quantlens.quantization.fuse import FusedGroup, UnfusedPattern, find_fusions
+from quantlens.quantization.observers import FixedScaleObserver
+from quantlens.quantization.op_rules import OpKind
+from quantlens.quantization.plan import OutputMode, SitePlan, build_plans
+from quantlens.quantization.qat_modules import fused_class_for, qat_class_for
+from quantlens.quantization.qconfig import QConfig, QuantSpec
+from quantlens.quantization.qconfig_template import (
+    QconfigContext,
+    default_qat_qconfig_setter,
+    resolve_qconfigs,
+)
+from quantlens.quantization.record import ModelRecord, call_model, record_model
+from quantlens.quantization.stubs import QuantStub
+from quantlens.quantization.tracer import OpSiteTracer, SiteCall, SiteHandler, is_float_tensor
+from torch.utils import _pytree as pytree
+
+__all__ = ["prepare", "is_prepared", "QuantState"]
+
+_MARK = "_ql_quant_mark"
+
+
+class QuantState(nn.Module):
+    """Everything ``prepare`` adds to a model: fake quants by key, site plans, and the prepare-time record."""
+
+    def __init__(self, record: ModelRecord, groups, unfused, plans, warnings, setter_name: str):
+        super().__init__()
+        self.fq = nn.ModuleDict()
+        self.record = record
+        self.groups: list[FusedGroup] = groups
+        self.unfused: list[UnfusedPattern] = unfused
+        self.plans: dict[str, SitePlan] = plans
+        self.warnings: list[str] = warnings
+        self.setter_name = setter_name
+        self.march = get_march().spec.name
+        self.fake_quant_state = FakeQuantState.QAT
+
+    def last_sites(self, example: Any) -> list[str]:
+        """Op sites visited by one forward on ``example`` (no grad; observers are paused)."""
+        root = self._root()
+        runtime = _Runtime(self)
+        paused = [m for m in root.modules() if isinstance(m, FakeQuantize) and m.observe_enabled]
+        for m in paused:
+            m.observe_enabled = False
+        self.__dict__["_next_runtime"] = runtime
+        try:
+            with torch.no_grad():
+                call_model(root, example)
+        finally:
+            self.__dict__.pop("_next_runtime", None)
+            for m in paused:
+                m.observe_enabled = True
+        return runtime.visited
+
+    def _root(self) -> nn.Module:
+        root = self.__dict__.get("_root_ref")
+        if root is None:
+            raise QuantLensError("This QuantState is not attached to a prepared model.")
+        return root
+
+
+class _Runtime(SiteHandler):
+    """Follows the site plans during one forward of the prepared model."""
+
+    _generation = 0
+
+    def __init__(self, state: QuantState):
+        _Runtime._generation += 1
+        self.generation = _Runtime._generation
+        self.state = state
+        self.plans = state.plans
+        self.fq = state.fq
+        self.visited: list[str] = []
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def _mark(self, tensor: torch.Tensor):
+        mark = getattr(tensor, _MARK, None)
+        return mark[1] if mark is not None and mark[0] == self.generation else None
+
+    def _set_marks(self, output: Any, fq: FakeQuantize | None) -> None:
+        for leaf in _leaves(output):
+            if is_float_tensor(leaf):
+                setattr(leaf, _MARK, (self.generation, fq))
+
+    def _plan(self, site: SiteCall) -> SitePlan | None:
+        plan = self.plans.get(site.name)
+        if plan is None:
+            if site.rule.kind is OpKind.QUANTIZED:
+                from quantlens.quantization.tracer import user_source_location
+
+                raise QuantLensError(
+                    f"Op site '{site.name}' ({site.rule.op_type}, called at {user_source_location()}) was not seen "
+                    "when the model was prepared, so it has no fake quant. A branch that the example inputs did "
+                    "not take ran now. Fix: pass example inputs that take every branch, e.g. "
+                    "prepare(model, example_inputs, extra_example_inputs=[other_inputs, ...])."
+                )
+            return None
+        if plan.op_type != site.rule.op_type and plan.fused_into is None:
+            self._mismatch(site, plan)
+        return plan
+
+    def _mismatch(self, site: SiteCall, plan: SitePlan):
+        from quantlens.quantization.tracer import user_source_location
+
+        recorded = self.state.record.sites[site.name].source
+        raise QuantLensError(
+            f"Op site '{site.name}' was a {plan.op_type} (at {recorded}) when the model was prepared but is a "
+            f"{site.rule.op_type} now (at {user_source_location()}). Control flow in module "
+            f"'{site.module_name or '<root>'}' changed the order of its ops; move each branch into its own "
+            "submodule so op site names stay stable, and pass example inputs for every branch to prepare."
+        )
+
+    def _quantize_inputs(self, plan: SitePlan, args: tuple, kwargs: dict):
+        if not plan.input_fq and not plan.weight_fq:
+            return args, kwargs, None
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        first = None
+        for pos, key in plan.input_fq.items():
+            if pos < len(leaves) and is_float_tensor(leaves[pos]):
+                leaves[pos] = self.fq[key](leaves[pos])
+                first = first or self.fq[key]
+        for pos, key in plan.weight_fq.items():
+            if pos < len(leaves) and is_float_tensor(leaves[pos]):
+                leaves[pos] = self.fq[key](leaves[pos])
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        return args, kwargs, first
+
+    def _finish(self, plan: SitePlan | None, output: Any, inputs: tuple, kwargs: dict, site: SiteCall) -> Any:
+        if plan is None or plan.output is OutputMode.INHERIT:
+            src = next((x for x in _leaves((inputs, kwargs)) if is_float_tensor(x)), None)
+            self._set_marks(output, self._mark(src) if src is not None else None)
+            return output
+        if plan.output is OutputMode.QUANTIZED:
+            fq = self.fq[plan.output_fq]
+            if isinstance(output, torch.Tensor):
+                output = fq(output)
+            else:
+                leaves, spec = pytree.tree_flatten(output)
+                output = pytree.tree_unflatten([fq(x) if is_float_tensor(x) else x for x in leaves], spec)
+            self._set_marks(output, fq)
+        elif plan.output is OutputMode.WEIGHT:
+            wfq = getattr(site.module, "weight_fake_quant", None) if site.module is not None else None
+            if wfq is None and plan.weight_fq:
+                wfq = self.fq[next(iter(plan.weight_fq.values()))]
+            self._set_marks(output, wfq)
+        else:
+            self._set_marks(output, None)
+        return output
+
+    # -- handler interface --------------------------------------------------------------------------------
+    def function_op(self, site, func, args, kwargs):
+        self.visited.append(site.name)
+        plan = self._plan(site)
+        if plan is not None:
+            args, kwargs, _ = self._quantize_inputs(plan, args, kwargs)
+        out = func(*args, **kwargs)
+        return self._finish(plan, out, args, kwargs, site)
+
+    def module_enter(self, site, args):
+        self.visited.append(site.name)
+        plan = self._plan(site)
+        if plan is None:
+            return None
+        new_args, _, first = self._quantize_inputs(plan, args, {})
+        if first is None and args and isinstance(args[0], torch.Tensor):
+            first = self._mark(args[0])
+        site.module.__dict__["_ql_input_fq"] = first
+        return new_args if plan.input_fq else None
+
+    def module_exit(self, site, args, output):
+        plan = self.plans.get(site.name)
+        site.module.__dict__["_ql_input_fq"] = None
+        return self._finish(plan, output, args, {}, site)
+
+
+def _leaves(value: Any) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple) and type(value) is not tuple and not hasattr(value, "_fields"):
+        return [x for x in value if isinstance(x, torch.Tensor)]  # torch.return_types
+    return pytree.tree_leaves(value)
+
+
+class _QuantizedForward:
+    """Replaces ``forward`` on the prepared model's instance: runs the class's own forward under the tracer."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
+        state: QuantState = model._quantlens_state
+        state.__dict__["_root_ref"] = model
+        runtime = state.__dict__.get("_next_runtime") or _Runtime(state)
+        with OpSiteTracer(model, runtime):
+            return type(model).forward(model, *args, **kwargs)
+
+
+def is_prepared(model: nn.Module) -> bool:
+    """Whether ``model`` was returned by :func:`prepare`."""
+    return isinstance(getattr(model, "_quantlens_state", None), QuantState)
+
+
+def prepare(
+    model: nn.Module,
+    example_inputs: Any,
+    qconfig_setter: Any = default_qat_qconfig_setter,
+    *,
+    extra_example_inputs: Iterable[Any] = (),
+    check_result_dir: str | None = ".",
+) -> nn.Module:
+    """Return a fake-quant copy of ``model``; the original is not modified.
+
+    Args:
+        model: a float ``nn.Module``; its ``forward`` may use any Python control flow and input structure.
+        example_inputs: one call's inputs: a tuple is passed as positional arguments, anything else as the single
+            argument (``model(example_inputs)``).
+        qconfig_setter: a setter or a tuple of setters, first wins. Defaults to ``default_qat_qconfig_setter``.
+        extra_example_inputs: more calls' inputs, so every branch of the model is seen (op sites first met
+            after prepare raise an error).
+        check_result_dir: where ``model_check_result.txt`` is written (``None``: do not write).
+
+    The returned model is in ``FakeQuantState.QAT``; use :func:`set_fake_quantize` to switch.
+    """
+    if not isinstance(model, nn.Module):
+        raise QuantLensError(f"prepare expects a torch.nn.Module, got {type(model).__name__}.")
+    if is_prepared(model):
+        raise QuantLensError("prepare: this model is already prepared; pass the float model instead.")
+    prepared = copy.deepcopy(model)
+    was_training = prepared.training
+    prepared.eval()  # recording must not update BatchNorm statistics or sample dropout masks
+    examples = [example_inputs, *list(extra_example_inputs)]
+    record = record_model(prepared, examples)
+    groups, unfused = find_fusions(record, prepared)
+    ctx = QconfigContext(record, groups)
+    assignment = resolve_qconfigs(qconfig_setter, ctx)
+    _apply_module_qconfigs(prepared, record, assignment.qconfigs)
+
+    modules = dict(prepared.named_modules())
+    fixed = {
+        s.name: modules[s.module_name].scale
+        for s in record.sites.values()
+        if s.boundary == "input" and isinstance(modules.get(s.module_name), QuantStub)
+        and modules[s.module_name].scale is not None
+    }
+    weight_dtypes = _swap_modules(prepared, record, groups, assignment.qconfigs)
+    plans, requests, plan_warnings = build_plans(record, groups, assignment.qconfigs, fixed, weight_dtypes)
+
+    unknown = sorted({s.op_type for s in record.sites.values() if not s.known})
+    warnings = list(assignment.warnings) + plan_warnings + [
+        f"Op '{op}' has no integer rule in march {get_march().spec.name}; it is fake-quantized at its output, "
+        "but export will refuse it." for op in unknown
+    ]
+    state = QuantState(record, groups, unfused, plans, warnings, getattr(qconfig_setter, "name", repr(qconfig_setter)))
+    for request in requests:
+        spec = request.spec
+        if request.fixed_scale is not None:
+            spec = QuantSpec(spec.dtype, FixedScaleObserver.with_args(scale=request.fixed_scale))
+        state.fq[request.key] = FakeQuantize(spec)
+    prepared._quantlens_state = state
+    state.__dict__["_root_ref"] = prepared
+    prepared.forward = _QuantizedForward(prepared)
+    set_fake_quantize(prepared, FakeQuantState.QAT)
+    prepared.train(was_training)
+    if check_result_dir is not None:
+        from quantlens.quantization.check import check_qat_model
+
+        check_qat_model(prepared, example_inputs, check_result_dir)
+    return prepared
+
+
+def _apply_module_qconfigs(model: nn.Module, record: ModelRecord, qconfigs: dict[str, QConfig]) -> None:
+    """A ``qconfig`` attribute set directly on a submodule overrides the setters for its op sites."""
+    direct = {name: m.qconfig for name, m in model.named_modules() if isinstance(getattr(m, "qconfig", None), QConfig)}
+    if not direct:
+        return
+    for site in record.sites.values():
+        owners = [n for n in direct if n == "" or site.module_name == n or site.module_name.startswith(n + ".")]
+        if owners:
+            qconfigs[site.name] = direct[max(owners, key=len)]
+
+
+def _swap_modules(
+    model: nn.Module, record: ModelRecord, groups: list[FusedGroup], qconfigs: dict[str, QConfig]
+) -> dict[str, QuantDType]:
+    """Replace weighted modules by QAT classes (fused with their BatchNorm where grouped)."""
+    bn_of = {g.head: g.bn for g in groups if g.bn is not None}
+    weight_dtypes: dict[str, QuantDType] = {}
+    for site in record.sites.values():
+        if not site.is_module or "@" in site.name:
+            continue
+        qc = qconfigs.get(site.name)
+        module = model.get_submodule(site.module_name)
+        if qc is None or qc.weight is None:
+            continue
+        wspec = qc.weight
+        if site.output_from_weight:  # embedding: one scale for the whole table (its rows are outputs)
+            wspec = QuantSpec(wspec.dtype, wspec.observer, ch_axis=None)
+        if site.name in bn_of:
+            cls = fused_class_for(module)
+            bn = model.get_submodule(bn_of[site.name])
+            new = cls.from_modules(module, bn, wspec)
+            _set_submodule(model, bn_of[site.name], nn.Identity())
+        else:
+            cls = qat_class_for(module)
+            if cls is None:
+                continue
+            new = cls.from_float(module, wspec)
+        _set_submodule(model, site.module_name, new)
+        weight_dtypes[site.name] = wspec.dtype
+    return weight_dtypes
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
