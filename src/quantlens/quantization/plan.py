@@ -50,6 +50,11 @@ class SitePlan:
     input_dtypes: list[str] = field(default_factory=list)
     output_dtype: str = "float"
     notes: list[str] = field(default_factory=list)
+    #: op type the prepared model runs at this site (a folded BatchNorm becomes an identity).
+    runtime_op_type: str = ""
+
+    def __post_init__(self):
+        self.runtime_op_type = self.runtime_op_type or self.op_type
 
 
 def fq_key(site: str, role: str) -> str:
@@ -83,21 +88,21 @@ def build_plans(
 
     for site in record.sites.values():
         group = group_of.get(site.name)
+        is_head = group is not None and site.name == group.head
+        is_tail = group is not None and site.name == group.last
         qc = qconfigs.get(site.name)
         data_inputs = [i for i in site.inputs if not _is_weight_input(site, i)]
         in_dtypes = [out_dtype.get(i.producer) if i.producer else None for i in data_inputs]
 
-        if group is not None and site.name != group.last:
+        if group is not None and not is_head and not is_tail:  # e.g. the BatchNorm of conv-bn-relu
             plans[site.name] = SitePlan(
                 site.name, site.op_type, site.kind, OutputMode.FUSED, fused_into=group.last, qconfig=qc,
-                input_dtypes=[_dt(d) for d in in_dtypes] if site.name == group.head else ["(fused)"],
-                output_dtype="(fused)",
+                input_dtypes=["(fused)"], output_dtype="(fused)",
             )
             out_dtype[site.name] = None
             continue
 
-        is_group_tail = group is not None and site.name == group.last
-        if site.kind is OpKind.PASSTHROUGH and not is_group_tail:
+        if site.kind is OpKind.PASSTHROUGH and not is_tail:
             inherited = in_dtypes[0] if in_dtypes else None
             out_dtype[site.name] = inherited
             plans[site.name] = SitePlan(
@@ -117,54 +122,18 @@ def build_plans(
             continue
 
         plan = SitePlan(site.name, site.op_type, site.kind, OutputMode.QUANTIZED, qconfig=qc)
-        head = record.sites[group.head] if is_group_tail else site
-        # Inputs: quantize what arrives float; respect the march's no-int16xint16 GEMM rule.
-        if not site.boundary and not is_group_tail:
-            act = _activation_spec(qc)
-            weight_dtype = module_weight_dtypes.get(site.name)
-            if weight_dtype is None and qc.weight is not None and site.weight_args:
-                weight_dtype = qc.weight.dtype
-            final_dtypes = []
-            for ordinal, (inp, dtype) in enumerate(zip(data_inputs, in_dtypes)):
-                need = None
-                if dtype is None or dtype is QuantDType.qint32:  # float, or int32 that must be requantized
-                    need = act
-                forbidden = (
-                    site.gemm
-                    and not spec.allow_int16_x_int16_gemm
-                    and (need.dtype if need else dtype) is QuantDType.qint16
-                    and (weight_dtype is QuantDType.qint16 or (weight_dtype is None and ordinal >= 1
-                         and QuantDType.qint16 in final_dtypes))
-                )
-                if forbidden:
-                    need = act.with_dtype(QuantDType.qint8)
-                    warnings.append(
-                        f"Op site '{site.name}' ({site.op_type}): int16 x int16 is not supported by march "
-                        f"{spec.name}; input {ordinal} is requantized to int8."
-                    )
-                    plan.notes.append(f"input {ordinal} requantized to int8 (no int16 x int16)")
-                if need is not None:
-                    key = fq_key(site.name, f"in{inp.position}")
-                    plan.input_fq[inp.position] = key
-                    requests.append(FakeQuantRequest(key, need))
-                    final_dtypes.append(need.dtype)
-                else:
-                    final_dtypes.append(dtype)
-            plan.input_dtypes = [_dt(d) for d in final_dtypes]
-            # Weights passed to functional ops (F.linear(x, self.weight)) get a weight fake quant here.
-            if qc.weight is not None:
-                for inp in site.inputs:
-                    if _is_weight_input(site, inp):
-                        key = fq_key(site.name, f"w{inp.position}")
-                        plan.weight_fq[inp.position] = key
-                        wspec = qc.weight if site.op_type != "embedding" else QuantSpec(qc.weight.dtype, qc.weight.observer)
-                        requests.append(FakeQuantRequest(key, wspec))
-        elif is_group_tail:
+        if is_tail:
             plan.input_dtypes = ["(fused)"]
-        else:
+        elif site.boundary:
             plan.input_dtypes = [_dt(d) for d in in_dtypes] or ["float"]
+        else:
+            _plan_inputs(site, plan, qc, data_inputs, in_dtypes, module_weight_dtypes, requests, warnings)
 
-        if head.output_from_weight:
+        head = record.sites[group.head] if group is not None else site
+        if is_head:
+            plan.output, plan.fused_into, plan.output_dtype = OutputMode.FUSED, group.last, "(fused)"
+            out_dtype[site.name] = None
+        elif head.output_from_weight:
             plan.output = OutputMode.WEIGHT
             weight = module_weight_dtypes.get(head.name) or (qc.weight.dtype if qc.weight else None)
             out_dtype[site.name] = weight
@@ -181,7 +150,50 @@ def build_plans(
             out_dtype[site.name] = out_spec.dtype
             plan.output_dtype = out_spec.dtype.value
         plans[site.name] = plan
+    for group in groups:
+        if group.bn is not None:
+            plans[group.bn].runtime_op_type = "identity"
     return plans, requests, warnings
+
+
+def _plan_inputs(site, plan, qc, data_inputs, in_dtypes, module_weight_dtypes, requests, warnings) -> None:
+    """Input fake quants: quantize what arrives float or int32; enforce the march's no-int16xint16 GEMM rule."""
+    spec = get_march().spec
+    act = _activation_spec(qc)
+    weight_dtype = module_weight_dtypes.get(site.name)
+    if weight_dtype is None and qc.weight is not None and site.weight_args:
+        weight_dtype = qc.weight.dtype
+    final_dtypes: list[QuantDType | None] = []
+    for ordinal, (inp, dtype) in enumerate(zip(data_inputs, in_dtypes)):
+        need = act if dtype is None or dtype is QuantDType.qint32 else None
+        effective = need.dtype if need is not None else dtype
+        other_int16 = weight_dtype is QuantDType.qint16 or (
+            weight_dtype is None and ordinal >= 1 and QuantDType.qint16 in final_dtypes
+        )
+        if site.gemm and not spec.allow_int16_x_int16_gemm and effective is QuantDType.qint16 and other_int16:
+            need = act.with_dtype(QuantDType.qint8)
+            warnings.append(
+                f"Op site '{site.name}' ({site.op_type}): int16 x int16 is not supported by march "
+                f"{spec.name}; input {ordinal} is requantized to int8."
+            )
+            plan.notes.append(f"input {ordinal} requantized to int8 (no int16 x int16)")
+        if need is not None:
+            key = fq_key(site.name, f"in{inp.position}")
+            plan.input_fq[inp.position] = key
+            requests.append(FakeQuantRequest(key, need))
+            final_dtypes.append(need.dtype)
+        else:
+            final_dtypes.append(dtype)
+    plan.input_dtypes = [_dt(d) for d in final_dtypes]
+    # Weights passed to functional ops (F.linear(x, self.weight)) get a weight fake quant at the site.
+    if qc.weight is not None:
+        for inp in site.inputs:
+            if _is_weight_input(site, inp):
+                key = fq_key(site.name, f"w{inp.position}")
+                plan.weight_fq[inp.position] = key
+                per_tensor = site.output_from_weight  # embedding tables: one scale (rows are outputs)
+                wspec = QuantSpec(qc.weight.dtype, qc.weight.observer) if per_tensor else qc.weight
+                requests.append(FakeQuantRequest(key, wspec))
 
 
 def _is_weight_input(site: OpSiteRecord, inp) -> bool:

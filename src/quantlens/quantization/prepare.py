@@ -117,7 +117,7 @@ class _Runtime(SiteHandler):
                     "prepare(model, example_inputs, extra_example_inputs=[other_inputs, ...])."
                 )
             return None
-        if plan.op_type != site.rule.op_type and plan.fused_into is None:
+        if plan.runtime_op_type != site.rule.op_type:
             self._mismatch(site, plan)
         return plan
 
