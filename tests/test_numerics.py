@@ -214,11 +214,13 @@ def test_quantize_returns_integers_and_dequantize_matches_fake_quant():
 
 
 def test_quantize_divides_in_float32():
-    # 0.3 / 0.1 is 2.9999999999999996 in float64 but exactly 3.0 in float32 (both rounded to float32 first):
-    # the spec computes x / s as an IEEE float32 division, so q = 3.
-    assert quantize(t([0.3]), t(0.1), I8).tolist() == [3]
-    x, s = torch.tensor(0.3, dtype=torch.float32), torch.tensor(0.1, dtype=torch.float32)
-    assert (x / s).item() == 3.0
+    # With s = float32(0.1) = 0.10000000149..., x = 2.75 and x = float32(0.35) = 0.34999999...: the exact quotients
+    # are 27.4999996 and 3.4999999 (round down), but the IEEE float32 quotients are exactly 27.5 and 3.5, which
+    # tie to even: 28 and 4. The spec computes x / s in float32, so 28 and 4 are the normative values.
+    x, s = t([2.75, 0.35, -2.75]), t(0.1)
+    assert (x / s).tolist() == [27.5, 3.5, -27.5]
+    assert quantize(x, s, I8).tolist() == [28, 4, -28]
+    assert fake_quant(x, s, I8).tolist() == [f32(28 * f32(0.1)), f32(4 * f32(0.1)), -f32(28 * f32(0.1))]
 
 
 def test_fake_quant_keeps_input_dtype():
