@@ -12,7 +12,10 @@ from enum import Enum
 
 from quantlens.errors import QuantLensError
 
-__all__ = ["QuantDType", "RoundingMode", "MarchSpec", "March", "set_march", "get_march"]
+#: version of docs/march.md that this module implements.
+SPEC_VERSION = 1
+
+__all__ = ["SPEC_VERSION", "QuantDType", "RoundingMode", "MarchSpec", "March", "set_march", "get_march"]
 
 
 class QuantDType(str, Enum):

@@ -43,8 +43,10 @@ def _broadcast_scale(scale: torch.Tensor, x: torch.Tensor, axis: int) -> torch.T
 @torch.library.custom_op("quantlens::fake_quant", mutates_args=())
 def _fake_quant_op(x: torch.Tensor, scale: torch.Tensor, qmin: int, qmax: int, axis: int) -> torch.Tensor:
     s = _broadcast_scale(scale.to(torch.float32), x, axis)
-    q = torch.clamp(torch.round(x.to(torch.float32) / s), qmin, qmax)
-    return (q * s).to(x.dtype)
+    # One fresh tensor, then in place: the same arithmetic as quantize() followed by dequantize().
+    q = torch.div(x.to(torch.float32), s)
+    q.round_().clamp_(qmin, qmax).mul_(s)
+    return q.to(x.dtype)
 
 
 @_fake_quant_op.register_fake
