@@ -256,7 +256,7 @@ def prepare(
     groups, unfused = find_fusions(record, prepared)
     ctx = QconfigContext(record, groups)
     assignment = resolve_qconfigs(qconfig_setter, ctx)
-    _apply_module_qconfigs(prepared, record, assignment.qconfigs)
+    _apply_module_qconfigs(prepared, record, groups, assignment.qconfigs)
 
     modules = dict(prepared.named_modules())
     fixed = {
@@ -291,15 +291,24 @@ def prepare(
     return prepared
 
 
-def _apply_module_qconfigs(model: nn.Module, record: ModelRecord, qconfigs: dict[str, QConfig]) -> None:
-    """A ``qconfig`` attribute set directly on a submodule overrides the setters for its op sites."""
+def _apply_module_qconfigs(
+    model: nn.Module, record: ModelRecord, groups: list[FusedGroup], qconfigs: dict[str, QConfig]
+) -> None:
+    """A ``qconfig`` attribute set directly on a submodule overrides the setters for its op sites (and, like
+    any qconfig, applies to the whole fused group of a site it reaches)."""
     direct = {name: m.qconfig for name, m in model.named_modules() if isinstance(getattr(m, "qconfig", None), QConfig)}
     if not direct:
         return
+    applied: dict[str, QConfig] = {}
     for site in record.sites.values():
         owners = [n for n in direct if n == "" or site.module_name == n or site.module_name.startswith(n + ".")]
         if owners:
-            qconfigs[site.name] = direct[max(owners, key=len)]
+            applied[site.name] = direct[max(owners, key=len)]
+    for group in groups:
+        members = [m for m in group.members if m in applied]
+        for member in group.members if members else ():
+            applied[member] = applied[members[-1]]
+    qconfigs.update(applied)
 
 
 def _swap_modules(

@@ -137,12 +137,14 @@ class _Recorder(SiteHandler):
         existing = self.record.sites.get(site.name)
         if existing is not None:
             existing.calls += 1
-            if existing.op_type != site.rule.op_type:
+            source = user_source_location()
+            if existing.op_type != site.rule.op_type or existing.source != source:
                 raise QuantLensError(
-                    f"Op site '{site.name}' is a {existing.op_type} (at {existing.source}) on one example input "
-                    f"and a {site.rule.op_type} (at {user_source_location()}) on another. Python control flow "
-                    f"in module '{site.module_name or '<root>'}' changes the order of its ops between inputs; "
-                    "move each branch into its own submodule so every op keeps a stable name."
+                    f"Op site '{site.name}' ran from {existing.source} ({existing.op_type}) on one example input "
+                    f"and from {source} ({site.rule.op_type}) on another. Python control flow in module "
+                    f"'{site.module_name or '<root>'}' changes the order of its ops between inputs, so one name "
+                    "would mean two different ops. Move each branch into its own submodule so every op keeps a "
+                    "stable name."
                 )
             return
         rule = site.rule
