@@ -558,10 +558,27 @@ def test_set_fake_quantize_flags_and_invalid_state():
     expected = {"float": (False, False), "calibration": (True, False), "qat": (True, True), "validation": (False, True)}
     for state, flags in expected.items():
         assert set_fake_quantize(prepared, state) is prepared
-        assert all((m.observe_enabled, m.fake_quant_enabled) == flags for m in fqs)
+        assert all((m.observe_enabled, m.fake_quant_enabled) == flags for m in fqs if not m.is_weight)
+        # weight fake quants follow the current weights in every state but FLOAT
+        weight_flags = (state != "float", flags[1])
+        assert all((m.observe_enabled, m.fake_quant_enabled) == weight_flags for m in fqs if m.is_weight)
         assert prepared._quantlens_state.fake_quant_state is FakeQuantState(state)
     with pytest.raises(QuantLensError, match="Unknown fake quant state"):
         set_fake_quantize(prepared, "int8")
+
+
+def test_weight_scale_follows_weights_after_an_optimizer_step():
+    model, ex = _digits()
+    prepared = _prep(model, ex)
+    prepared.eval()
+    set_fake_quantize(prepared, FakeQuantState.VALIDATION)
+    with torch.no_grad():
+        prepared(*ex)
+        before = prepared.fc.weight_fake_quant.scale.clone()
+        prepared.fc.weight.mul_(0.5)  # what an optimizer step after the last QAT forward does
+        prepared(*ex)
+    after = prepared.fc.weight_fake_quant.scale
+    assert torch.allclose(after, before * 0.5, rtol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ class FakeQuantize(nn.Module):
     calibrated state_dict fully describes the quantization.
     """
 
-    def __init__(self, spec: QuantSpec):
+    def __init__(self, spec: QuantSpec, is_weight: bool = False):
         super().__init__()
         if spec.dtype is QuantDType.qint32:
             raise QuantLensError("qint32 is the high-precision output type; it has no fake quant.")
@@ -60,14 +60,22 @@ class FakeQuantize(nn.Module):
         self.register_buffer("scale", torch.ones(()))
         self.observe_enabled = False
         self.fake_quant_enabled = False
+        #: weights are observed afresh on every call in every state but FLOAT, so the scale always matches
+        #: the current weights (an optimizer step after the last forward cannot leave a stale scale).
+        self.is_weight = is_weight
         #: whether the scale came from data (observation or a loaded state dict) rather than the placeholder.
         self.register_buffer("calibrated", torch.zeros((), dtype=torch.bool))
 
     def set_state(self, state: FakeQuantState) -> None:
-        self.observe_enabled, self.fake_quant_enabled = _STATE_FLAGS[FakeQuantState(state)]
+        state = FakeQuantState(state)
+        self.observe_enabled, self.fake_quant_enabled = _STATE_FLAGS[state]
+        if self.is_weight:
+            self.observe_enabled = state is not FakeQuantState.FLOAT
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.observe_enabled:
+            if self.is_weight:
+                self.observer.reset()
             self.observer(x)
             scale = self.observer.calculate_scale().to(self.scale.device)
             if scale.shape != self.scale.shape:

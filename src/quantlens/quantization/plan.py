@@ -33,6 +33,7 @@ class FakeQuantRequest:
     key: str
     spec: QuantSpec
     fixed_scale: float | None = None
+    is_weight: bool = False
 
 
 @dataclass
@@ -193,7 +194,7 @@ def _plan_inputs(site, plan, qc, data_inputs, in_dtypes, module_weight_dtypes, r
                 plan.weight_fq[inp.position] = key
                 per_tensor = site.output_from_weight  # embedding tables: one scale (rows are outputs)
                 wspec = QuantSpec(qc.weight.dtype, qc.weight.observer) if per_tensor else qc.weight
-                requests.append(FakeQuantRequest(key, wspec))
+                requests.append(FakeQuantRequest(key, wspec, is_weight=True))
 
 
 def _is_weight_input(site: OpSiteRecord, inp) -> bool:

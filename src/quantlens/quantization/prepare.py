@@ -278,7 +278,7 @@ def prepare(
         spec = request.spec
         if request.fixed_scale is not None:
             spec = QuantSpec(spec.dtype, FixedScaleObserver.with_args(scale=request.fixed_scale))
-        state.fq[request.key] = FakeQuantize(spec)
+        state.fq[request.key] = FakeQuantize(spec, is_weight=request.is_weight)
     prepared._quantlens_state = state
     state.__dict__["_root_ref"] = prepared
     prepared.forward = _QuantizedForward(prepared)

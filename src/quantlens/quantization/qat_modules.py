@@ -37,7 +37,7 @@ class _WeightQuantMixin:
     weight_fake_quant: FakeQuantize
 
     def _init_qat(self, weight_spec: QuantSpec) -> None:
-        self.weight_fake_quant = FakeQuantize(weight_spec)
+        self.weight_fake_quant = FakeQuantize(weight_spec, is_weight=True)
         # Set by the op-site runtime for the duration of one call: the input's fake quant, if any.
         self.__dict__["_ql_input_fq"] = None
 
