@@ -51,6 +51,8 @@ class SitePlan:
     input_dtypes: list[str] = field(default_factory=list)
     output_dtype: str = "float"
     notes: list[str] = field(default_factory=list)
+    #: key of a SiteOverride in QuantState.overrides that computes this site instead of the torch op
+    override: str | None = None
     #: op type the prepared model runs at this site (a folded BatchNorm becomes an identity).
     runtime_op_type: str = ""
 

@@ -24,6 +24,7 @@ from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, s
 from quantlens.quantization.fuse import FusedGroup, UnfusedPattern, find_fusions
 from quantlens.quantization.observers import FixedScaleObserver
 from quantlens.quantization.op_rules import OpKind
+from quantlens.quantization.overrides import OverrideCall
 from quantlens.quantization.plan import OutputMode, SitePlan, build_plans
 from quantlens.quantization.qat_modules import fused_class_for, qat_class_for
 from quantlens.quantization.qconfig import QConfig, QuantSpec
@@ -48,6 +49,8 @@ class QuantState(nn.Module):
     def __init__(self, record: ModelRecord, groups, unfused, plans, warnings, setter_name: str):
         super().__init__()
         self.fq = nn.ModuleDict()
+        #: site overrides (pre_export's lookup tables), keyed like fake quants
+        self.overrides = nn.ModuleDict()
         self.record = record
         self.groups: list[FusedGroup] = groups
         self.unfused: list[UnfusedPattern] = unfused
@@ -169,13 +172,29 @@ class _Runtime(SiteHandler):
             self._set_marks(output, None)
         return output
 
+    def _override(self, plan: SitePlan, site: SiteCall, args: tuple, kwargs: dict) -> Any:
+        leaves = [x for x in _leaves((args, kwargs)) if is_float_tensor(x)]
+        call = OverrideCall(
+            site=site.name,
+            op_type=plan.op_type,
+            args=args,
+            kwargs=kwargs,
+            module=site.module,
+            input_fqs=[self._mark(x) for x in leaves],
+            output_fq=self.fq[plan.output_fq] if plan.output_fq else None,
+        )
+        return self.state.overrides[plan.override].compute(call)
+
     # -- handler interface --------------------------------------------------------------------------------
     def function_op(self, site, func, args, kwargs):
         self.visited.append(site.name)
         plan = self._plan(site)
         if plan is not None:
             args, kwargs, _ = self._quantize_inputs(plan, args, kwargs)
-        out = func(*args, **kwargs)
+        if plan is not None and plan.override is not None:
+            out = self._override(plan, site, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         return self._finish(plan, out, args, kwargs, site)
 
     def module_enter(self, site, args):
@@ -192,6 +211,9 @@ class _Runtime(SiteHandler):
     def module_exit(self, site, args, output):
         plan = self.plans.get(site.name)
         site.module.__dict__["_ql_input_fq"] = None
+        if plan is not None and plan.override is not None:
+            # The module's float result is discarded (export drops it as dead code).
+            output = self._override(plan, site, args, {})
         return self._finish(plan, output, args, {}, site)
 
 
