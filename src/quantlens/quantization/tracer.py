@@ -18,6 +18,7 @@ name, so they cannot shift the numbering of the ops that matter.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections import defaultdict
@@ -94,6 +95,7 @@ class _Frame:
     kind: str  # "container", "leaf", "skip"
     site: SiteCall | None = None
     args: tuple = ()
+    annotation: Any = None
 
 
 class OpSiteTracer(TorchFunctionMode):
@@ -101,7 +103,13 @@ class OpSiteTracer(TorchFunctionMode):
 
     Use as ``with OpSiteTracer(model, handler): model(*inputs)``; each ``with`` is one forward pass, and call
     indices restart at zero.
+
+    While ``OpSiteTracer.annotate_sites`` is true (set by ``quantlens.compiler.export``), every torch op run for
+    a site is tagged ``node.meta["custom"]["op_site"]`` in a ``torch.export`` graph: the debug handle that
+    carries op site names into the IR.
     """
+
+    annotate_sites = False
 
     def __init__(self, root: nn.Module, handler: SiteHandler):
         super().__init__()
@@ -148,8 +156,10 @@ class OpSiteTracer(TorchFunctionMode):
         name = f"{module_name}.{op}_{index}" if module_name else f"{op}_{index}"
         site = SiteCall(name=name, rule=rule, module_name=module_name, func=func)
         self.internal += 1
+        annotation = _annotation(name)
         try:
-            return self.handler.function_op(site, func, args, kwargs)
+            with annotation:
+                return self.handler.function_op(site, func, args, kwargs)
         finally:
             self.internal -= 1
 
@@ -171,12 +181,14 @@ class OpSiteTracer(TorchFunctionMode):
         self.counters[(qualname, "<module>")] = index + 1
         name = qualname if index == 0 else f"{qualname}@{index}"
         site = SiteCall(name=name, rule=rule, module_name=qualname, module=module)
+        annotation = _annotation(name)
+        annotation.__enter__()  # left in _post_hook: the whole module call belongs to this site
         self.internal += 1
         try:
             new_args = self.handler.module_enter(site, args)
         finally:
             self.internal -= 1
-        self.frames.append(_Frame("leaf", site, args if new_args is None else new_args))
+        self.frames.append(_Frame("leaf", site, args if new_args is None else new_args, annotation))
         self.leaf_depth += 1
         return new_args
 
@@ -195,6 +207,15 @@ class OpSiteTracer(TorchFunctionMode):
             return self.handler.module_exit(frame.site, frame.args, output)
         finally:
             self.internal -= 1
+            frame.annotation.__exit__(None, None, None)
+
+
+def _annotation(name: str):
+    if OpSiteTracer.annotate_sites:
+        import torch.fx.traceback as fx_traceback
+
+        return fx_traceback.annotate({"op_site": name})
+    return contextlib.nullcontext()
 
 
 def _has_float_tensor(args: tuple, kwargs: dict) -> bool:

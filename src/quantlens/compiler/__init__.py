@@ -1,0 +1,6 @@
+"""Compiler stage: export a QAT model to the qat IR, convert it to the integer IR, save, load, ONNX."""
+
+from quantlens.compiler.export import export
+from quantlens.compiler.ir import Graph, Module, Node
+
+__all__ = ["export", "Module", "Graph", "Node"]

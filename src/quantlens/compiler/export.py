@@ -1,0 +1,162 @@
+"""``export``: capture a prepared (QAT) model with ``torch.export`` and lower it to the qat IR.
+
+The prepared model runs its own ``forward`` under the op-site tracer, in VALIDATION semantics (frozen scales),
+with pre_export's table rewrites applied, while ``torch.export`` records the aten ops. Every recorded node carries
+its op site name (``node.meta["custom"]["op_site"]``); lowering (``lowering.py``) maps the aten graph to the
+documented IR op set and keeps those names.
+
+Non-tensor inputs (e.g. a ``task`` list that picks a branch) are specialised: the IR records their values and
+refuses a call with other values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from quantlens.compiler.ir import InputLeaf, Module
+from quantlens.compiler.lowering import lower_exported_program
+from quantlens.errors import QuantLensError
+from quantlens.quantization.fake_quantize import FakeQuantize
+from quantlens.quantization.prepare import is_prepared
+from quantlens.quantization.tracer import OpSiteTracer
+
+__all__ = ["export"]
+
+
+class _FlatCall(nn.Module):
+    """Calls the prepared model with a fixed input pytree whose tensor leaves come in as flat arguments."""
+
+    def __init__(self, model: nn.Module, leaves: list, spec, tensor_positions: list[int]):
+        super().__init__()
+        self.model = model
+        self._leaves = leaves
+        self._spec = spec
+        self._tensor_positions = tensor_positions
+        self.output_spec = None
+
+    def forward(self, *tensors):
+        leaves = list(self._leaves)
+        for pos, t in zip(self._tensor_positions, tensors):
+            leaves[pos] = t
+        args, kwargs = pytree.tree_unflatten(leaves, self._spec)
+        out = self.model(*args, **kwargs)
+        flat, self.output_spec = pytree.tree_flatten(out)
+        bad = [type(x).__name__ for x in flat if not isinstance(x, torch.Tensor)]
+        if bad:
+            raise QuantLensError(
+                f"export: the model returns non-tensor values ({bad}); return tensors (in any tuple/list/dict "
+                "structure) so the IR can produce them."
+            )
+        return tuple(flat)
+
+
+@contextlib.contextmanager
+def _capture_state(model: nn.Module):
+    """Eval mode, observers off (VALIDATION semantics, no buffer updates in the graph), site annotations on."""
+    was_training = model.training
+    fqs = [m for m in model.modules() if isinstance(m, FakeQuantize)]
+    saved = [(m.observe_enabled, m.fake_quant_enabled) for m in fqs]
+    model.eval()
+    for m in fqs:
+        m.observe_enabled = False
+        m.fake_quant_enabled = True
+    OpSiteTracer.annotate_sites = True
+    try:
+        yield
+    finally:
+        OpSiteTracer.annotate_sites = False
+        for m, (obs, fq) in zip(fqs, saved):
+            m.observe_enabled, m.fake_quant_enabled = obs, fq
+        model.train(was_training)
+
+
+def _input_names(model: nn.Module, args: tuple, kwargs: dict, leaves_paths) -> list[str]:
+    """Readable names for tensor inputs from the forward signature: ``inputs.image``, ``input_ids``."""
+    try:
+        params = list(inspect.signature(type(model).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        params = []
+    names = []
+    for path, _ in leaves_paths:
+        parts = []
+        for i, key in enumerate(path):
+            if i == 0:
+                continue  # (args, kwargs) level
+            if i == 1 and path[0].idx == 0 and hasattr(key, "idx"):
+                parts.append(params[key.idx] if key.idx < len(params) else f"arg{key.idx}")
+            elif hasattr(key, "key"):
+                parts.append(str(key.key))
+            elif hasattr(key, "idx"):
+                parts.append(str(key.idx))
+            elif hasattr(key, "name"):
+                parts.append(str(key.name))
+        names.append(".".join(parts) or "input")
+    seen: dict[str, int] = {}
+    unique = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        unique.append(n if seen[n] == 1 else f"{n}_{seen[n] - 1}")
+    return unique
+
+
+def export(model: nn.Module, example_inputs: Any, *, apply_pre_export: bool = True) -> Module:
+    """Export a prepared model (calibrated or QAT-trained) to the qat IR.
+
+    Args:
+        model: a model returned by ``quantlens.quantization.prepare`` (or ``pre_export``).
+        example_inputs: one call's inputs, as for ``prepare``: a tuple is positional arguments.
+        apply_pre_export: apply ``pre_export``'s table rewrites first (default), so the IR computes nonlinear ops
+            exactly like ``pre_export(model)``. Ignored when ``model`` already is a pre_export model.
+    """
+    if not is_prepared(model):
+        raise QuantLensError(
+            f"export expects a prepared model (quantlens.quantization.prepare), got {type(model).__name__}. "
+            "Prepare, calibrate (or train) it, then export."
+        )
+    if apply_pre_export:
+        model = _with_tables(model)
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    kwargs: dict = {}
+    leaves_paths, spec = pytree.tree_flatten_with_path((args, kwargs))
+    leaves = [leaf for _, leaf in leaves_paths]
+    tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    if not tensor_positions:
+        raise QuantLensError("export: example_inputs contain no tensor; pass the model's real inputs.")
+    names = _input_names(model, args, kwargs, leaves_paths)
+    input_leaves = [
+        InputLeaf("tensor", name=names[i]) if isinstance(leaf, torch.Tensor) else InputLeaf("const", value=leaf)
+        for i, leaf in enumerate(leaves)
+    ]
+    flat_call = _FlatCall(model, leaves, spec, tensor_positions)
+    tensors = tuple(leaves[i] for i in tensor_positions)
+    with _capture_state(model), torch.no_grad():
+        flat_call(*tensors)  # eager once: validates the outputs and records their structure
+        output_spec = flat_call.output_spec
+        ep = torch.export.export(flat_call, tensors, strict=False)
+    graph = lower_exported_program(ep, [names[i] for i in tensor_positions])
+    return Module(
+        "qat",
+        graph,
+        input_leaves,
+        pytree.treespec_dumps(spec),
+        pytree.treespec_dumps(output_spec),
+        meta={"march": model._quantlens_state.march, "source_model": type(model).__name__},
+    )
+
+
+def _with_tables(model: nn.Module) -> nn.Module:
+    """pre_export(model) when that stage is available and the model has no tables yet."""
+    try:
+        from quantlens.quantization.pre_export import pre_export
+    except ImportError:  # the table stage is not installed in this build
+        return model
+    state = model._quantlens_state
+    if any(plan.override is not None for plan in state.plans.values()):
+        return model
+    return pre_export(model)

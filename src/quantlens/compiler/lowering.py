@@ -1,0 +1,483 @@
+"""Lowering a ``torch.export`` graph (aten ops) to the qat IR op set (``docs/ir.md``).
+
+One registry maps each supported aten overload to a lowering rule. Most rules are generic: tensor arguments
+become node inputs and the other arguments become attributes, named as in the aten schema. Shape ops are
+normalised (``view``/``flatten``/``squeeze``/``unsqueeze`` -> ``reshape``, ``transpose``/``t`` -> ``permute``),
+scalars become constants, and every subgraph that depends only on constants (BatchNorm folding, position ids)
+is folded at export. An aten op with no rule is an error naming the op, its op site and the user's source line.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from quantlens.compiler.ir import Graph, Node, ValueInfo
+from quantlens.errors import QuantLensError
+
+__all__ = ["lower_exported_program", "LOWERINGS", "TORCH_OPS"]
+
+aten = torch.ops.aten
+
+
+@dataclass
+class _Ctx:
+    graph: Graph
+    names: dict[fx.Node, Any] = field(default_factory=dict)  # fx node -> value name (or list, or python value)
+    counter: int = 0
+
+    def fresh(self, base: str) -> str:
+        self.counter += 1
+        return f"{base}_{self.counter}"
+
+    def const(self, value: Any, base: str = "c") -> str:
+        name = self.fresh(base)
+        tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float32)
+        self.graph.constants[name] = tensor.detach().clone()
+        self.graph.values[name] = ValueInfo(tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""))
+        return name
+
+    def is_const(self, name: Any) -> bool:
+        return isinstance(name, str) and name in self.graph.constants
+
+
+# IR op name -> the torch op whose float semantics it has (the qat kernels call it).
+TORCH_OPS: dict[str, Callable] = {}
+LOWERINGS: dict[Any, Callable[[_Ctx, fx.Node], None]] = {}
+
+
+def _site(node: fx.Node) -> str:
+    return (node.meta.get("custom") or {}).get("op_site", "")
+
+
+def _source(node: fx.Node) -> str:
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    frames = [line.strip() for line in trace if line.strip().startswith("File ")]
+    user = [f for f in frames if "/torch/" not in f and "/quantlens/quantization/" not in f]
+    return (user or frames or ["<unknown source>"])[-1]
+
+
+def _info(node: fx.Node) -> ValueInfo:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return ValueInfo(tuple(int(d) for d in val.shape), str(val.dtype).replace("torch.", ""))
+    return ValueInfo((), "unknown")
+
+
+def _emit(ctx: _Ctx, node: fx.Node, op: str, inputs: list[str], attrs: dict, n_out: int = 1) -> list[str]:
+    outs = [node.name] if n_out == 1 else [f"{node.name}_{i}" for i in range(n_out)]
+    ctx.graph.nodes.append(Node(op, inputs, outs, attrs, _site(node)))
+    vals = node.meta.get("val")
+    if n_out == 1:
+        ctx.graph.values[outs[0]] = _info(node)
+        ctx.names[node] = outs[0]
+    else:
+        for i, out in enumerate(outs):
+            v = vals[i] if isinstance(vals, (tuple, list)) else None
+            ctx.graph.values[out] = (
+                ValueInfo(tuple(int(d) for d in v.shape), str(v.dtype).replace("torch.", ""))
+                if isinstance(v, torch.Tensor) else ValueInfo((), "unknown")
+            )
+        ctx.names[node] = outs
+    return outs
+
+
+def _value(ctx: _Ctx, arg: Any) -> Any:
+    """IR value name for an fx node argument (constants are materialised); python values pass through."""
+    if isinstance(arg, fx.Node):
+        return ctx.names[arg]
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_value(ctx, a) for a in arg)
+    return arg
+
+
+def _normalized(node: fx.Node) -> dict[str, Any]:
+    """Arguments by schema name, defaults filled in."""
+    schema = node.target._schema
+    bound = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(node.args) and not arg.kwarg_only:
+            bound[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            bound[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+        else:
+            bound[arg.name] = None
+    return bound
+
+
+def _tensor_arg(ctx: _Ctx, value: Any) -> str:
+    """A tensor operand: an IR value, or a python scalar made into a float32 constant."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float, bool)):
+        return ctx.const(float(value), "scalar")
+    raise QuantLensError(f"Expected a tensor operand, got {value!r}.")
+
+
+def _generic(op: str, torch_op, tensor_args: tuple[str, ...], attr_args: tuple[str, ...] = (), n_out: int = 1):
+    """Rule: tensor schema args -> inputs ("" for None), listed attr args -> attrs."""
+
+    def rule(ctx: _Ctx, node: fx.Node) -> None:
+        bound = _normalized(node)
+        inputs = []
+        for name in tensor_args:
+            v = _value(ctx, bound[name])
+            inputs.append("" if v is None else _tensor_arg(ctx, v))
+        attrs = {name: _jsonable(bound[name]) for name in attr_args}
+        _emit(ctx, node, op, inputs, attrs, n_out)
+
+    TORCH_OPS.setdefault(op, torch_op)
+    return rule
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.dtype):
+        return str(value).replace("torch.", "")
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.SymInt):
+        return int(value)
+    return value
+
+
+def _register(targets, rule) -> None:
+    for target in targets if isinstance(targets, (list, tuple)) else (targets,):
+        LOWERINGS[target] = rule
+
+
+# -- GEMM and friends --------------------------------------------------------------------------------------
+_register(aten.conv2d.default, _generic("conv2d", aten.conv2d.default, ("input", "weight", "bias"),
+                                         ("stride", "padding", "dilation", "groups")))
+_register(aten.conv1d.default, _generic("conv1d", aten.conv1d.default, ("input", "weight", "bias"),
+                                         ("stride", "padding", "dilation", "groups")))
+_register(aten.linear.default, _generic("linear", aten.linear.default, ("input", "weight", "bias")))
+_register([aten.matmul.default, aten.bmm.default, aten.mm.default],
+          _generic("matmul", aten.matmul.default, ("self", "other")))
+_register(aten.scaled_dot_product_attention.default,
+          _generic("sdpa", aten.scaled_dot_product_attention.default, ("query", "key", "value", "attn_mask"),
+                   ("dropout_p", "is_causal", "scale")))
+_register(aten.embedding.default, _generic("embedding", aten.embedding.default, ("weight", "indices")))
+
+# -- elementwise -------------------------------------------------------------------------------------------
+for _name in ("add", "sub", "mul", "div"):
+    _tensor_overload = getattr(aten, _name).Tensor
+
+    def _binary(ctx, node, _op=_name, _t=_tensor_overload):
+        bound = _normalized(node)
+        other = "other"
+        a = _tensor_arg(ctx, _value(ctx, bound["self"]))
+        b = _tensor_arg(ctx, _value(ctx, bound[other]))
+        alpha = bound.get("alpha", 1)
+        if alpha not in (None, 1):
+            b_scaled = ctx.fresh("alpha")
+            ctx.graph.nodes.append(Node("mul", [b, ctx.const(float(alpha))], [b_scaled], {}, _site(node)))
+            ctx.graph.values[b_scaled] = _info(node)
+            b = b_scaled
+        if bound.get("rounding_mode") is not None:
+            raise QuantLensError(f"div with rounding_mode={bound['rounding_mode']!r} is not supported "
+                                 f"(op site '{_site(node)}', {_source(node)}).")
+        _emit(ctx, node, _op, [a, b], {})
+
+    TORCH_OPS[_name] = _tensor_overload
+    _register([getattr(aten, _name).Tensor, getattr(aten, _name).Scalar], _binary)
+
+
+def _rsub(ctx, node):
+    bound = _normalized(node)
+    a = _tensor_arg(ctx, _value(ctx, bound["self"]))
+    b = _tensor_arg(ctx, _value(ctx, bound["other"]))
+    _emit(ctx, node, "sub", [b, a], {})
+
+
+_register([aten.rsub.Scalar, aten.rsub.Tensor], _rsub)
+
+for _name, _overload in (
+    ("relu", aten.relu.default), ("sigmoid", aten.sigmoid.default), ("tanh", aten.tanh.default),
+    ("silu", aten.silu.default), ("exp", aten.exp.default), ("reciprocal", aten.reciprocal.default),
+    ("rsqrt", aten.rsqrt.default), ("sqrt", aten.sqrt.default), ("neg", aten.neg.default),
+    ("abs", aten.abs.default), ("erf", aten.erf.default), ("log", aten.log.default),
+):
+    _register(_overload, _generic(_name, _overload, ("self",)))
+_register(aten.relu_.default, _generic("relu", aten.relu.default, ("self",)))
+_register(aten.gelu.default, _generic("gelu", aten.gelu.default, ("self",), ("approximate",)))
+_register(aten.softplus.default, _generic("softplus", aten.softplus.default, ("self",), ("beta", "threshold")))
+_register([aten.clamp.default], _generic("clamp", aten.clamp.default, ("self",), ("min", "max")))
+_register(aten.hardtanh.default, _generic("hardtanh", aten.hardtanh.default, ("self",), ("min_val", "max_val")))
+_register(aten.pow.Tensor_Scalar, _generic("pow", aten.pow.Tensor_Scalar, ("self",), ("exponent",)))
+_register(aten.where.self, _generic("where", aten.where.self, ("condition", "self", "other")))
+_register([aten.masked_fill.Scalar], _generic("masked_fill", aten.masked_fill.Scalar, ("self", "mask"), ("value",)))
+
+# -- normalisation, softmax ----------------------------------------------------------------------------------
+_register(aten.layer_norm.default, _generic("layer_norm", aten.layer_norm.default, ("input", "weight", "bias"),
+                                             ("normalized_shape", "eps")))
+_register(aten.softmax.int, _generic("softmax", aten.softmax.int, ("self",), ("dim",)))
+_register(aten._softmax.default, _generic("softmax", aten.softmax.int, ("self",), ("dim",)))
+_register(aten.log_softmax.int, _generic("log_softmax", aten.log_softmax.int, ("self",), ("dim",)))
+
+# -- reductions and pooling ------------------------------------------------------------------------------------
+_register(aten.mean.dim, _generic("mean", aten.mean.dim, ("self",), ("dim", "keepdim")))
+_register(aten.sum.dim_IntList, _generic("sum", aten.sum.dim_IntList, ("self",), ("dim", "keepdim")))
+_register(aten.amax.default, _generic("amax", aten.amax.default, ("self",), ("dim", "keepdim")))
+_register(aten.max.dim, _generic("max_dim", aten.max.dim, ("self",), ("dim", "keepdim"), n_out=2))
+_register(aten.argmax.default, _generic("argmax", aten.argmax.default, ("self",), ("dim", "keepdim")))
+_register(aten.topk.default, _generic("topk", aten.topk.default, ("self",), ("k", "dim", "largest", "sorted"), 2))
+_register(aten.sort.default, _generic("sort", aten.sort.default, ("self",), ("dim", "descending"), 2))
+_register(aten.max_pool2d.default, _generic("max_pool2d", aten.max_pool2d.default, ("self",),
+                                             ("kernel_size", "stride", "padding", "dilation", "ceil_mode")))
+_register(aten.avg_pool2d.default, _generic("avg_pool2d", aten.avg_pool2d.default, ("self",),
+                                             ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
+                                              "divisor_override")))
+_register(aten.adaptive_avg_pool2d.default, _generic("adaptive_avg_pool2d", aten.adaptive_avg_pool2d.default,
+                                                      ("self",), ("output_size",)))
+_register(aten.adaptive_avg_pool1d.default, _generic("adaptive_avg_pool1d", aten.adaptive_avg_pool1d.default,
+                                                      ("self",), ("output_size",)))
+_register(aten.upsample_nearest2d.vec, _generic("upsample_nearest2d", aten.upsample_nearest2d.vec, ("input",),
+                                                 ("output_size", "scale_factors")))
+_register(aten.upsample_bilinear2d.vec, _generic("upsample_bilinear2d", aten.upsample_bilinear2d.vec, ("input",),
+                                                  ("output_size", "align_corners", "scale_factors")))
+
+# -- data movement ---------------------------------------------------------------------------------------------
+
+
+def _reshape(ctx, node):
+    x = _value(ctx, node.args[0])
+    _emit(ctx, node, "reshape", [x], {"shape": list(_info(node).shape)})
+
+
+def _permute(ctx, node):
+    x = _value(ctx, node.args[0])
+    ndim = len(_info(node.args[0]).shape)
+    if node.target in (aten.transpose.int,):
+        d0, d1 = (d % ndim for d in node.args[1:3])
+        dims = list(range(ndim))
+        dims[d0], dims[d1] = dims[d1], dims[d0]
+    elif node.target is aten.t.default:
+        dims = list(range(ndim))[::-1]
+    else:
+        dims = [d % ndim for d in node.args[1]]
+    _emit(ctx, node, "permute", [x], {"dims": dims})
+
+
+def _identity(ctx, node):
+    ctx.names[node] = _value(ctx, node.args[0])
+
+
+def _to(ctx, node):
+    src = _info(node.args[0])
+    dst = _info(node)
+    if src.dtype == dst.dtype:
+        return _identity(ctx, node)
+    _emit(ctx, node, "cast", [_value(ctx, node.args[0])], {"dtype": dst.dtype})
+
+
+def _cat(ctx, node):
+    bound = _normalized(node)
+    tensors = [_tensor_arg(ctx, v) for v in _value(ctx, bound["tensors"])]
+    _emit(ctx, node, "cat", tensors, {"dim": bound["dim"] % len(_info(node).shape)})
+
+
+def _stack(ctx, node):
+    bound = _normalized(node)
+    ndim = len(_info(node).shape)
+    dim = bound["dim"] % ndim
+    parts = []
+    for v, src in zip(_value(ctx, bound["tensors"]), bound["tensors"]):
+        shape = list(_info(src).shape)
+        shape.insert(dim, 1)
+        name = ctx.fresh("stack_part")
+        ctx.graph.nodes.append(Node("reshape", [v], [name], {"shape": shape}, _site(node)))
+        ctx.graph.values[name] = ValueInfo(tuple(shape), _info(src).dtype)
+        parts.append(name)
+    _emit(ctx, node, "cat", parts, {"dim": dim})
+
+
+def _split(ctx, node):
+    bound = _normalized(node)
+    x = _value(ctx, bound["self"])
+    vals = node.meta["val"]
+    dim = bound["dim"] % len(_info(node.args[0]).shape)
+    sizes = [int(v.shape[dim]) for v in vals]
+    _emit(ctx, node, "split", [x], {"sizes": sizes, "dim": dim}, n_out=len(sizes))
+
+
+def _slice(ctx, node):
+    bound = _normalized(node)
+    shape = _info(node.args[0]).shape
+    dim = bound["dim"] % len(shape)
+    start = bound["start"] if bound["start"] is not None else 0
+    end = bound["end"] if bound["end"] is not None else shape[dim]
+    start, end, _ = slice(start, end, bound["step"]).indices(shape[dim])
+    _emit(ctx, node, "slice", [_value(ctx, bound["self"])],
+          {"dim": dim, "start": start, "end": end, "step": bound["step"]})
+
+
+def _select(ctx, node):
+    bound = _normalized(node)
+    shape = _info(node.args[0]).shape
+    dim = bound["dim"] % len(shape)
+    _emit(ctx, node, "select", [_value(ctx, bound["self"])], {"dim": dim, "index": bound["index"] % shape[dim]})
+
+
+def _getitem(ctx, node):
+    source, index = node.args
+    ctx.names[node] = ctx.names[source][index]
+
+
+_register([aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+           aten.unflatten.int, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default],
+          _reshape)
+_register([aten.permute.default, aten.transpose.int, aten.t.default], _permute)
+_register([aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default,
+           aten.dropout.default, aten.lift_fresh_copy.default, aten.detach_.default], _identity)
+_register([aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default], _to)
+_register(aten.cat.default, _cat)
+_register(aten.stack.default, _stack)
+_register([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int], _split)
+_register(aten.slice.Tensor, _slice)
+_register(aten.select.int, _select)
+_register(aten.expand.default, lambda ctx, node: _emit(ctx, node, "expand", [_value(ctx, node.args[0])],
+                                                        {"shape": list(_info(node).shape)}))
+_register(aten.gather.default, _generic("gather", aten.gather.default, ("self", "index"), ("dim",)))
+_register(aten.index_select.default, _generic("index_select", aten.index_select.default, ("self", "index"),
+                                               ("dim",)))
+_register(operator.getitem, _getitem)
+TORCH_OPS.update({"reshape": aten.reshape.default, "permute": aten.permute.default, "cat": aten.cat.default,
+                  "expand": aten.expand.default})
+for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
+    _register([getattr(aten, _name).Tensor, getattr(aten, _name).Scalar],
+              _generic(_name, getattr(aten, _name).Tensor, ("self", "other")))
+_register([aten.logical_not.default], _generic("logical_not", aten.logical_not.default, ("self",)))
+
+
+def _fake_quant(ctx, node):
+    x, scale, qmin, qmax, axis = node.args
+    _emit(ctx, node, "fake_quant", [_value(ctx, x), _value(ctx, scale)], {"qmin": qmin, "qmax": qmax, "axis": axis})
+
+
+_register(torch.ops.quantlens.fake_quant.default, _fake_quant)
+TORCH_OPS["fake_quant"] = torch.ops.quantlens.fake_quant.default
+
+
+def _quantlens_custom(ctx, node):
+    """pre_export's table ops (``torch.ops.quantlens.*``) map one to one to IR ops of the same name."""
+    bound = _normalized(node)
+    schema = node.target._schema
+    inputs, attrs = [], {}
+    for arg in schema.arguments:
+        value = _value(ctx, bound[arg.name])
+        if str(arg.type).startswith("Tensor"):
+            inputs.append("" if value is None else value)
+        else:
+            attrs[arg.name] = _jsonable(value)
+    op = schema.name.split("::", 1)[1]
+    TORCH_OPS.setdefault(op, node.target)
+    _emit(ctx, node, op, inputs, attrs)
+
+
+# Nodes that only depend on constants are evaluated at export (BatchNorm folding, position ids, masks).
+_NEVER_FOLD = {"fake_quant"}
+
+
+def _try_fold(ctx: _Ctx, node: fx.Node) -> bool:
+    if node.op != "call_function" or node.target is operator.getitem:
+        return False
+    if getattr(node.target, "namespace", None) == "quantlens":
+        return False
+
+    def all_const(a):
+        if isinstance(a, fx.Node):
+            v = ctx.names.get(a)
+            if isinstance(v, list):
+                return all(ctx.is_const(x) for x in v)
+            return ctx.is_const(v)
+        if isinstance(a, (list, tuple)):
+            return all(all_const(x) for x in a)
+        return True
+
+    if not all_const(list(node.args) + list(node.kwargs.values())):
+        return False
+
+    def materialise(a):
+        if isinstance(a, fx.Node):
+            v = ctx.names[a]
+            return [ctx.graph.constants[x] for x in v] if isinstance(v, list) else ctx.graph.constants[v]
+        if isinstance(a, (list, tuple)):
+            return type(a)(materialise(x) for x in a)
+        return a
+
+    result = node.target(*materialise(node.args), **{k: materialise(v) for k, v in node.kwargs.items()})
+    if isinstance(result, torch.Tensor):
+        ctx.names[node] = ctx.const(result, "folded")
+    elif isinstance(result, (tuple, list)) and all(isinstance(r, torch.Tensor) for r in result):
+        ctx.names[node] = [ctx.const(r, "folded") for r in result]
+    else:
+        return False
+    return True
+
+
+def lower_exported_program(ep: torch.export.ExportedProgram, input_names: list[str]) -> Graph:
+    """Lower an exported program whose user inputs are flat tensors named ``input_names``."""
+    graph = Graph(nodes=[], inputs=list(input_names), outputs=[], constants={}, values={})
+    ctx = _Ctx(graph)
+    sig = ep.graph_signature
+    state = dict(ep.state_dict)
+    state.update(ep.constants)
+    user_inputs = list(sig.user_inputs)
+    lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            if node.name in lifted:
+                tensor = state[lifted[node.name]]
+                name = lifted[node.name].replace(".", "_")
+                graph.constants[name] = tensor.detach().clone()
+                graph.values[name] = ValueInfo(tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""))
+                ctx.names[node] = name
+            else:
+                idx = user_inputs.index(node.name)
+                ctx.names[node] = input_names[idx]
+                graph.values[input_names[idx]] = _info(node)
+            continue
+        if node.op == "output":
+            outs = node.args[0]
+            graph.outputs = [_output_name(ctx, o) for o in outs[: len(sig.user_outputs)]]
+            continue
+        if _try_fold(ctx, node):
+            continue
+        rule = LOWERINGS.get(node.target)
+        if rule is None and getattr(node.target, "namespace", None) == "quantlens":
+            rule = _quantlens_custom
+        if rule is None:
+            raise QuantLensError(
+                f"export: the op {node.target} is not supported by the quantlens IR (op site "
+                f"'{_site(node) or '<unknown>'}', {_source(node)}). Supported ops are listed in docs/ir.md; "
+                "rewrite that line with supported ops, or keep it outside the exported model (e.g. in "
+                "post-processing)."
+            )
+        rule(ctx, node)
+    _drop_dead(graph)
+    return graph
+
+
+def _output_name(ctx: _Ctx, out: fx.Node) -> str:
+    name = ctx.names[out]
+    if name in ctx.graph.constants:
+        return name
+    return name
+
+
+def _drop_dead(graph: Graph) -> None:
+    live = set(graph.outputs)
+    kept = []
+    for node in reversed(graph.nodes):
+        if any(o in live for o in node.outputs):
+            kept.append(node)
+            live.update(i for i in node.inputs if i)
+    graph.nodes = kept[::-1]
+    graph.constants = {k: v for k, v in graph.constants.items() if k in live}
+    graph.values = {k: v for k, v in graph.values.items() if k in live or k in graph.inputs}
