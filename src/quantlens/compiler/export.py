@@ -16,6 +16,7 @@ import inspect
 from typing import Any
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -105,7 +106,9 @@ def _input_names(model: nn.Module, args: tuple, kwargs: dict, leaves_paths) -> l
     return unique
 
 
-def export(model: nn.Module, example_inputs: Any, *, apply_pre_export: bool = True) -> Module:
+def export(
+    model: nn.Module, example_inputs: Any, *, apply_pre_export: bool = True, dynamic_batch: bool = False
+) -> Module:
     """Export a prepared model (calibrated or QAT-trained) to the qat IR.
 
     Args:
@@ -113,6 +116,9 @@ def export(model: nn.Module, example_inputs: Any, *, apply_pre_export: bool = Tr
         example_inputs: one call's inputs, as for ``prepare``: a tuple is positional arguments.
         apply_pre_export: apply ``pre_export``'s table rewrites first (default), so the IR computes nonlinear ops
             exactly like ``pre_export(model)``. Ignored when ``model`` already is a pre_export model.
+        dynamic_batch: keep dim 0 of every tensor input dynamic, so one IR serves any batch size. Shapes are
+            otherwise fixed at the example's, as on the NPU. Models that compute with the batch size beyond
+            reshapes (e.g. building masks with ``arange(batch)``) need the default.
     """
     if not is_prepared(model):
         raise QuantLensError(
@@ -138,7 +144,11 @@ def export(model: nn.Module, example_inputs: Any, *, apply_pre_export: bool = Tr
     with _capture_state(model), torch.no_grad():
         flat_call(*tensors)  # eager once: validates the outputs and records their structure
         output_spec = flat_call.output_spec
-        ep = torch.export.export(flat_call, tensors, strict=False)
+        with fx_traceback.preserve_node_meta():  # lets the op-site annotations reach node.meta["custom"]
+            dynamic = None
+            if dynamic_batch:
+                dynamic = (tuple({0: torch.export.Dim.AUTO} if t.dim() > 0 else None for t in tensors),)
+            ep = torch.export.export(flat_call, tensors, dynamic_shapes=dynamic, strict=False)
     graph = lower_exported_program(ep, [names[i] for i in tensor_positions])
     return Module(
         "qat",

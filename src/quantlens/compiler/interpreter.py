@@ -66,6 +66,11 @@ def _select(node: Node, inputs: list):
     return inputs[0].select(node.attrs["dim"], node.attrs["index"])
 
 
+@qat_kernel("index")
+def _index(node: Node, inputs: list):
+    return torch.ops.aten.index.Tensor(inputs[0], list(inputs[1:]))
+
+
 @qat_kernel("cast")
 def _cast(node: Node, inputs: list):
     return inputs[0].to(getattr(torch, node.attrs["dtype"]))

@@ -61,10 +61,19 @@ def _source(node: fx.Node) -> str:
     return (user or frames or ["<unknown source>"])[-1]
 
 
+def _dim(d) -> int:
+    """A static dim, or -1 for the dynamic batch dim (a SymInt)."""
+    return int(d) if isinstance(d, int) or not isinstance(d, torch.SymInt) else -1
+
+
+def _shape(val) -> tuple[int, ...]:
+    return tuple(_dim(d) for d in val.shape)
+
+
 def _info(node: fx.Node) -> ValueInfo:
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
-        return ValueInfo(tuple(int(d) for d in val.shape), str(val.dtype).replace("torch.", ""))
+        return ValueInfo(_shape(val), str(val.dtype).replace("torch.", ""))
     return ValueInfo((), "unknown")
 
 
@@ -79,7 +88,7 @@ def _emit(ctx: _Ctx, node: fx.Node, op: str, inputs: list[str], attrs: dict, n_o
         for i, out in enumerate(outs):
             v = vals[i] if isinstance(vals, (tuple, list)) else None
             ctx.graph.values[out] = (
-                ValueInfo(tuple(int(d) for d in v.shape), str(v.dtype).replace("torch.", ""))
+                ValueInfo(_shape(v), str(v.dtype).replace("torch.", ""))
                 if isinstance(v, torch.Tensor) else ValueInfo((), "unknown")
             )
         ctx.names[node] = outs
@@ -142,7 +151,7 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     if isinstance(value, torch.SymInt):
-        return int(value)
+        return _dim(value)
     return value
 
 
@@ -302,7 +311,7 @@ def _split(ctx, node):
     x = _value(ctx, bound["self"])
     vals = node.meta["val"]
     dim = bound["dim"] % len(_info(node.args[0]).shape)
-    sizes = [int(v.shape[dim]) for v in vals]
+    sizes = [_dim(v.shape[dim]) for v in vals]
     _emit(ctx, node, "split", [x], {"sizes": sizes, "dim": dim}, n_out=len(sizes))
 
 
@@ -335,7 +344,7 @@ _register([aten.view.default, aten.reshape.default, aten._unsafe_view.default, a
 _register([aten.permute.default, aten.transpose.int, aten.t.default], _permute)
 _register([aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default,
            aten.dropout.default, aten.lift_fresh_copy.default, aten.detach_.default], _identity)
-_register([aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default], _to)
+_register([aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default], _to)
 _register(aten.cat.default, _cat)
 _register(aten.stack.default, _stack)
 _register([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int], _split)
@@ -347,12 +356,27 @@ _register(aten.gather.default, _generic("gather", aten.gather.default, ("self", 
 _register(aten.index_select.default, _generic("index_select", aten.index_select.default, ("self", "index"),
                                                ("dim",)))
 _register(operator.getitem, _getitem)
+
+
+def _index(ctx, node):
+    """Advanced indexing ``x[i, j]`` (masks, gathers): ``index(x, i0, i1, ...)``, "" for an unindexed dim."""
+    x, indices = node.args[0], node.args[1]
+    names = [_value(ctx, x)] + ["" if i is None else _value(ctx, i) for i in indices]
+    _emit(ctx, node, "index", names, {})
+
+
+_register(aten.index.Tensor, _index)
 TORCH_OPS.update({"reshape": aten.reshape.default, "permute": aten.permute.default, "cat": aten.cat.default,
                   "expand": aten.expand.default})
 for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
     _register([getattr(aten, _name).Tensor, getattr(aten, _name).Scalar],
               _generic(_name, getattr(aten, _name).Tensor, ("self", "other")))
-_register([aten.logical_not.default], _generic("logical_not", aten.logical_not.default, ("self",)))
+_register([aten.logical_not.default, aten.bitwise_not.default],
+          _generic("logical_not", aten.logical_not.default, ("self",)))
+_register([aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default],
+          _generic("logical_and", aten.logical_and.default, ("self", "other")))
+_register([aten.__or__.Tensor, aten.bitwise_or.Tensor, aten.logical_or.default],
+          _generic("logical_or", aten.logical_or.default, ("self", "other")))
 
 
 def _fake_quant(ctx, node):
@@ -447,6 +471,10 @@ def lower_exported_program(ep: torch.export.ExportedProgram, input_names: list[s
             outs = node.args[0]
             graph.outputs = [_output_name(ctx, o) for o in outs[: len(sig.user_outputs)]]
             continue
+        if _is_symbolic(node):
+            # Size arithmetic on the dynamic batch: the shape ops read static shapes (-1 = batch) from meta.
+            ctx.names[node] = -1
+            continue
         if _try_fold(ctx, node):
             continue
         rule = LOWERINGS.get(node.target)
@@ -462,6 +490,18 @@ def lower_exported_program(ep: torch.export.ExportedProgram, input_names: list[s
         rule(ctx, node)
     _drop_dead(graph)
     return graph
+
+
+_SHAPE_ASSERTS = {"_assert_scalar", "sym_constrain_range_for_size", "_assert_tensor_metadata"}
+
+
+def _is_symbolic(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    if isinstance(val, (torch.SymInt, torch.SymBool, torch.SymFloat)):
+        return True
+    return getattr(node.target, "__name__", "").split(".")[0] in _SHAPE_ASSERTS or (
+        node.op == "call_function" and val is None and str(node.target).split(".")[-2:-1] == ["_assert_scalar"]
+    )
 
 
 def _output_name(ctx: _Ctx, out: fx.Node) -> str:
