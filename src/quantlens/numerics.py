@@ -116,19 +116,28 @@ def quantize_multiplier(real: float) -> tuple[int, int]:
     return int(mult), int(shift)
 
 
-def rshift_round_half_to_even(x: torch.Tensor, shift: int) -> torch.Tensor:
-    """``x / 2**shift`` rounded half to even, on int64 tensors."""
-    if shift == 0:
-        return x
+def rshift_round_half_to_even(x: torch.Tensor, shift: "int | torch.Tensor") -> torch.Tensor:
+    """``x / 2**shift`` rounded half to even, on int64 tensors. ``shift`` may be a tensor broadcast against ``x``
+    (per-channel requantize)."""
     x = x.to(torch.int64)
+    if not isinstance(shift, torch.Tensor):
+        if shift == 0:
+            return x
+        shift = torch.tensor(shift, dtype=torch.int64)
+    shift = shift.to(torch.int64)
     floor = torch.bitwise_right_shift(x, shift)  # arithmetic shift: floor division
     rem = x - torch.bitwise_left_shift(floor, shift)
-    half = 1 << (shift - 1)
-    round_up = (rem > half) | ((rem == half) & (torch.bitwise_and(floor, 1) == 1))
+    half = torch.bitwise_left_shift(torch.ones_like(shift), (shift - 1).clamp(min=0))
+    round_up = ((rem > half) | ((rem == half) & (torch.bitwise_and(floor, 1) == 1))) & (shift > 0)
     return floor + round_up.to(torch.int64)
 
 
-def requantize(acc: torch.Tensor, multiplier: int, shift: int, dtype: QuantDType) -> torch.Tensor:
-    """Scale an int32 accumulator by ``multiplier * 2**-shift`` and saturate to ``dtype``."""
-    prod = acc.to(torch.int64) * int(multiplier)
+def requantize(
+    acc: torch.Tensor, multiplier: "int | torch.Tensor", shift: "int | torch.Tensor", dtype: QuantDType
+) -> torch.Tensor:
+    """Scale an int32 accumulator by ``multiplier * 2**-shift`` and saturate to ``dtype`` (int64 result).
+    ``multiplier``/``shift`` may be tensors broadcast against ``acc`` (per-channel)."""
+    if isinstance(multiplier, torch.Tensor):
+        multiplier = multiplier.to(torch.int64)
+    prod = acc.to(torch.int64) * multiplier
     return saturate(rshift_round_half_to_even(prod, shift), dtype)

@@ -1,0 +1,458 @@
+"""``convert``: qat IR -> quantized IR (integer-only; quantize/dequantize only at the model boundary).
+
+Every value of the qat IR that lies on an integer grid (the output of a ``fake_quant``, or data moved by a
+passthrough op) becomes an integer value with a known ``(dtype, scale)``. Each compute op is matched with the
+fake quant that ends its output chain (through passthrough ops such as the fused ReLU), and becomes one integer
+kernel that accumulates exactly and requantizes straight to that fake quant's scale (``docs/march.md`` §6-§10).
+A conv/linear whose output reaches a model output without a fake quant keeps the int32 high-precision output.
+
+Converters live in one registry, ``CONVERTERS``, keyed by qat IR op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from quantlens.compiler.ir import Graph, Module, Node, ValueInfo
+from quantlens.compiler.kernels_int import storage_dtype
+from quantlens.errors import QuantLensError
+from quantlens.march import QuantDType
+from quantlens.numerics import quantize, quantize_multiplier
+
+__all__ = ["convert", "CONVERTERS", "PASSTHROUGH_OPS"]
+
+#: ops that move integer values without changing them (or their scale).
+PASSTHROUGH_OPS = {
+    "reshape", "permute", "expand", "slice", "select", "split", "index", "gather", "index_select", "relu",
+    "max_pool2d", "topk", "sort", "max_dim", "amax", "upsample_nearest2d",
+}
+#: passthrough ops that keep every dimension in place (a per-channel int32 value may pass them).
+_DIM_PRESERVING = {"relu", "slice", "select", "index_select", "gather", "max_pool2d"}
+
+
+@dataclass
+class QInfo:
+    """An integer value: storage type and scale (per tensor, or per channel along ``axis``)."""
+
+    name: str  # value name in the quantized IR
+    qdtype: QuantDType
+    scale: torch.Tensor  # float32, [] or [C]
+    axis: int | None = None
+
+    def same_grid(self, qdtype: QuantDType, scale: torch.Tensor) -> bool:
+        return self.qdtype is qdtype and self.scale.numel() == scale.numel() and bool(
+            torch.equal(self.scale.reshape(-1), scale.reshape(-1).to(self.scale.dtype))
+        )
+
+
+def _fq_dtype(qmin: int) -> QuantDType:
+    return {-128: QuantDType.qint8, -32768: QuantDType.qint16, -(2**31): QuantDType.qint32}[qmin]
+
+
+class _Converter:
+    def __init__(self, qat: Module):
+        self.src = qat.graph
+        self.out = Graph(nodes=[], inputs=list(qat.graph.inputs), outputs=[], constants={}, values={})
+        self.producers = self.src.producers()
+        self.consumers = self.src.consumers()
+        self.q: dict[str, QInfo] = {}  # qat value -> integer value
+        self.float_values: dict[str, str] = {}  # qat value -> float value of the quantized IR (inputs, outputs)
+        self.targets: dict[str, tuple[QuantDType, torch.Tensor]] = {}  # compute output -> chosen fake quant grid
+        self.counter = 0
+        for name in qat.graph.inputs:
+            self.float_values[name] = name
+            self.out.values[name] = qat.graph.values[name]
+
+    # -- helpers ----------------------------------------------------------------------------------------------
+    def fresh(self, base: str) -> str:
+        self.counter += 1
+        return f"{base}_q{self.counter}"
+
+    def const(self, tensor: torch.Tensor, base: str) -> str:
+        name = self.fresh(base)
+        self.out.constants[name] = tensor
+        self.out.values[name] = ValueInfo(tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""))
+        return name
+
+    def is_const(self, name: str) -> bool:
+        return name in self.src.constants
+
+    def emit(self, node: Node, op: str, inputs: list[str], attrs: dict, qdtype: QuantDType | None,
+             scale: torch.Tensor | None, axis: int | None = None, src_out: str | None = None) -> str:
+        src_out = src_out or node.outputs[0]
+        name = self.fresh(src_out)
+        self.out.nodes.append(Node(op, inputs, [name], attrs, node.site))
+        info = self.src.values.get(src_out, ValueInfo((), "unknown"))
+        if qdtype is not None:
+            scale_name = self.const(scale.to(torch.float32), f"{src_out}_scale")
+            self.out.values[name] = ValueInfo(info.shape, storage_dtype(qdtype.value).__repr__().replace(
+                "torch.", ""), qdtype.value, scale_name, axis)
+            self.q[src_out] = QInfo(name, qdtype, scale.to(torch.float32), axis)
+        else:
+            self.out.values[name] = info
+            self.float_values[src_out] = name
+        return name
+
+    def int_input(self, node: Node, value: str) -> QInfo:
+        info = self.q.get(value)
+        if info is None:
+            raise QuantLensError(
+                f"convert: op '{node.op}' at op site '{node.site}' takes '{value}', which is not quantized. Every "
+                "input of a compute op must come from a fake quant in the qat IR; check that this op site has a "
+                "qconfig (model_check_result.txt lists sites left float)."
+            )
+        return info
+
+    def requant_attrs(self, real: torch.Tensor, qdtype: QuantDType) -> dict:
+        pairs = [quantize_multiplier(float(m)) for m in real.reshape(-1).tolist()]
+        return {"multiplier": [p[0] for p in pairs], "shift": [p[1] for p in pairs],
+                "out_dtype": qdtype.value}
+
+    def output_grid(self, node: Node) -> tuple[QuantDType, torch.Tensor] | None:
+        """The fake quant that ends this compute op's output chain (through passthrough ops), if any."""
+        value = node.outputs[0]
+        seen = 0
+        while seen < 64:
+            seen += 1
+            users = self.consumers.get(value, [])
+            if len(users) != 1 or value in self.src.outputs:
+                return None
+            user = users[0]
+            if user.op == "fake_quant" and user.inputs[0] == value:
+                return _fq_dtype(user.attrs["qmin"]), self.src.constants[user.inputs[1]].to(torch.float32)
+            if user.op in PASSTHROUGH_OPS and user.inputs[0] == value and user.op not in ("topk", "sort", "max_dim"):
+                value = user.outputs[0]
+                continue
+            return None
+        return None
+
+    # -- driver -----------------------------------------------------------------------------------------------
+    def run(self) -> Graph:
+        for node in self.src.nodes:
+            converter = CONVERTERS.get(node.op)
+            if converter is None:
+                raise QuantLensError(
+                    f"convert: no integer lowering for op '{node.op}' (op site '{node.site}'). Supported ops are "
+                    "listed in docs/ir.md."
+                )
+            converter(self, node)
+        for value in self.src.outputs:
+            self.out.outputs.append(self.boundary_output(value))
+        return self.out
+
+    def boundary_output(self, value: str) -> str:
+        if value in self.q:
+            info = self.q[value]
+            scale = self.const(info.scale, f"{value}_out_scale")
+            name = self.fresh(f"{value}_float")
+            self.out.nodes.append(Node("dequantize", [info.name, scale], [name], {"axis": info.axis}, "output"))
+            self.out.values[name] = ValueInfo(self.src.values[value].shape, "float32")
+            return name
+        if value in self.float_values:
+            return self.float_values[value]
+        if value in self.src.constants:
+            return self.const(self.src.constants[value], value)
+        raise QuantLensError(f"convert: model output '{value}' was not produced by the converted graph.")
+
+
+CONVERTERS: dict[str, Callable[[_Converter, Node], None]] = {}
+
+
+def converter(*ops: str):
+    def register(fn):
+        for op in ops:
+            CONVERTERS[op] = fn
+        return fn
+
+    return register
+
+
+@converter("fake_quant")
+def _fake_quant(c: _Converter, node: Node) -> None:
+    x, scale_name = node.inputs
+    qdtype = _fq_dtype(node.attrs["qmin"])
+    scale = c.src.constants[scale_name].to(torch.float32)
+    axis = node.attrs["axis"] if node.attrs["axis"] >= 0 else None
+    out = node.outputs[0]
+    if c.is_const(x):  # weights and biases become integer constants
+        q = quantize(c.src.constants[x], scale, qdtype, axis).to(storage_dtype(qdtype.value))
+        name = c.const(q, out)
+        c.out.values[name].qdtype = qdtype.value
+        c.q[out] = QInfo(name, qdtype, scale, axis)
+        return
+    if x in c.q:
+        info = c.q[x]
+        if info.same_grid(qdtype, scale):
+            c.q[out] = info
+            return
+        real = info.scale.to(torch.float64) / scale.to(torch.float64)
+        attrs = c.requant_attrs(real, qdtype)
+        attrs["axis"] = info.axis
+        c.emit(node, "requantize", [info.name], attrs, qdtype, scale)
+        return
+    if x in c.float_values:  # a model input: the boundary quantize
+        scale_const = c.const(scale, f"{out}_in_scale")
+        c.emit(node, "quantize", [c.float_values[x], scale_const], {"out_dtype": qdtype.value, "axis": axis},
+               qdtype, scale, axis)
+        return
+    raise QuantLensError(
+        f"convert: fake quant at op site '{node.site}' quantizes '{x}', a float value computed inside the model. "
+        "Only model inputs may be quantized from float; the op producing it has no integer form."
+    )
+
+
+def _gemm(c: _Converter, node: Node, channel_axis: int | None) -> None:
+    x = c.int_input(node, node.inputs[0])
+    w = c.int_input(node, node.inputs[1])
+    bias = node.inputs[2] if len(node.inputs) > 2 else ""
+    acc_scale = x.scale.to(torch.float64) * w.scale.to(torch.float64)  # exact product of float32 scales
+    inputs = [x.name, w.name]
+    if bias:
+        b = c.int_input(node, bias)
+        if b.qdtype is not QuantDType.qint32:
+            raise QuantLensError(f"convert: the bias of op site '{node.site}' is not int32-quantized.")
+        inputs.append(b.name)
+    elif node.op != "matmul":
+        inputs.append("")
+    grid = c.output_grid(node)
+    if grid is None:
+        if node.op == "matmul":
+            raise QuantLensError(f"convert: matmul at op site '{node.site}' has no output fake quant.")
+        scale = acc_scale.to(torch.float32)
+        axis = None if scale.numel() == 1 else channel_axis
+        c.emit(node, node.op, inputs, {**node.attrs, "out_dtype": "qint32"}, QuantDType.qint32, scale, axis)
+        return
+    qdtype, out_scale = grid
+    attrs = {**node.attrs, **c.requant_attrs(acc_scale / out_scale.to(torch.float64), qdtype)}
+    c.emit(node, node.op, inputs, attrs, qdtype, out_scale)
+
+
+@converter("conv2d", "conv1d")
+def _conv(c, node):
+    _gemm(c, node, 1)
+
+
+@converter("linear")
+def _linear(c, node):
+    _gemm(c, node, len(c.src.values[node.outputs[0]].shape) - 1)
+
+
+@converter("matmul")
+def _matmul(c, node):
+    _gemm(c, node, None)
+
+
+def _required_grid(c: _Converter, node: Node) -> tuple[QuantDType, torch.Tensor]:
+    grid = c.output_grid(node)
+    if grid is None:
+        raise QuantLensError(
+            f"convert: op '{node.op}' at op site '{node.site}' has no output fake quant; its integer result needs "
+            "an output scale. Give the op site a qconfig with an int8/int16 output."
+        )
+    return grid
+
+
+@converter("add", "sub", "cat")
+def _rescaled(c, node):
+    infos = [c.int_input(node, v) for v in node.inputs]
+    qdtype, out_scale = _required_grid(c, node)
+    pairs = [quantize_multiplier(float(i.scale.to(torch.float64) / out_scale.to(torch.float64))) for i in infos]
+    attrs = {"multipliers": [p[0] for p in pairs], "shifts": [p[1] for p in pairs], "out_dtype": qdtype.value}
+    if node.op == "cat":
+        attrs["dim"] = node.attrs["dim"]
+    c.emit(node, node.op, [i.name for i in infos], attrs, qdtype, out_scale)
+
+
+def _scalar(c: _Converter, name: str) -> float | None:
+    if name in c.src.constants and c.src.constants[name].numel() == 1:
+        return float(c.src.constants[name])
+    return None
+
+
+@converter("mul", "div")
+def _mul(c, node):
+    a, b = node.inputs
+    qdtype, out_scale = _required_grid(c, node)
+    k = _scalar(c, b)
+    if k is not None:
+        real = 1.0 / k if node.op == "div" else k
+        if real == 0:
+            raise QuantLensError(f"convert: multiplication by 0 at op site '{node.site}'.")
+        x = c.int_input(node, a)
+        m = abs(real) * float(x.scale) / float(out_scale)
+        attrs = {**c.requant_attrs(torch.tensor(m, dtype=torch.float64), qdtype), "negative": real < 0}
+        c.emit(node, "scale", [x.name], attrs, qdtype, out_scale)
+        return
+    if node.op == "div":
+        raise QuantLensError(
+            f"convert: division by a tensor at op site '{node.site}' needs the reciprocal lookup table; run "
+            "export on the QAT model (it applies pre_export) instead of exporting without tables."
+        )
+    x, y = c.int_input(node, a), c.int_input(node, b)
+    real = x.scale.to(torch.float64) * y.scale.to(torch.float64) / out_scale.to(torch.float64)
+    c.emit(node, "mul", [x.name, y.name], c.requant_attrs(real, qdtype), qdtype, out_scale)
+
+
+@converter("mean", "sum")
+def _reduce(c, node):
+    x = c.int_input(node, node.inputs[0])
+    qdtype, out_scale = _required_grid(c, node)
+    shape = c.src.values[node.inputs[0]].shape
+    dims = node.attrs["dim"] if node.attrs.get("dim") is not None else list(range(len(shape)))
+    count = 1
+    for d in dims:
+        count *= shape[d]
+    divisor = count if node.op == "mean" else 1
+    real = x.scale.to(torch.float64) / (divisor * out_scale.to(torch.float64))
+    attrs = {"dim": dims, "keepdim": node.attrs.get("keepdim", False), **c.requant_attrs(real, qdtype)}
+    c.emit(node, "sum_int", [x.name], attrs, qdtype, out_scale)
+
+
+def _pool_attrs(c, node) -> tuple[dict, int]:
+    if node.op == "avg_pool2d":
+        a = node.attrs
+        if a.get("divisor_override") is not None or (a["padding"] != [0, 0] and a["count_include_pad"] is False):
+            raise QuantLensError(
+                f"convert: avg_pool2d at op site '{node.site}' with divisor_override or excluded padding has "
+                "varying window sizes; the march averages fixed windows."
+            )
+        kernel = a["kernel_size"]
+        stride = a["stride"] or kernel
+        return {"kernel_size": kernel, "stride": stride, "padding": a["padding"], "ceil_mode": a["ceil_mode"],
+                "count_include_pad": True}, kernel[0] * kernel[1]
+    in_h, in_w = c.src.values[node.inputs[0]].shape[-2:]
+    out_h, out_w = node.attrs["output_size"]
+    if in_h % out_h or in_w % out_w:
+        raise QuantLensError(
+            f"convert: adaptive_avg_pool2d at op site '{node.site}' from {in_h}x{in_w} to {out_h}x{out_w} has "
+            "uneven windows; the march averages fixed windows (make the input size a multiple of the output)."
+        )
+    kernel = [in_h // out_h, in_w // out_w]
+    return {"kernel_size": kernel, "stride": kernel, "padding": [0, 0], "ceil_mode": False,
+            "count_include_pad": True}, kernel[0] * kernel[1]
+
+
+@converter("avg_pool2d", "adaptive_avg_pool2d")
+def _avg_pool(c, node):
+    x = c.int_input(node, node.inputs[0])
+    qdtype, out_scale = _required_grid(c, node)
+    attrs, count = _pool_attrs(c, node)
+    real = x.scale.to(torch.float64) / (count * out_scale.to(torch.float64))
+    c.emit(node, "avg_pool2d_int", [x.name], {**attrs, **c.requant_attrs(real, qdtype)}, qdtype, out_scale)
+
+
+@converter("clamp", "hardtanh")
+def _clamp(c, node):
+    x = c.int_input(node, node.inputs[0])
+    qdtype, out_scale = _required_grid(c, node)
+    lo_val = node.attrs.get("min", node.attrs.get("min_val"))
+    hi_val = node.attrs.get("max", node.attrs.get("max_val"))
+    s = float(x.scale)
+    lo = -(2**31) if lo_val is None else int(round(lo_val / s))
+    hi = 2**31 - 1 if hi_val is None else int(round(hi_val / s))
+    real = x.scale.to(torch.float64) / out_scale.to(torch.float64)
+    c.emit(node, "clamp", [x.name], {"lo": lo, "hi": hi, **c.requant_attrs(real, qdtype)}, qdtype, out_scale)
+
+
+@converter(*sorted(PASSTHROUGH_OPS))
+def _passthrough(c, node):
+    x = c.q.get(node.inputs[0])
+    if x is None:
+        if node.inputs[0] in c.float_values or c.is_const(node.inputs[0]):
+            return _float_movement(c, node)
+        x = c.int_input(node, node.inputs[0])
+    axis = x.axis if x.axis is None or node.op in _DIM_PRESERVING else _moved_axis(c, node, x.axis)
+    extra = [c.q[v].name if v in c.q else _index_input(c, node, v) for v in node.inputs[1:]]
+    outs = [c.fresh(o) for o in node.outputs]
+    c.out.nodes.append(Node(node.op, [x.name] + extra, outs, dict(node.attrs), node.site))
+    value_outputs = node.outputs if node.op not in ("topk", "sort", "max_dim") else node.outputs[:1]
+    for src_out, name in zip(node.outputs, outs):
+        info = c.src.values.get(src_out, ValueInfo((), "unknown"))
+        if src_out in value_outputs:
+            c.out.values[name] = ValueInfo(info.shape, str(storage_dtype(x.qdtype.value)).replace("torch.", ""),
+                                           x.qdtype.value, None, axis)
+            c.q[src_out] = QInfo(name, x.qdtype, x.scale, axis)
+        else:  # indices
+            c.out.values[name] = info
+            c.float_values[src_out] = name
+
+
+def _moved_axis(c: _Converter, node: Node, axis: int) -> int:
+    """Where the channel axis of a per-channel (int32 high-precision) value lands after a movement op."""
+    in_shape = list(c.src.values[node.inputs[0]].shape)
+    axis %= len(in_shape)
+    if node.op == "permute":
+        return node.attrs["dims"].index(axis)
+    if node.op == "reshape":
+        # The channel dim must survive whole: same size, same number of elements before it.
+        out_shape = list(c.src.values[node.outputs[0]].shape)
+        dyn = 7919  # stands for the dynamic batch (-1) on both sides
+        prefix = 1
+        for d in in_shape[:axis]:
+            prefix *= dyn if d == -1 else d
+        running = 1
+        for j, d in enumerate(out_shape):
+            if running == prefix and d == in_shape[axis]:
+                return j
+            running *= dyn if d == -1 else d
+    raise QuantLensError(
+        f"convert: op '{node.op}' at op site '{node.site}' splits or merges the channel dim of a per-channel int32 "
+        "high-precision output; dequantize it first (put the DeQuantStub right after the final conv/linear)."
+    )
+
+
+def _index_input(c: _Converter, node: Node, value: str) -> str:
+    if not value:
+        return ""
+    if value in c.float_values:
+        return c.float_values[value]
+    if c.is_const(value):
+        return c.const(c.src.constants[value], value)
+    raise QuantLensError(f"convert: index input '{value}' of op site '{node.site}' is not available.")
+
+
+def _float_movement(c: _Converter, node: Node) -> None:
+    """Integer/bool tensors (token ids, masks, indices) move with the same kernels as in the qat IR."""
+    ins = [_index_input(c, node, v) for v in node.inputs]
+    outs = [c.fresh(o) for o in node.outputs]
+    c.out.nodes.append(Node(node.op, ins, outs, dict(node.attrs), node.site))
+    for src_out, name in zip(node.outputs, outs):
+        c.out.values[name] = c.src.values.get(src_out, ValueInfo((), "unknown"))
+        c.float_values[src_out] = name
+
+
+@converter("embedding")
+def _embedding(c, node):
+    table = c.int_input(node, node.inputs[0])
+    ids = _index_input(c, node, node.inputs[1])
+    c.emit(node, "embedding", [table.name, ids], {}, table.qdtype, table.scale)
+
+
+@converter("argmax", "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or", "cast")
+def _non_numeric(c, node):
+    """Ops whose result is an index or a mask: computed on the integer values (order is preserved)."""
+    if any(v in c.q for v in node.inputs) and node.op not in ("argmax",):
+        raise QuantLensError(
+            f"convert: op '{node.op}' at op site '{node.site}' compares quantized values with float ones; "
+            "keep comparisons on integer/bool tensors or in post-processing."
+        )
+    ins = [c.q[v].name if v in c.q else _index_input(c, node, v) for v in node.inputs]
+    name = c.fresh(node.outputs[0])
+    c.out.nodes.append(Node(node.op, ins, [name], dict(node.attrs), node.site))
+    c.out.values[name] = c.src.values.get(node.outputs[0], ValueInfo((), "unknown"))
+    c.float_values[node.outputs[0]] = name
+
+
+def convert(qat_ir: Module) -> Module:
+    """Convert a qat IR (from ``export``) to the integer-only quantized IR; the input module is not modified."""
+    if not isinstance(qat_ir, Module) or qat_ir.kind != "qat":
+        raise QuantLensError(
+            "convert expects the qat IR returned by quantlens.compiler.export (kind 'qat'), got "
+            f"{getattr(qat_ir, 'kind', type(qat_ir).__name__)!r}."
+        )
+    graph = _Converter(qat_ir).run()
+    return Module("quantized", graph, list(qat_ir.input_leaves), qat_ir.input_spec, qat_ir.output_spec,
+                  meta=dict(qat_ir.meta))

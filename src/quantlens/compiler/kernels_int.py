@@ -1,0 +1,234 @@
+"""Integer kernels of the quantized IR: the bit-exact simulator of ``docs/march.md``.
+
+Values are integer tensors (int8/int16/int32 storage; int64 for indices). GEMMs and pooling sums are computed in
+float64 on integer operands, which is exact (every partial sum of int8/int16 products stays far below 2**53) and
+therefore independent of summation order and thread count; results are then rounded/saturated with the
+functions of :mod:`quantlens.numerics`, which implement the spec's rules once.
+
+Requantize parameters live in node attrs: ``multiplier``/``shift`` (lists: one entry per tensor, or per channel
+along ``axis``) and the output type's ``qmin``/``qmax``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from quantlens.compiler.interpreter import QAT_KERNELS, call_torch_op
+from quantlens.compiler.ir import Node
+from quantlens.compiler.lowering import TORCH_OPS
+from quantlens.errors import QuantLensError
+from quantlens.march import QuantDType
+from quantlens.numerics import dequantize, quantize, requantize, rshift_round_half_to_even
+
+__all__ = ["INT_KERNELS", "int_kernel", "int_dispatch", "storage_dtype"]
+
+INT_KERNELS: dict[str, Callable[[Node, list], Any]] = {}
+
+_INT32 = QuantDType.qint32
+
+
+def int_kernel(*ops: str):
+    def register(fn):
+        for op in ops:
+            INT_KERNELS[op] = fn
+        return fn
+
+    return register
+
+
+def storage_dtype(qdtype: str) -> torch.dtype:
+    return {"qint8": torch.int8, "qint16": torch.int16, "qint32": torch.int32}[qdtype]
+
+
+def _qdtype(node: Node) -> QuantDType:
+    return QuantDType.parse(node.attrs["out_dtype"])
+
+
+def _requant(node: Node, acc: torch.Tensor, channel_dim: int | None = None) -> torch.Tensor:
+    """Apply the node's requantize attrs to an int64 accumulator; store in the output's integer type."""
+    out = _qdtype(node)
+    mult = node.attrs.get("multiplier")
+    if mult is None:  # int32 high-precision output: saturate only
+        y = torch.clamp(acc, _INT32.qmin, _INT32.qmax)
+    else:
+        m = torch.tensor(mult, dtype=torch.int64)
+        sh = torch.tensor(node.attrs["shift"], dtype=torch.int64)
+        if m.numel() > 1:
+            shape = [1] * acc.dim()
+            shape[channel_dim % acc.dim()] = -1
+            m, sh = m.reshape(shape), sh.reshape(shape)
+        else:
+            m, sh = m.reshape(()), sh.reshape(())
+        y = requantize(torch.clamp(acc, _INT32.qmin, _INT32.qmax), m, sh, out)
+    return y.to(storage_dtype(out.value))
+
+
+def _exact(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64)
+
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    return t.round().to(torch.int64)
+
+
+# -- boundary and requantize ----------------------------------------------------------------------------------
+@int_kernel("quantize")
+def _quantize(node, inputs):
+    x, scale = inputs
+    return quantize(x, scale, _qdtype(node), node.attrs.get("axis")).to(storage_dtype(node.attrs["out_dtype"]))
+
+
+@int_kernel("dequantize")
+def _dequantize(node, inputs):
+    q, scale = inputs
+    return dequantize(q, scale, node.attrs.get("axis"))
+
+
+@int_kernel("requantize")
+def _requantize(node, inputs):
+    return _requant(node, inputs[0].to(torch.int64), node.attrs.get("axis"))
+
+
+# -- GEMM -----------------------------------------------------------------------------------------------------
+def _bias(acc: torch.Tensor, bias: torch.Tensor | None, channel_dim: int) -> torch.Tensor:
+    if bias is None:
+        return acc
+    shape = [1] * acc.dim()
+    shape[channel_dim] = -1
+    return acc + bias.to(torch.int64).reshape(shape)
+
+
+@int_kernel("conv2d", "conv1d")
+def _conv(node, inputs):
+    x, w, b = inputs
+    conv = F.conv2d if node.op == "conv2d" else F.conv1d
+    a = node.attrs
+    acc = _acc(conv(_exact(x), _exact(w), None, a["stride"], a["padding"], a["dilation"], a["groups"]))
+    return _requant(node, _bias(acc, b, 1), 1)
+
+
+@int_kernel("linear")
+def _linear(node, inputs):
+    x, w, b = inputs
+    acc = _acc(F.linear(_exact(x), _exact(w)))
+    return _requant(node, _bias(acc, b, acc.dim() - 1), -1)
+
+
+@int_kernel("matmul")
+def _matmul(node, inputs):
+    a, b = inputs
+    return _requant(node, _acc(torch.matmul(_exact(a), _exact(b))))
+
+
+# -- elementwise --------------------------------------------------------------------------------------------
+def _rescale(q: torch.Tensor, mult: int, shift: int) -> torch.Tensor:
+    """``docs/march.md`` §10: one input rescaled to the output scale, saturated to int32."""
+    t = rshift_round_half_to_even(q.to(torch.int64) * int(mult), int(shift))
+    return torch.clamp(t, _INT32.qmin, _INT32.qmax)
+
+
+def _store(node: Node, y: torch.Tensor) -> torch.Tensor:
+    out = _qdtype(node)
+    return torch.clamp(y, out.qmin, out.qmax).to(storage_dtype(out.value))
+
+
+@int_kernel("add", "sub")
+def _add(node, inputs):
+    (ma, mb), (sa, sb) = node.attrs["multipliers"], node.attrs["shifts"]
+    ta, tb = _rescale(inputs[0], ma, sa), _rescale(inputs[1], mb, sb)
+    return _store(node, ta + tb if node.op == "add" else ta - tb)
+
+
+@int_kernel("cat")
+def _cat(node, inputs):
+    parts = [
+        _rescale(q, m, s) for q, m, s in zip(inputs, node.attrs["multipliers"], node.attrs["shifts"])
+    ]
+    return _store(node, torch.cat(parts, dim=node.attrs["dim"]))
+
+
+@int_kernel("mul")
+def _mul(node, inputs):
+    a, b = inputs
+    return _requant(node, a.to(torch.int64) * b.to(torch.int64))
+
+
+@int_kernel("scale")
+def _scale(node, inputs):
+    """Multiply by a constant real number: its sign flips the integers, its magnitude joins the multiplier."""
+    q = inputs[0].to(torch.int64)
+    if node.attrs["negative"]:
+        q = -q
+    return _requant(node, q)
+
+
+@int_kernel("clamp")
+def _clamp(node, inputs):
+    q = inputs[0].to(torch.int64)
+    lo, hi = node.attrs["lo"], node.attrs["hi"]
+    q = torch.clamp(q, min=lo, max=hi)
+    return _requant(node, q)
+
+
+# -- reductions and pooling (exact integer sums, one requantize) ---------------------------------------------
+@int_kernel("sum_int")
+def _sum(node, inputs):
+    acc = _acc(torch.sum(_exact(inputs[0]), dim=node.attrs["dim"], keepdim=node.attrs["keepdim"]))
+    return _requant(node, acc)
+
+
+@int_kernel("avg_pool2d_int")
+def _avg_pool(node, inputs):
+    a = node.attrs
+    acc = _acc(F.avg_pool2d(_exact(inputs[0]), a["kernel_size"], a["stride"], a["padding"], a["ceil_mode"],
+                            a["count_include_pad"], divisor_override=1))
+    return _requant(node, acc)
+
+
+# -- passthrough: integer values move, their scale stays -------------------------------------------------------
+@int_kernel("relu")
+def _relu(node, inputs):
+    return torch.clamp(inputs[0], min=0)
+
+
+@int_kernel("max_pool2d")
+def _max_pool(node, inputs):
+    a = node.attrs
+    q = inputs[0]
+    y = F.max_pool2d(_exact(q), a["kernel_size"], a["stride"], a["padding"], a["dilation"], a["ceil_mode"])
+    return y.to(q.dtype)
+
+
+@int_kernel("topk", "sort", "max_dim")
+def _values_and_indices(node, inputs):
+    q = inputs[0]
+    values, indices = call_torch_op(TORCH_OPS[node.op], node, [_exact(q)])
+    return [values.to(q.dtype), indices]
+
+
+@int_kernel("upsample_nearest2d")
+def _nearest(node, inputs):
+    q = inputs[0]
+    return call_torch_op(TORCH_OPS[node.op], node, [_exact(q)]).to(q.dtype)
+
+
+def int_dispatch(node: Node, inputs: list) -> Any:
+    kernel = INT_KERNELS.get(node.op)
+    if kernel is not None:
+        return kernel(node, inputs)
+    # Pure data movement (reshape, permute, slice, gather, embedding ...) has the same kernel on integers.
+    if node.op in _MOVEMENT:
+        return QAT_KERNELS[node.op](node, inputs) if node.op in QAT_KERNELS else call_torch_op(
+            TORCH_OPS[node.op], node, inputs
+        )
+    raise QuantLensError(f"quantized IR: no integer kernel for op '{node.op}' (op site '{node.site}').")
+
+
+_MOVEMENT = {
+    "reshape", "permute", "expand", "slice", "select", "split", "index", "gather", "index_select", "embedding",
+    "amax", "argmax", "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or", "cast",
+    "where",
+}
