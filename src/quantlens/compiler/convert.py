@@ -60,7 +60,8 @@ class _Converter:
         self.consumers = self.src.consumers()
         self.q: dict[str, QInfo] = {}  # qat value -> integer value
         self.float_values: dict[str, str] = {}  # qat value -> float value of the quantized IR (inputs, outputs)
-        self.targets: dict[str, tuple[QuantDType, torch.Tensor]] = {}  # compute output -> chosen fake quant grid
+        #: scalar mul/div nodes folded into the preceding GEMM's requantize multiplier
+        self.folded: set[str] = set()
         self.counter = 0
         for name in qat.graph.inputs:
             self.float_values[name] = name
@@ -111,9 +112,14 @@ class _Converter:
         return {"multiplier": [p[0] for p in pairs], "shift": [p[1] for p in pairs],
                 "out_dtype": qdtype.value}
 
-    def output_grid(self, node: Node) -> tuple[QuantDType, torch.Tensor] | None:
-        """The fake quant that ends this compute op's output chain (through passthrough ops), if any."""
+    def output_grid(self, node: Node, fold_scalars: bool = False):
+        """The fake quant that ends this compute op's output chain (through passthrough ops), if any.
+
+        With ``fold_scalars`` (GEMMs), multiplications by positive scalar constants on the way are folded into
+        the requantize multiplier; the result is then ``(dtype, scale, factor)``.
+        """
         value = node.outputs[0]
+        factor, folded = 1.0, []
         seen = 0
         while seen < 64:
             seen += 1
@@ -122,7 +128,17 @@ class _Converter:
                 return None
             user = users[0]
             if user.op == "fake_quant" and user.inputs[0] == value:
-                return _fq_dtype(user.attrs["qmin"]), self.src.constants[user.inputs[1]].to(torch.float32)
+                grid = _fq_dtype(user.attrs["qmin"]), self.src.constants[user.inputs[1]].to(torch.float32)
+                if not fold_scalars:
+                    return grid
+                self.folded.update(folded)
+                return (*grid, factor)
+            k = _scalar(self, user.inputs[1]) if user.op in ("mul", "div") and len(user.inputs) == 2 else None
+            if fold_scalars and k is not None and k > 0 and user.inputs[0] == value:
+                factor *= k if user.op == "mul" else 1.0 / k
+                folded.append(user.outputs[0])
+                value = user.outputs[0]
+                continue
             if user.op in PASSTHROUGH_OPS and user.inputs[0] == value and user.op not in ("topk", "sort", "max_dim"):
                 value = user.outputs[0]
                 continue
@@ -217,7 +233,7 @@ def _gemm(c: _Converter, node: Node, channel_axis: int | None) -> None:
         inputs.append(b.name)
     elif node.op != "matmul":
         inputs.append("")
-    grid = c.output_grid(node)
+    grid = c.output_grid(node, fold_scalars=True)
     if grid is None:
         if node.op == "matmul":
             raise QuantLensError(f"convert: matmul at op site '{node.site}' has no output fake quant.")
@@ -225,8 +241,8 @@ def _gemm(c: _Converter, node: Node, channel_axis: int | None) -> None:
         axis = None if scale.numel() == 1 else channel_axis
         c.emit(node, node.op, inputs, {**node.attrs, "out_dtype": "qint32"}, QuantDType.qint32, scale, axis)
         return
-    qdtype, out_scale = grid
-    attrs = {**node.attrs, **c.requant_attrs(acc_scale / out_scale.to(torch.float64), qdtype)}
+    qdtype, out_scale, factor = grid
+    attrs = {**node.attrs, **c.requant_attrs(acc_scale * factor / out_scale.to(torch.float64), qdtype)}
     c.emit(node, node.op, inputs, attrs, qdtype, out_scale)
 
 
@@ -275,6 +291,9 @@ def _scalar(c: _Converter, name: str) -> float | None:
 @converter("mul", "div")
 def _mul(c, node):
     a, b = node.inputs
+    if node.outputs[0] in c.folded:  # already part of the GEMM's multiplier
+        c.q[node.outputs[0]] = c.q[a]
+        return
     qdtype, out_scale = _required_grid(c, node)
     k = _scalar(c, b)
     if k is not None:
@@ -402,6 +421,21 @@ def _moved_axis(c: _Converter, node: Node, axis: int) -> int:
         f"convert: op '{node.op}' at op site '{node.site}' splits or merges the channel dim of a per-channel int32 "
         "high-precision output; dequantize it first (put the DeQuantStub right after the final conv/linear)."
     )
+
+
+@converter("masked_fill")
+def _masked_fill(c, node):
+    x = c.int_input(node, node.inputs[0])
+    mask = _index_input(c, node, node.inputs[1])
+    value = node.attrs.get("value")
+    if value is None:
+        value = float(c.src.constants[node.inputs[2]])
+    fill = int(torch.clamp(torch.round(torch.tensor(value / float(x.scale))), x.qdtype.qmin, x.qdtype.qmax))
+    name = c.fresh(node.outputs[0])
+    c.out.nodes.append(Node("masked_fill_int", [x.name, mask], [name], {"value": fill}, node.site))
+    c.out.values[name] = ValueInfo(c.src.values[node.outputs[0]].shape, x.name and c.out.values[x.name].dtype,
+                                   x.qdtype.value)
+    c.q[node.outputs[0]] = QInfo(name, x.qdtype, x.scale, x.axis)
 
 
 def _index_input(c: _Converter, node: Node, value: str) -> str:

@@ -173,6 +173,12 @@ def _clamp(node, inputs):
     return _requant(node, q)
 
 
+@int_kernel("masked_fill_int")
+def _masked_fill(node, inputs):
+    q, mask = inputs
+    return q.masked_fill(mask, node.attrs["value"])
+
+
 # -- reductions and pooling (exact integer sums, one requantize) ---------------------------------------------
 @int_kernel("sum_int")
 def _sum(node, inputs):

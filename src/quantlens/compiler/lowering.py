@@ -222,6 +222,20 @@ _register(aten.pow.Tensor_Scalar, _generic("pow", aten.pow.Tensor_Scalar, ("self
 _register(aten.where.self, _generic("where", aten.where.self, ("condition", "self", "other")))
 _register([aten.masked_fill.Scalar], _generic("masked_fill", aten.masked_fill.Scalar, ("self", "mask"), ("value",)))
 
+
+def _masked_fill_tensor(ctx, node):
+    """``masked_fill`` with a 0-d tensor value: the value must be a constant (it becomes an attribute)."""
+    bound = _normalized(node)
+    value = _value(ctx, bound["value"])
+    if not ctx.is_const(value):
+        raise QuantLensError(f"masked_fill at op site '{_site(node)}' ({_source(node)}) fills with a computed "
+                             "value; the IR needs a constant fill value.")
+    _emit(ctx, node, "masked_fill", [_value(ctx, bound["self"]), _value(ctx, bound["mask"])],
+          {"value": float(ctx.graph.constants[value])})
+
+
+_register([aten.masked_fill.Tensor], _masked_fill_tensor)
+
 # -- normalisation, softmax ----------------------------------------------------------------------------------
 _register(aten.layer_norm.default, _generic("layer_norm", aten.layer_norm.default, ("input", "weight", "bias"),
                                              ("normalized_shape", "eps")))

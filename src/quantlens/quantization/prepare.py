@@ -21,6 +21,7 @@ from torch import nn
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType, get_march
 from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
+from quantlens.quantization.decompositions import DECOMPOSITIONS
 from quantlens.quantization.fuse import FusedGroup, UnfusedPattern, find_fusions
 from quantlens.quantization.observers import FixedScaleObserver
 from quantlens.quantization.op_rules import OpKind
@@ -301,6 +302,7 @@ def prepare(
         if request.fixed_scale is not None:
             spec = QuantSpec(spec.dtype, FixedScaleObserver.with_args(scale=request.fixed_scale))
         state.fq[request.key] = FakeQuantize(spec, is_weight=request.is_weight)
+    _install_decompositions(state)
     prepared._quantlens_state = state
     state.__dict__["_root_ref"] = prepared
     prepared.forward = _QuantizedForward(prepared)
@@ -311,6 +313,17 @@ def prepare(
 
         check_qat_model(prepared, example_inputs, check_result_dir)
     return prepared
+
+
+def _install_decompositions(state: QuantState) -> None:
+    """Ops the march computes as several integer ops get internal fake quants (see decompositions.py)."""
+    for plan in state.plans.values():
+        factory = DECOMPOSITIONS.get(plan.op_type)
+        if factory is None or plan.output is not OutputMode.QUANTIZED or plan.qconfig is None:
+            continue
+        key = plan.output_fq.replace("|out", "|decomposition")
+        state.overrides[key] = factory(plan.qconfig.output)
+        plan.override = key
 
 
 def _apply_module_qconfigs(

@@ -1,0 +1,79 @@
+"""Op sites that the NPU computes as several integer ops, and that therefore need internal fake quants.
+
+``scaled_dot_product_attention`` is one op in torch but three on the march: ``q @ kᵀ`` (int32, requantized),
+``softmax`` (tables) and ``probs @ v``. Its scores and probabilities must be quantized, and their scales must
+be observed like any other activation, so ``prepare`` installs :class:`SdpaDecomposition` at every sdpa op site:
+the prepared model computes what the NPU computes, calibration observes the internal tensors, and ``export``
+captures the decomposition.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+
+from quantlens.errors import QuantLensError
+from quantlens.quantization.fake_quantize import FakeQuantize
+from quantlens.quantization.overrides import OverrideCall, SiteOverride
+from quantlens.quantization.qconfig import QuantSpec
+
+__all__ = ["SdpaDecomposition", "DECOMPOSITIONS"]
+
+_SDPA_SIGNATURE = inspect.signature(
+    lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False: None
+)
+
+
+class SdpaDecomposition(SiteOverride):
+    """``softmax(q @ kᵀ · scale, masked) @ v`` with fake quants on the scaled scores and the probabilities.
+
+    A boolean mask (True = attend) sets masked scores to the most negative integer of the scores' grid, so
+    the float and integer models mask identically. A float (additive) mask is added to the scores before their
+    fake quant: keep it small (large negative fill values stretch the scores' scale); prefer a boolean mask.
+    """
+
+    def __init__(self, spec: QuantSpec):
+        super().__init__()
+        self.scores_fq = FakeQuantize(spec)
+        self.probs_fq = FakeQuantize(spec)
+        #: set by pre_export: compute the softmax with the march's tables (a callable (x, in_fq, out_fq) -> y)
+        self.__dict__["table_softmax"] = None
+
+    def compute(self, call: OverrideCall):
+        bound = _SDPA_SIGNATURE.bind(*call.args, **call.kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
+        if a["enable_gqa"]:
+            raise QuantLensError(
+                f"Op site '{call.site}': scaled_dot_product_attention with enable_gqa=True is not supported; "
+                "repeat the key/value heads explicitly."
+            )
+        scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+        scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+        if a["is_causal"]:
+            length, source = scores.shape[-2], scores.shape[-1]
+            mask = torch.ones(length, source, dtype=torch.bool, device=scores.device).tril()
+        if mask is not None and not mask.dtype == torch.bool:
+            scores = scores + mask
+            mask = None
+        scores = self.scores_fq(scores)
+        if mask is not None:
+            lowest = self.scores_fq.scale.reshape(()) * self.scores_fq.dtype.qmin
+            scores = scores.masked_fill(torch.logical_not(mask), lowest)
+        softmax = self.__dict__.get("table_softmax")
+        if softmax is not None:
+            probs = softmax(scores, self.scores_fq, self.probs_fq)
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        probs = self.probs_fq(probs)
+        if a["dropout_p"] and self.training:
+            probs = F.dropout(probs, a["dropout_p"])
+        return torch.matmul(probs, v)
+
+
+#: op type -> factory(spec) of the override prepare installs at such sites
+DECOMPOSITIONS = {"scaled_dot_product_attention": SdpaDecomposition}
