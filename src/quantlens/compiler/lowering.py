@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
+import quantlens.numerics  # noqa: F401  (registers torch.ops.quantlens.fake_quant)
 from quantlens.compiler.ir import Graph, Node, ValueInfo
 from quantlens.errors import QuantLensError
 
