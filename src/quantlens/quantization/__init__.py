@@ -45,3 +45,4 @@ __all__ = [
     "MSEObserver",
     "FixedScaleObserver",
 ]
+from quantlens.quantization.pre_export import LutSiteInfo, lut_errors, lut_sites, pre_export, pre_export_report, set_lut_enabled  # noqa: E402,F401,E501

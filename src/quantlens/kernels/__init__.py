@@ -1,0 +1,75 @@
+"""Integer kernels of the march's table ops (``docs/march.md`` §13).
+
+One implementation of every integer step, used by ``pre_export`` (through the custom ops of
+:mod:`quantlens.kernels.ops`) and by the integer simulator:
+
+* :mod:`.tables`: the table formats (:class:`Table256`, :class:`SegmentedTable`), their construction and
+  evaluation, and the two constant mantissa tables (reciprocal, rsqrt);
+* :mod:`.int_ops`: the integer kernels (softmax, layer_norm, div, reciprocal) and the constants they need;
+* :mod:`.functions`: the real functions the elementwise tables sample;
+* :mod:`.ops`: ``torch.ops.quantlens.{lut, segment_lut, int_reciprocal, int_div, int_softmax, int_layer_norm}``.
+"""
+
+from quantlens.kernels import ops as _ops  # noqa: F401  (registers the custom ops)
+from quantlens.kernels._int import bit_length, div_round_half_even, rshift_rhe_var
+from quantlens.kernels.functions import ELEMENTWISE_OPS, real_function
+from quantlens.kernels.int_ops import (
+    LayerNormConstants,
+    div_multiplier,
+    elementwise_table,
+    exp_bits,
+    int_div,
+    int_layer_norm,
+    int_reciprocal,
+    int_softmax,
+    layer_norm_constants,
+    layer_norm_frac_bits,
+    recip_mantissa,
+    reciprocal_multiplier,
+    softmax_exp_table,
+    softmax_multiplier,
+)
+from quantlens.kernels.ops import dtype_from_range
+from quantlens.kernels.tables import (
+    SegmentedTable,
+    Table256,
+    build_segmented_table,
+    build_table256,
+    lut256_lookup,
+    minimax_segments,
+    recip_mantissa_table,
+    rsqrt_mantissa_table,
+    segmented_lookup,
+)
+
+__all__ = [
+    "Table256",
+    "SegmentedTable",
+    "build_table256",
+    "build_segmented_table",
+    "minimax_segments",
+    "lut256_lookup",
+    "segmented_lookup",
+    "recip_mantissa_table",
+    "rsqrt_mantissa_table",
+    "ELEMENTWISE_OPS",
+    "real_function",
+    "elementwise_table",
+    "exp_bits",
+    "softmax_exp_table",
+    "softmax_multiplier",
+    "int_softmax",
+    "LayerNormConstants",
+    "layer_norm_frac_bits",
+    "layer_norm_constants",
+    "int_layer_norm",
+    "div_multiplier",
+    "reciprocal_multiplier",
+    "recip_mantissa",
+    "int_div",
+    "int_reciprocal",
+    "rshift_rhe_var",
+    "div_round_half_even",
+    "bit_length",
+    "dtype_from_range",
+]

@@ -1,0 +1,62 @@
+"""Integer helpers shared by the table kernels (``docs/march.md`` §13). All tensors are int64."""
+
+from __future__ import annotations
+
+import torch
+
+from quantlens.numerics import rshift_round_half_to_even
+
+__all__ = ["rshift_rhe_var", "div_round_half_even", "bit_length", "round_half_even_float"]
+
+#: the largest shift ``rshift_rhe_var`` performs; larger shifts give 0 (callers keep |operand| <= 2**61).
+MAX_SHIFT = 62
+
+
+def rshift_rhe_var(x: torch.Tensor, shift: torch.Tensor | int) -> torch.Tensor:
+    """``x / 2**shift`` rounded half to even, with a per-element ``shift >= 0`` (``numerics`` takes one int).
+
+    A shift above 62 gives 0: every caller keeps ``|x| <= 2**61``, so such a quotient is below one half.
+    """
+    x = x.to(torch.int64)
+    if isinstance(shift, int):
+        if shift > MAX_SHIFT:
+            return torch.zeros_like(x)
+        return rshift_round_half_to_even(x, shift)
+    shift = torch.as_tensor(shift, dtype=torch.int64, device=x.device).expand_as(x)
+    if bool((shift < 0).any()):
+        raise ValueError("rshift_rhe_var: negative shift")
+    too_far = shift > MAX_SHIFT
+    s = torch.where(too_far, torch.zeros_like(shift), shift)
+    floor = torch.bitwise_right_shift(x, s)
+    rem = x - torch.bitwise_left_shift(floor, s)
+    half = torch.where(s > 0, torch.bitwise_left_shift(torch.ones_like(s), (s - 1).clamp_min(0)), torch.zeros_like(s))
+    round_up = (s > 0) & ((rem > half) | ((rem == half) & (torch.bitwise_and(floor, 1) == 1)))
+    out = floor + round_up.to(torch.int64)
+    return torch.where(too_far, torch.zeros_like(out), out)
+
+
+def div_round_half_even(num: torch.Tensor, den: int) -> torch.Tensor:
+    """``num / den`` rounded half to even, exactly, for int64 ``num`` and a positive int ``den``."""
+    num = num.to(torch.int64)
+    q = torch.div(num, den, rounding_mode="floor")
+    rem = num - q * den  # 0 <= rem < den
+    twice = 2 * rem
+    round_up = (twice > den) | ((twice == den) & (torch.bitwise_and(q, 1) == 1))
+    return q + round_up.to(torch.int64)
+
+
+def bit_length(x: torch.Tensor) -> torch.Tensor:
+    """Number of bits of each non-negative int64 value (0 for 0), like Python's ``int.bit_length``."""
+    x = x.to(torch.int64)
+    n = torch.zeros_like(x)
+    v = x.clone()
+    for step in (32, 16, 8, 4, 2, 1):
+        big = v >= (1 << step)
+        n = n + big.to(torch.int64) * step
+        v = torch.where(big, torch.bitwise_right_shift(v, step), v)
+    return n + (v > 0).to(torch.int64)
+
+
+def round_half_even_float(v: torch.Tensor) -> torch.Tensor:
+    """``rhe`` of float64 values (``torch.round`` is half to even)."""
+    return torch.round(v.to(torch.float64))
