@@ -1,7 +1,8 @@
-"""End-to-end demo on the bundled digits CNN: float -> calibration -> QAT -> validation.
+"""End-to-end demo on the bundled digits CNN: float -> calibration -> QAT -> validation -> integer IR.
 
 Run it with ``./dev demo`` (or ``python -m quantlens.demo --out DIR``). It prints the accuracy of every stage and
-writes ``model_check_result.txt`` and ``demo_summary.json`` into the output folder.
+writes ``model_check_result.txt``, the quantized IR (``quantized.qlir``) and ``demo_summary.json`` into the
+output folder.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from quantlens._io import atomic_write_text
+from quantlens.compiler import convert, export, save
 from quantlens.quantization import FakeQuantState, check_qat_model, prepare, set_fake_quantize
 from quantlens.quantization.qconfig_template import (
     calibration_8bit_weight_16bit_act_qconfig_setter,
@@ -95,10 +97,25 @@ def run_demo(out_dir: str = "quantlens_demo", qat_epochs: int = 2, seed: int = 0
     record("int8 QAT", qat)
 
     check = check_qat_model(qat, example, out_dir)
+
+    # Deployment: the qat IR (float + fake quant) and the integer-only IR, a bit-exact simulator of the march.
+    qat_ir = export(qat, example, dynamic_batch=True)
+    quantized_ir = convert(qat_ir)
+    result.stages.append(StageResult("quantized IR (integer)", _accuracy_ir(quantized_ir, data.x_test, data.y_test)))
+    ir_path = os.path.join(out_dir, "quantized.qlir")
+    save(quantized_ir, ir_path)
+
     summary = os.path.join(out_dir, "demo_summary.json")
     atomic_write_text(summary, json.dumps([asdict(s) for s in result.stages], indent=2) + "\n")
-    result.files = [check.path, summary]
+    result.files = [check.path, ir_path, summary]
     return result
+
+
+def _accuracy_ir(module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256) -> float:
+    correct = 0
+    for i in range(0, len(x), batch_size):
+        correct += int((module(x[i : i + batch_size]).argmax(dim=1) == y[i : i + batch_size]).sum())
+    return 100.0 * correct / len(x)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,5 +3,7 @@
 from quantlens.compiler.export import export
 from quantlens.compiler.convert import convert
 from quantlens.compiler.ir import Graph, Module, Node
+from quantlens.compiler.onnx_export import to_onnx
+from quantlens.compiler.serialize import load, save
 
-__all__ = ["export", "convert", "Module", "Graph", "Node"]
+__all__ = ["export", "convert", "Module", "Graph", "Node", "save", "load", "to_onnx"]

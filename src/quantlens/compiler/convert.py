@@ -148,6 +148,9 @@ class _Converter:
     # -- driver -----------------------------------------------------------------------------------------------
     def run(self) -> Graph:
         for node in self.src.nodes:
+            if self.is_host_op(node):
+                self.host_op(node)
+                continue
             converter = CONVERTERS.get(node.op)
             if converter is None:
                 raise QuantLensError(
@@ -158,6 +161,27 @@ class _Converter:
         for value in self.src.outputs:
             self.out.outputs.append(self.boundary_output(value))
         return self.out
+
+    def is_host_op(self, node: Node) -> bool:
+        """Float post-processing after the boundary (all inputs are float values that left the NPU)."""
+        data = [v for v in node.inputs if v and not self.is_const(v)]
+        if node.attrs.get("host"):
+            return True
+        return (
+            node.op != "fake_quant"
+            and bool(data)
+            and all(v in self.float_values and v not in self.src.inputs for v in data)
+            and any(self.src.values[v].dtype.startswith("float") for v in data)
+        )
+
+    def host_op(self, node: Node) -> None:
+        """Kept as a float op with the qat IR's semantics (``attrs["host"]``): it runs on the host, not the NPU."""
+        ins = [_index_input(self, node, v) for v in node.inputs]
+        outs = [self.fresh(o) for o in node.outputs]
+        self.out.nodes.append(Node(node.op, ins, outs, {**node.attrs, "host": True}, node.site))
+        for src_out, name in zip(node.outputs, outs):
+            self.out.values[name] = self.src.values.get(src_out, ValueInfo((), "unknown"))
+            self.float_values[src_out] = name
 
     def boundary_output(self, value: str) -> str:
         if value in self.q:
@@ -441,6 +465,8 @@ def _masked_fill(c, node):
 def _index_input(c: _Converter, node: Node, value: str) -> str:
     if not value:
         return ""
+    if value in c.q:  # an integer value leaves the NPU here: the boundary dequantize
+        return c.boundary_output(value)
     if value in c.float_values:
         return c.float_values[value]
     if c.is_const(value):
@@ -478,6 +504,53 @@ def _non_numeric(c, node):
     c.out.nodes.append(Node(node.op, ins, [name], dict(node.attrs), node.site))
     c.out.values[name] = c.src.values.get(node.outputs[0], ValueInfo((), "unknown"))
     c.float_values[node.outputs[0]] = name
+
+
+#: table ops of pre_export (``torch.ops.quantlens.*``): their data inputs, in order, and their scale inputs
+TABLE_OPS = {
+    "lut": (("x",), ("scale_in",)),
+    "segment_lut": (("x",), ("scale_in",)),
+    "int_reciprocal": (("x",), ("scale_in",)),
+    "int_softmax": (("x",), ("scale_in",)),
+    "int_layer_norm": (("x",), ("scale_in",)),
+    "int_div": (("x", "y"), ("scale_x", "scale_y")),
+}
+
+
+@converter(*TABLE_OPS)
+def _table_op(c, node):
+    """A table op takes integers at its input scales and yields integers at ``scale_out``; its integer kernel
+    is the same function pre_export runs (``quantlens.kernels``), so both are bit-identical."""
+    import torch as _torch
+
+    schema = TORCH_OPS_FOR_TABLES(node.op)._schema
+    tensor_args = [a.name for a in schema.arguments if str(a.type).startswith("Tensor")]
+    by_name = dict(zip(tensor_args, node.inputs))
+    data_args, scale_args = TABLE_OPS[node.op]
+    inputs = []
+    for arg, scale_arg in zip(data_args, scale_args):
+        info = c.int_input(node, by_name[arg])
+        expected = c.src.constants[by_name[scale_arg]].to(_torch.float32)
+        if not info.same_grid(info.qdtype, expected):
+            raise QuantLensError(
+                f"convert: table op '{node.op}' at op site '{node.site}' was built for input scale "
+                f"{float(expected.reshape(-1)[0]):.6g} but its input has scale {float(info.scale.reshape(-1)[0]):.6g}; "
+                "re-run pre_export after calibration."
+            )
+        inputs.append(info.name)
+    others = [
+        c.const(c.src.constants[by_name[a]], f"{node.outputs[0]}_{a}") if by_name[a] else ""
+        for a in tensor_args if a not in data_args
+    ]
+    qdtype = _fq_dtype(node.attrs["out_qmin"])
+    out_scale = c.src.constants[by_name["scale_out"]].to(_torch.float32)
+    c.emit(node, node.op, inputs + others, {**node.attrs, "table_inputs": list(data_args)}, qdtype, out_scale)
+
+
+def TORCH_OPS_FOR_TABLES(op: str):
+    import quantlens.kernels  # noqa: F401  (registers the table ops)
+
+    return getattr(torch.ops.quantlens, op).default
 
 
 def convert(qat_ir: Module) -> Module:

@@ -150,6 +150,11 @@ def export(
                 dynamic = (tuple({0: torch.export.Dim.AUTO} if t.dim() > 0 else None for t in tensors),)
             ep = torch.export.export(flat_call, tensors, dynamic_shapes=dynamic, strict=False)
     graph = lower_exported_program(ep, [names[i] for i in tensor_positions])
+    # Ops after a DeQuantStub are host post-processing: they stay float through convert.
+    host_sites = {s.name for s in model._quantlens_state.record.sites.values() if s.after_dequant}
+    for node in graph.nodes:
+        if node.site in host_sites:
+            node.attrs["host"] = True
     return Module(
         "qat",
         graph,

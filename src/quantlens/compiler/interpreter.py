@@ -76,7 +76,7 @@ def _cast(node: Node, inputs: list):
     return inputs[0].to(getattr(torch, node.attrs["dtype"]))
 
 
-def _qat_dispatch(node: Node, inputs: list) -> Any:
+def qat_dispatch(node: Node, inputs: list) -> Any:
     kernel = QAT_KERNELS.get(node.op)
     if kernel is not None:
         return kernel(node, inputs)
@@ -94,7 +94,7 @@ def run_graph(module: Module, feeds: dict[str, torch.Tensor], observer: Callable
             raise QuantLensError(f"IR input '{name}' was not given; inputs are {graph.inputs}.")
         env[name] = feeds[name]
     if module.kind == "qat":
-        dispatch = _qat_dispatch
+        dispatch = qat_dispatch
     else:
         from quantlens.compiler.kernels_int import int_dispatch
 

@@ -221,7 +221,38 @@ def _nearest(node, inputs):
     return call_torch_op(TORCH_OPS[node.op], node, [_exact(q)]).to(q.dtype)
 
 
+def _table_kernel(node: Node, inputs: list) -> torch.Tensor:
+    """Table ops run the very function pre_export runs: integers in, dequantized at the input scales (exact),
+    the op's integer kernel, and the result re-quantized at the output scale (exact: it lies on that grid)."""
+    import quantlens.kernels  # noqa: F401  (registers the table ops)
+
+    op = getattr(torch.ops.quantlens, node.op).default
+    n_data = len(node.attrs["table_inputs"])
+    schema_tensors = [a.name for a in op._schema.arguments if str(a.type).startswith("Tensor")]
+    data, rest = inputs[:n_data], inputs[n_data:]
+    by_name = dict(zip([n for n in schema_tensors if n not in node.attrs["table_inputs"]], rest))
+    scale_names = {"x": "scale_in", "y": "scale_y"} if n_data == 1 else {"x": "scale_x", "y": "scale_y"}
+    for name, q in zip(node.attrs["table_inputs"], data):
+        by_name[name] = dequantize(q, by_name[scale_names[name]])
+    attrs = {k: v for k, v in node.attrs.items() if k != "table_inputs"}
+    out = call_torch_op(op, Node(node.op, [], [], attrs, node.site), [by_name[n] for n in schema_tensors])
+    out_dtype = _qdtype_from_range(node.attrs["out_qmin"])
+    return quantize(out, by_name["scale_out"], out_dtype).to(storage_dtype(out_dtype.value))
+
+
+def _qdtype_from_range(qmin: int) -> QuantDType:
+    return {-128: QuantDType.qint8, -32768: QuantDType.qint16}[qmin]
+
+
+for _op in ("lut", "segment_lut", "int_reciprocal", "int_softmax", "int_layer_norm", "int_div"):
+    INT_KERNELS[_op] = _table_kernel
+
+
 def int_dispatch(node: Node, inputs: list) -> Any:
+    if node.attrs.get("host"):  # float post-processing after the boundary
+        from quantlens.compiler.interpreter import qat_dispatch
+
+        return qat_dispatch(node, inputs)
     kernel = INT_KERNELS.get(node.op)
     if kernel is not None:
         return kernel(node, inputs)

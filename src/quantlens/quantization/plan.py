@@ -120,7 +120,7 @@ def build_plans(
                 site.name, site.op_type, site.kind, OutputMode.FLOAT,
                 input_dtypes=[_dt(d) for d in in_dtypes], output_dtype="float",
             )
-            if site.kind is OpKind.QUANTIZED:
+            if site.kind is OpKind.QUANTIZED and not site.after_dequant:
                 warnings.append(f"Op site '{site.name}' ({site.op_type}) has no qconfig and stays float.")
             continue
 

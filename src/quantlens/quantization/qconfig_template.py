@@ -88,7 +88,7 @@ class TemplateQconfigSetter(QconfigSetter):
     """Every quantized op site gets ``activation_dtype`` outputs and ``weight_dtype`` per-channel weights.
 
     With ``high_precision_output`` a conv/linear whose output only feeds DeQuantStubs keeps the march's int32
-    output (no rounding of the final layer).
+    output (no rounding of the final layer). Ops after a DeQuantStub (host post-processing) stay float.
     """
 
     def __init__(
@@ -109,6 +109,8 @@ class TemplateQconfigSetter(QconfigSetter):
         base = QConfig(input=self.activation, weight=self.weight, output=self.activation)
         hp = base.replace(output=QuantSpec(QuantDType.qint32, self.activation.observer))
         for site in ctx.sites:
+            if site.after_dequant:
+                continue
             group = ctx.group_of(site.name)
             last = group.last if group is not None else site.name
             if (

@@ -63,6 +63,8 @@ class OpSiteRecord:
     output_shapes: list[tuple[int, ...]]
     source: str
     calls: int = 1
+    #: computes on data that already left the NPU through a DeQuantStub (float post-processing on the host)
+    after_dequant: bool = False
 
 
 @dataclass
@@ -206,12 +208,22 @@ def record_model(model: nn.Module, examples: Iterable[Any]) -> ModelRecord:
             with OpSiteTracer(model, recorder):
                 call_model(model, example)
             record.num_examples += 1
+    _mark_after_dequant(record)
     if not record.sites:
         raise QuantLensError(
             f"No float tensor operation ran in {type(model).__name__}.forward on the example inputs; there is "
             "nothing to quantize. Check that example_inputs are the model's real inputs."
         )
     return record
+
+
+def _mark_after_dequant(record: ModelRecord) -> None:
+    """Sites whose every data input comes from a DeQuantStub or from such sites: host-side post-processing."""
+    for site in record.sites.values():
+        producers = [i.producer for i in site.inputs if not i.is_parameter and i.producer is not None]
+        site.after_dequant = bool(producers) and all(
+            record.sites[p].boundary == "output" or record.sites[p].after_dequant for p in producers
+        )
 
 
 def get_op_sites(model: nn.Module, example_inputs: Any) -> list[str]:

@@ -1,0 +1,211 @@
+"""export (qat IR) and convert (quantized IR): fidelity, integer kernels, specialisation, errors."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from quantlens.compiler import convert, export
+from quantlens.compiler.ir import Module, Node
+from quantlens.compiler.kernels_int import int_dispatch
+from quantlens.errors import QuantLensError
+from quantlens.quantization import DeQuantStub, FakeQuantState, QuantStub, prepare, set_fake_quantize
+from quantlens.quantization.qconfig_template import (
+    calibration_8bit_weight_16bit_act_qconfig_setter,
+    default_calibration_qconfig_setter,
+)
+from quantlens.zoo import example_inputs, get_model, list_models, sample_batches
+
+
+def _tensors(out):
+    return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+
+
+def _calibrated(model, example, batches, setter=default_calibration_qconfig_setter):
+    prepared = prepare(model, example, setter, check_result_dir=None)
+    prepared.eval()
+    set_fake_quantize(prepared, FakeQuantState.CALIBRATION)
+    with torch.no_grad():
+        for batch in batches:
+            prepared(*batch)
+    set_fake_quantize(prepared, FakeQuantState.VALIDATION)
+    return prepared
+
+
+def _output_steps(qat_ir: Module) -> list[float]:
+    """The output quantization step of each model output (the scale of the fake quant producing it);
+    for an int32 high-precision output, 1e-4 of the output magnitude stands in (it is not rounded)."""
+    producers = qat_ir.graph.producers()
+    steps = []
+    for name in qat_ir.graph.outputs:
+        node = producers.get(name)
+        if node is not None and node.op == "fake_quant":
+            steps.append(float(qat_ir.graph.constants[node.inputs[1]].max()))
+        else:
+            steps.append(None)
+    return steps
+
+
+@pytest.fixture(scope="module", params=list_models())
+def zoo_case(request):
+    name = request.param
+    model = get_model(name)
+    example = example_inputs(name)
+    prepared = _calibrated(model, example, sample_batches(name, 3, 4))
+    return name, prepared, example
+
+
+def test_qat_ir_equals_prepared_model(zoo_case):
+    name, prepared, example = zoo_case
+    qat_ir = export(prepared, example)
+    with torch.no_grad():
+        ref = _tensors(prepared(*example))
+    got = _tensors(qat_ir(*example))
+    assert len(ref) == len(got)
+    for r, g in zip(ref, got):
+        assert r.shape == g.shape and r.dtype == g.dtype
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+    # every compute node carries the op site of the torch op it came from
+    sites = {s for s in prepared._quantlens_state.plans}
+    compute = [  # ops on float data (integer index/mask ops have no op site by the naming rule)
+        n for n in qat_ir.graph.nodes
+        if n.op not in ("reshape", "permute", "expand") and qat_ir.graph.values[n.outputs[0]].dtype.startswith("float")
+    ]
+    assert compute and all(n.site in sites for n in compute), [n for n in compute if n.site not in sites]
+
+
+def test_quantized_ir_close_to_qat_ir(zoo_case):
+    name, prepared, example = zoo_case
+    qat_ir = export(prepared, example)
+    q_ir = convert(qat_ir)
+    assert q_ir.kind == "quantized"
+    stats = q_ir.statistics()
+    float_ops = {"conv2d", "linear", "matmul", "add", "softmax", "layer_norm", "gelu", "sigmoid"}
+    # integer-only: every compute node has an integer output type
+    for node in q_ir.graph.nodes:
+        info = q_ir.graph.values[node.outputs[0]]
+        if node.op in float_ops and not node.attrs.get("host"):  # host post-processing stays float
+            assert info.qdtype is not None, node
+    float_inputs = [n for n in q_ir.graph.inputs if q_ir.graph.values[n].dtype.startswith("float")]
+    assert stats.get("quantize", 0) >= (1 if float_inputs else 0) and stats.get("dequantize", 0) >= 1
+    ref = _tensors(qat_ir(*example))
+    got = _tensors(q_ir(*example))
+    for r, g, step in zip(ref, got, _output_steps(qat_ir)):
+        if not r.is_floating_point():
+            continue  # indices (topk) may differ only through value ties; values are compared
+        err = (r - g).abs().max().item()
+        if step is None:
+            assert err <= 0.05 * r.abs().max().item() + 1e-6, (name, err)
+        else:
+            assert err <= 4 * step + 1e-7, (name, err / step)
+
+
+def test_quantized_ir_is_deterministic_across_thread_counts():
+    name = "tiny_resnet"
+    prepared = _calibrated(get_model(name), example_inputs(name), sample_batches(name, 2, 4))
+    q_ir = convert(export(prepared, example_inputs(name), dynamic_batch=True))
+    batch = sample_batches(name, 1, 8)[0]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = q_ir(*batch)
+        torch.set_num_threads(2)
+        two = q_ir(*batch)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    assert torch.equal(one, q_ir(*batch))
+
+
+class _AddCat(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qa, self.qb = QuantStub(), QuantStub()
+        self.dq = DeQuantStub()
+
+    def forward(self, a, b):
+        a, b = self.qa(a), self.qb(b)
+        return self.dq(torch.cat([a + b, a], dim=1))
+
+
+def test_add_and_cat_with_different_input_scales_hand_computed():
+    # a = 5 * 2**-4 (scale 2**-4 from |max| = 127 * 2**-4), b = 2 * 2**-5, output of add at 2**-3.
+    from quantlens.march import QuantDType
+    from quantlens.quantization import FixedScaleObserver, QConfig, QuantSpec
+    from quantlens.quantization.qconfig_template import ModuleNameQconfigSetter
+
+    def fixed(scale):
+        return QConfig(output=QuantSpec(QuantDType.qint8, FixedScaleObserver.with_args(scale=scale)))
+
+    setter = (
+        ModuleNameQconfigSetter({"qa": fixed(2**-4), "qb": fixed(2**-5), "add_0": fixed(2**-3), "cat_0": fixed(2**-3)}),
+        default_calibration_qconfig_setter,
+    )
+    a = torch.tensor([[5 * 2**-4]])
+    b = torch.tensor([[2 * 2**-5]])
+    prepared = _calibrated(_AddCat(), (a, b), [(a, b)], setter)
+    q_ir = convert(export(prepared, (a, b)))
+    out = q_ir(a, b)
+    # docs/march.md §10: t_a = rhe(5 * 0.5) = 2, t_b = rhe(2 * 0.25) = 0 -> add = 2 (the float path gives 3).
+    # cat rescales a: rhe(2.5) = 2 again, and the add result (already at 2**-3) is kept.
+    assert out.tolist() == [[2 * 2**-3, 2 * 2**-3]]
+    add_node = next(n for n in q_ir.graph.nodes if n.op == "add")
+    assert add_node.attrs["multipliers"] == [2**30, 2**30] and add_node.attrs["shifts"] == [31, 32]
+    with torch.no_grad():
+        assert prepared(a, b).tolist() == [[3 * 2**-3, 2 * 2**-3]]
+
+
+def test_int_conv_kernel_matches_spec_example():
+    # docs/march.md §8 worked conv example: acc 2867 -> 22 with (M, shift) = (2**30, 37).
+    node = Node("conv2d", ["x", "w", "b"], ["y"], {
+        "stride": [1, 1], "padding": [0, 0], "dilation": [1, 1], "groups": 1,
+        "multiplier": [2**30], "shift": [37], "out_dtype": "qint8"})
+    x = torch.tensor([16, 8, -12, 32], dtype=torch.int8).reshape(1, 4, 1, 1)
+    w = torch.tensor([32, 16, -32, 48], dtype=torch.int8).reshape(1, 4, 1, 1)
+    b = torch.tensor([307], dtype=torch.int32)
+    y = int_dispatch(node, [x, w, b])
+    assert y.dtype == torch.int8 and y.flatten().tolist() == [22]
+    # saturation: a huge bias saturates the int8 output, it never wraps
+    y = int_dispatch(node, [x, w, torch.tensor([2**30], dtype=torch.int32)])
+    assert y.flatten().tolist() == [127]
+
+
+def test_multitask_non_tensor_inputs_are_specialised():
+    name = "multitask"
+    model = get_model(name)
+    inputs, _ = example_inputs(name)
+    prepared = _calibrated(model, (inputs, ["cls"]), [(b, ["cls"]) for b, _ in sample_batches(name, 2, 4)])
+    qat_ir = export(prepared, (inputs, ["cls"]))
+    out = qat_ir(inputs, ["cls"])
+    assert set(out) == {"cls"}
+    by_name = qat_ir(**{n: inputs[n.split(".")[-1]] for n in qat_ir.input_names})
+    assert torch.equal(by_name["cls"], out["cls"])
+    assert qat_ir.input_names == ["inputs.image", "inputs.meta"]
+    with pytest.raises(QuantLensError, match=r"(?s).cls. at export.*export again"):
+        qat_ir(inputs, ["reg"])
+    q_ir = convert(qat_ir)
+    with pytest.raises(QuantLensError, match="same structure as at export"):
+        q_ir(inputs, ["cls", "reg"])
+
+
+class _Unsupported(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = QuantStub()
+
+    def forward(self, x):
+        return torch.fft.rfft(self.q(x)).real  # no integer rule for an FFT
+
+
+def test_unsupported_op_names_op_site_and_source_line():
+    x = torch.randn(2, 8)
+    prepared = _calibrated(_Unsupported(), (x,), [(x,)])
+    with pytest.raises(QuantLensError, match=r"(?s)fft.*op site 'fft_rfft_0'.*test_compiler\.py"):
+        export(prepared, (x,))
+
+
+def test_export_refuses_float_model_and_convert_refuses_other_kinds():
+    with pytest.raises(QuantLensError, match="prepared model"):
+        export(nn.Linear(2, 2), (torch.randn(1, 2),))
+    with pytest.raises(QuantLensError, match="qat IR"):
+        convert("not an IR")
