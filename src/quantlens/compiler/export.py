@@ -126,7 +126,7 @@ def export(
             "Prepare, calibrate (or train) it, then export."
         )
     if apply_pre_export:
-        model = _with_tables(model)
+        model = _with_tables(model, example_inputs)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs: dict = {}
     leaves_paths, spec = pytree.tree_flatten_with_path((args, kwargs))
@@ -165,13 +165,10 @@ def export(
     )
 
 
-def _with_tables(model: nn.Module) -> nn.Module:
-    """pre_export(model) when that stage is available and the model has no tables yet."""
-    try:
-        from quantlens.quantization.pre_export import pre_export
-    except ImportError:  # the table stage is not installed in this build
+def _with_tables(model: nn.Module, example_inputs: Any) -> nn.Module:
+    """pre_export(model), unless the model already has its tables."""
+    from quantlens.quantization.pre_export import lut_sites, pre_export
+
+    if lut_sites(model):
         return model
-    state = model._quantlens_state
-    if any(plan.override is not None for plan in state.plans.values()):
-        return model
-    return pre_export(model)
+    return pre_export(model, example_inputs=example_inputs)

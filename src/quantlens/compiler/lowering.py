@@ -121,13 +121,25 @@ def _normalized(node: fx.Node) -> dict[str, Any]:
     return bound
 
 
-def _tensor_arg(ctx: _Ctx, value: Any) -> str:
-    """A tensor operand: an IR value, or a python scalar made into a float32 constant."""
+def _tensor_arg(ctx: _Ctx, value: Any, dtype: str = "float32") -> str:
+    """A tensor operand: an IR value, or a python scalar made into a 0-d constant of ``dtype`` (the dtype torch
+    computes in, so ``ids + 1`` stays integer)."""
     if isinstance(value, str):
         return value
     if isinstance(value, (int, float, bool)):
-        return ctx.const(float(value), "scalar")
+        return ctx.const(torch.tensor(value, dtype=getattr(torch, dtype)), "scalar")
     raise QuantLensError(f"Expected a tensor operand, got {value!r}.")
+
+
+def _operand_dtype(ctx: _Ctx, names: list, node: fx.Node) -> str:
+    """dtype for python scalars of an op: the other operand's for comparisons, else the result's."""
+    out = _info(node).dtype
+    if out != "bool":
+        return out
+    for v in names:
+        if isinstance(v, str) and v in ctx.graph.values:
+            return ctx.graph.values[v].dtype
+    return "float32"
 
 
 def _generic(op: str, torch_op, tensor_args: tuple[str, ...], attr_args: tuple[str, ...] = (), n_out: int = 1):
@@ -135,10 +147,11 @@ def _generic(op: str, torch_op, tensor_args: tuple[str, ...], attr_args: tuple[s
 
     def rule(ctx: _Ctx, node: fx.Node) -> None:
         bound = _normalized(node)
+        values = [_value(ctx, bound[name]) for name in tensor_args]
+        dtype = _operand_dtype(ctx, values, node)
         inputs = []
-        for name in tensor_args:
-            v = _value(ctx, bound[name])
-            inputs.append("" if v is None else _tensor_arg(ctx, v))
+        for v in values:
+            inputs.append("" if v is None else _tensor_arg(ctx, v, dtype))
         attrs = {name: _jsonable(bound[name]) for name in attr_args}
         _emit(ctx, node, op, inputs, attrs, n_out)
 
@@ -180,9 +193,9 @@ for _name in ("add", "sub", "mul", "div"):
 
     def _binary(ctx, node, _op=_name, _t=_tensor_overload):
         bound = _normalized(node)
-        other = "other"
-        a = _tensor_arg(ctx, _value(ctx, bound["self"]))
-        b = _tensor_arg(ctx, _value(ctx, bound[other]))
+        dtype = _info(node).dtype
+        a = _tensor_arg(ctx, _value(ctx, bound["self"]), dtype)
+        b = _tensor_arg(ctx, _value(ctx, bound["other"]), dtype)
         alpha = bound.get("alpha", 1)
         if alpha not in (None, 1):
             b_scaled = ctx.fresh("alpha")
@@ -200,8 +213,9 @@ for _name in ("add", "sub", "mul", "div"):
 
 def _rsub(ctx, node):
     bound = _normalized(node)
-    a = _tensor_arg(ctx, _value(ctx, bound["self"]))
-    b = _tensor_arg(ctx, _value(ctx, bound["other"]))
+    dtype = _info(node).dtype
+    a = _tensor_arg(ctx, _value(ctx, bound["self"]), dtype)
+    b = _tensor_arg(ctx, _value(ctx, bound["other"]), dtype)
     _emit(ctx, node, "sub", [b, a], {})
 
 
@@ -330,10 +344,19 @@ def _split(ctx, node):
     _emit(ctx, node, "split", [x], {"sizes": sizes, "dim": dim}, n_out=len(sizes))
 
 
+def _static_dim(node: fx.Node, shape: tuple, dim: int) -> None:
+    if shape[dim] == -1:
+        raise QuantLensError(
+            f"export: op site '{_site(node)}' ({_source(node)}) indexes the dynamic batch dimension; export with "
+            "dynamic_batch=False (the default) for this model."
+        )
+
+
 def _slice(ctx, node):
     bound = _normalized(node)
     shape = _info(node.args[0]).shape
     dim = bound["dim"] % len(shape)
+    _static_dim(node, shape, dim)
     start = bound["start"] if bound["start"] is not None else 0
     end = bound["end"] if bound["end"] is not None else shape[dim]
     start, end, _ = slice(start, end, bound["step"]).indices(shape[dim])
@@ -345,6 +368,7 @@ def _select(ctx, node):
     bound = _normalized(node)
     shape = _info(node.args[0]).shape
     dim = bound["dim"] % len(shape)
+    _static_dim(node, shape, dim)
     _emit(ctx, node, "select", [_value(ctx, bound["self"])], {"dim": dim, "index": bound["index"] % shape[dim]})
 
 
@@ -386,12 +410,27 @@ TORCH_OPS.update({"reshape": aten.reshape.default, "permute": aten.permute.defau
 for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
     _register([getattr(aten, _name).Tensor, getattr(aten, _name).Scalar],
               _generic(_name, getattr(aten, _name).Tensor, ("self", "other")))
+def _bool_only(op: str, torch_op, args: tuple[str, ...]):
+    """Bitwise ops are logical ops on bool tensors (masks); on integers they have no IR op."""
+    generic = _generic(op, torch_op, args)
+
+    def rule(ctx, node):
+        if _info(node).dtype != "bool":
+            raise QuantLensError(
+                f"export: {node.target} on {_info(node).dtype} tensors (op site '{_site(node)}', {_source(node)}) "
+                "is not supported; the IR has logical ops on bool masks only."
+            )
+        generic(ctx, node)
+
+    return rule
+
+
 _register([aten.logical_not.default, aten.bitwise_not.default],
-          _generic("logical_not", aten.logical_not.default, ("self",)))
+          _bool_only("logical_not", aten.logical_not.default, ("self",)))
 _register([aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default],
-          _generic("logical_and", aten.logical_and.default, ("self", "other")))
+          _bool_only("logical_and", aten.logical_and.default, ("self", "other")))
 _register([aten.__or__.Tensor, aten.bitwise_or.Tensor, aten.logical_or.default],
-          _generic("logical_or", aten.logical_or.default, ("self", "other")))
+          _bool_only("logical_or", aten.logical_or.default, ("self", "other")))
 
 
 def _fake_quant(ctx, node):

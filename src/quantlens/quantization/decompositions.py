@@ -39,8 +39,8 @@ class SdpaDecomposition(SiteOverride):
         super().__init__()
         self.scores_fq = FakeQuantize(spec)
         self.probs_fq = FakeQuantize(spec)
-        #: set by pre_export: compute the softmax with the march's tables (a callable (x, in_fq, out_fq) -> y)
-        self.__dict__["table_softmax"] = None
+        #: set by pre_export: the march's integer softmax (a table site override) for the probabilities
+        self.softmax_table: SiteOverride | None = None
 
     def compute(self, call: OverrideCall):
         bound = _SDPA_SIGNATURE.bind(*call.args, **call.kwargs)
@@ -64,9 +64,10 @@ class SdpaDecomposition(SiteOverride):
         if mask is not None:
             lowest = self.scores_fq.scale.reshape(()) * self.scores_fq.dtype.qmin
             scores = scores.masked_fill(torch.logical_not(mask), lowest)
-        softmax = self.__dict__.get("table_softmax")
-        if softmax is not None:
-            probs = softmax(scores, self.scores_fq, self.probs_fq)
+        if self.softmax_table is not None:
+            table_call = OverrideCall(f"{call.site}.softmax", "softmax", (scores, -1), {}, None,
+                                      [self.scores_fq], self.probs_fq, torch.softmax)
+            probs = self.softmax_table.compute(table_call)
         else:
             probs = torch.softmax(scores, dim=-1)
         probs = self.probs_fq(probs)

@@ -28,6 +28,7 @@ class OverrideCall:
     module: nn.Module | None  # the module of a module site (e.g. the nn.LayerNorm holding gamma/beta)
     input_fqs: list[FakeQuantize | None]  # per float tensor input, in flattened (args, kwargs) order
     output_fq: FakeQuantize | None
+    func: Any = None  # the torch function of a function site (None for module sites)
 
 
 class SiteOverride(nn.Module):

@@ -48,6 +48,7 @@ from quantlens.kernels import (
 )
 from quantlens.march import QuantDType
 from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
+from quantlens.quantization.decompositions import SdpaDecomposition
 from quantlens.quantization.overrides import OverrideCall, SiteOverride
 from quantlens.quantization.plan import OutputMode, SitePlan, fq_key
 from quantlens.quantization.prepare import QuantState, is_prepared
@@ -752,7 +753,19 @@ def pre_export(model: nn.Module, inplace: bool = False, *, example_inputs: Any =
         key = fq_key(name, _ROLE)
         state.overrides[key] = override
         state.plans[name].override = key
+    _attention_softmax_tables(state)
     return result
+
+
+def _attention_softmax_tables(state: QuantState) -> None:
+    """The softmax inside each decomposed scaled_dot_product_attention gets its table too."""
+    for name, plan in state.plans.items():
+        override = state.overrides[plan.override] if plan.override in state.overrides else None
+        if isinstance(override, SdpaDecomposition):
+            length = state.record.sites[name].inputs[1].shape[-2] if len(state.record.sites[name].inputs) > 1 else 16
+            override.softmax_table = SoftmaxOverride(
+                f"{name}.softmax", "softmax", [override.scores_fq], override.probs_fq, {"length": int(length)}
+            )
 
 
 def lut_sites(model: nn.Module) -> list[str]:

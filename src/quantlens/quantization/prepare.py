@@ -144,6 +144,7 @@ class _Runtime(SiteHandler):
         for pos, key in plan.input_fq.items():
             if pos < len(leaves) and is_float_tensor(leaves[pos]):
                 leaves[pos] = self.fq[key](leaves[pos])
+                self._set_marks(leaves[pos], self.fq[key])  # the op (and an override) sees its input scale
                 first = first or self.fq[key]
         for pos, key in plan.weight_fq.items():
             if pos < len(leaves) and is_float_tensor(leaves[pos]):
@@ -178,6 +179,7 @@ class _Runtime(SiteHandler):
         call = OverrideCall(
             site=site.name,
             op_type=plan.op_type,
+            func=site.func,
             args=args,
             kwargs=kwargs,
             module=site.module,
