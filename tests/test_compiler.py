@@ -209,3 +209,40 @@ def test_export_refuses_float_model_and_convert_refuses_other_kinds():
         export(nn.Linear(2, 2), (torch.randn(1, 2),))
     with pytest.raises(QuantLensError, match="qat IR"):
         convert("not an IR")
+
+
+def test_transformers_bert_exports_and_converts_to_integers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from quantlens.compiler import load, save
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=64)
+    model = transformers.BertModel(cfg).eval()
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 6:] = 0
+    batches = [(torch.randint(0, 100, (2, 8), generator=gen), mask) for _ in range(4)]
+    prepared = _calibrated(model, batches[0], batches)
+    qat_ir = export(prepared, batches[0])
+    with torch.no_grad():
+        ref = prepared(*batches[0])
+    # the qat IR computes what the pre_export model computes (tables included)
+    from quantlens.quantization import pre_export
+
+    with torch.no_grad():
+        tables = pre_export(prepared)(*batches[0])
+    torch.testing.assert_close(qat_ir(*batches[0]).last_hidden_state, tables.last_hidden_state, rtol=0, atol=1e-6)
+    q_ir = convert(qat_ir)
+    stats = q_ir.statistics()
+    assert stats["int_softmax[qint8]"] == 2 and stats["int_layer_norm[qint8]"] == 5 and stats["matmul[qint8]"] == 4
+    assert not any(n.op in ("softmax", "layer_norm", "gelu", "sdpa") for n in q_ir.graph.nodes)
+    got = q_ir(*batches[0])
+    steps = _output_steps(qat_ir)
+    for r, g, step in zip(_tensors(qat_ir(*batches[0])), _tensors(got), steps):
+        assert (r - g).abs().max().item() <= 4 * step + 1e-7
+    assert (got.last_hidden_state - ref.last_hidden_state).abs().max() < 0.5 * ref.last_hidden_state.abs().max()
+    path = tmp_path / "bert.qlir"
+    save(q_ir, path)
+    again = load(path)
+    assert torch.equal(again(*batches[0]).last_hidden_state, got.last_hidden_state)
