@@ -246,3 +246,49 @@ def test_transformers_bert_exports_and_converts_to_integers(tmp_path):
     save(q_ir, path)
     again = load(path)
     assert torch.equal(again(*batches[0]).last_hidden_state, got.last_hidden_state)
+
+
+class _OpCoverage(nn.Module):
+    """Exercises the issue's op list: conv1d/2d, linear, bmm, split/slice/select, add/sub/mul/div, cat, clamp,
+    relu6, max/avg pool, nearest and bilinear interpolation, mean/sum, tanh, silu, reshapes and expand."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.q2 = QuantStub(), QuantStub()
+        self.c1 = nn.Conv1d(4, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(4, 8, 3, padding=1)
+        self.r6, self.pool, self.ap = nn.ReLU6(), nn.MaxPool2d(2), nn.AvgPool2d(2)
+        self.lin = nn.Linear(8, 8)
+        self.dq, self.dq2 = DeQuantStub(), DeQuantStub()
+
+    def forward(self, x, seq):
+        x, seq = self.q(x), self.q2(seq)
+        y = self.r6(self.c2(x))
+        a, b = torch.split(y, 4, dim=1)
+        z = torch.cat([a - b, torch.clamp(a * b, -1, 1)], dim=1)
+        z = self.pool(z) + self.ap(z)
+        z = nn.functional.interpolate(z, scale_factor=2, mode="nearest") + nn.functional.interpolate(
+            z, scale_factor=2, mode="bilinear")
+        z = z[:, :, 1:5, :].sum(dim=2) / (z.mean().abs() + 1.0)
+        t = torch.tanh(self.c1(seq)) * nn.functional.silu(seq.mean(dim=1, keepdim=True))
+        t = t.transpose(1, 2).unsqueeze(1).squeeze(1)
+        u = torch.bmm(t, t.transpose(1, 2)).select(1, 0)
+        w = self.lin(z.flatten(1)[:, :8]).unsqueeze(-1).expand(-1, -1, 2)
+        return self.dq(w), self.dq2(u)
+
+
+@pytest.mark.parametrize("setter", [default_calibration_qconfig_setter, calibration_8bit_weight_16bit_act_qconfig_setter])
+def test_op_coverage_model_converts_close_to_qat_ir(setter):
+    torch.manual_seed(0)
+    model = _OpCoverage().eval()
+    gen = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(2, 4, 8, 8, generator=gen), torch.randn(2, 4, 6, generator=gen)) for _ in range(4)]
+    prepared = _calibrated(model, batches[0], batches, setter)
+    qat_ir = export(prepared, batches[0])
+    q_ir = convert(qat_ir)
+    ops = set(q_ir.statistics())
+    assert {"conv1d", "conv2d", "linear", "matmul", "split", "slice", "select", "cat", "clamp", "max_pool2d",
+            "avg_pool2d_int", "bilinear_int", "upsample_nearest2d", "sum_int", "int_div", "add_const"} <= ops
+    tolerance = 0.05 if setter is default_calibration_qconfig_setter else 1e-3
+    for ref, got in zip(qat_ir(*batches[1]), q_ir(*batches[1])):
+        assert (ref - got).abs().max() <= tolerance * ref.abs().max()

@@ -30,7 +30,7 @@ PASSTHROUGH_OPS = {
     "max_pool2d", "topk", "sort", "max_dim", "amax", "upsample_nearest2d",
 }
 #: passthrough ops that keep every dimension in place (a per-channel int32 value may pass them).
-_DIM_PRESERVING = {"relu", "slice", "select", "index_select", "gather", "max_pool2d"}
+_DIM_PRESERVING = {"relu", "slice", "index_select", "gather", "max_pool2d", "expand"}
 
 
 @dataclass
@@ -297,6 +297,8 @@ def _required_grid(c: _Converter, node: Node) -> tuple[QuantDType, torch.Tensor]
 
 @converter("add", "sub", "cat")
 def _rescaled(c, node):
+    if node.op in ("add", "sub") and any(_scalar(c, v) is not None for v in node.inputs):
+        return _add_constant(c, node)
     infos = [c.int_input(node, v) for v in node.inputs]
     qdtype, out_scale = _required_grid(c, node)
     pairs = [quantize_multiplier(float(i.scale.to(torch.float64) / out_scale.to(torch.float64))) for i in infos]
@@ -304,6 +306,21 @@ def _rescaled(c, node):
     if node.op == "cat":
         attrs["dim"] = node.attrs["dim"]
     c.emit(node, node.op, [i.name for i in infos], attrs, qdtype, out_scale)
+
+
+def _add_constant(c: _Converter, node: Node) -> None:
+    """``x ± k`` for a scalar constant ``k``: x is rescaled as in §10 and ``k`` enters as ``rhe(k / s_out)``."""
+    a, b = node.inputs
+    qdtype, out_scale = _required_grid(c, node)
+    if _scalar(c, a) is not None:  # k - x  or  k + x
+        k, x, sign_x = _scalar(c, a), c.int_input(node, b), -1 if node.op == "sub" else 1
+    else:
+        k, x, sign_x = _scalar(c, b) * (-1 if node.op == "sub" else 1), c.int_input(node, a), 1
+    mult, shift = quantize_multiplier(float(x.scale.to(torch.float64) / out_scale.to(torch.float64)))
+    addend = int(torch.round(torch.tensor(k, dtype=torch.float64) / float(out_scale)))
+    attrs = {"multipliers": [mult], "shifts": [shift], "addend": addend, "negate": sign_x < 0,
+             "out_dtype": qdtype.value}
+    c.emit(node, "add_const", [x.name], attrs, qdtype, out_scale)
 
 
 def _scalar(c: _Converter, name: str) -> float | None:
@@ -398,6 +415,42 @@ def _clamp(c, node):
     hi = 2**31 - 1 if hi_val is None else int(round(hi_val / s))
     real = x.scale.to(torch.float64) / out_scale.to(torch.float64)
     c.emit(node, "clamp", [x.name], {"lo": lo, "hi": hi, **c.requant_attrs(real, qdtype)}, qdtype, out_scale)
+
+
+@converter("abs", "neg")
+def _sign_op(c, node):
+    """|q| and -q are exact on integers; the result is rescaled to the op's output grid."""
+    x = c.int_input(node, node.inputs[0])
+    qdtype, out_scale = _required_grid(c, node)
+    real = x.scale.to(torch.float64) / out_scale.to(torch.float64)
+    c.emit(node, f"{node.op}_int", [x.name], c.requant_attrs(real, qdtype), qdtype, out_scale)
+
+
+@converter("upsample_bilinear2d")
+def _bilinear(c, node):
+    """Bilinear resize as two integer interpolation matrices (weights in 2**-8 fixed point, ``docs/march.md``
+    §11): ``acc = A_h · q · A_wᵀ`` exactly, then one requantize by ``s_in · 2**-16 / s_out``."""
+    x = c.int_input(node, node.inputs[0])
+    qdtype, out_scale = _required_grid(c, node)
+    in_h, in_w = c.src.values[node.inputs[0]].shape[-2:]
+    out_h, out_w = c.src.values[node.outputs[0]].shape[-2:]
+    align = bool(node.attrs.get("align_corners"))
+    a_h = c.const(_interp_matrix(in_h, out_h, align), f"{node.outputs[0]}_rows")
+    a_w = c.const(_interp_matrix(in_w, out_w, align), f"{node.outputs[0]}_cols")
+    real = x.scale.to(torch.float64) * 2.0**-16 / out_scale.to(torch.float64)
+    c.emit(node, "bilinear_int", [x.name, a_h, a_w], c.requant_attrs(real, qdtype), qdtype, out_scale)
+
+
+def _interp_matrix(size_in: int, size_out: int, align_corners: bool) -> torch.Tensor:
+    """Integer weights (sum 256 per row) of 1-D linear interpolation, as torch computes the float ones."""
+    eye = torch.eye(size_in, dtype=torch.float64).reshape(size_in, 1, size_in)
+    weights = torch.nn.functional.interpolate(eye, size=size_out, mode="linear", align_corners=align_corners)
+    w = weights.reshape(size_in, size_out).t()  # [out, in]
+    q = torch.round(w * 256).to(torch.int64)
+    # keep each row's weights summing to exactly 1.0 (256): put the rounding residue on the largest weight
+    residue = 256 - q.sum(dim=1)
+    q[torch.arange(size_out), w.argmax(dim=1)] += residue
+    return q.to(torch.int16)
 
 
 @converter(*sorted(PASSTHROUGH_OPS))

@@ -142,6 +142,12 @@ def _add(node, inputs):
     return _store(node, ta + tb if node.op == "add" else ta - tb)
 
 
+@int_kernel("add_const")
+def _add_const(node, inputs):
+    t = _rescale(inputs[0], node.attrs["multipliers"][0], node.attrs["shifts"][0])
+    return _store(node, (-t if node.attrs["negate"] else t) + node.attrs["addend"])
+
+
 @int_kernel("cat")
 def _cat(node, inputs):
     parts = [
@@ -191,6 +197,19 @@ def _avg_pool(node, inputs):
     a = node.attrs
     acc = _acc(F.avg_pool2d(_exact(inputs[0]), a["kernel_size"], a["stride"], a["padding"], a["ceil_mode"],
                             a["count_include_pad"], divisor_override=1))
+    return _requant(node, acc)
+
+
+@int_kernel("abs_int", "neg_int")
+def _sign(node, inputs):
+    q = inputs[0].to(torch.int64)
+    return _requant(node, q.abs() if node.op == "abs_int" else -q)
+
+
+@int_kernel("bilinear_int")
+def _bilinear(node, inputs):
+    q, a_h, a_w = inputs
+    acc = _acc(torch.matmul(torch.matmul(_exact(a_h), _exact(q)), _exact(a_w).t()))
     return _requant(node, acc)
 
 

@@ -180,8 +180,8 @@ _register(aten.conv2d.default, _generic("conv2d", aten.conv2d.default, ("input",
 _register(aten.conv1d.default, _generic("conv1d", aten.conv1d.default, ("input", "weight", "bias"),
                                          ("stride", "padding", "dilation", "groups")))
 _register(aten.linear.default, _generic("linear", aten.linear.default, ("input", "weight", "bias")))
-_register([aten.matmul.default, aten.bmm.default, aten.mm.default],
-          _generic("matmul", aten.matmul.default, ("self", "other")))
+_register(aten.matmul.default, _generic("matmul", aten.matmul.default, ("self", "other")))
+_register([aten.bmm.default, aten.mm.default], _generic("matmul", aten.matmul.default, ("self", "mat2")))
 _register(aten.scaled_dot_product_attention.default,
           _generic("sdpa", aten.scaled_dot_product_attention.default, ("query", "key", "value", "attn_mask"),
                    ("dropout_p", "is_causal", "scale")))
@@ -261,6 +261,10 @@ _register(aten.log_softmax.int, _generic("log_softmax", aten.log_softmax.int, ("
 # -- reductions and pooling ------------------------------------------------------------------------------------
 _register(aten.mean.dim, _generic("mean", aten.mean.dim, ("self",), ("dim", "keepdim")))
 _register(aten.sum.dim_IntList, _generic("sum", aten.sum.dim_IntList, ("self",), ("dim", "keepdim")))
+for _name in ("mean", "sum"):
+    _register(getattr(aten, _name).default,
+              lambda ctx, node, _op=_name: _emit(ctx, node, _op, [_value(ctx, node.args[0])],
+                                                 {"dim": None, "keepdim": False}))
 _register(aten.amax.default, _generic("amax", aten.amax.default, ("self",), ("dim", "keepdim")))
 _register(aten.max.dim, _generic("max_dim", aten.max.dim, ("self",), ("dim", "keepdim"), n_out=2))
 _register(aten.argmax.default, _generic("argmax", aten.argmax.default, ("self",), ("dim", "keepdim")))
