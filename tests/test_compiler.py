@@ -146,9 +146,9 @@ def test_add_and_cat_with_different_input_scales_hand_computed():
     prepared = _calibrated(_AddCat(), (a, b), [(a, b)], setter)
     q_ir = convert(export(prepared, (a, b)))
     out = q_ir(a, b)
-    # docs/march.md §10: t_a = rhe(5 * 0.5) = 2, t_b = rhe(2 * 0.25) = 0 -> add = 2 (the float path gives 3).
-    # cat rescales a: rhe(2.5) = 2 again, and the add result (already at 2**-3) is kept.
-    assert out.tolist() == [[2 * 2**-3, 2 * 2**-3]]
+    # docs/march.md §10: terms keep 8 fractional bits, 640 + 128 = 768 -> rhe(3.0) = 3, as the float path.
+    # cat rescales a alone: rhe(5 * 0.5) = rhe(2.5) = 2, and the add result (already at 2**-3) is kept.
+    assert out.tolist() == [[3 * 2**-3, 2 * 2**-3]]
     add_node = next(n for n in q_ir.graph.nodes if n.op == "add")
     assert add_node.attrs["multipliers"] == [2**30, 2**30] and add_node.attrs["shifts"] == [31, 32]
     with torch.no_grad():
@@ -289,6 +289,6 @@ def test_op_coverage_model_converts_close_to_qat_ir(setter):
     ops = set(q_ir.statistics())
     assert {"conv1d", "conv2d", "linear", "matmul", "split", "slice", "select", "cat", "clamp", "max_pool2d",
             "avg_pool2d_int", "bilinear_int", "upsample_nearest2d", "sum_int", "int_div", "add_const"} <= ops
-    tolerance = 0.05 if setter is default_calibration_qconfig_setter else 1e-3
+    tolerance = 0.03 if setter is default_calibration_qconfig_setter else 1e-3
     for ref, got in zip(qat_ir(*batches[1]), q_ir(*batches[1])):
         assert (ref - got).abs().max() <= tolerance * ref.abs().max()

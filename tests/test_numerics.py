@@ -403,12 +403,22 @@ def test_conv_worked_example_of_the_spec():
 
 
 def test_elementwise_add_worked_example_of_the_spec():
-    # docs/march.md, "Elementwise": q_a = 5 at 2**-4, q_b = 2 at 2**-5, output at 2**-3.
-    ta = requantize(i64([5]), *quantize_multiplier(0.5), I32)  # 2.5 -> 2
-    tb = requantize(i64([2]), *quantize_multiplier(0.25), I32)  # 0.5 -> 0
-    assert int(saturate(ta + tb, I8)) == 2
-    # The fake-quant model rounds the float sum once: (0.3125 + 0.0625) / 0.125 = 3.
+    # docs/march.md §10: q_a = 5 at 2**-4, q_b = 2 at 2**-5, output at 2**-3, F = 8 extra fractional bits.
+    from quantlens.numerics import rescaled_sum
+
+    ma, sa = quantize_multiplier(0.5)  # (2**30, 31)
+    mb, sb = quantize_multiplier(0.25)  # (2**30, 32)
+    # t_a = rhe(5 * 0.5 * 256) = 640, t_b = rhe(2 * 0.25 * 256) = 128, y = rhe(768 / 256) = 3
+    assert rescaled_sum([(i64([5]), ma, sa, 1), (i64([2]), mb, sb, 1)], 0, I8).tolist() == [3]
+    # ... which is what the fake-quant model gives: (0.3125 + 0.0625) / 0.125 = 3 (rounding each term first
+    # would give rhe(2.5) + rhe(0.5) = 2).
     assert quantize(t([5 * 2.0**-4 + 2 * 2.0**-5]), t(2.0**-3), I8).tolist() == [3]
+    # sub, a tie: 5*0.5 - 1*0.25 = 2.25 -> 2;  3*0.5 - 0 = 1.5 -> 2 (ties to even); saturation to int8
+    assert rescaled_sum([(i64([5, 3]), ma, sa, 1), (i64([1, 0]), mb, sb, -1)], 0, I8).tolist() == [2, 2]
+    assert rescaled_sum([(i64([127]), *quantize_multiplier(2.0), 1), (i64([127]), *quantize_multiplier(2.0), 1)],
+                        0, I8).tolist() == [127]
+    # An addend in units of 2**-F output steps: 1.5 steps + 1 -> 2.5 -> 2
+    assert rescaled_sum([(i64([3]), ma, sa, 1)], 256, I8).tolist() == [2]
     # An equal scale rescales exactly (identity).
     assert requantize(i64([-128, 77, 127]), *quantize_multiplier(1.0), I8).tolist() == [-128, 77, 127]
 

@@ -13,7 +13,7 @@ from enum import Enum
 from quantlens.errors import QuantLensError
 
 #: version of docs/march.md that this module implements.
-SPEC_VERSION = 2
+SPEC_VERSION = 3
 
 __all__ = ["SPEC_VERSION", "QuantDType", "RoundingMode", "MarchSpec", "March", "set_march", "get_march"]
 
@@ -78,6 +78,8 @@ class MarchSpec:
     max_requant_shift: int
     #: whether a conv/linear/matmul may take int16 on both operands.
     allow_int16_x_int16_gemm: bool
+    #: extra fractional bits kept by the rescaled terms of add/sub before their one final rounding (§10).
+    elementwise_frac_bits: int = 8
 
     def scale_from_range(self, min_val: float, max_val: float, dtype: QuantDType) -> float:
         """Scale of a symmetric quantizer covering ``[min_val, max_val]``: ``max(|min|, |max|) / qmax``.

@@ -29,6 +29,7 @@ __all__ = [
     "rshift_round_half_to_even",
     "requantize",
     "saturate",
+    "rescaled_sum",
 ]
 
 
@@ -141,3 +142,24 @@ def requantize(
         multiplier = multiplier.to(torch.int64)
     prod = acc.to(torch.int64) * multiplier
     return saturate(rshift_round_half_to_even(prod, shift), dtype)
+
+
+def rescaled_sum(
+    terms: "list[tuple[torch.Tensor, int, int, int]]", addend: "int | torch.Tensor", dtype: QuantDType
+) -> torch.Tensor:
+    """``docs/march.md`` §10: ``sat(rshift_rhe(Σ sign_i · rshift_rhe(q_i · M_i, shift_i − F) + addend, F))``.
+
+    Each term ``(q_i, M_i, shift_i, sign_i)`` is rescaled to the output scale keeping ``F`` extra fractional bits
+    (``MarchSpec.elementwise_frac_bits``); the sum (plus ``addend``, already in those units) is rounded once.
+    """
+    frac = get_march().spec.elementwise_frac_bits
+    total = torch.zeros((), dtype=torch.int64) + addend
+    for q, mult, shift, sign in terms:
+        if shift < frac:
+            raise QuantLensError(
+                f"An add/sub input scale is more than 2**{30 - frac} times the output scale; the march cannot "
+                "rescale it. Check the observers of this op's inputs."
+            )
+        t = torch.clamp(rshift_round_half_to_even(q.to(torch.int64) * int(mult), shift - frac), -(2**31), 2**31 - 1)
+        total = total + (t if sign > 0 else -t)
+    return saturate(rshift_round_half_to_even(total, frac), dtype)

@@ -19,7 +19,7 @@ import torch
 from quantlens.compiler.ir import Graph, Module, Node, ValueInfo
 from quantlens.compiler.kernels_int import storage_dtype
 from quantlens.errors import QuantLensError
-from quantlens.march import QuantDType
+from quantlens.march import QuantDType, get_march
 from quantlens.numerics import quantize, quantize_multiplier
 
 __all__ = ["convert", "CONVERTERS", "PASSTHROUGH_OPS"]
@@ -309,7 +309,8 @@ def _rescaled(c, node):
 
 
 def _add_constant(c: _Converter, node: Node) -> None:
-    """``x ± k`` for a scalar constant ``k``: x is rescaled as in §10 and ``k`` enters as ``rhe(k / s_out)``."""
+    """``x ± k`` for a scalar constant ``k``: x is rescaled as in §10 and ``k`` enters as ``rhe(k · 2**F / s_out)``
+    (in the F extra fractional bits), so the result is rounded once."""
     a, b = node.inputs
     qdtype, out_scale = _required_grid(c, node)
     if _scalar(c, a) is not None:  # k - x  or  k + x
@@ -317,7 +318,8 @@ def _add_constant(c: _Converter, node: Node) -> None:
     else:
         k, x, sign_x = _scalar(c, b) * (-1 if node.op == "sub" else 1), c.int_input(node, a), 1
     mult, shift = quantize_multiplier(float(x.scale.to(torch.float64) / out_scale.to(torch.float64)))
-    addend = int(torch.round(torch.tensor(k, dtype=torch.float64) / float(out_scale)))
+    frac = get_march().spec.elementwise_frac_bits
+    addend = int(torch.round(torch.tensor(k * 2.0**frac, dtype=torch.float64) / float(out_scale)))
     attrs = {"multipliers": [mult], "shifts": [shift], "addend": addend, "negate": sign_x < 0,
              "out_dtype": qdtype.value}
     c.emit(node, "add_const", [x.name], attrs, qdtype, out_scale)

@@ -21,7 +21,7 @@ from quantlens.compiler.ir import Node
 from quantlens.compiler.lowering import TORCH_OPS
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType
-from quantlens.numerics import dequantize, quantize, requantize, rshift_round_half_to_even
+from quantlens.numerics import dequantize, quantize, requantize, rescaled_sum, rshift_round_half_to_even
 
 __all__ = ["INT_KERNELS", "int_kernel", "int_dispatch", "storage_dtype"]
 
@@ -138,14 +138,16 @@ def _store(node: Node, y: torch.Tensor) -> torch.Tensor:
 @int_kernel("add", "sub")
 def _add(node, inputs):
     (ma, mb), (sa, sb) = node.attrs["multipliers"], node.attrs["shifts"]
-    ta, tb = _rescale(inputs[0], ma, sa), _rescale(inputs[1], mb, sb)
-    return _store(node, ta + tb if node.op == "add" else ta - tb)
+    sign_b = 1 if node.op == "add" else -1
+    y = rescaled_sum([(inputs[0], ma, sa, 1), (inputs[1], mb, sb, sign_b)], 0, _qdtype(node))
+    return y.to(storage_dtype(node.attrs["out_dtype"]))
 
 
 @int_kernel("add_const")
 def _add_const(node, inputs):
-    t = _rescale(inputs[0], node.attrs["multipliers"][0], node.attrs["shifts"][0])
-    return _store(node, (-t if node.attrs["negate"] else t) + node.attrs["addend"])
+    sign = -1 if node.attrs["negate"] else 1
+    term = (inputs[0], node.attrs["multipliers"][0], node.attrs["shifts"][0], sign)
+    return rescaled_sum([term], node.attrs["addend"], _qdtype(node)).to(storage_dtype(node.attrs["out_dtype"]))
 
 
 @int_kernel("cat")
