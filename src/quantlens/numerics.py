@@ -119,18 +119,25 @@ def quantize_multiplier(real: float) -> tuple[int, int]:
 
 def rshift_round_half_to_even(x: torch.Tensor, shift: "int | torch.Tensor") -> torch.Tensor:
     """``x / 2**shift`` rounded half to even, on int64 tensors. ``shift`` may be a tensor broadcast against ``x``
-    (per-channel requantize)."""
+    (per-channel requantize).
+
+    With ``f = x >> k`` (floor), remainder ``r = x - f·2**k`` and ``h = 2**(k-1)``: ``(r + h - 1 + (f & 1)) >> k``
+    is 1 exactly when ``r > h``, or ``r == h`` and ``f`` is odd (``docs/march.md`` §8.2); it cannot overflow.
+    """
     x = x.to(torch.int64)
     if not isinstance(shift, torch.Tensor):
         if shift == 0:
             return x
-        shift = torch.tensor(shift, dtype=torch.int64)
+        floor = torch.bitwise_right_shift(x, shift)
+        rem = x - torch.bitwise_left_shift(floor, shift)
+        up = torch.bitwise_right_shift(rem + ((1 << (shift - 1)) - 1) + torch.bitwise_and(floor, 1), shift)
+        return floor + up
     shift = shift.to(torch.int64)
-    floor = torch.bitwise_right_shift(x, shift)  # arithmetic shift: floor division
+    floor = torch.bitwise_right_shift(x, shift)
     rem = x - torch.bitwise_left_shift(floor, shift)
-    half = torch.bitwise_left_shift(torch.ones_like(shift), (shift - 1).clamp(min=0))
-    round_up = ((rem > half) | ((rem == half) & (torch.bitwise_and(floor, 1) == 1))) & (shift > 0)
-    return floor + round_up.to(torch.int64)
+    half_minus_one = torch.bitwise_left_shift(torch.ones_like(shift), (shift - 1).clamp(min=0)) - 1
+    up = torch.bitwise_right_shift(rem + half_minus_one + torch.bitwise_and(floor, 1), shift)
+    return floor + torch.where(shift > 0, up, 0)
 
 
 def requantize(

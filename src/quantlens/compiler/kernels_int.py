@@ -70,6 +70,17 @@ def _exact(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64)
 
 
+def _gemm_dtype(a: torch.Tensor, b: torch.Tensor, terms: int) -> torch.dtype:
+    """float32 when every partial sum of the integer products is below 2**24 (exact in float32 whatever the
+    summation order), else float64 (exact below 2**53). Both give the exact integer result."""
+    bound = terms * _magnitude(a) * _magnitude(b)
+    return torch.float32 if bound < 2**24 else torch.float64
+
+
+def _magnitude(t: torch.Tensor) -> int:
+    return {torch.int8: 128, torch.int16: 32768}.get(t.dtype, 2**31)
+
+
 def _acc(t: torch.Tensor) -> torch.Tensor:
     return t.round().to(torch.int64)
 
@@ -106,21 +117,24 @@ def _conv(node, inputs):
     x, w, b = inputs
     conv = F.conv2d if node.op == "conv2d" else F.conv1d
     a = node.attrs
-    acc = _acc(conv(_exact(x), _exact(w), None, a["stride"], a["padding"], a["dilation"], a["groups"]))
+    dtype = _gemm_dtype(x, w, w[0].numel())
+    acc = _acc(conv(x.to(dtype), w.to(dtype), None, a["stride"], a["padding"], a["dilation"], a["groups"]))
     return _requant(node, _bias(acc, b, 1), 1)
 
 
 @int_kernel("linear")
 def _linear(node, inputs):
     x, w, b = inputs
-    acc = _acc(F.linear(_exact(x), _exact(w)))
+    dtype = _gemm_dtype(x, w, w.shape[-1])
+    acc = _acc(F.linear(x.to(dtype), w.to(dtype)))
     return _requant(node, _bias(acc, b, acc.dim() - 1), -1)
 
 
 @int_kernel("matmul")
 def _matmul(node, inputs):
     a, b = inputs
-    return _requant(node, _acc(torch.matmul(_exact(a), _exact(b))))
+    dtype = _gemm_dtype(a, b, a.shape[-1])
+    return _requant(node, _acc(torch.matmul(a.to(dtype), b.to(dtype))))
 
 
 # -- elementwise --------------------------------------------------------------------------------------------
