@@ -20,6 +20,7 @@ from quantlens.quantization import (
     FakeQuantize,
     FakeQuantState,
     MinMaxObserver,
+    QConfig,
     QuantSpec,
     QuantStub,
     check_qat_model,
@@ -991,3 +992,29 @@ def test_torch_save_load_of_prepared_model():
     assert loaded._quantlens_state._root() is loaded
     torch.testing.assert_close(_validate(loaded, ex), _validate(prepared, ex), atol=0, rtol=0)
     assert get_op_sites(loaded, ex) == get_op_sites(prepared, ex)
+
+
+def test_sensitive_weight_row_does_not_undo_a_more_sensitive_activation_promotion():
+    model, ex = _digits()
+    table = [{"op_name": "relu2", "sensitive_type": "activation"}, {"op_name": "conv3", "sensitive_type": "weight"},
+             {"op_name": "fc", "sensitive_type": "weight"}]
+    prepared = _prep(model, ex, sensitive_op_calibration_8bit_weight_16bit_act_qconfig_setter(table, topk=3))
+    result = check_qat_model(prepared, ex, None)
+    assert result.site("relu2").output_dtype == "qint16"
+    assert result.site("conv3").input_dtypes.startswith("qint16")  # not demoted back to int8
+    assert prepared.conv3.weight_fake_quant.dtype is QuantDType.qint8
+    assert prepared.fc.weight_fake_quant.dtype is QuantDType.qint16  # its input was not promoted
+    assert any("weight of 'conv3' kept int8" in w for w in result.warnings)
+
+
+def test_fused_group_without_weight_quantization_stays_unfused():
+    model, ex = _digits()
+    setter = (ModuleNameQconfigSetter({"conv2": QConfig(output=QuantSpec(QuantDType.qint8))}),
+              default_calibration_qconfig_setter)
+    prepared = _prep(model, ex, setter)
+    state = prepared._quantlens_state
+    assert all("conv2" not in g.members for g in state.groups)
+    assert any("conv2" in u.members and "no weight quantization" in u.reason for u in state.unfused)
+    prepared.eval()
+    with torch.no_grad():
+        prepared(*ex)  # runs: conv2 and bn2 stay separate modules

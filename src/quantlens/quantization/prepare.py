@@ -282,6 +282,8 @@ def prepare(
     ctx = QconfigContext(record, groups)
     assignment = resolve_qconfigs(qconfig_setter, ctx)
     _apply_module_qconfigs(prepared, record, groups, assignment.qconfigs)
+    groups, dropped = _drop_unquantized_bn_groups(groups, assignment.qconfigs)
+    unfused = unfused + dropped
 
     modules = dict(prepared.named_modules())
     fixed = {
@@ -315,6 +317,19 @@ def prepare(
 
         check_qat_model(prepared, example_inputs, check_result_dir)
     return prepared
+
+
+def _drop_unquantized_bn_groups(groups: list[FusedGroup], qconfigs: dict[str, QConfig]):
+    """Folding a BatchNorm needs the conv/linear's weight fake quant; without one the group stays unfused."""
+    kept, dropped = [], []
+    for group in groups:
+        qc = qconfigs.get(group.head)
+        if group.bn is not None and (qc is None or qc.weight is None):
+            dropped.append(UnfusedPattern(group.members, "its qconfig has no weight quantization, so the "
+                                          "BatchNorm cannot be folded into quantized weights"))
+        else:
+            kept.append(group)
+    return kept, dropped
 
 
 def _install_decompositions(state: QuantState) -> None:

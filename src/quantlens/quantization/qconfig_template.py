@@ -231,16 +231,28 @@ class SensitiveOpQconfigSetter(QconfigSetter):
 
     def assign(self, ctx: QconfigContext) -> QconfigAssignment:
         result = QconfigAssignment()
-        for op_name, kind in self.selected:
+        promoted_outputs: set[str] = set()
+        for op_name, kind in self.selected:  # most sensitive first
             if op_name not in ctx.record.sites:
                 result.warnings.append(f"{self.name}: sensitive op '{op_name}' is not an op site of this model.")
                 continue
             prev = result.qconfigs.get(op_name)
             if kind == "weight":
-                # int16 weights need an int8 input (no int16 x int16 GEMM on the march).
+                # int16 weights need an int8 input (no int16 x int16 GEMM). If a more sensitive row already made
+                # that input int16, demoting it again would undo the more important promotion: keep the weight.
+                site = ctx.record.sites[op_name]
+                origins = {ctx.record.origin(i.producer) for i in site.inputs if i.producer and not i.is_parameter}
+                if origins & promoted_outputs:
+                    result.warnings.append(
+                        f"{self.name}: weight of '{op_name}' kept int8: its input comes from a more sensitive op "
+                        "promoted to int16, and the march has no int16 x int16."
+                    )
+                    continue
                 qc = QConfig(input=self.int8, weight=self.int16_weight, output=prev.output if prev else self.int8)
             else:
                 qc = QConfig(input=self.int16, weight=prev.weight if prev else self.int8_weight, output=self.int16)
+                group = ctx.group_of(op_name)
+                promoted_outputs.update(group.members if group is not None else (op_name,))
             result.qconfigs[op_name] = qc
         return result
 
