@@ -1,0 +1,268 @@
+"""Per-layer comparison of two traces: op sites matched by name, metrics per op, and the same-input error.
+
+Matching: op site names are identical in the float and the prepared model by construction. In a fused group
+(conv-bn-relu) only the last op is compared: the prepared model computes the whole group there, so the
+members before it have nothing to match in the float model and are listed as ``fused into <last>``.
+
+Per op: the **accumulated** error (analysis output vs baseline output: everything upstream included), and the
+**same-input** error (the analysis op re-run on the baseline's input vs the baseline output: only what this op
+adds). A layer whose same-input error is large is where precision is lost; one with a large accumulated but
+small same-input error only inherits it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Iterable, Sequence
+
+import torch
+
+from quantlens.errors import QuantLensError
+from quantlens.march import QuantDType
+from quantlens.profiler.metrics import METRICS, in_scale_units
+from quantlens.profiler.trace_store import TraceReader, TracedSite
+
+__all__ = ["LayerRow", "LayerComparison", "compare_traces", "check_site_match", "COLUMNS"]
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """One op site of the comparison. Metric fields are None where there is nothing to compare."""
+
+    index: int
+    op_name: str
+    base_op_type: str
+    analy_op_type: str
+    module_type: str  # analysis module class ("" for function ops)
+    shape: str
+    quant_dtype: str
+    scale: float | None  # per-tensor output scale of the analysis op
+    Cosine: float | None = None
+    MSE: float | None = None
+    L1: float | None = None
+    KL: float | None = None
+    SQNR: float | None = None
+    Atol: float | None = None
+    atol_in_scale: float | None = None  # Atol / scale: the accumulated error in output steps
+    same_input_cosine: float | None = None
+    same_input_sqnr: float | None = None
+    same_input_atol: float | None = None
+    same_input_in_scale: float | None = None  # same-input Atol / scale
+    base_min: float | None = None
+    base_max: float | None = None
+    base_mean: float | None = None
+    analy_min: float | None = None
+    analy_max: float | None = None
+    analy_mean: float | None = None
+    #: the largest part of the same-input error: "clipping" (the output saturates), "rounding" (output
+    #: rounding) or "internal" (rounding inside the op: its weights, inputs quantized at the op, lookup tables)
+    error_kind: str = ""
+    same_input_clip_mse: float | None = None
+    same_input_round_mse: float | None = None
+    same_input_inner_mse: float | None = None
+    raw_error_kind: str = ""  # the actual run: "clipping" / "rounding", the larger part of the output's error
+    clipped_ratio: float | None = None  # fraction of output elements that saturate (actual run)
+    raw_min: float | None = None  # the analysis op's output range before its output fake quant
+    raw_max: float | None = None
+    input_min: float | None = None  # QuantStub sites: the model input's range
+    input_max: float | None = None
+    input_dtypes: str = ""
+    boundary: str = ""
+    producer: str = ""
+    fused_into: str = ""
+    nonfinite: str = ""  # "baseline" / "analysis" / "both" when an output holds NaN/Inf
+    note: str = ""
+
+    @property
+    def compared(self) -> bool:
+        return self.Cosine is not None
+
+
+#: the table's columns, in order
+COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(LayerRow))
+
+
+class LayerComparison(Sequence[LayerRow]):
+    """The rows of :meth:`QuantAnalysis.compare_per_layer`, in execution order (a sequence of LayerRow)."""
+
+    def __init__(self, rows: list[LayerRow], baseline: str, analysis: str):
+        self.rows = rows
+        self.baseline = baseline
+        self.analysis = analysis
+
+    def __getitem__(self, item):
+        if isinstance(item, str):
+            for row in self.rows:
+                if row.op_name == item:
+                    return row
+            raise KeyError(item)
+        return self.rows[item]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def ranked(self, column: str = "same_input_sqnr") -> list[LayerRow]:
+        """Compared rows with a value in ``column``, worst first (lower is worse for cosine/SQNR columns)."""
+        if column not in COLUMNS:
+            raise QuantLensError(f"Unknown column {column!r}; expected one of {list(COLUMNS)}.")
+        lower_is_worse = column.lower().endswith(("cosine", "sqnr"))
+        rows = [r for r in self.rows if isinstance(getattr(r, column), float) and not math.isnan(getattr(r, column))]
+        return sorted(rows, key=lambda r: getattr(r, column) if lower_is_worse else -getattr(r, column))
+
+    def to_dicts(self) -> list[dict]:
+        return [asdict(r) for r in self.rows]
+
+
+def check_site_match(base: TraceReader, analy: TraceReader) -> None:
+    """Raise when the two traces were made on different inputs or do not have the same op sites (the models
+    do not correspond)."""
+    if base.input_digest != analy.input_digest:
+        raise QuantLensError(
+            f"The traces in {base.dir} and {analy.dir} were made on different bad cases (a new bad case was set "
+            "between run(run_baseline_model=True) and run(run_analysis_model=True)). Run both models on the same "
+            "bad case: qa.run()."
+        )
+    b, a = set(base.by_name), set(analy.by_name)
+    if b == a:
+        return
+    only_b, only_a = sorted(b - a)[:5], sorted(a - b)[:5]
+    raise QuantLensError(
+        f"The op sites of the two models do not match: {len(b - a)} only in the baseline (e.g. {only_b}), "
+        f"{len(a - b)} only in the analysis model (e.g. {only_a}). Expected the analysis model to be prepared "
+        "from the baseline model (same op site names) and both to run the same branches on the bad case. Fix: "
+        "pass the float model and the model prepare() returned for it, with the same input format (e.g. the "
+        "same task list)."
+    )
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if len(tensors) == 1:
+        return tensors[0]
+    return torch.cat([t.reshape(-1).double() for t in tensors])
+
+
+def _metrics(base: list[torch.Tensor], analy: list[torch.Tensor]) -> dict[str, float] | None:
+    if len(base) != len(analy) or any(x.shape != y.shape for x, y in zip(base, analy)) or not base:
+        return None
+    x, y = _flat(base), _flat(analy)
+    return {name: metric(x, y) for name, metric in METRICS.items()}
+
+
+#: relative error (||x - y|| / ||x||, i.e. SQNR > 120 dB) below which a difference is float32 rounding noise
+#: (a GEMM re-run on a copy of its input may round its last bit differently), not a quantization error
+_FLOAT_NOISE = 1e-6
+
+
+def _split(base: list[torch.Tensor], pre: list[torch.Tensor], same: list[torch.Tensor], dtype: str,
+           scale: float | None) -> dict:
+    """Split the same-input error ``baseline - same`` into two exact parts, reported as mean squared errors:
+
+    * internal: ``baseline - pre``, where ``pre`` is the op's result before its output fake quant (rounding of
+      its weights, of inputs quantized at the op, lookup tables);
+    * output: ``pre - same``, what the output fake quant does: clipping on saturated elements, rounding on
+      the others.
+
+    The kind is the largest of the three; none when the error is within float32 noise (:data:`_FLOAT_NOISE`).
+    """
+    x, p, y = (_flat(t).double().reshape(-1) for t in (base, pre, same))
+    if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(p).all())) or x.numel() == 0:
+        return {}
+    noise = float((x - y).norm()) <= float(x.norm()) * _FLOAT_NOISE
+    if noise:  # no error beyond float32 noise: nothing to split (the parts would only cancel each other)
+        return {"error_kind": "", "same_input_inner_mse": 0.0, "same_input_clip_mse": 0.0, "same_input_round_mse": 0.0}
+    inner = float(((x - p) ** 2).mean())
+    quant = (p - y) ** 2
+    clip = torch.zeros_like(quant, dtype=torch.bool)
+    if scale is not None and dtype in ("qint8", "qint16"):
+        dt = QuantDType.parse(dtype)
+        clip = (p > (dt.qmax + 0.5) * scale) | (p < (dt.qmin - 0.5) * scale)
+    parts = {"internal": inner, "clipping": float(quant[clip].sum()) / x.numel(),
+             "rounding": float(quant[~clip].sum()) / x.numel()}
+    kind = max(parts, key=parts.get) if max(parts.values()) > 0 else ""
+    return {"error_kind": kind, "same_input_inner_mse": parts["internal"],
+            "same_input_clip_mse": parts["clipping"], "same_input_round_mse": parts["rounding"]}
+
+
+def _shape(site: TracedSite) -> str:
+    return ";".join("x".join(str(d) for d in site.stats[k].shape) or "scalar" for k in site.float_outputs())
+
+
+def _range(site: TracedSite) -> tuple[float | None, float | None, float | None]:
+    stats = [site.stats[k] for k in site.float_outputs() if site.stats[k].min is not None]
+    if not stats:
+        return None, None, None
+    total = sum(math.prod(s.shape) for s in stats) or 1
+    mean = sum(s.mean * math.prod(s.shape) for s in stats) / total
+    return min(s.min for s in stats), max(s.max for s in stats), mean
+
+
+def _nonfinite(b: TracedSite, a: TracedSite) -> str:
+    nb = any(b.stats[k].nonfinite for k in b.float_outputs())
+    na = any(a.stats[k].nonfinite for k in a.float_outputs())
+    return {(True, True): "both", (True, False): "baseline", (False, True): "analysis"}.get((nb, na), "")
+
+
+def _selected(site: TracedSite, base_site: TracedSite, prefixes, types) -> bool:
+    if prefixes and not any(site.name.startswith(p) for p in prefixes):
+        return False
+    if types:
+        names = {site.op_type, base_site.op_type, site.module_type, base_site.module_type}
+        return any((t if isinstance(t, str) else getattr(t, "__name__", str(t))) in names for t in types)
+    return True
+
+
+def compare_traces(base: TraceReader, analy: TraceReader, prefixes: Iterable[str] | None = None,
+                   types: Iterable | None = None) -> LayerComparison:
+    """Compare two traces op site by op site (loads one site's tensors at a time)."""
+    check_site_match(base, analy)
+    prefixes = [prefixes] if isinstance(prefixes, str) else list(prefixes or [])
+    types = [types] if isinstance(types, str) or isinstance(types, type) else list(types or [])
+    rows = []
+    for site in analy.sites:
+        b = base.by_name[site.name]
+        if not _selected(site, b, prefixes, types):
+            continue
+        rows.append(_row(base, analy, b, site))
+    return LayerComparison(rows, base.description, analy.description)
+
+
+def _row(base: TraceReader, analy: TraceReader, b: TracedSite, a: TracedSite) -> LayerRow:
+    bmin, bmax, bmean = _range(b)
+    amin, amax, amean = _range(a)
+    scale = a.per_tensor_scale
+    qe = a.quant_error
+    stub_in = a.stats.get("in0") if a.boundary == "input" else None
+    row = dict(
+        index=a.index, op_name=a.name, base_op_type=b.op_type, analy_op_type=a.op_type,
+        module_type=a.module_type or "", shape=_shape(a), quant_dtype=a.quant_dtype, scale=scale,
+        base_min=bmin, base_max=bmax, base_mean=bmean, analy_min=amin, analy_max=amax, analy_mean=amean,
+        input_dtypes=", ".join(a.input_dtypes), boundary=a.boundary, producer=a.producer or "",
+        fused_into=a.fused_into or "", nonfinite=_nonfinite(b, a),
+        input_min=stub_in.min if stub_in else None, input_max=stub_in.max if stub_in else None,
+    )
+    if qe is not None:
+        row.update(raw_error_kind=qe.dominant if qe.clip_sq_err + qe.round_sq_err > 0 else "",
+                   clipped_ratio=qe.clipped_ratio, raw_min=qe.raw_min, raw_max=qe.raw_max)
+    if a.fused_into:
+        return LayerRow(**row, note=f"fused into {a.fused_into}")
+    bt, at = base.tensors(b.name), analy.tensors(a.name)
+    keys = b.float_outputs()
+    base_out = [bt[k] for k in keys]
+    values = _metrics(base_out, [at[k] for k in a.float_outputs()])
+    if values is None:
+        return LayerRow(**row, note="mismatch shape" if keys or a.float_outputs() else "no float output")
+    row.update(values)
+    row["atol_in_scale"] = in_scale_units(values["Atol"], scale)
+    same = [at[f"same{i}"] for i in range(len(keys)) if f"same{i}" in at]
+    same_values = _metrics(base_out, same) if len(same) == len(keys) else None
+    note = a.same_input_note
+    if same_values is not None:
+        row.update(same_input_cosine=same_values["Cosine"], same_input_sqnr=same_values["SQNR"],
+                   same_input_atol=same_values["Atol"],
+                   same_input_in_scale=in_scale_units(same_values["Atol"], scale))
+        pre = [at[f"samepre{i}"] for i in range(len(keys)) if f"samepre{i}" in at]
+        row.update(_split(base_out, pre if len(pre) == len(keys) else same, same, a.quant_dtype, scale))
+    elif not note:
+        note = "no same-input output"
+    return LayerRow(**row, note=note)

@@ -1,0 +1,183 @@
+"""Metrics that compare a baseline tensor ``x`` with an analysis tensor ``y`` (a registry).
+
+Every metric is computed in float64 on the flattened tensors, so results do not depend on the models' dtypes.
+Definitions (also in ``docs/profiler.md``):
+
+=========  =====================================================================  ==============
+metric     value                                                                  worse when
+=========  =====================================================================  ==============
+Cosine     ``<x, y> / (‖x‖ ‖y‖)``; 1 when both are all zero, 0 when only one is    lower
+MSE        ``mean((x - y)^2)``                                                    higher
+L1         ``mean(|x - y|)``                                                      higher
+KL         ``mean over positions of sum_c p_c (log p_c - log q_c)`` with
+           ``p = softmax(x)``, ``q = softmax(y)`` over dim 1 if ``x.dim() > 2``,
+           else over the last dim                                                 higher
+SQNR       ``20 log10(‖x‖ / ‖x - y‖)`` dB; +inf when identical                    lower
+Atol       ``max |x - y|``                                                        higher
+=========  =====================================================================  ==============
+
+The error in units of an op's output scale (``Atol / scale``) is :func:`in_scale_units`; it is not a registry
+entry because it needs the scale as well as the two tensors.
+
+A tensor containing NaN/Inf gives NaN for every metric (the advisor reports NaN/Inf separately).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from quantlens.errors import QuantLensError
+
+__all__ = ["Metric", "METRICS", "register_metric", "get_metric", "metric_names", "in_scale_units", "custom_metric"]
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A comparison of two same-shaped tensors. ``higher_is_worse`` orders results (worst first)."""
+
+    name: str
+    func: Callable[[torch.Tensor, torch.Tensor], float]
+    higher_is_worse: bool
+    description: str = ""
+
+    def __call__(self, baseline: torch.Tensor, analysis: torch.Tensor) -> float:
+        x, y = _prepare(baseline), _prepare(analysis)
+        if x.shape != y.shape:
+            raise QuantLensError(
+                f"Metric {self.name}: shapes differ, baseline {tuple(baseline.shape)} vs analysis "
+                f"{tuple(analysis.shape)}. Both models must produce the same output structure for one input."
+            )
+        if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
+            return math.nan
+        return float(self.func(x, y))
+
+    def worse(self, a: float, b: float) -> bool:
+        """Whether value ``a`` is strictly worse than ``b`` (NaN counts as the worst possible value)."""
+        if math.isnan(a):
+            return not math.isnan(b)
+        if math.isnan(b):
+            return False
+        return a > b if self.higher_is_worse else a < b
+
+    def sort_key(self, value: float) -> float:
+        """Key that sorts worst first with ``sorted(..., key=...)`` (NaN first)."""
+        if math.isnan(value):
+            return -math.inf
+        return -value if self.higher_is_worse else value
+
+
+def _prepare(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.float64).cpu()
+
+
+def _cosine(x: torch.Tensor, y: torch.Tensor) -> float:
+    nx, ny = x.norm(), y.norm()
+    if nx == 0 and ny == 0:
+        return 1.0
+    if nx == 0 or ny == 0:
+        return 0.0
+    return float((x.flatten() @ y.flatten()) / (nx * ny))
+
+
+def _mse(x, y):
+    return float(((x - y) ** 2).mean()) if x.numel() else 0.0
+
+
+def _l1(x, y):
+    return float((x - y).abs().mean()) if x.numel() else 0.0
+
+
+def _kl(x, y):
+    if x.numel() == 0:
+        return 0.0
+    if x.dim() == 0:
+        return 0.0
+    dim = 1 if x.dim() > 2 else -1
+    log_p = torch.log_softmax(x, dim=dim)
+    log_q = torch.log_softmax(y, dim=dim)
+    return float((log_p.exp() * (log_p - log_q)).sum(dim=dim).mean())
+
+
+def _sqnr(x, y):
+    noise = (x - y).norm()
+    if noise == 0:
+        return math.inf
+    signal = x.norm()
+    if signal == 0:
+        return -math.inf
+    return float(20.0 * torch.log10(signal / noise))
+
+
+def _atol(x, y):
+    return float((x - y).abs().max()) if x.numel() else 0.0
+
+
+METRICS: dict[str, Metric] = {}
+
+
+def register_metric(metric: Metric) -> Metric:
+    """Add a metric to the registry (the name is what users pass, e.g. ``metric="L1"``)."""
+    METRICS[metric.name] = metric
+    return metric
+
+
+register_metric(Metric("Cosine", _cosine, higher_is_worse=False, description="cosine similarity"))
+register_metric(Metric("MSE", _mse, higher_is_worse=True, description="mean squared error"))
+register_metric(Metric("L1", _l1, higher_is_worse=True, description="mean absolute error"))
+register_metric(Metric("KL", _kl, higher_is_worse=True, description="KL(softmax(baseline) || softmax(analysis))"))
+register_metric(Metric("SQNR", _sqnr, higher_is_worse=False, description="signal-to-quantization-noise ratio, dB"))
+register_metric(Metric("Atol", _atol, higher_is_worse=True, description="max absolute difference"))
+
+
+def metric_names() -> list[str]:
+    return list(METRICS)
+
+
+def get_metric(name: str) -> Metric:
+    """The registered metric ``name`` (case-insensitive)."""
+    if isinstance(name, Metric):
+        return name
+    for key, metric in METRICS.items():
+        if isinstance(name, str) and key.lower() == name.lower():
+            return metric
+    raise QuantLensError(
+        f"Unknown metric {name!r}. Expected one of {metric_names()} (case-insensitive), or pass "
+        "custom_metric_func= with custom_metric_order_seq= where a custom metric is accepted."
+    )
+
+
+_ORDERS = {"descending": True, "ascending": False}
+
+
+def custom_metric(func: Callable, order: str | None, name: str = "Custom") -> Metric:
+    """Wrap a user metric ``func(baseline, analysis) -> float``.
+
+    ``order`` says how to sort it so that the worst comes first: ``"descending"`` (larger is worse, like L1)
+    or ``"ascending"`` (smaller is worse, like Cosine).
+    """
+    if not callable(func):
+        raise QuantLensError(f"custom_metric_func must be callable(baseline, analysis) -> float, got {func!r}.")
+    if order not in _ORDERS:
+        raise QuantLensError(
+            f"custom_metric_order_seq must be 'descending' (larger values are worse, like L1) or 'ascending' "
+            f"(smaller values are worse, like Cosine), got {order!r}."
+        )
+
+    def call(x: torch.Tensor, y: torch.Tensor) -> float:
+        value = func(x, y)
+        if isinstance(value, torch.Tensor):
+            value = value.item()
+        return float(value)
+
+    return Metric(name, call, higher_is_worse=_ORDERS[order], description="user metric")
+
+
+def in_scale_units(atol: float | None, scale: float | None) -> float | None:
+    """``atol / scale``: an error in output quantization steps (None without a per-tensor scale)."""
+    if atol is None or scale is None or scale <= 0:
+        return None
+    return atol / scale

@@ -1,0 +1,204 @@
+"""The profiler's one backend seam: how it runs, traces and ablates a model.
+
+Everything else in :mod:`quantlens.profiler` (bad-case search, per-layer comparison, sensitivity, the advisor)
+talks to models only through :class:`ModelAccess`, so a later backend (the exported IR of the ``export`` and
+``convert`` analysis types) plugs in by implementing this class; :func:`make_access` is the factory.
+
+A traced forward hands every executed op site to a :class:`TraceSink` as a :class:`SiteEvent`: the incoming
+float tensors, the outputs, the quantization the model applied there, and, when asked, the **same-input
+output** (the analysis op re-run on the baseline's input for that site).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+import torch
+
+from quantlens.errors import QuantLensError
+
+__all__ = [
+    "AnalysisType",
+    "SiteEvent",
+    "QuantErrorStats",
+    "Quantizer",
+    "TraceSink",
+    "SameInputSource",
+    "ModelAccess",
+    "make_access",
+    "parse_analysis_type",
+]
+
+
+class AnalysisType(str, Enum):
+    """What is compared with what (the seed article's four debug scenarios)."""
+
+    FAKE_QUANT = "fake_quant"  # float (or a good calibration) vs calibration / QAT model
+    PRE_EXPORT = "pre_export"  # QAT model vs pre_export model (nonlinear ops as integer lookup tables)
+    EXPORT = "export"  # pre_export model vs exported IR (not yet: comes with the IR)
+    CONVERT = "convert"  # exported IR vs converted integer IR (not yet: comes with the IR)
+
+
+_IR_TYPES = (AnalysisType.EXPORT, AnalysisType.CONVERT)
+
+
+def parse_analysis_type(value: Any) -> AnalysisType:
+    """Validate an analysis type string; the IR types are refused until the IR exists."""
+    try:
+        kind = AnalysisType(value)
+    except ValueError:
+        raise QuantLensError(
+            f"Unknown analysis_model_type {value!r}. Expected one of {[t.value for t in AnalysisType]}: "
+            "'fake_quant' (float vs calibration/QAT) or 'pre_export' (QAT vs pre_export)."
+        ) from None
+    if kind in _IR_TYPES:
+        raise QuantLensError(
+            f"analysis_model_type '{kind.value}' compares exported IR models; it comes with the IR and is not "
+            "supported yet. Use 'fake_quant' (float vs calibration/QAT) or 'pre_export' (QAT vs pre_export) "
+            "for torch models."
+        )
+    return kind
+
+
+@dataclass
+class QuantErrorStats:
+    """What an output fake quant did to the value it rounded (computed before the fake quant).
+
+    ``clip_sq_err`` sums the squared error of elements beyond the representable range by more than half a
+    step (they saturate); ``round_sq_err`` the rest (they only round). Comparing them tells a
+    clipping-dominated layer (scale too small) from a rounding-dominated one (resolution too coarse).
+    """
+
+    raw_min: float
+    raw_max: float
+    numel: int
+    clipped: int
+    clip_sq_err: float
+    round_sq_err: float
+    qmin: int
+    qmax: int
+
+    @property
+    def clipped_ratio(self) -> float:
+        return self.clipped / self.numel if self.numel else 0.0
+
+    @property
+    def dominant(self) -> str:
+        """``"clipping"`` or ``"rounding"``: which part of the quantization error is larger."""
+        return "clipping" if self.clip_sq_err > self.round_sq_err else "rounding"
+
+
+@dataclass
+class SiteEvent:
+    """One executed op site of a traced forward."""
+
+    index: int  # execution order in this forward
+    name: str  # the op site name (stable across float / prepared models)
+    op_type: str
+    module_type: str | None
+    #: incoming float tensors that are not parameters, by leaf position in the flattened (args, kwargs)
+    inputs: dict[int, torch.Tensor]
+    #: every tensor leaf of the output (index outputs of topk/sort/max included)
+    outputs: list[torch.Tensor]
+    quant_dtype: str = "float"  # qint8 / qint16 / qint32 / float / (fused)
+    scale: torch.Tensor | None = None  # the output's scale (per tensor or per channel)
+    input_dtypes: list[str] = field(default_factory=list)  # quantization of each incoming float tensor
+    weight: torch.Tensor | None = None
+    weight_scale: torch.Tensor | None = None
+    quant_error: QuantErrorStats | None = None
+    same_input: list[torch.Tensor] | None = None  # analysis op re-run on the baseline's inputs
+    same_input_pre: list[torch.Tensor] | None = None  # the same, before the site's output fake quant
+    same_input_note: str = ""  # why there is no same-input output, when there is none
+    index_producing: bool = False
+    boundary: str = ""  # "input" (QuantStub), "output" (DeQuantStub) or ""
+    fused_into: str | None = None  # the fused group's last op, for the other members
+    producer: str | None = None  # the op site that computed the (first) input, through passthrough ops
+
+
+class TraceSink(Protocol):
+    """Receives the events of a traced forward (e.g. the streaming trace writer)."""
+
+    def on_site(self, event: SiteEvent) -> None: ...
+
+
+class SameInputSource(Protocol):
+    """Gives the baseline's incoming float tensors of an op site (leaf position -> tensor), or None."""
+
+    def inputs(self, site: str) -> dict[int, torch.Tensor] | None: ...
+
+
+@dataclass(frozen=True)
+class Quantizer:
+    """One ablation unit of :meth:`ModelAccess.ablation`: the activation, weight or lookup-table quantization
+    of one op site. ``op_name`` and ``sensitive_type`` are the sensitivity table's key fields."""
+
+    op_name: str
+    sensitive_type: str  # "activation", "weight" or "lut"
+    op_type: str
+    quant_dtype: str
+
+
+class ModelAccess(ABC):
+    """A model as the profiler sees it.
+
+    Implementations must keep op site names identical to the other model of the analysis, run without
+    changing the model (no observer updates, no BatchNorm statistics), and be deterministic.
+    """
+
+    label: str = "model"
+
+    @abstractmethod
+    def run(
+        self,
+        example: Any,
+        sink: TraceSink | None = None,
+        same_input: SameInputSource | None = None,
+        indices: dict[str, list[torch.Tensor]] | None = None,
+    ) -> Any:
+        """One forward on ``example`` (a tuple is positional arguments, anything else the single argument).
+
+        With ``sink`` every op site is reported; with ``same_input`` each event also carries the same-input
+        output; with ``indices`` (op site -> the baseline's index outputs), index-producing ops take those
+        indices instead of their own (sensitivity, so index flips do not swamp the metric).
+        """
+
+    @abstractmethod
+    def quantizers(self, analysis_type: AnalysisType) -> list[Quantizer]:
+        """The ablation units for ``analysis_type``, in execution order."""
+
+    @abstractmethod
+    def ablation(self, analysis_type: AnalysisType) -> AbstractContextManager:
+        """A context in which every quantizer of ``analysis_type`` is off; it yields ``enable(q, on)``, and
+        restores the model when it exits."""
+
+    def describe(self) -> str:
+        """One line for report headers (model class, stage)."""
+        return self.label
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the model carries quantizers (a calibration/QAT/pre_export model, a quantized IR)."""
+        return True
+
+    @property
+    def fake_quant_state(self) -> str | None:
+        """The fake quant state of a prepared torch model (None where it does not apply)."""
+        return None
+
+
+def make_access(model: Any, label: str) -> ModelAccess:
+    """The :class:`ModelAccess` for ``model``: torch modules now, IR models when the IR exists."""
+    if isinstance(model, torch.nn.Module):
+        from quantlens.profiler.torch_access import TorchModelAccess
+
+        return TorchModelAccess(model, label)
+    if isinstance(model, ModelAccess):
+        return model
+    raise QuantLensError(
+        f"QuantAnalysis: the {label} model must be a torch.nn.Module (float, calibration, QAT or pre_export "
+        f"model), got {type(model).__name__}. Exported IR models come with the 'export'/'convert' analysis types."
+    )

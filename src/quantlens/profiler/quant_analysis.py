@@ -1,0 +1,222 @@
+"""``QuantAnalysis``: the profiler's facade (the seed article's debug tool for torch stages).
+
+    qa = QuantAnalysis(float_model, calib_model, "fake_quant", out_dir="./float_vs_calib")
+    qa.auto_find_bad_case(calibration_batches)      # or qa.set_bad_case(example) / qa.load_bad_case()
+    qa.run()                                        # traces both models on the bad case
+    table = qa.compare_per_layer()                  # per-op metrics, same-input error, advisor, HTML
+    sens = qa.sensitivity()                         # feeds sensitive_op_..._qconfig_setter(sens, topk=k)
+
+Each method returns its result as data and writes its report files into ``out_dir`` (and nowhere else).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from quantlens.errors import QuantLensError
+from quantlens.profiler.advisor import AdvisorContext, Finding, advise
+from quantlens.profiler.bad_case import BadCaseResult, find_bad_case
+from quantlens.profiler.compare import LayerComparison, check_site_match, compare_traces
+from quantlens.profiler.html import write_html
+from quantlens.profiler.model_access import AnalysisType, SiteEvent, make_access, parse_analysis_type
+from quantlens.profiler.outputs import PostProcess, named_outputs
+from quantlens.profiler.report import (
+    save_pt, write_advisor, write_bad_case, write_compare_csv, write_compare_text, write_sensitivity,
+    write_statistic,
+)
+from quantlens.profiler.sensitivity import SensitivityResult, run_sensitivity
+from quantlens.profiler.trace_store import TraceReader, TraceWriter, input_digest
+
+__all__ = ["QuantAnalysis", "RunResult"]
+
+BASELINE_DIR, ANALYSIS_DIR = "baseline_model", "analysis_model"
+BAD_CASE_FILE, ALL_BAD_CASE_FILE = "badcase.pt", "all_badcase_info.pt"
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What :meth:`QuantAnalysis.run` traced: the folders and the number of op sites per model."""
+
+    baseline_dir: Path | None
+    analysis_dir: Path | None
+    baseline_sites: int | None
+    analysis_sites: int | None
+    outputs: list[str]
+
+
+class QuantAnalysis:
+    """Compare a baseline model with an analysis model, op site by op site.
+
+    Args:
+        baseline_model: the reference: the float model (``fake_quant``) or the QAT model (``pre_export``).
+        analysis_model: the model under investigation: the calibration/QAT model returned by ``prepare``
+            (``fake_quant``) or the pre_export model (``pre_export``).
+        analysis_model_type: ``"fake_quant"`` or ``"pre_export"``; ``"export"``/``"convert"`` come with the IR.
+        out_dir: where every report and trace goes. Defaults to ``./quant_analysis``.
+        post_process: optional callable or module applied to both models' outputs (host-side float code); its
+            results are compared like model outputs (named ``post_process[.<name>]``).
+        progress: show rich progress bars for the long loops. Defaults to True.
+
+    Profiling never changes the models: forwards run in eval mode, without gradients, with observers paused,
+    and every flag is restored afterwards.
+    """
+
+    def __init__(self, baseline_model: Any, analysis_model: Any, analysis_model_type: str,
+                 out_dir: str | os.PathLike = "./quant_analysis", post_process: Any = None, *, progress: bool = True):
+        self.analysis_type = parse_analysis_type(analysis_model_type)
+        self.baseline = make_access(baseline_model, "baseline")
+        self.analysis = make_access(analysis_model, "analysis")
+        if not self.analysis.quantized:
+            raise QuantLensError(
+                f"QuantAnalysis('{self.analysis_type.value}'): analysis_model is a float model (no fake quants). "
+                "Expected the model returned by quantlens.quantization.prepare (calibration/QAT) as analysis_model "
+                "and the float model as baseline_model."
+            )
+        if self.analysis_type is AnalysisType.PRE_EXPORT and not self.baseline.quantized:
+            raise QuantLensError(
+                "QuantAnalysis('pre_export'): baseline_model must be the QAT (or calibration) model returned by "
+                "prepare, and analysis_model its pre_export copy; got a float baseline."
+            )
+        self.out_dir = Path(out_dir)
+        self.post_process = PostProcess(post_process)
+        self.progress = progress
+        self._has_bad_case = False
+        self._bad_case: Any = None
+        self.bad_case_result: BadCaseResult | None = None
+
+    # -- bad case ---------------------------------------------------------------------------------------------
+    def auto_find_bad_case(self, data_generator: Iterable[Any], num_steps: int | None = None, metric: str = "L1",
+                           custom_metric_func=None, custom_metric_order_seq: str | None = None) -> BadCaseResult:
+        """Run both models over ``data_generator`` (each item: one call's inputs, like ``prepare``'s
+        example_inputs) and keep the worst sample per output and metric. Writes ``badcase.txt``,
+        ``all_badcase_info.pt`` and ``badcase.pt``; the worst sample under ``metric`` (or under the custom
+        metric, when given) becomes the bad case for :meth:`run`.
+
+        ``custom_metric_func(baseline, analysis) -> float`` gets float64 tensors; ``custom_metric_order_seq``
+        is ``"descending"`` (larger is worse) or ``"ascending"`` (smaller is worse).
+        """
+        result = find_bad_case(self.baseline, self.analysis, data_generator, self.post_process, num_steps, metric,
+                               custom_metric_func, custom_metric_order_seq, self.progress)
+        write_bad_case(result, self.out_dir / "badcase.txt")
+        save_pt({"worst_index": result.worst_index, "worst_value": result.worst_value,
+                 "overall": result.overall, "metric": result.metric, "inputs": result.inputs},
+                self.out_dir / ALL_BAD_CASE_FILE)
+        self.bad_case_result = result
+        self.set_bad_case(result.bad_case)
+        return result
+
+    def set_bad_case(self, data: Any) -> None:
+        """Use ``data`` (one call's inputs: a tuple is positional arguments) for :meth:`run` and
+        :meth:`sensitivity`; also saved to ``out_dir/badcase.pt``."""
+        self._bad_case, self._has_bad_case = data, True
+        self.save_bad_case()
+
+    def save_bad_case(self, filename: str | os.PathLike | None = None) -> Path:
+        return save_pt(self._require_bad_case(), Path(filename) if filename else self.out_dir / BAD_CASE_FILE)
+
+    def load_bad_case(self, filename: str | os.PathLike | None = None) -> Any:
+        """Load a bad case saved by :meth:`set_bad_case` / :meth:`auto_find_bad_case` (default
+        ``out_dir/badcase.pt``) and use it."""
+        path = Path(filename) if filename else self.out_dir / BAD_CASE_FILE
+        if not path.is_file():
+            raise QuantLensError(f"load_bad_case: {path} does not exist. Call auto_find_bad_case() or set_bad_case() "
+                                 "first, or pass the file's path.")
+        try:
+            data = torch.load(path, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise QuantLensError(f"load_bad_case: {path} holds objects other than tensors and containers ({exc}). "
+                                 "Pass the input to set_bad_case() directly.") from None
+        self._bad_case, self._has_bad_case = data, True
+        return data
+
+    @property
+    def bad_case(self) -> Any:
+        return self._require_bad_case()
+
+    def _require_bad_case(self) -> Any:
+        if not self._has_bad_case:
+            raise QuantLensError(
+                "QuantAnalysis has no bad case yet. Call auto_find_bad_case(data), set_bad_case(example_inputs) or "
+                "load_bad_case() before run() and sensitivity()."
+            )
+        return self._bad_case
+
+    # -- run -------------------------------------------------------------------------------------------------
+    def _trace(self, access, directory: Path, same_input=None) -> tuple[TraceReader, list[str]]:
+        writer = TraceWriter(directory, access.label, access.describe(), save_inputs=same_input is None)
+        output = access.run(self._require_bad_case(), sink=writer, same_input=same_input)
+        extra = self.post_process.extra(output)
+        outputs = {**named_outputs(output), **extra}
+        if extra:  # the post-processing is one more "op site", compared like the others
+            writer.on_site(SiteEvent(index=len(writer.sites), name="post_process", op_type="post_process",
+                                     module_type=None, inputs={}, outputs=list(extra.values())))
+        writer.finish(outputs, input_digest(self._require_bad_case()))
+        trace = TraceReader(directory)
+        write_statistic(trace, directory / "statistic.txt")
+        return trace, list(outputs)
+
+    def run(self, run_baseline_model: bool = True, run_analysis_model: bool = True) -> RunResult:
+        """Trace both models on the bad case: every op site's inputs, outputs, weights and scales stream to
+        ``out_dir/baseline_model/`` and ``out_dir/analysis_model/`` (plus ``statistic.txt`` each). The analysis
+        run also computes each op's same-input output from the baseline trace, so the baseline runs first (or
+        was traced by an earlier call)."""
+        base_dir, analy_dir = self.out_dir / BASELINE_DIR, self.out_dir / ANALYSIS_DIR
+        base = analy = None
+        outputs: list[str] = []
+        if run_baseline_model:
+            base, outputs = self._trace(self.baseline, base_dir)
+        if run_analysis_model:
+            source = base if base is not None else TraceReader(base_dir)
+            if source.input_digest != input_digest(self._require_bad_case()):
+                raise QuantLensError(
+                    f"The baseline trace in {base_dir} was made on another bad case than the current one, so it "
+                    "cannot feed the analysis model's same-input run. Run both models: qa.run()."
+                )
+            analy, outputs = self._trace(self.analysis, analy_dir, same_input=source)
+            check_site_match(source, analy)
+        return RunResult(base_dir if base else None, analy_dir if analy else None,
+                         len(base.sites) if base else None, len(analy.sites) if analy else None, outputs)
+
+    # -- analysis --------------------------------------------------------------------------------------------
+    def compare_per_layer(self, prefixes: Iterable[str] | str | None = None,
+                          types: Iterable | str | None = None) -> LayerComparison:
+        """Per-op comparison of the traces written by :meth:`run` (see :mod:`.compare`).
+
+        ``prefixes`` keeps op sites whose name starts with one of them; ``types`` keeps op types (``"conv2d"``)
+        or module classes (``"Conv2d"`` or ``nn.Conv2d``). Writes ``compare_per_layer_out.txt``/``.csv``,
+        ``profiler.html`` and ``abnormal_layer_advisor.txt``; returns the rows.
+        """
+        comparison = compare_traces(TraceReader(self.out_dir / BASELINE_DIR), TraceReader(self.out_dir / ANALYSIS_DIR),
+                                    prefixes, types)
+        findings = self.advise(comparison)
+        write_compare_text(comparison, self.out_dir / "compare_per_layer_out.txt")
+        write_compare_csv(comparison, self.out_dir / "compare_per_layer_out.csv")
+        write_html(comparison, findings, self.out_dir / "profiler.html")
+        return comparison
+
+    def advise(self, comparison: LayerComparison | None = None) -> list[Finding]:
+        """Run the abnormal-layer rules on ``comparison`` (default: a fresh comparison of the traces) and
+        write ``abnormal_layer_advisor.txt``."""
+        if comparison is None:
+            comparison = compare_traces(TraceReader(self.out_dir / BASELINE_DIR),
+                                        TraceReader(self.out_dir / ANALYSIS_DIR))
+        ctx = AdvisorContext(comparison, self.analysis_type.value, self.analysis.fake_quant_state)
+        findings = advise(ctx)
+        write_advisor(findings, self.out_dir / "abnormal_layer_advisor.txt")
+        return findings
+
+    def sensitivity(self, metric: str = "L1", reverse: bool = False) -> SensitivityResult:
+        """Rank the analysis model's quantizers by their effect on each output, most sensitive first
+        (``reverse=True``: least sensitive first). Writes ``output_<name>_<metric>_sensitive_ops.txt``/``.pt``
+        per output. The result feeds ``sensitive_op_calibration_8bit_weight_16bit_act_qconfig_setter``."""
+        result = run_sensitivity(self.baseline, self.analysis, self.analysis_type, self._require_bad_case(),
+                                 self.post_process, metric, reverse, self.progress)
+        for table in result:
+            write_sensitivity(table, self.out_dir)
+        return result

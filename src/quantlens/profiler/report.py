@@ -1,0 +1,165 @@
+"""Text, CSV and ``.pt`` writers. Every writer takes data returned by the analysis and writes one file
+atomically; none computes anything. Reports carry no timestamps, so the same inputs give the same files."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from quantlens._io import atomic_write_text, format_table
+from quantlens.profiler.advisor import THRESHOLDS, Finding
+from quantlens.profiler.bad_case import BadCaseResult
+from quantlens.profiler.compare import COLUMNS, LayerComparison
+from quantlens.profiler.sensitivity import SensitivityTable
+from quantlens.profiler.trace_store import TraceReader
+
+__all__ = [
+    "fmt", "write_bad_case", "write_statistic", "write_compare_text", "write_compare_csv", "write_advisor",
+    "write_sensitivity", "safe_name", "save_pt",
+]
+
+
+def fmt(value) -> str:
+    """Stable number formatting for every report: 7 significant digits, '' for missing values."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return f"{value:.7g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(fmt(v) for v in value[:4]) + (", ...]" if len(value) > 4 else "]")
+    return str(value)
+
+
+def safe_name(name: str) -> str:
+    """An output name usable in a file name."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name) or "output"
+
+
+def write_bad_case(result: BadCaseResult, path: str | os.PathLike) -> Path:
+    metrics = result.metrics
+    lines = [
+        "quantlens bad case search",
+        f"samples: {result.num_samples}",
+        f"bad case (used by run()): sample {result.bad_case_index}, the worst under {result.metric}",
+        "worst: largest L1/MSE/KL/Atol, smallest Cosine/SQNR",
+        "",
+        "== Worst sample index per output and metric ==",
+        format_table(["output"] + metrics, [[o] + [result.worst_index[o][m] for m in metrics] for o in result.outputs]),
+        "",
+        "== Metric value at that sample ==",
+        format_table(["output"] + metrics,
+                     [[o] + [fmt(result.worst_value[o][m]) for m in metrics] for o in result.outputs]),
+        "",
+        "== Worst sample per metric over all outputs ==",
+        format_table(["metric", "sample", "output", "value"],
+                     [[m, *result.overall[m][:2], fmt(result.overall[m][2])] for m in metrics]),
+    ]
+    return atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+def write_statistic(trace: TraceReader, path: str | os.PathLike) -> Path:
+    """``statistic.txt``: per op site its outputs (and QuantStub inputs, weights), NaN/Inf flagged."""
+    rows, bad = [], []
+    for site in trace.sites:
+        keys = (["in0"] if site.boundary == "input" and "in0" in site.stats else []) + site.outputs()
+        keys += ["weight"] if "weight" in site.stats else []
+        for key in keys:
+            st = site.stats[key]
+            attr = {"in0": "input", "weight": "weight"}.get(key, f"output{key[3:]}" if len(site.outputs()) > 1 else "output")
+            scale = site.weight_scale if key == "weight" else (site.scale if key.startswith("out") else None)
+            dtype = site.quant_dtype if key.startswith("out") else st.dtype
+            flag = f"NaN x{st.nan} Inf x{st.inf}" if st.nonfinite else ""
+            rows.append([site.index, site.name, site.op_type, attr, dtype, fmt(scale), fmt(st.min), fmt(st.max),
+                         fmt(st.mean), fmt(st.var), "x".join(map(str, st.shape)), st.dtype, flag])
+            if flag:
+                bad.append([site.index, site.name, attr, flag])
+    headers = ["index", "op name", "op type", "attr", "quant dtype", "scale", "min", "max", "mean", "var", "shape",
+               "tensor dtype", "NaN/Inf"]
+    lines = [f"quantlens statistics: {trace.label} model", trace.description, "", format_table(headers, rows), "",
+             "== NaN / Inf =="]
+    lines.append(format_table(["index", "op name", "attr", "count"], bad) if bad else "(none)")
+    return atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+_TEXT_COLUMNS = (
+    ("index", "index"), ("op_name", "op name"), ("base_op_type", "base op"), ("analy_op_type", "analysis op"),
+    ("shape", "shape"), ("quant_dtype", "quant dtype"), ("scale", "scale"), ("Cosine", "Cosine"), ("L1", "L1"),
+    ("Atol", "Atol"), ("atol_in_scale", "Atol/scale"), ("same_input_sqnr", "same-in SQNR"),
+    ("same_input_atol", "same-in Atol"), ("same_input_in_scale", "same-in Atol/scale"),
+    ("error_kind", "error kind"), ("base_min", "base min"), ("base_max", "base max"), ("base_mean", "base mean"),
+    ("analy_min", "analy min"), ("analy_max", "analy max"), ("analy_mean", "analy mean"), ("note", "note"),
+)
+
+
+def write_compare_text(comparison: LayerComparison, path: str | os.PathLike, top: int = 20) -> Path:
+    rows = [[fmt(getattr(r, key)) for key, _ in _TEXT_COLUMNS] for r in comparison]
+    ranked = [r for r in comparison.ranked("same_input_sqnr") if math.isfinite(r.same_input_sqnr)][:top]
+    lines = [
+        "quantlens per-layer comparison",
+        f"baseline: {comparison.baseline}",
+        f"analysis: {comparison.analysis}",
+        "Accumulated error: analysis output vs baseline output. Same-input error: the analysis op re-run on the "
+        "baseline's input (what this op adds). Atol/scale: in output quantization steps.",
+        "",
+        format_table([h for _, h in _TEXT_COLUMNS], rows),
+        "",
+        f"== Ops that lose the most precision themselves (same-input SQNR, worst {len(ranked)}) ==",
+        format_table(["op name", "op type", "quant dtype", "same-in SQNR", "same-in Atol/scale", "error kind"],
+                     [[r.op_name, r.analy_op_type, r.quant_dtype, fmt(r.same_input_sqnr), fmt(r.same_input_in_scale),
+                       r.error_kind] for r in ranked]) if ranked else "(no same-input results)",
+    ]
+    return atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+def write_compare_csv(comparison: LayerComparison, path: str | os.PathLike) -> Path:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(COLUMNS)
+    for row in comparison:
+        writer.writerow([fmt(getattr(row, c)) for c in COLUMNS])
+    return atomic_write_text(path, buf.getvalue())
+
+
+def write_advisor(findings: list[Finding], path: str | os.PathLike) -> Path:
+    lines = ["quantlens abnormal layer advisor",
+             "thresholds: " + ", ".join(f"{k} = {v:g}" for k, v in THRESHOLDS.items()), ""]
+    if findings:
+        lines.append(format_table(["rule", "op name", "op type", "abnormal info", "advice"],
+                                  [[f.rule, f.op_name, f.op_type, f.info, f.advice] for f in findings]))
+    else:
+        lines.append("(no abnormal layers found)")
+    return atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+def write_sensitivity(table: SensitivityTable, out_dir: str | os.PathLike) -> tuple[Path, Path]:
+    """``output_<name>_<metric>_sensitive_ops.txt`` and ``.pt`` (a list of row dicts)."""
+    stem = f"output_{safe_name(table.output)}_{table.metric}_sensitive_ops"  # names may contain ".": no with_suffix
+    text = format_table(["op_name", "sensitive_type", "op_type", table.metric, "quant_dtype"],
+                        [[r.op_name, r.sensitive_type, r.op_type, fmt(r.value), r.quant_dtype] for r in table])
+    header = f"quantlens sensitivity: output '{table.output}', metric {table.metric} (one quantizer on at a time)\n"
+    txt = atomic_write_text(Path(out_dir) / f"{stem}.txt", header + text + "\n")
+    return txt, save_pt([r.to_dict() for r in table], Path(out_dir) / f"{stem}.pt")
+
+
+def save_pt(obj, path: str | os.PathLike) -> Path:
+    """``torch.save`` through a temporary file and a rename (never a half-written file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path

@@ -1,0 +1,149 @@
+"""``sensitivity``: rank the quantized ops by how much each one alone changes each model output.
+
+* ``fake_quant``: every fake quant of the analysis model is switched off (it computes the float model), then
+  each op site's activation quantization (its input and output fake quants), and separately its weight
+  quantization, is switched on alone; the outputs are compared with the baseline's.
+* ``pre_export``: every lookup table is switched off, then one at a time on.
+
+During the ablation, index-producing ops (``topk``, ``sort``, ``max``/``min`` with a dim, ``argmax``...) take the
+baseline's indices (:mod:`.index_ops`), so that an index flip does not swamp the metric.
+
+The result is a sequence of tables, one per (output, metric), most sensitive first. It is exactly the
+sensitivity-table format of ``docs/quantization.md``: pass it (or one table of it) unchanged to
+``sensitive_op_calibration_8bit_weight_16bit_act_qconfig_setter(table, topk=k)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import torch
+
+from quantlens.errors import QuantLensError
+from quantlens.profiler.metrics import get_metric
+from quantlens.profiler.model_access import AnalysisType, ModelAccess, SiteEvent
+from quantlens.profiler.outputs import PostProcess, float_outputs
+from quantlens.profiler.progress import progress_iter
+
+__all__ = ["SensitivityRow", "SensitivityTable", "SensitivityResult", "IndexRecorder", "run_sensitivity"]
+
+
+@dataclass(frozen=True)
+class SensitivityRow:
+    """One quantizer's effect on one output (the fields of the sensitivity-table format)."""
+
+    op_name: str
+    sensitive_type: str  # "activation", "weight" or "lut"
+    op_type: str
+    metric: str
+    value: float
+    quant_dtype: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class SensitivityTable(Sequence[SensitivityRow]):
+    """Rows for one model output under one metric, most sensitive first (or least, with ``reverse``)."""
+
+    def __init__(self, output: str, metric: str, rows: list[SensitivityRow]):
+        self.output = output
+        self.metric = metric
+        self.rows = rows
+
+    @property
+    def key(self) -> str:
+        return f"{self.output}_{self.metric}"
+
+    def __getitem__(self, item):
+        return self.rows[item]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __repr__(self) -> str:
+        return f"SensitivityTable(output={self.output!r}, metric={self.metric!r}, rows={len(self.rows)})"
+
+
+class SensitivityResult(Sequence[SensitivityTable]):
+    """One :class:`SensitivityTable` per model output; index by position or by ``"<output>_<metric>"``.
+
+    Being a sequence of tables, it is also a valid "list of tables" for the sensitive-op qconfig setters
+    (the union of each table's top rows is promoted).
+    """
+
+    def __init__(self, tables: list[SensitivityTable]):
+        self.tables = tables
+
+    def __getitem__(self, item):
+        if isinstance(item, str):
+            for table in self.tables:
+                if table.key == item or table.output == item:
+                    return table
+            raise KeyError(f"{item!r}; tables: {[t.key for t in self.tables]}")
+        return self.tables[item]
+
+    def __len__(self) -> int:
+        return len(self.tables)
+
+    def keys(self) -> list[str]:
+        return [t.key for t in self.tables]
+
+
+class IndexRecorder:
+    """A trace sink that keeps the integer outputs of index-producing ops (the baseline's choices)."""
+
+    wants_index_ops = True
+
+    def __init__(self):
+        self.indices: dict[str, list[torch.Tensor]] = {}
+
+    def on_site(self, event: SiteEvent) -> None:
+        if event.index_producing:
+            self.indices[event.name] = [t.detach().clone() for t in event.outputs if not t.is_floating_point()]
+
+
+def run_sensitivity(
+    baseline: ModelAccess,
+    analysis: ModelAccess,
+    analysis_type: AnalysisType,
+    example: Any,
+    post_process: PostProcess,
+    metric: str = "L1",
+    reverse: bool = False,
+    progress: bool = True,
+) -> SensitivityResult:
+    """One forward per quantizer; see the module docstring."""
+    m = get_metric(metric)
+    recorder = IndexRecorder()
+    base = float_outputs(post_process.outputs(baseline.run(example, sink=recorder)))
+    quantizers = analysis.quantizers(analysis_type)
+    if not quantizers:
+        what = "lookup tables" if analysis_type is AnalysisType.PRE_EXPORT else "fake quants"
+        raise QuantLensError(f"sensitivity(): the analysis model has no {what} to rank.")
+    values: dict[str, list[float]] = {name: [] for name in base}
+    with analysis.ablation(analysis_type) as enable:
+        for q in progress_iter(quantizers, f"sensitivity ({m.name})", enabled=progress):
+            enable(q, True)
+            try:
+                out = float_outputs(post_process.outputs(analysis.run(example, indices=recorder.indices)))
+            finally:
+                enable(q, False)
+            for name in base:
+                if name not in out:
+                    raise QuantLensError(
+                        f"sensitivity(): output '{name}' disappeared when {q.sensitive_type} quantization of "
+                        f"'{q.op_name}' was switched on; both models must return the same outputs."
+                    )
+                values[name].append(m(base[name], out[name]))
+    tables = []
+    for name, vals in values.items():
+        # Stable sort: ties keep execution order, so the table is deterministic.
+        order = sorted(range(len(quantizers)), key=lambda i: m.sort_key(vals[i]))
+        if reverse:
+            order.reverse()
+        rows = [SensitivityRow(quantizers[i].op_name, quantizers[i].sensitive_type, quantizers[i].op_type,
+                               m.name, vals[i], quantizers[i].quant_dtype) for i in order]
+        tables.append(SensitivityTable(name, m.name, rows))
+    return SensitivityResult(tables)

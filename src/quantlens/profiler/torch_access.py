@@ -1,0 +1,166 @@
+""":class:`TorchModelAccess`: the :class:`~.model_access.ModelAccess` of float and prepared torch models."""
+
+from __future__ import annotations
+
+import importlib
+from contextlib import contextmanager, nullcontext
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from quantlens.errors import QuantLensError
+from quantlens.profiler.index_ops import IndexOpMode
+from quantlens.profiler.model_access import AnalysisType, ModelAccess, Quantizer, SameInputSource, TraceSink
+from quantlens.profiler.torch_probe import FloatProbe, Probe, RuntimeProbe
+from quantlens.quantization.fake_quantize import FakeQuantize
+from quantlens.quantization.prepare import is_prepared
+from quantlens.quantization.record import call_model
+from quantlens.quantization.tracer import OpSiteTracer
+
+__all__ = ["TorchModelAccess"]
+
+def _pre_export_api():
+    # Imported on use: only the 'pre_export' analysis type needs it. (quantlens.quantization.pre_export is
+    # also the name of a function in the package namespace, so import the module by its path.)
+    return importlib.import_module("quantlens.quantization.pre_export")
+
+
+class TorchModelAccess(ModelAccess):
+    """A float ``nn.Module`` or a model returned by ``prepare`` (calibration, QAT or pre_export stage).
+
+    Every profiler forward runs in eval mode, without gradients, with activation observers paused; the
+    model's modes and flags are restored afterwards, so profiling never changes calibration statistics or
+    BatchNorm running statistics.
+    """
+
+    def __init__(self, model: nn.Module, label: str):
+        self.model = model
+        self.label = label
+        self.prepared = is_prepared(model)
+        self.state = model._quantlens_state if self.prepared else None
+
+    def describe(self) -> str:
+        name = type(self.model).__name__
+        if not self.prepared:
+            return f"{name} (float model)"
+        st = self.state
+        return f"{name} (prepared; fake quant state: {st.fake_quant_state.value}; setter: {st.setter_name})"
+
+    @property
+    def quantized(self) -> bool:
+        return self.prepared
+
+    @property
+    def fake_quant_state(self) -> str | None:
+        return self.state.fake_quant_state.value if self.prepared else None
+
+    # -- running ------------------------------------------------------------------------------------------
+    @contextmanager
+    def _profiling(self) -> Iterator[None]:
+        modes = [(m, m.training) for m in self.model.modules()]
+        paused = [m for m in self.model.modules()
+                  if isinstance(m, FakeQuantize) and not m.is_weight and m.observe_enabled]
+        self.model.eval()
+        for m in paused:
+            m.observe_enabled = False
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            for m in paused:
+                m.observe_enabled = True
+            for m, training in modes:
+                m.training = training
+
+    def run(self, example: Any, sink: TraceSink | None = None, same_input: SameInputSource | None = None,
+            indices: dict[str, list[torch.Tensor]] | None = None) -> Any:
+        with self._profiling():
+            if sink is None and indices is None:
+                return call_model(self.model, example)
+            probe = Probe(sink, same_input if self.prepared else None, indices)
+            wants_index_ops = getattr(sink, "wants_index_ops", False)
+            mode = IndexOpMode(indices, probe.index_op) if indices is not None or wants_index_ops else nullcontext()
+            if not self.prepared:
+                with mode, OpSiteTracer(self.model, FloatProbe(probe)):
+                    return call_model(self.model, example)
+            # The prepared model's forward picks up this runtime instead of a plain one (see prepare).
+            self.state.__dict__["_next_runtime"] = RuntimeProbe(self.state, probe)
+            try:
+                with mode:
+                    return call_model(self.model, example)
+            finally:
+                self.state.__dict__.pop("_next_runtime", None)
+
+    # -- ablation ------------------------------------------------------------------------------------------
+    def _require_prepared(self, what: str) -> None:
+        if not self.prepared:
+            raise QuantLensError(
+                f"{what} needs the analysis model to be a prepared model (quantlens.quantization.prepare), but "
+                f"{type(self.model).__name__} has no fake quants. Pass the calibration/QAT model as analysis_model."
+            )
+
+    def _units(self, analysis_type: AnalysisType) -> dict[Quantizer, list]:
+        """Each quantizer and what switches it: FakeQuantize modules, or the site name of a lookup table."""
+        self._require_prepared("sensitivity()")
+        st = self.state
+        modules = dict(self.model.named_modules())
+        units: dict[Quantizer, list] = {}
+        if analysis_type is AnalysisType.PRE_EXPORT:
+            tables = set(_pre_export_api().lut_sites(self.model))
+            for plan in st.plans.values():
+                if plan.name in tables:
+                    units[Quantizer(plan.name, "lut", plan.op_type, plan.output_dtype)] = [plan.name]
+            return units
+        for plan in st.plans.values():
+            site = st.record.sites[plan.name]
+            acts = [st.fq[k] for k in plan.input_fq.values()] + ([st.fq[plan.output_fq]] if plan.output_fq else [])
+            if plan.override is not None and plan.override in st.overrides:
+                # fake quants inside a site's override (e.g. sdpa's scores/probabilities) are activations too
+                acts += [m for m in st.overrides[plan.override].modules() if isinstance(m, FakeQuantize)]
+            if acts:
+                units[Quantizer(plan.name, "activation", plan.op_type, acts[-1].dtype.value)] = acts
+            weights = [st.fq[k] for k in plan.weight_fq.values()]
+            module = modules.get(site.module_name) if site.is_module and "@" not in plan.name else None
+            if isinstance(getattr(module, "weight_fake_quant", None), FakeQuantize):
+                weights.append(module.weight_fake_quant)
+            if weights:
+                units[Quantizer(plan.name, "weight", plan.op_type, weights[0].dtype.value)] = weights
+        return units
+
+    def quantizers(self, analysis_type: AnalysisType) -> list[Quantizer]:
+        return list(self._units(analysis_type))
+
+    @contextmanager
+    def ablation(self, analysis_type: AnalysisType):
+        units = self._units(analysis_type)
+        if analysis_type is AnalysisType.PRE_EXPORT:
+            api = _pre_export_api()
+            sites = [q.op_name for q in units]
+            # A disabled table site has no override (pre_export's convention): remember which were on.
+            was_on = [name for name in sites if self.state.plans[name].override is not None]
+            api.set_lut_enabled(self.model, sites, False)
+
+            def enable_lut(q: Quantizer, on: bool = True) -> None:
+                api.set_lut_enabled(self.model, units[q], on)
+
+            try:
+                yield enable_lut
+            finally:
+                api.set_lut_enabled(self.model, sites, False)
+                api.set_lut_enabled(self.model, was_on, True)
+            return
+        all_fq = [m for m in self.model.modules() if isinstance(m, FakeQuantize)]
+        saved = [(m, m.fake_quant_enabled) for m in all_fq]
+        for m in all_fq:
+            m.fake_quant_enabled = False
+
+        def enable(q: Quantizer, on: bool = True) -> None:
+            for m in units[q]:
+                m.fake_quant_enabled = on
+
+        try:
+            yield enable
+        finally:
+            for m, flag in saved:
+                m.fake_quant_enabled = flag

@@ -1,0 +1,276 @@
+"""Tracer handlers that report every op site of a torch model to the profiler (see :mod:`.model_access`).
+
+* :class:`FloatProbe` traces a plain (float) model with the op-site tracer.
+* :class:`RuntimeProbe` traces a prepared model: it *is* the prepared model's runtime (a subclass of
+  ``prepare._Runtime``), so the model computes exactly what it computes without the profiler; the probe only
+  observes, and additionally computes the **same-input output**: the op re-run on the baseline's input.
+
+Same-input rule, per analysis op site:
+
+1. its incoming float tensors (not parameters) are replaced by the baseline's, loaded from the baseline trace;
+   inside a fused group (conv-bn-relu) the members after the head take the previous member's same-input
+   output instead, so the group's last op sees the whole fused computation;
+2. the site's **own** input fake quants and output fake quant are applied as the runtime would (weights are
+   fake-quantized inside QAT modules as usual). An input that arrives already quantized by its producer is not
+   re-quantized here: that rounding is the producer's output error, reported at the producer. So a bad layer
+   shows up at itself, not at every consumer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from quantlens.numerics import fake_quant
+from quantlens.profiler.index_ops import substitute_indices
+from quantlens.profiler.model_access import QuantErrorStats, SameInputSource, SiteEvent, TraceSink
+from quantlens.quantization.fake_quantize import FakeQuantize
+from quantlens.quantization.plan import OutputMode, SitePlan
+from quantlens.quantization.prepare import _MARK, _Runtime, _leaves
+from quantlens.quantization.tracer import SiteCall, SiteHandler, float_tensor_leaves, is_float_tensor
+
+__all__ = ["Probe", "FloatProbe", "RuntimeProbe", "quant_error_stats"]
+
+
+def _incoming(args: tuple, kwargs: dict) -> dict[int, torch.Tensor]:
+    leaves, _, positions = float_tensor_leaves(args, kwargs)
+    return {p: leaves[p] for p in positions if not isinstance(leaves[p], nn.Parameter)}
+
+
+def _tensor_leaves(output: Any) -> list[torch.Tensor]:
+    return [x for x in _leaves(output) if isinstance(x, torch.Tensor)]
+
+
+def _float_leaves(output: Any) -> list[torch.Tensor]:
+    return [x for x in _leaves(output) if is_float_tensor(x)]
+
+
+def quant_error_stats(output: Any, fq: FakeQuantize) -> QuantErrorStats | None:
+    """Clipping vs rounding error of a per-tensor fake quant on ``output`` (the value before it is rounded),
+    whether or not the fake quant is currently enabled."""
+    leaves = _float_leaves(output)
+    if not leaves or fq.ch_axis is not None or fq.scale.numel() != 1:
+        return None
+    # Written to keep the extra memory near one copy of the output (float32, in-place squares, float64 sums).
+    x = leaves[0].detach().reshape(-1).float() if len(leaves) == 1 else \
+        torch.cat([t.detach().reshape(-1).float() for t in leaves])
+    finite = torch.isfinite(x)
+    if not bool(finite.all()):
+        x = x[finite]
+    s = float(fq.scale)
+    qmin, qmax = fq.dtype.qmin, fq.dtype.qmax
+    if x.numel() == 0:
+        return QuantErrorStats(float("nan"), float("nan"), 0, 0, 0.0, 0.0, qmin, qmax)
+    err = x - fake_quant(x, fq.scale.float(), fq.dtype)
+    err.mul_(err)
+    # Beyond half a step past the last level the value saturates: that is clipping, not rounding.
+    clipped = (x > (qmax + 0.5) * s) | (x < (qmin - 0.5) * s)
+    clip_sq = float((err * clipped).sum(dtype=torch.float64))
+    total = float(err.sum(dtype=torch.float64))
+    return QuantErrorStats(
+        raw_min=float(x.min()), raw_max=float(x.max()), numel=int(x.numel()), clipped=int(clipped.sum()),
+        clip_sq_err=clip_sq, round_sq_err=max(total - clip_sq, 0.0), qmin=qmin, qmax=qmax,
+    )
+
+
+class Probe:
+    """What both handlers share: event numbering, index substitution, and where events go."""
+
+    def __init__(self, sink: TraceSink | None, same_input: SameInputSource | None,
+                 indices: dict[str, list[torch.Tensor]] | None):
+        self.sink = sink
+        self.same_input = same_input
+        self.indices = indices
+        self.count = 0
+
+    def substitute(self, site: SiteCall, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self.indices is None or not site.rule.index_producing or site.name not in self.indices:
+            return output
+        return substitute_indices(site.rule.op_type, args, kwargs, output, self.indices[site.name])
+
+    def event(self, site: SiteCall, args: tuple, kwargs: dict, output: Any) -> SiteEvent:
+        weight, weight_scale = None, None
+        if site.module is not None:
+            w = getattr(site.module, "weight", None)
+            weight = w if isinstance(w, torch.Tensor) else None
+            wfq = getattr(site.module, "weight_fake_quant", None)
+            weight_scale = wfq.scale if isinstance(wfq, FakeQuantize) else None
+        else:
+            leaves = pytree.tree_leaves((args, kwargs))
+            weight = next((x for x in leaves if isinstance(x, nn.Parameter) and x.is_floating_point()), None)
+        event = SiteEvent(
+            index=self.count, name=site.name, op_type=site.rule.op_type,
+            module_type=type(site.module).__name__ if site.module is not None else None,
+            inputs=_incoming(args, kwargs), outputs=_tensor_leaves(output), weight=weight,
+            weight_scale=weight_scale, index_producing=site.rule.index_producing, boundary=site.rule.boundary,
+        )
+        self.count += 1
+        return event
+
+    def index_op(self, name: str, result: torch.Tensor) -> None:
+        """An unnamed index-only op (argmax#k) seen by :class:`~.index_ops.IndexOpMode`."""
+        if self.sink is not None and getattr(self.sink, "wants_index_ops", False):
+            self.sink.on_site(SiteEvent(index=-1, name=name, op_type=name.split("#")[0], module_type=None,
+                                        inputs={}, outputs=[result], index_producing=True))
+
+
+class FloatProbe(SiteHandler):
+    """Runs every op unchanged and reports it."""
+
+    def __init__(self, probe: Probe):
+        self.probe = probe
+
+    def _report(self, site, args, kwargs, output):
+        output = self.probe.substitute(site, args, kwargs, output)
+        if self.probe.sink is not None:
+            self.probe.sink.on_site(self.probe.event(site, args, kwargs, output))
+        return output
+
+    def function_op(self, site, func, args, kwargs):
+        return self._report(site, args, kwargs, func(*args, **kwargs))
+
+    def module_exit(self, site, args, output):
+        new = self._report(site, args, {}, output)
+        return None if new is output else new
+
+
+class RuntimeProbe(_Runtime):
+    """The prepared model's runtime, reporting each site (and its same-input output) to the probe."""
+
+    def __init__(self, state, probe: Probe):
+        super().__init__(state)
+        self.probe = probe
+        self._entered: dict[str, tuple] = {}
+        self._qerr: QuantErrorStats | None = None
+        self._group_of = {m: g for g in state.groups for m in g.members}
+        self._group_same: dict[str, torch.Tensor] = {}
+
+    # -- the runtime's hooks ------------------------------------------------------------------------------
+    def _finish(self, plan, output, inputs, kwargs, site):
+        if self.probe.sink is not None and plan is not None and plan.output is OutputMode.QUANTIZED:
+            self._qerr = quant_error_stats(output, self.fq[plan.output_fq])
+        return super()._finish(plan, output, inputs, kwargs, site)
+
+    def function_op(self, site, func, args, kwargs):
+        self._qerr = None
+        out = super().function_op(site, func, args, kwargs)
+        plan = self.plans.get(site.name)
+
+        def run(a, k):
+            if plan is not None and plan.override is not None:
+                return self._override(plan, site, a, k)
+            return func(*a, **k)
+
+        return self._after(site, plan, args, kwargs, out, run)
+
+    def module_enter(self, site, args):
+        self._entered[site.name] = args  # the incoming inputs, before any input fake quant
+        return super().module_enter(site, args)
+
+    def module_exit(self, site, args, output):
+        self._qerr = None
+        original = self._entered.pop(site.name, args)
+        in_fq = site.module.__dict__.get("_ql_input_fq")  # read before the runtime clears it
+        out = super().module_exit(site, args, output)
+        plan = self.plans.get(site.name)
+
+        def run(a, k):
+            if plan is not None and plan.override is not None:
+                return self._override(plan, site, a, {})
+            # QAT modules quantize their bias with the input's scale; give the re-run the same input fq.
+            site.module.__dict__["_ql_input_fq"] = in_fq
+            try:
+                return site.module(*a)
+            finally:
+                site.module.__dict__["_ql_input_fq"] = None
+
+        return self._after(site, plan, original, {}, out, run)
+
+    # -- reporting ----------------------------------------------------------------------------------------
+    def _after(self, site: SiteCall, plan: SitePlan | None, args, kwargs, out, run: Callable) -> Any:
+        new = self.probe.substitute(site, args, kwargs, out)
+        if new is not out:
+            src = next(iter(_incoming(args, kwargs).values()), None)
+            self._set_marks(new, self._mark(src) if src is not None else None)
+            out = new
+        if self.probe.sink is None:
+            return out
+        event = self.probe.event(site, args, kwargs, out)
+        self._describe(event, site, plan, args, kwargs, out)
+        if self.probe.same_input is not None:
+            event.same_input, event.same_input_pre, event.same_input_note = self._same_input(
+                site, plan, args, kwargs, run)
+        self.probe.sink.on_site(event)
+        return out
+
+    def _describe(self, event: SiteEvent, site, plan, args, kwargs, out) -> None:
+        first = next(iter(_float_leaves(out)), None)
+        fq = self._mark(first) if first is not None else None
+        if plan is None:
+            event.quant_dtype = "float"
+        elif plan.output is OutputMode.FUSED:
+            event.quant_dtype, event.fused_into = "(fused)", plan.fused_into
+        elif fq is not None:
+            event.quant_dtype, event.scale = fq.dtype.value, fq.scale.detach().clone()
+        else:
+            event.quant_dtype = plan.output_dtype
+        event.quant_error = self._qerr
+        input_fqs = {pos: self.fq[key] for pos, key in plan.input_fq.items()} if plan is not None else {}
+        for pos, tensor in event.inputs.items():
+            in_fq = input_fqs.get(pos) or self._mark(tensor)
+            event.input_dtypes.append(in_fq.dtype.value if in_fq is not None else "float")
+        record = self.state.record.sites.get(site.name)
+        data = [i for i in record.inputs if not i.is_parameter] if record is not None else []
+        if data and data[0].producer is not None:
+            event.producer = self.state.record.origin(data[0].producer)
+
+    def _same_input(self, site: SiteCall, plan: SitePlan | None, args, kwargs, run: Callable):
+        """The op on the baseline's inputs, with this site's own fake quants: ``(outputs, outputs before the
+        output fake quant or None, note)``."""
+        group = self._group_of.get(site.name)
+        base = self.probe.same_input.inputs(site.name)
+        if base is None:
+            return None, None, "the baseline has no op site with this name"
+        internal: dict[int, torch.Tensor] = {}
+        if group is not None and site.name != group.head:
+            record = self.state.record.sites[site.name]
+            for inp in record.inputs:
+                if inp.producer in group.members:
+                    if inp.producer not in self._group_same:
+                        return None, None, f"no same-input output for fused member '{inp.producer}'"
+                    internal[inp.position] = self._group_same[inp.producer]
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        for pos, leaf in enumerate(leaves):
+            if not is_float_tensor(leaf) or isinstance(leaf, nn.Parameter):
+                continue
+            repl = internal.get(pos)
+            if repl is None:
+                repl = base.get(pos)
+                if repl is None or repl.shape != leaf.shape:
+                    return None, None, f"the baseline's input {pos} does not match (shape or position)"
+                repl = repl.to(device=leaf.device, dtype=leaf.dtype)
+            mark = getattr(leaf, _MARK, None)
+            if mark is not None:  # the runtime reads input scales (bias, lookup tables) from these marks
+                setattr(repl, _MARK, mark)
+            leaves[pos] = repl
+        new_args, new_kwargs = pytree.tree_unflatten(leaves, spec)
+        if plan is not None:
+            new_args, new_kwargs, _ = self._quantize_inputs(plan, new_args, new_kwargs)
+        result = run(new_args, new_kwargs)
+        pre = None
+        if plan is not None and plan.output is OutputMode.QUANTIZED:
+            pre = _float_leaves(result)
+            fq = self.fq[plan.output_fq]
+            result = pytree.tree_map(lambda x: fq(x) if is_float_tensor(x) else x, result)
+        if group is not None:
+            if site.name == group.last:
+                for member in group.members:
+                    self._group_same.pop(member, None)
+            else:
+                self._group_same[site.name] = result
+        if plan is not None and plan.output is OutputMode.FUSED:
+            return None, None, f"fused into {plan.fused_into}"
+        return _float_leaves(result), pre, ""

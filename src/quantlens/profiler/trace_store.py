@@ -1,0 +1,249 @@
+"""The on-disk trace of one model's forward on the bad case, written while the model runs.
+
+Layout of ``out_dir/<baseline|analysis>_model/``::
+
+    tensors/00000.safetensors   one file per executed op site: in<pos>, out<i>, weight, same<i>, samepre<i>
+    outputs.safetensors         the model outputs by name (and the post_process outputs)
+    trace.json                  one entry per op site: names, quantization, tensor statistics
+    statistic.txt               the statistics as a table (see report.write_statistic)
+
+Every op site's tensors go to disk as soon as the op has run and only small statistics stay in memory, so
+tracing needs about one layer's worth of extra memory, not the network's. ``trace.json`` is written last:
+a trace without it is incomplete and is refused by :class:`TraceReader`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch.utils import _pytree as pytree
+
+from quantlens._io import atomic_write_text
+from quantlens.errors import QuantLensError
+from quantlens.profiler.model_access import QuantErrorStats, SiteEvent
+
+__all__ = ["TensorStat", "TracedSite", "TraceWriter", "TraceReader", "tensor_stat", "input_digest", "TRACE_FILE"]
+
+TRACE_FILE = "trace.json"
+OUTPUTS_FILE = "outputs.safetensors"
+_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class TensorStat:
+    """Statistics of one tensor (over its finite values; counts of NaN and Inf separately)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    min: float | None
+    max: float | None
+    mean: float | None
+    var: float | None
+    nan: int = 0
+    inf: int = 0
+
+    @property
+    def absmax(self) -> float | None:
+        return None if self.min is None else max(abs(self.min), abs(self.max))
+
+    @property
+    def nonfinite(self) -> bool:
+        return self.nan > 0 or self.inf > 0
+
+
+def tensor_stat(t: torch.Tensor) -> TensorStat:
+    x = t.detach()
+    shape, dtype = tuple(x.shape), str(x.dtype).replace("torch.", "")
+    if x.numel() == 0:
+        return TensorStat(shape, dtype, None, None, None, None)
+    nan = inf = 0
+    if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+        nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+        x = x[torch.isfinite(x)]
+        if x.numel() == 0:
+            return TensorStat(shape, dtype, None, None, None, None, nan, inf)
+    # A few cheap passes with float64 accumulation, and no float64 copy of a large activation.
+    x = x.reshape(-1) if x.dtype in (torch.float32, torch.float64) else x.reshape(-1).double()
+    lo, hi = torch.aminmax(x)
+    mean = float(x.sum(dtype=torch.float64)) / x.numel()
+    var = float((x - mean).square_().sum(dtype=torch.float64)) / x.numel()
+    return TensorStat(shape, dtype, float(lo), float(hi), mean, var, nan, inf)
+
+
+def input_digest(example: Any) -> str:
+    """A fingerprint of the tensors of one call's inputs (values, shapes, dtypes), to tell whether two traces
+    were made on the same bad case."""
+    h = hashlib.sha256()
+    for leaf in pytree.tree_leaves(example):
+        if isinstance(leaf, torch.Tensor):
+            t = leaf.detach().cpu().contiguous()
+            h.update(f"{tuple(t.shape)}{t.dtype}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class TracedSite:
+    """One executed op site, as stored in ``trace.json``."""
+
+    index: int
+    name: str
+    op_type: str
+    module_type: str | None
+    file: str
+    quant_dtype: str = "float"
+    scale: float | list[float] | None = None
+    weight_scale: float | list[float] | None = None
+    input_dtypes: list[str] = field(default_factory=list)
+    boundary: str = ""
+    fused_into: str | None = None
+    producer: str | None = None
+    index_producing: bool = False
+    stats: dict[str, TensorStat] = field(default_factory=dict)
+    quant_error: QuantErrorStats | None = None
+    same_input_note: str = ""
+
+    @property
+    def per_tensor_scale(self) -> float | None:
+        return self.scale if isinstance(self.scale, float) else None
+
+    def outputs(self) -> list[str]:
+        return sorted((k for k in self.stats if k.startswith("out")), key=lambda k: int(k[3:]))
+
+    def float_outputs(self) -> list[str]:
+        return [k for k in self.outputs() if self.stats[k].dtype.startswith(("float", "bfloat"))]
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TracedSite":
+        data = dict(data)
+        data["stats"] = {k: TensorStat(**{**v, "shape": tuple(v["shape"])}) for k, v in data["stats"].items()}
+        if data.get("quant_error") is not None:
+            data["quant_error"] = QuantErrorStats(**data["quant_error"])
+        return cls(**data)
+
+
+def _scale_value(scale: torch.Tensor | None) -> float | list[float] | None:
+    if scale is None:
+        return None
+    values = [float(v) for v in scale.detach().reshape(-1)]
+    return values[0] if len(values) == 1 and scale.dim() == 0 else values
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors file written through a temporary name (never a half-written file)."""
+    payload, seen = {}, set()
+    for key, value in tensors.items():
+        t = value.detach().cpu()
+        storage = t.untyped_storage()
+        # safetensors refuses tensors that share memory and writes dense storage only: copy views and shared
+        # tensors (an identity op's output is its input), pass the rest without a copy.
+        if not t.is_contiguous() or storage.nbytes() != t.nbytes or storage.data_ptr() in seen:
+            t = t.contiguous().clone()
+        seen.add(t.untyped_storage().data_ptr())
+        payload[key] = t
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(payload, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class TraceWriter:
+    """A trace sink that streams every op site to ``directory`` (see the module docstring)."""
+
+    def __init__(self, directory: str | os.PathLike, label: str, description: str, save_inputs: bool = True):
+        self.dir = Path(directory)
+        #: inputs are what the same-input run of the *other* model needs; without it only model inputs
+        #: (QuantStub inputs) are kept, the rest are the previous ops' outputs anyway
+        self.save_inputs = save_inputs
+        self.label = label
+        self.description = description
+        self.sites: list[TracedSite] = []
+        # Start clean, removing only what this writer creates (the folder lies inside out_dir).
+        (self.dir / TRACE_FILE).unlink(missing_ok=True)
+        if (self.dir / "tensors").is_dir():
+            shutil.rmtree(self.dir / "tensors")
+        (self.dir / "tensors").mkdir(parents=True, exist_ok=True)
+
+    def on_site(self, event: SiteEvent) -> None:
+        inputs = event.inputs if self.save_inputs or event.boundary == "input" else {}
+        tensors: dict[str, torch.Tensor] = {f"in{pos}": t for pos, t in inputs.items()}
+        tensors.update({f"out{i}": t for i, t in enumerate(event.outputs)})
+        if event.weight is not None:
+            tensors["weight"] = event.weight
+        for i, t in enumerate(event.same_input or []):
+            tensors[f"same{i}"] = t
+        for i, t in enumerate(event.same_input_pre or []):
+            tensors[f"samepre{i}"] = t
+        file = f"tensors/{event.index:05d}.safetensors"
+        _save_tensors(tensors, self.dir / file)
+        self.sites.append(TracedSite(
+            index=event.index, name=event.name, op_type=event.op_type, module_type=event.module_type, file=file,
+            quant_dtype=event.quant_dtype, scale=_scale_value(event.scale),
+            weight_scale=_scale_value(event.weight_scale), input_dtypes=list(event.input_dtypes),
+            boundary=event.boundary, fused_into=event.fused_into, producer=event.producer,
+            index_producing=event.index_producing, stats={k: tensor_stat(v) for k, v in tensors.items()},
+            quant_error=event.quant_error, same_input_note=event.same_input_note,
+        ))
+
+    def finish(self, outputs: dict[str, torch.Tensor], input_digest: str = "") -> Path:
+        """Save the model outputs and the index; the trace is complete once this returns."""
+        _save_tensors(outputs, self.dir / OUTPUTS_FILE)
+        data = {
+            "format": _FORMAT,
+            "model": self.label,
+            "description": self.description,
+            "input_digest": input_digest,
+            "outputs": list(outputs),
+            "sites": [asdict(s) for s in self.sites],
+        }
+        return atomic_write_text(self.dir / TRACE_FILE, json.dumps(data, indent=1, allow_nan=True) + "\n")
+
+
+class TraceReader:
+    """Reads a trace written by :class:`TraceWriter`; also the same-input source of the analysis run."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.dir = Path(directory)
+        path = self.dir / TRACE_FILE
+        if not path.is_file():
+            raise QuantLensError(
+                f"No complete trace in {self.dir} ({TRACE_FILE} is missing). Call QuantAnalysis.run() first "
+                "(run(run_baseline_model=True) for the baseline trace), and let it finish."
+            )
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("format") != _FORMAT:
+            raise QuantLensError(f"{path} has trace format {data.get('format')!r}; expected {_FORMAT}. Re-run run().")
+        self.label: str = data["model"]
+        self.description: str = data["description"]
+        self.output_names: list[str] = data["outputs"]
+        self.input_digest: str = data.get("input_digest", "")
+        self.sites: list[TracedSite] = [TracedSite.from_json(s) for s in data["sites"]]
+        self.by_name: dict[str, TracedSite] = {s.name: s for s in self.sites}
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        return load_file(str(self.dir / self.by_name[name].file))
+
+    def inputs(self, site: str) -> dict[int, torch.Tensor] | None:
+        """The site's incoming float tensors by leaf position (loads only those from the file)."""
+        if site not in self.by_name:
+            return None
+        with safe_open(str(self.dir / self.by_name[site].file), framework="pt") as f:
+            return {int(k[2:]): f.get_tensor(k) for k in f.keys() if k.startswith("in")}
+
+    def outputs(self) -> dict[str, torch.Tensor]:
+        return load_file(str(self.dir / OUTPUTS_FILE))
