@@ -54,15 +54,16 @@ def _requant(node: Node, acc: torch.Tensor, channel_dim: int | None = None) -> t
     if mult is None:  # int32 high-precision output: saturate only
         y = torch.clamp(acc, _INT32.qmin, _INT32.qmax)
     else:
-        m = torch.tensor(mult, dtype=torch.int64)
-        sh = torch.tensor(node.attrs["shift"], dtype=torch.int64)
-        if m.numel() > 1:
+        shifts = node.attrs["shift"]
+        acc = torch.clamp(acc, _INT32.qmin, _INT32.qmax)
+        if len(mult) == 1:
+            y = requantize(acc, int(mult[0]), int(shifts[0]), out)
+        else:  # per channel: broadcast along the channel dim
             shape = [1] * acc.dim()
             shape[channel_dim % acc.dim()] = -1
-            m, sh = m.reshape(shape), sh.reshape(shape)
-        else:
-            m, sh = m.reshape(()), sh.reshape(())
-        y = requantize(torch.clamp(acc, _INT32.qmin, _INT32.qmax), m, sh, out)
+            m = torch.tensor(mult, dtype=torch.int64).reshape(shape)
+            sh = shifts[0] if len(set(shifts)) == 1 else torch.tensor(shifts, dtype=torch.int64).reshape(shape)
+            y = requantize(acc, m, sh, out)
     return y.to(storage_dtype(out.value))
 
 
