@@ -159,7 +159,7 @@ class _Runtime(SiteHandler):
             return output
         if plan.output is OutputMode.QUANTIZED:
             fq = self.fq[plan.output_fq]
-            if isinstance(output, torch.Tensor):
+            if is_float_tensor(output):
                 output = fq(output)
             else:
                 leaves, spec = pytree.tree_flatten(output)
