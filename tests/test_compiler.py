@@ -292,3 +292,38 @@ def test_op_coverage_model_converts_close_to_qat_ir(setter):
     tolerance = 0.03 if setter is default_calibration_qconfig_setter else 1e-3
     for ref, got in zip(qat_ir(*batches[1]), q_ir(*batches[1])):
         assert (ref - got).abs().max() <= tolerance * ref.abs().max()
+
+
+class _TorchEncoder(nn.Module):
+    """torch's own nn.TransformerEncoderLayer: F.multi_head_attention_forward is looked into, op by op."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = QuantStub()
+        self.layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)
+        self.dq = DeQuantStub()
+
+    def forward(self, x):
+        return self.dq(self.layer(self.q(x)))
+
+
+def test_torch_multihead_attention_is_quantized_op_by_op():
+    from quantlens.quantization import get_op_sites
+
+    torch.manual_seed(0)
+    model = _TorchEncoder().eval()
+    gen = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(2, 5, 16, generator=gen),) for _ in range(4)]
+    sites = get_op_sites(model, batches[0])
+    assert "layer.self_attn.multi_head_attention_forward_0" not in sites
+    assert {"layer.self_attn.linear_0", "layer.self_attn.scaled_dot_product_attention_0",
+            "layer.self_attn.linear_1"} <= set(sites)
+    prepared = _calibrated(model, batches[0], batches)
+    assert get_op_sites(prepared, batches[0]) == sites
+    plan = prepared._quantlens_state.plans["layer.self_attn.linear_0"]
+    assert plan.weight_fq and plan.bias_position == 2  # functional in_proj: int8 weight, int32 bias
+    q_ir = convert(export(prepared, batches[0]))
+    with torch.no_grad():
+        ref = model(*batches[1])
+    got = q_ir(*batches[1])
+    assert (got - ref).abs().max() < 0.1 * ref.abs().max()

@@ -40,6 +40,9 @@ class OpKind(str, Enum):
     QUANTIZED = "quantized"
     PASSTHROUGH = "passthrough"
     IGNORED = "ignored"
+    #: a composite function (``F.multi_head_attention_forward``): no op site of its own; the tracer looks
+    #: inside, so each torch op it runs is an op site (with its own quantization), as on the NPU.
+    COMPOSITE = "composite"
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,8 @@ class OpRule:
     gemm: bool = False
     #: argument positions that hold weights when the op is called functionally.
     weight_args: tuple[int, ...] = ()
+    #: argument positions of a functional call's bias (int32 at s_in * s_w, like a module's bias).
+    bias_args: tuple[int, ...] = ()
     #: output positions that are integer indices (argmax, topk indices): the profiler substitutes them.
     index_producing: bool = False
     #: the output is a row of the (already quantized) weight, so it needs no own fake quant (embedding).
@@ -78,8 +83,8 @@ def register_module_op(module_type: type, op_type: str, kind: OpKind, **flags) -
 Q, P, I = OpKind.QUANTIZED, OpKind.PASSTHROUGH, OpKind.IGNORED
 
 # --- functions and tensor methods -------------------------------------------------------------------
-register_function_op(("conv1d", "conv2d"), Q, gemm=True, weight_args=(1,))
-register_function_op("linear", Q, gemm=True, weight_args=(1,))
+register_function_op(("conv1d", "conv2d"), Q, gemm=True, weight_args=(1,), bias_args=(2,))
+register_function_op("linear", Q, gemm=True, weight_args=(1,), bias_args=(2,))
 register_function_op(("matmul", "bmm", "mm", "scaled_dot_product_attention"), Q, gemm=True)
 register_function_op("embedding", Q, weight_args=(1,), output_from_weight=True)
 register_function_op(("add", "sub", "rsub", "mul", "div", "neg", "cat", "concat", "stack"), Q)
@@ -101,6 +106,7 @@ register_function_op(
 )
 register_function_op(("max", "min", "topk", "sort"), P, index_producing=True)
 register_function_op(("argmax", "argmin", "argsort"), I, index_producing=True)
+register_function_op(("multi_head_attention_forward",), OpKind.COMPOSITE)
 register_function_op(
     (
         "size", "dim", "numel", "__get__", "__set__", "bool", "item", "tolist", "eq", "ne", "lt", "le", "gt",

@@ -45,6 +45,8 @@ class SitePlan:
     #: leaf position (in the flattened (args, kwargs)) -> fake quant key
     input_fq: dict[int, str] = field(default_factory=dict)
     weight_fq: dict[int, str] = field(default_factory=dict)
+    #: leaf position of a functional call's bias, quantized to int32 at s_in * s_w at run time
+    bias_position: int | None = None
     output_fq: str | None = None
     fused_into: str | None = None
     qconfig: QConfig | None = None
@@ -197,10 +199,15 @@ def _plan_inputs(site, plan, qc, data_inputs, in_dtypes, module_weight_dtypes, r
                 per_tensor = site.output_from_weight  # embedding tables: one scale (rows are outputs)
                 wspec = QuantSpec(qc.weight.dtype, qc.weight.observer) if per_tensor else qc.weight
                 requests.append(FakeQuantRequest(key, wspec, is_weight=True))
+        plan.bias_position = next((i.position for i in site.inputs if i.position in site.bias_args
+                                   and plan.weight_fq), None)
 
 
 def _is_weight_input(site: OpSiteRecord, inp) -> bool:
-    return inp.is_parameter and inp.position in site.weight_args
+    """Weights (and the bias next to them) of a functional conv/linear/embedding are not activations."""
+    return (inp.is_parameter and inp.position in site.weight_args) or (
+        inp.position in site.bias_args and any(i.is_parameter and i.position in site.weight_args for i in site.inputs)
+    )
 
 
 def _dt(dtype: QuantDType | None) -> str:

@@ -57,6 +57,7 @@ class OpSiteRecord:
     gemm: bool
     boundary: str
     weight_args: tuple[int, ...]
+    bias_args: tuple[int, ...]
     output_from_weight: bool
     index_producing: bool
     inputs: list[SiteInput]
@@ -161,6 +162,7 @@ class _Recorder(SiteHandler):
             gemm=rule.gemm,
             boundary=rule.boundary,
             weight_args=rule.weight_args,
+            bias_args=rule.bias_args,
             output_from_weight=rule.output_from_weight,
             index_producing=rule.index_producing,
             inputs=inputs,

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.nn.modules import module as _module_hooks
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 from torch.utils import _pytree as pytree
 
 from quantlens.quantization.op_rules import OpKind, OpRule, canonical_op_name, function_rule, module_rule
@@ -150,6 +150,8 @@ class OpSiteTracer(TorchFunctionMode):
         rule = function_rule(op)
         if rule.kind is OpKind.IGNORED or not _has_float_tensor(args, kwargs):
             return func(*args, **kwargs)
+        if rule.kind is OpKind.COMPOSITE:
+            return _run_inside(self, func, args, kwargs)
         module_name = self.module_stack[-1]
         index = self.counters[(module_name, op)]
         self.counters[(module_name, op)] = index + 1
@@ -208,6 +210,29 @@ class OpSiteTracer(TorchFunctionMode):
         finally:
             self.internal -= 1
             frame.annotation.__exit__(None, None, None)
+
+
+def _run_inside(mode: "OpSiteTracer", func: Callable, args: tuple, kwargs: dict) -> Any:
+    """Run a composite ``torch.nn.functional`` function with the mode active, so its own ops are op sites.
+
+    Such a function starts with ``if has_torch_function(...): return handle_torch_function(...)``; with the mode
+    active that check would send it straight back here. The module-global ``has_torch_function`` it reads is
+    answered ``False`` once (that first check only) and restored at once.
+    """
+    module = sys.modules[func.__module__]
+    original = module.has_torch_function
+
+    def first_check_passes(*_):
+        module.has_torch_function = original
+        return False
+
+    module.has_torch_function = first_check_passes
+    _push_mode(mode)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        _pop_mode()
+        module.has_torch_function = original
 
 
 def _annotation(name: str):
