@@ -12,7 +12,7 @@ from quantlens.march import QuantDType
 from quantlens.numerics import fake_quant
 from quantlens.quantization.qconfig import QuantSpec
 
-__all__ = ["FakeQuantState", "FakeQuantize", "set_fake_quantize"]
+__all__ = ["FakeQuantState", "FakeQuantize", "set_fake_quantize", "int32_bias"]
 
 
 class FakeQuantState(str, Enum):
@@ -125,3 +125,16 @@ def set_fake_quantize(model: nn.Module, state: FakeQuantState | str) -> nn.Modul
     if state_holder is not None:
         state_holder.fake_quant_state = state
     return model
+
+
+def int32_bias(bias: torch.Tensor | None, in_fq: "FakeQuantize | None", w_fq: FakeQuantize) -> torch.Tensor | None:
+    """A conv/linear bias as the integer kernel adds it: int32 at ``s_in * s_w[c]`` (``docs/march.md`` §7.2).
+
+    Left float when there is no bias, no input fake quant, or either fake quant is disabled.
+    """
+    if bias is None or not bias.is_floating_point() or in_fq is None:
+        return bias
+    if not (in_fq.fake_quant_enabled and w_fq.fake_quant_enabled):
+        return bias
+    scale = (in_fq.scale.reshape(()) * w_fq.scale).reshape(-1).expand(bias.shape[0]).contiguous()
+    return torch.ops.quantlens.fake_quant(bias, scale, -(2**31), 2**31 - 1, 0)

@@ -20,7 +20,7 @@ from torch import nn
 
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType, get_march
-from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
+from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, int32_bias, set_fake_quantize
 from quantlens.quantization.decompositions import DECOMPOSITIONS
 from quantlens.quantization.fuse import FusedGroup, UnfusedPattern, find_fusions
 from quantlens.quantization.observers import FixedScaleObserver
@@ -152,7 +152,7 @@ class _Runtime(SiteHandler):
         if plan.bias_position is not None and plan.bias_position < len(leaves):
             in_fq = first or next((self._mark(x) for x in leaves if is_float_tensor(x)), None)
             w_fq = self.fq[next(iter(plan.weight_fq.values()))]
-            leaves[plan.bias_position] = _int32_bias(leaves[plan.bias_position], in_fq, w_fq)
+            leaves[plan.bias_position] = int32_bias(leaves[plan.bias_position], in_fq, w_fq)
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         return args, kwargs, first
 
@@ -222,14 +222,6 @@ class _Runtime(SiteHandler):
             # The module's float result is discarded (export drops it as dead code).
             output = self._override(plan, site, args, {})
         return self._finish(plan, output, args, {}, site)
-
-
-def _int32_bias(bias: Any, in_fq: FakeQuantize | None, w_fq: FakeQuantize) -> Any:
-    """A functional call's bias: int32 at ``s_in * s_w[c]`` (``docs/march.md`` §7.2), like a module's bias."""
-    if not is_float_tensor(bias) or in_fq is None or not (in_fq.fake_quant_enabled and w_fq.fake_quant_enabled):
-        return bias
-    scale = (in_fq.scale.reshape(()) * w_fq.scale).reshape(-1).expand(bias.shape[0]).contiguous()
-    return torch.ops.quantlens.fake_quant(bias, scale, -(2**31), 2**31 - 1, 0)
 
 
 def _leaves(value: Any) -> list:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantlens.quantization.fake_quantize import FakeQuantize
+from quantlens.quantization.fake_quantize import FakeQuantize, int32_bias
 from quantlens.quantization.qconfig import QuantSpec
 
 __all__ = [
@@ -28,9 +28,6 @@ __all__ = [
     "fused_class_for",
 ]
 
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-
-
 class _WeightQuantMixin:
     """Shared by every QAT class: the weight fake quant and the int32 bias rule."""
 
@@ -42,12 +39,7 @@ class _WeightQuantMixin:
         self.__dict__["_ql_input_fq"] = None
 
     def _quant_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
-        in_fq = self.__dict__.get("_ql_input_fq")
-        wfq = self.weight_fake_quant
-        if bias is None or in_fq is None or not (in_fq.fake_quant_enabled and wfq.fake_quant_enabled):
-            return bias
-        scale = (in_fq.scale.reshape(()) * wfq.scale).reshape(-1).expand(bias.shape[0]).contiguous()
-        return torch.ops.quantlens.fake_quant(bias, scale, _INT32_MIN, _INT32_MAX, 0)
+        return int32_bias(bias, self.__dict__.get("_ql_input_fq"), self.weight_fake_quant)
 
     @classmethod
     def from_float(cls, mod: nn.Module, weight_spec: QuantSpec):
