@@ -5,25 +5,42 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
-__all__ = ["atomic_write_text", "format_table"]
+__all__ = ["atomic_write", "atomic_write_text", "atomic_write_bytes", "format_table"]
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file and a rename, so no half-written file is left."""
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None], fsync: bool = False) -> Path:
+    """Call ``write(tmp_path)`` on a temporary file next to ``path``, then rename it over ``path``.
+
+    Every writer of quantlens goes through here, so no half-written file is ever left: on any error the
+    temporary file is removed and ``path`` is untouched.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        write(tmp)
+        if fsync:
+            with open(tmp, "rb+") as handle:
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
     return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` (UTF-8) atomically."""
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, fsync: bool = False) -> Path:
+    """Write ``data`` atomically."""
+    return atomic_write(path, lambda tmp: Path(tmp).write_bytes(data), fsync=fsync)
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from quantlens.compiler.ir import Module, Node
+from quantlens._io import atomic_write_bytes
 from quantlens.errors import QuantLensError
 
 __all__ = ["to_onnx", "ONNX_CONVERTERS", "onnx_converter", "MIN_OPSET"]
@@ -971,16 +971,4 @@ def to_onnx(qat_ir: Module, path: str | os.PathLike, opset: int = 21) -> Path:
 def _atomic_write_bytes(path: Path, data: bytes) -> Path:
     if path.is_dir():
         raise QuantLensError(f"to_onnx: '{path}' is a folder; give a file path such as '{path / 'model.onnx'}'.")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    return atomic_write_bytes(path, data, fsync=True)

@@ -24,13 +24,13 @@ import json
 import math
 import os
 import struct
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from quantlens.compiler.ir import IR_VERSION, Graph, InputLeaf, Module, Node, ValueInfo
+from quantlens._io import atomic_write
 from quantlens.errors import QuantLensError
 
 __all__ = ["save", "load", "FORMAT_VERSION", "MAGIC", "METADATA_KEY"]
@@ -198,18 +198,7 @@ def save(module: Module, path: str | os.PathLike) -> Path:
         raise QuantLensError(f"save: '{path}' is a folder; give a file path such as '{path / 'model.qlir'}'.")
     constants = _tensors_for_file(module.graph)
     text = json.dumps(_header(module, constants), allow_nan=False, ensure_ascii=False, separators=(",", ":"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(constants, tmp, metadata={METADATA_KEY: text})
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda tmp: save_file(constants, tmp, metadata={METADATA_KEY: text}), fsync=True)
     return path
 
 

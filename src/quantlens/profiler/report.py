@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from quantlens._io import atomic_write_text, format_table
+from quantlens._io import atomic_write, atomic_write_text, format_table
 from quantlens.profiler.advisor import THRESHOLDS, Finding
 from quantlens.profiler.bad_case import BadCaseResult
 from quantlens.profiler.compare import COLUMNS, LayerComparison
@@ -154,12 +154,4 @@ def write_sensitivity(table: SensitivityTable, out_dir: str | os.PathLike) -> tu
 
 def save_pt(obj, path: str | os.PathLike) -> Path:
     """``torch.save`` through a temporary file and a rename (never a half-written file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return atomic_write(path, lambda tmp: torch.save(obj, tmp))

@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.utils import _pytree as pytree
 
-from quantlens._io import atomic_write_text
+from quantlens._io import atomic_write, atomic_write_text
 from quantlens.errors import QuantLensError
 from quantlens.profiler.model_access import QuantErrorStats, SiteEvent
 
@@ -151,15 +150,7 @@ def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
             t = t.contiguous().clone()
         seen.add(t.untyped_storage().data_ptr())
         payload[key] = t
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(payload, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda tmp: save_file(payload, tmp))
 
 
 class TraceWriter:

@@ -44,5 +44,11 @@ __all__ = [
     "PercentileObserver",
     "MSEObserver",
     "FixedScaleObserver",
+    "pre_export",
+    "pre_export_report",
+    "set_lut_enabled",
+    "lut_sites",
+    "lut_errors",
+    "LutSiteInfo",
 ]
 from quantlens.quantization.pre_export import LutSiteInfo, lut_errors, lut_sites, pre_export, pre_export_report, set_lut_enabled  # noqa: E402,F401,E501

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Callable
 
-import torch
 from torch import nn
 
 from quantlens.quantization.stubs import DeQuantStub, QuantStub

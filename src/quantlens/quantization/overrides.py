@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from quantlens.quantization.fake_quantize import FakeQuantize

@@ -84,7 +84,6 @@ def build_plans(
     module_weight_dtypes: dict[str, QuantDType],
 ) -> tuple[dict[str, SitePlan], list[FakeQuantRequest], list[str]]:
     """Plans for every recorded site, the fake quants they need, and warnings for the check report."""
-    spec = get_march().spec
     group_of = {m: g for g in groups for m in g.members}
     out_dtype: dict[str, QuantDType | None] = {}
     plans: dict[str, SitePlan] = {}
