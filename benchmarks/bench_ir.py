@@ -31,7 +31,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: multithreading on a loaded 2-core machine is erratic)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"batch {args.batch}, best of {args.repeat}, {torch.get_num_threads()} thread(s)")
     print(f"{'model':22s} {'float ms':>10s} {'qat IR ms':>10s} {'int IR ms':>10s} {'int/float':>10s}")
     for name in list_models():
         model = get_model(name)

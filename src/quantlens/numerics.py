@@ -144,10 +144,28 @@ def requantize(
     acc: torch.Tensor, multiplier: "int | torch.Tensor", shift: "int | torch.Tensor", dtype: QuantDType
 ) -> torch.Tensor:
     """Scale an int32 accumulator by ``multiplier * 2**-shift`` and saturate to ``dtype`` (int64 result).
-    ``multiplier``/``shift`` may be tensors broadcast against ``acc`` (per-channel)."""
+    ``multiplier``/``shift`` may be tensors broadcast against ``acc`` (per-channel).
+
+    Fast path, same result: when ``|acc| < 2**22`` the product ``acc * M`` (``M < 2**31``) has at most 53
+    significant bits, so ``acc * (M * 2**-shift)`` is exact in float64 and ``torch.round`` (half to even) rounds
+    it exactly as ``rshift_round_half_to_even`` would.
+    """
+    if acc.is_floating_point():  # integer values held in float64 (the simulator's exact GEMM results)
+        acc = acc.to(torch.float64)
+    else:
+        acc = acc.to(torch.int64)
+    if acc.numel() and float(acc.abs().max()) < 2**22:
+        if isinstance(multiplier, torch.Tensor) or isinstance(shift, torch.Tensor):
+            real = torch.as_tensor(multiplier, dtype=torch.float64) * torch.pow(
+                2.0, -torch.as_tensor(shift, dtype=torch.float64))
+        else:
+            real = float(multiplier) * 2.0 ** -int(shift)
+        y = torch.round(acc.to(torch.float64) * real)
+        return saturate(y, dtype).to(torch.int64)
+    acc = acc.to(torch.int64)
     if isinstance(multiplier, torch.Tensor):
         multiplier = multiplier.to(torch.int64)
-    prod = acc.to(torch.int64) * multiplier
+    prod = acc * multiplier
     return saturate(rshift_round_half_to_even(prod, shift), dtype)
 
 

@@ -83,7 +83,8 @@ def _magnitude(t: torch.Tensor) -> int:
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
-    return t.round().to(torch.int64)
+    """An exact integer-valued GEMM/pool result, kept in float64 (exact below 2**53; requantize reads it)."""
+    return t.to(torch.float64)
 
 
 # -- boundary and requantize ----------------------------------------------------------------------------------
@@ -110,7 +111,7 @@ def _bias(acc: torch.Tensor, bias: torch.Tensor | None, channel_dim: int) -> tor
         return acc
     shape = [1] * acc.dim()
     shape[channel_dim] = -1
-    return acc + bias.to(torch.int64).reshape(shape)
+    return acc + bias.to(acc.dtype).reshape(shape)
 
 
 @int_kernel("conv2d", "conv1d")
@@ -239,8 +240,8 @@ def _relu(node, inputs):
 @int_kernel("max_pool2d")
 def _max_pool(node, inputs):
     a = node.attrs
-    q = inputs[0]
-    y = F.max_pool2d(_exact(q), a["kernel_size"], a["stride"], a["padding"], a["dilation"], a["ceil_mode"])
+    q = inputs[0]  # int8/int16 values are exact in float32
+    y = F.max_pool2d(q.to(torch.float32), a["kernel_size"], a["stride"], a["padding"], a["dilation"], a["ceil_mode"])
     return y.to(q.dtype)
 
 
