@@ -22,17 +22,12 @@ def rshift_rhe_var(x: torch.Tensor, shift: torch.Tensor | int) -> torch.Tensor:
         if shift > MAX_SHIFT:
             return torch.zeros_like(x)
         return rshift_round_half_to_even(x, shift)
-    shift = torch.as_tensor(shift, dtype=torch.int64, device=x.device).expand_as(x)
+    shift = torch.as_tensor(shift, dtype=torch.int64, device=x.device)
     if bool((shift < 0).any()):
         raise ValueError("rshift_rhe_var: negative shift")
     too_far = shift > MAX_SHIFT
-    s = torch.where(too_far, torch.zeros_like(shift), shift)
-    floor = torch.bitwise_right_shift(x, s)
-    rem = x - torch.bitwise_left_shift(floor, s)
-    half = torch.where(s > 0, torch.bitwise_left_shift(torch.ones_like(s), (s - 1).clamp_min(0)), torch.zeros_like(s))
-    round_up = (s > 0) & ((rem > half) | ((rem == half) & (torch.bitwise_and(floor, 1) == 1)))
-    out = floor + round_up.to(torch.int64)
-    return torch.where(too_far, torch.zeros_like(out), out)
+    out = rshift_round_half_to_even(x, shift.clamp(max=MAX_SHIFT))
+    return torch.where(too_far, torch.zeros_like(out), out) if bool(too_far.any()) else out
 
 
 def div_round_half_even(num: torch.Tensor, den: int) -> torch.Tensor:
