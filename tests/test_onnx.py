@@ -362,7 +362,7 @@ def test_unsupported_op_names_op_site_and_fix_and_writes_nothing(tmp_path):
     module.graph.nodes.append(Node("lut256", ["r", "r"], ["t"], {}, "blocks.0.act"))
     module.graph.outputs = ["t"]
     module.graph.values["t"] = ValueInfo((2, 3), "float32")
-    with pytest.raises(QuantLensError, match=r"IR op 'lut256' \(op site 'blocks.0.act'\).*apply_pre_export=False"):
+    with pytest.raises(QuantLensError, match=r"IR op 'lut256' \(op site 'blocks.0.act'\).*onnx_converter"):
         to_onnx(module, tmp_path / "m.onnx")
     assert list(tmp_path.iterdir()) == []
 
@@ -399,3 +399,34 @@ def test_every_ir_op_has_an_onnx_mapping_and_a_docs_row():
     for op in ops:
         assert f"`{op}`" in qat_table, f"docs/ir.md: op set table lacks `{op}`"
         assert op == "fake_quant" or f"`{op}`" in onnx_table, f"docs/ir.md: ONNX table lacks `{op}`"
+
+
+@pytest.mark.parametrize("setter_name", ["default_calibration_qconfig_setter",
+                                         "calibration_8bit_weight_16bit_act_qconfig_setter"])
+def test_qat_ir_with_tables_exports_to_onnx(setter_name, tmp_path):
+    """The default export (pre_export's tables applied) also runs in onnxruntime: table ops become the float
+    ops they emulate, between Q/DQ pairs."""
+    import onnxruntime as ort
+
+    from quantlens.compiler import export as export_ir, to_onnx as write_onnx
+    from quantlens.quantization import FakeQuantState, prepare, set_fake_quantize
+    from quantlens.quantization import qconfig_template
+    from quantlens.zoo import example_inputs, get_model, sample_batches
+
+    name = "tiny_transformer"
+    ex = example_inputs(name)
+    prepared = prepare(get_model(name), ex, getattr(qconfig_template, setter_name), check_result_dir=None).eval()
+    set_fake_quantize(prepared, FakeQuantState.CALIBRATION)
+    with torch.no_grad():
+        for batch in sample_batches(name, 3, 4):
+            prepared(*batch)
+    set_fake_quantize(prepared, FakeQuantState.VALIDATION)
+    qat_ir = export_ir(prepared, ex)
+    assert {"lut", "segment_lut", "int_layer_norm", "int_softmax"} & {n.op for n in qat_ir.graph.nodes}
+    path = write_onnx(qat_ir, tmp_path / "tables.onnx")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    got = session.run(None, {qat_ir.graph.inputs[0]: ex[0].numpy()})[0]
+    ref = qat_ir(*ex)
+    assert float((ref - torch.from_numpy(got)).abs().max()) <= 1e-3 * float(ref.abs().max())

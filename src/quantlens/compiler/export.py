@@ -20,7 +20,7 @@ import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from quantlens.compiler.ir import InputLeaf, Module
+from quantlens.compiler.ir import InputLeaf, Module, ValueInfo
 from quantlens.compiler.lowering import lower_exported_program
 from quantlens.errors import QuantLensError
 from quantlens.quantization.fake_quantize import FakeQuantize
@@ -155,6 +155,7 @@ def export(
     for node in graph.nodes:
         if node.site in host_sites:
             node.attrs["host"] = True
+    _annotate_table_references(graph, model._quantlens_state)
     return Module(
         "qat",
         graph,
@@ -163,6 +164,33 @@ def export(
         pytree.treespec_dumps(output_spec),
         meta={"march": model._quantlens_state.march, "source_model": type(model).__name__},
     )
+
+
+_TABLE_OPS = {"lut", "segment_lut", "int_layer_norm"}
+
+
+def _annotate_table_references(graph, state) -> None:
+    """Record which float op each table op emulates (``attrs["reference"]``), so that a runtime without the
+    march's tables (ONNX) can compute the op itself. LayerNorm tables keep their float gamma/beta as constants."""
+    from quantlens.quantization.table_overrides import TableOverride
+
+    for node in graph.nodes:
+        if node.op not in _TABLE_OPS:
+            continue
+        plan = state.plans.get(node.site)
+        override = state.overrides[plan.override] if plan is not None and plan.override in state.overrides else None
+        if not isinstance(override, TableOverride):
+            continue
+        reference = {"op": override.op_type, **{k: list(v) if isinstance(v, tuple) else v
+                                                 for k, v in override.params.items()}}
+        for role in ("weight", "bias"):
+            ref = getattr(override, f"{role}_ref", None)
+            if isinstance(ref, torch.Tensor) and ref.numel():
+                name = f"{node.outputs[0]}_reference_{role}"
+                graph.constants[name] = ref.detach().clone()
+                graph.values[name] = ValueInfo(tuple(ref.shape), "float32")
+                reference[role] = name
+        node.attrs["reference"] = reference
 
 
 def _with_tables(model: nn.Module, example_inputs: Any) -> nn.Module:

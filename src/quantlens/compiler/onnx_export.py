@@ -147,9 +147,8 @@ def _build(module: Module, opset: int):
         if convert is None:
             raise QuantLensError(
                 f"to_onnx: the IR op '{node.op}' (op site '{node.site or '<none>'}') has no ONNX mapping. Supported "
-                f"ops: {', '.join(sorted(ONNX_CONVERTERS))}. If it is a pre_export table op, export the qat IR with "
-                "apply_pre_export=False for ONNX (tables are NPU integer kernels); otherwise register a converter "
-                "with quantlens.compiler.onnx_export.onnx_converter, or keep that computation outside the model."
+                f"ops: {', '.join(sorted(ONNX_CONVERTERS))}. Register a converter with "
+                "quantlens.compiler.onnx_export.onnx_converter, or keep that computation outside the model."
             )
         b.site = node.site or node.op
         convert(b, node)

@@ -630,3 +630,30 @@ def _index(b: _Builder, node: Node) -> None:
         b.add("Transpose", [gathered], out, perm=perm2)
     else:
         b.add("GatherND", [xv, stacked], out)
+
+
+# -- pre_export's table ops: ONNX has no integer tables, so the float op they emulate runs instead; the fake
+#    quants around them (QDQ pairs) keep the grid, so ONNX agrees with the tables to within rounding.
+@onnx_converter("lut", "segment_lut", "int_layer_norm")
+def _table_reference(b: _Builder, node: Node) -> None:
+    ref = node.attrs.get("reference")
+    if not ref:
+        raise b.error(node, "a table op without its float reference",
+                      "Export the qat IR again with this version of quantlens.")
+    attrs = {k: v for k, v in ref.items() if k not in ("op", "weight", "bias")}
+    inputs = [node.inputs[0]]
+    if ref["op"] == "layer_norm":
+        inputs += [ref.get("weight", ""), ref.get("bias", "")]
+    ONNX_CONVERTERS[ref["op"]](b, Node(ref["op"], inputs, list(node.outputs), attrs, node.site))
+
+
+@onnx_converter("int_softmax")
+def _table_softmax(b: _Builder, node: Node) -> None:
+    _softmax(b, Node("softmax", [node.inputs[0]], list(node.outputs), {"dim": node.attrs["dim"]}, node.site))
+
+
+@onnx_converter("int_div", "int_reciprocal")
+def _table_division(b: _Builder, node: Node) -> None:
+    op = "div" if node.op == "int_div" else "reciprocal"
+    inputs = node.inputs[:2] if op == "div" else node.inputs[:1]
+    ONNX_CONVERTERS[op](b, Node(op, list(inputs), list(node.outputs), {}, node.site))
