@@ -12,7 +12,7 @@ import time
 import torch
 
 from quantlens.compiler import convert, export
-from quantlens.quantization import FakeQuantState, prepare, set_fake_quantize
+from quantlens.quantization import calibrate, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.zoo import example_inputs, get_model, list_models, sample_batches
 
@@ -41,12 +41,7 @@ def main() -> None:
         model = get_model(name)
         batch = sample_batches(name, 1, args.batch)[0]
         prepared = prepare(model, example_inputs(name), default_calibration_qconfig_setter, check_result_dir=None)
-        prepared.eval()
-        set_fake_quantize(prepared, FakeQuantState.CALIBRATION)
-        with torch.no_grad():
-            for b in sample_batches(name, 3, 8):
-                prepared(*b)
-        set_fake_quantize(prepared, FakeQuantState.VALIDATION)
+        calibrate(prepared, sample_batches(name, 3, 8))
         qat_ir = export(prepared, batch)
         int_ir = convert(qat_ir)
         with torch.no_grad():

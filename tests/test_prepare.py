@@ -1018,3 +1018,17 @@ def test_fused_group_without_weight_quantization_stays_unfused():
     prepared.eval()
     with torch.no_grad():
         prepared(*ex)  # runs: conv2 and bn2 stay separate modules
+
+
+def test_calibrate_helper_observes_then_validates():
+    from quantlens.quantization import calibrate
+
+    model, ex = _digits()
+    prepared = _prep(model, ex)
+    data = zoo.load_digits_data()
+    assert calibrate(prepared, [data.x_train[:64], data.x_train[64:128]]) is prepared
+    state = prepared._quantlens_state
+    assert state.fake_quant_state is FakeQuantState.VALIDATION and not prepared.training
+    assert bool(state.fq[state.plans["relu1"].output_fq].calibrated)
+    with pytest.raises(QuantLensError, match="no batch"):
+        calibrate(prepared, [])

@@ -16,7 +16,7 @@ import torch
 
 from quantlens._io import atomic_write_text
 from quantlens.compiler import convert, export, save
-from quantlens.quantization import FakeQuantState, check_qat_model, prepare, set_fake_quantize
+from quantlens.quantization import FakeQuantState, calibrate, check_qat_model, prepare, set_fake_quantize
 from quantlens.quantization.qconfig_template import (
     calibration_8bit_weight_16bit_act_qconfig_setter,
     default_calibration_qconfig_setter,
@@ -42,12 +42,7 @@ class DemoResult:
 
 
 def _calibrate(model, x: torch.Tensor, batch_size: int = 128) -> None:
-    model.eval()
-    set_fake_quantize(model, FakeQuantState.CALIBRATION)
-    with torch.no_grad():
-        for i in range(0, len(x), batch_size):
-            model(x[i : i + batch_size])
-    set_fake_quantize(model, FakeQuantState.VALIDATION)
+    calibrate(model, (x[i : i + batch_size] for i in range(0, len(x), batch_size)))
 
 
 def _qat(model, x: torch.Tensor, y: torch.Tensor, epochs: int, seed: int) -> None:

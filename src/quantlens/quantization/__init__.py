@@ -12,7 +12,7 @@ Typical flow::
 """
 
 from quantlens.quantization.check import ModelCheckResult, check_qat_model
-from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
+from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, calibrate, set_fake_quantize
 from quantlens.quantization.observers import (
     FixedScaleObserver,
     MinMaxObserver,
@@ -29,6 +29,7 @@ __all__ = [
     "prepare",
     "is_prepared",
     "set_fake_quantize",
+    "calibrate",
     "FakeQuantState",
     "FakeQuantize",
     "QuantStub",

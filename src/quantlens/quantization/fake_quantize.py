@@ -12,7 +12,7 @@ from quantlens.march import QuantDType
 from quantlens.numerics import fake_quant
 from quantlens.quantization.qconfig import QuantSpec
 
-__all__ = ["FakeQuantState", "FakeQuantize", "set_fake_quantize", "int32_bias"]
+__all__ = ["FakeQuantState", "FakeQuantize", "set_fake_quantize", "calibrate", "int32_bias"]
 
 
 class FakeQuantState(str, Enum):
@@ -124,6 +124,23 @@ def set_fake_quantize(model: nn.Module, state: FakeQuantState | str) -> nn.Modul
     state_holder = getattr(model, "_quantlens_state", None)
     if state_holder is not None:
         state_holder.fake_quant_state = state
+    return model
+
+
+def calibrate(model: nn.Module, batches, *, validate: bool = True) -> nn.Module:
+    """Post-training calibration: ``eval()``, CALIBRATION state, one no-grad forward per batch, then (by default)
+    VALIDATION. A batch that is a tuple is unpacked as positional arguments. Returns the model."""
+    model.eval()
+    set_fake_quantize(model, FakeQuantState.CALIBRATION)
+    seen = 0
+    with torch.no_grad():
+        for batch in batches:
+            model(*batch) if isinstance(batch, tuple) else model(batch)
+            seen += 1
+    if seen == 0:
+        raise QuantLensError("calibrate: the data gave no batch; pass an iterable of model inputs.")
+    if validate:
+        set_fake_quantize(model, FakeQuantState.VALIDATION)
     return model
 
 
