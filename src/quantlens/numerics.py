@@ -178,13 +178,23 @@ def rescaled_sum(
     (``MarchSpec.elementwise_frac_bits``); the sum (plus ``addend``, already in those units) is rounded once.
     """
     frac = get_march().spec.elementwise_frac_bits
-    total = torch.zeros((), dtype=torch.int64) + addend
     for q, mult, shift, sign in terms:
         if shift < frac:
             raise QuantLensError(
                 f"An add/sub input scale is more than 2**{30 - frac} times the output scale; the march cannot "
                 "rescale it. Check the observers of this op's inputs."
             )
+    if all(int(q.abs().max()) < 2**22 if q.numel() else True for q, *_ in terms):
+        # Same result in float64: q·M < 2**53 is exact, scaling by powers of two is exact, torch.round is half
+        # to even, and the int32-bounded terms and their sum are exact.
+        total = torch.zeros((), dtype=torch.float64) + float(addend)
+        for q, mult, shift, sign in terms:
+            t = torch.round(q.to(torch.float64) * (int(mult) * 2.0 ** (frac - int(shift))))
+            t = torch.clamp(t, -(2**31), 2**31 - 1)
+            total = total + (t if sign > 0 else -t)
+        return saturate(torch.round(total * 2.0**-frac), dtype).to(torch.int64)
+    total = torch.zeros((), dtype=torch.int64) + addend
+    for q, mult, shift, sign in terms:
         t = torch.clamp(rshift_round_half_to_even(q.to(torch.int64) * int(mult), shift - frac), -(2**31), 2**31 - 1)
         total = total + (t if sign > 0 else -t)
     return saturate(rshift_round_half_to_even(total, frac), dtype)
