@@ -10,7 +10,7 @@ from torch import nn
 
 from quantlens import QuantLensError
 from quantlens.profiler import LayerComparison, QuantAnalysis
-from quantlens.quantization import FakeQuantState, prepare, set_fake_quantize
+from quantlens.quantization import calibrate as calibrate_model, FakeQuantState, prepare, set_fake_quantize
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.zoo import example_inputs, get_model, sample_batches
 
@@ -18,12 +18,7 @@ from quantlens.zoo import example_inputs, get_model, sample_batches
 def calibrated(name, setter=default_calibration_qconfig_setter, model=None, extra=()):
     model = model if model is not None else get_model(name)
     calib = prepare(model, example_inputs(name), setter, extra_example_inputs=extra, check_result_dir=None)
-    calib.eval()
-    set_fake_quantize(calib, FakeQuantState.CALIBRATION)
-    with torch.no_grad():
-        for batch in sample_batches(name, 3, 8):
-            calib(*batch)
-    set_fake_quantize(calib, FakeQuantState.VALIDATION)
+    calibrate_model(calib, sample_batches(name, 3, 8))
     return model, calib
 
 

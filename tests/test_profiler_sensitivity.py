@@ -10,9 +10,9 @@ from quantlens.profiler import QuantAnalysis
 from quantlens.profiler.index_ops import substitute_indices
 from quantlens.profiler.sensitivity import IndexRecorder
 from quantlens.profiler.torch_access import TorchModelAccess
+from quantlens.quantization import calibrate as calibrate_model
 from quantlens.quantization import (
-    DeQuantStub, FakeQuantState, FixedScaleObserver, MinMaxObserver, QConfig, QuantSpec, QuantStub, prepare,
-    set_fake_quantize,
+    DeQuantStub, FixedScaleObserver, MinMaxObserver, QConfig, QuantSpec, QuantStub, prepare,
 )
 from quantlens.quantization.pre_export import lut_sites, pre_export, set_lut_enabled
 from quantlens.quantization.qconfig_template import (
@@ -27,12 +27,7 @@ from quantlens.zoo import example_inputs, get_model, sample_batches
 def calibrated(name, setter=default_calibration_qconfig_setter, model=None):
     model = model if model is not None else get_model(name)
     calib = prepare(model, example_inputs(name), setter, check_result_dir=None)
-    calib.eval()
-    set_fake_quantize(calib, FakeQuantState.CALIBRATION)
-    with torch.no_grad():
-        for batch in sample_batches(name, 3, 8):
-            calib(*batch)
-    set_fake_quantize(calib, FakeQuantState.VALIDATION)
+    calibrate_model(calib, sample_batches(name, 3, 8))
     return model, calib
 
 

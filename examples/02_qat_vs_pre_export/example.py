@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
 
 from quantlens.profiler import QuantAnalysis
-from quantlens.quantization import FakeQuantState, prepare, set_fake_quantize
+from quantlens.quantization import calibrate as calibrate_model, prepare
 from quantlens.quantization.pre_export import pre_export, pre_export_report
 from quantlens.quantization.qconfig_template import calibration_8bit_weight_16bit_act_qconfig_setter
 from quantlens.zoo import example_inputs, get_model, sample_batches
@@ -27,12 +26,7 @@ def main(out_dir: str | Path | None = None, progress: bool = True) -> dict:
     # The calibrated model stands in for qat_pt: pre_export takes either (QAT training only moves weights).
     qat = prepare(float_model, example_inputs("tiny_transformer"), calibration_8bit_weight_16bit_act_qconfig_setter,
                   check_result_dir=None)
-    qat.eval()
-    set_fake_quantize(qat, FakeQuantState.CALIBRATION)
-    with torch.no_grad():
-        for batch in sample_batches("tiny_transformer", 8, 16):
-            qat(*batch)
-    set_fake_quantize(qat, FakeQuantState.VALIDATION)
+    calibrate_model(qat, sample_batches("tiny_transformer", 8, 16))
     table_model = pre_export(qat)  # qat.export.pt in the article
 
     qa = QuantAnalysis(qat, table_model, "pre_export", out_dir=out_dir, progress=progress)

@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
 
 from quantlens.profiler import QuantAnalysis
-from quantlens.quantization import FakeQuantState, prepare, set_fake_quantize
+from quantlens.quantization import calibrate as calibrate_model, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.zoo import example_inputs, get_model, sample_batches
 
@@ -29,12 +28,7 @@ def main(out_dir: str | Path | None = None, progress: bool = True) -> dict:
     # Every branch must be seen at prepare: the full task list covers both heads.
     calib = prepare(float_model, example, default_calibration_qconfig_setter, extra_example_inputs=[images_only],
                     check_result_dir=None)
-    calib.eval()
-    set_fake_quantize(calib, FakeQuantState.CALIBRATION)
-    with torch.no_grad():
-        for batch in sample_batches("multitask", 8, 16):
-            calib(*batch)
-    set_fake_quantize(calib, FakeQuantState.VALIDATION)
+    calibrate_model(calib, sample_batches("multitask", 8, 16))
 
     summary = {"out_dir": str(out_dir)}
     for tasks in (["cls", "reg"], ["cls"]):

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from quantlens.profiler import QuantAnalysis
-from quantlens.quantization import FakeQuantState, prepare, set_fake_quantize
+from quantlens.quantization import calibrate as calibrate_model, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.zoo import example_inputs, get_model, sample_batches
 
@@ -40,12 +40,7 @@ def post_process(outputs):
 def calibrate(model):
     example = example_inputs("detector_postprocess")
     calib = prepare(model, example, default_calibration_qconfig_setter, check_result_dir=None)
-    calib.eval()
-    set_fake_quantize(calib, FakeQuantState.CALIBRATION)
-    with torch.no_grad():
-        for batch in sample_batches("detector_postprocess", 8, 16):
-            calib(*batch)
-    set_fake_quantize(calib, FakeQuantState.VALIDATION)
+    calibrate_model(calib, sample_batches("detector_postprocess", 8, 16))
     return calib
 
 
