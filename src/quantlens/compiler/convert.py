@@ -20,17 +20,18 @@ from quantlens.compiler.ir import Graph, Module, Node, ValueInfo
 from quantlens.compiler.kernels_int import storage_dtype
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType, get_march
+from quantlens.kernels import TABLE_OP_IO, table_torch_op
 from quantlens.numerics import quantize, quantize_multiplier
+from quantlens.opset import Category, ops_in
 
 __all__ = ["convert", "CONVERTERS", "PASSTHROUGH_OPS"]
 
-#: ops that move integer values without changing them (or their scale).
-PASSTHROUGH_OPS = {
-    "reshape", "permute", "expand", "slice", "select", "split", "index", "gather", "index_select", "relu",
-    "max_pool2d", "topk", "sort", "max_dim", "amax", "upsample_nearest2d",
-}
+#: ops that move integer values without changing them (or their scale): the op set's movement ops.
+PASSTHROUGH_OPS = set(ops_in(Category.MOVEMENT, level="qat"))
 #: passthrough ops that keep every dimension in place (a per-channel int32 value may pass them).
-_DIM_PRESERVING = {"relu", "slice", "index_select", "gather", "max_pool2d", "expand"}
+_DIM_PRESERVING = set(ops_in(Category.MOVEMENT, keeps_dims=True))
+#: ops whose outputs after the first are indices (topk, sort, max_dim).
+_INDEX_OUTPUTS = set(ops_in(index_outputs=True))
 
 
 @dataclass
@@ -139,7 +140,7 @@ class _Converter:
                 folded.append(user.outputs[0])
                 value = user.outputs[0]
                 continue
-            if user.op in PASSTHROUGH_OPS and user.inputs[0] == value and user.op not in ("topk", "sort", "max_dim"):
+            if user.op in PASSTHROUGH_OPS and user.inputs[0] == value and user.op not in _INDEX_OUTPUTS:
                 value = user.outputs[0]
                 continue
             return None
@@ -466,7 +467,7 @@ def _passthrough(c, node):
     extra = [c.q[v].name if v in c.q else _index_input(c, node, v) for v in node.inputs[1:]]
     outs = [c.fresh(o) for o in node.outputs]
     c.out.nodes.append(Node(node.op, [x.name] + extra, outs, dict(node.attrs), node.site))
-    value_outputs = node.outputs if node.op not in ("topk", "sort", "max_dim") else node.outputs[:1]
+    value_outputs = node.outputs if node.op not in _INDEX_OUTPUTS else node.outputs[:1]
     for src_out, name in zip(node.outputs, outs):
         info = c.src.values.get(src_out, ValueInfo((), "unknown"))
         if src_out in value_outputs:
@@ -561,15 +562,9 @@ def _non_numeric(c, node):
     c.float_values[node.outputs[0]] = name
 
 
-#: table ops of pre_export (``torch.ops.quantlens.*``): their data inputs, in order, and their scale inputs
-TABLE_OPS = {
-    "lut": (("x",), ("scale_in",)),
-    "segment_lut": (("x",), ("scale_in",)),
-    "int_reciprocal": (("x",), ("scale_in",)),
-    "int_softmax": (("x",), ("scale_in",)),
-    "int_layer_norm": (("x",), ("scale_in",)),
-    "int_div": (("x", "y"), ("scale_x", "scale_y")),
-}
+#: table ops of pre_export (``torch.ops.quantlens.*``): their data inputs and scale inputs (one declaration,
+#: ``quantlens.kernels.TABLE_OP_IO``)
+TABLE_OPS = {name: (io.data, io.scales) for name, io in TABLE_OP_IO.items()}
 
 
 @converter(*TABLE_OPS)
@@ -578,7 +573,7 @@ def _table_op(c, node):
     is the same function pre_export runs (``quantlens.kernels``), so both are bit-identical."""
     import torch as _torch
 
-    schema = TORCH_OPS_FOR_TABLES(node.op)._schema
+    schema = table_torch_op(node.op)._schema
     tensor_args = [a.name for a in schema.arguments if str(a.type).startswith("Tensor")]
     by_name = dict(zip(tensor_args, node.inputs))
     data_args, scale_args = TABLE_OPS[node.op]
@@ -600,12 +595,6 @@ def _table_op(c, node):
     qdtype = _fq_dtype(node.attrs["out_qmin"])
     out_scale = c.src.constants[by_name["scale_out"]].to(_torch.float32)
     c.emit(node, node.op, inputs + others, {**node.attrs, "table_inputs": list(data_args)}, qdtype, out_scale)
-
-
-def TORCH_OPS_FOR_TABLES(op: str):
-    import quantlens.kernels  # noqa: F401  (registers the table ops)
-
-    return getattr(torch.ops.quantlens, op).default
 
 
 def convert(qat_ir: Module) -> Module:

@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from quantlens.compiler.ir import InputLeaf, Module, ValueInfo
 from quantlens.compiler.lowering import lower_exported_program
 from quantlens.errors import QuantLensError
+from quantlens.kernels import TABLE_OP_IO
 from quantlens.quantization.fake_quantize import FakeQuantize
 from quantlens.quantization.prepare import is_prepared
 from quantlens.quantization.tracer import OpSiteTracer
@@ -166,7 +167,8 @@ def export(
     )
 
 
-_TABLE_OPS = {"lut", "segment_lut", "int_layer_norm"}
+#: table ops whose float op depends on the site (lut: sigmoid, gelu ...), so the node records it
+_TABLE_OPS = {name for name, io in TABLE_OP_IO.items() if not io.float_op}
 
 
 def _annotate_table_references(graph, state) -> None:

@@ -14,6 +14,7 @@ import torch
 from quantlens.compiler.ir import Graph, Module, Node
 from quantlens.compiler.lowering import TORCH_OPS
 from quantlens.errors import QuantLensError
+from quantlens.kernels import TABLE_OP_IO, table_torch_op
 
 __all__ = ["run_graph", "QAT_KERNELS", "qat_kernel", "call_torch_op"]
 
@@ -81,6 +82,8 @@ def qat_dispatch(node: Node, inputs: list) -> Any:
     if kernel is not None:
         return kernel(node, inputs)
     torch_op = TORCH_OPS.get(node.op)
+    if torch_op is None and node.op in TABLE_OP_IO:  # pre_export's table ops: their custom op, always registered
+        torch_op = table_torch_op(node.op)
     if torch_op is None:
         raise QuantLensError(f"qat IR: no kernel for op '{node.op}' (op site '{node.site}').")
     return call_torch_op(torch_op, node, inputs)

@@ -21,6 +21,8 @@ from quantlens.compiler.ir import Node
 from quantlens.compiler.lowering import TORCH_OPS
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType
+from quantlens.kernels import TABLE_OP_IO, table_torch_op
+from quantlens.opset import ops_in
 from quantlens.numerics import dequantize, quantize, requantize, rescaled_sum, rshift_round_half_to_even
 
 __all__ = ["INT_KERNELS", "int_kernel", "int_dispatch", "storage_dtype"]
@@ -261,16 +263,15 @@ def _nearest(node, inputs):
 def _table_kernel(node: Node, inputs: list) -> torch.Tensor:
     """Table ops run the very function pre_export runs: integers in, dequantized at the input scales (exact),
     the op's integer kernel, and the result re-quantized at the output scale (exact: it lies on that grid)."""
-    import quantlens.kernels  # noqa: F401  (registers the table ops)
-
-    op = getattr(torch.ops.quantlens, node.op).default
+    op = table_torch_op(node.op)
+    io = TABLE_OP_IO[node.op]
     n_data = len(node.attrs["table_inputs"])
     schema_tensors = [a.name for a in op._schema.arguments if str(a.type).startswith("Tensor")]
     data, rest = inputs[:n_data], inputs[n_data:]
     by_name = dict(zip([n for n in schema_tensors if n not in node.attrs["table_inputs"]], rest))
-    scale_names = {"x": "scale_in", "y": "scale_y"} if n_data == 1 else {"x": "scale_x", "y": "scale_y"}
+    scale_of = dict(zip(io.data, io.scales))
     for name, q in zip(node.attrs["table_inputs"], data):
-        by_name[name] = dequantize(q, by_name[scale_names[name]])
+        by_name[name] = dequantize(q, by_name[scale_of[name]])
     attrs = {k: v for k, v in node.attrs.items() if k != "table_inputs"}
     out = call_torch_op(op, Node(node.op, [], [], attrs, node.site), [by_name[n] for n in schema_tensors])
     out_dtype = _qdtype_from_range(node.attrs["out_qmin"])
@@ -281,7 +282,7 @@ def _qdtype_from_range(qmin: int) -> QuantDType:
     return {-128: QuantDType.qint8, -32768: QuantDType.qint16}[qmin]
 
 
-for _op in ("lut", "segment_lut", "int_reciprocal", "int_softmax", "int_layer_norm", "int_div"):
+for _op in TABLE_OP_IO:
     INT_KERNELS[_op] = _table_kernel
 
 
@@ -301,8 +302,5 @@ def int_dispatch(node: Node, inputs: list) -> Any:
     raise QuantLensError(f"quantized IR: no integer kernel for op '{node.op}' (op site '{node.site}').")
 
 
-_MOVEMENT = {
-    "reshape", "permute", "expand", "slice", "select", "split", "index", "gather", "index_select", "embedding",
-    "amax", "argmax", "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or", "cast",
-    "where",
-}
+#: ops whose integer kernel is the qat kernel (data movement, indices and masks), from the op set.
+_MOVEMENT = ops_in(shared_kernel=True)

@@ -15,6 +15,7 @@ import torch
 
 from quantlens.compiler.ir import Node
 from quantlens.compiler.onnx_builder import _Builder, _onnx_dtype
+from quantlens.kernels import TABLE_OP_IO
 
 __all__ = ["ONNX_CONVERTERS", "onnx_converter"]
 
@@ -634,8 +635,14 @@ def _index(b: _Builder, node: Node) -> None:
 
 # -- pre_export's table ops: ONNX has no integer tables, so the float op they emulate runs instead; the fake
 #    quants around them (QDQ pairs) keep the grid, so ONNX agrees with the tables to within rounding.
-@onnx_converter("lut", "segment_lut", "int_layer_norm")
+@onnx_converter(*TABLE_OP_IO)
 def _table_reference(b: _Builder, node: Node) -> None:
+    io = TABLE_OP_IO[node.op]
+    if io.float_op:  # softmax, div, reciprocal: the float op is fixed
+        inputs = [node.inputs[i] for i in range(len(io.data))]
+        attrs = {"dim": node.attrs["dim"]} if io.float_op == "softmax" else {}
+        ONNX_CONVERTERS[io.float_op](b, Node(io.float_op, inputs, list(node.outputs), attrs, node.site))
+        return
     ref = node.attrs.get("reference")
     if not ref:
         raise b.error(node, "a table op without its float reference",
@@ -645,15 +652,3 @@ def _table_reference(b: _Builder, node: Node) -> None:
     if ref["op"] == "layer_norm":
         inputs += [ref.get("weight", ""), ref.get("bias", "")]
     ONNX_CONVERTERS[ref["op"]](b, Node(ref["op"], inputs, list(node.outputs), attrs, node.site))
-
-
-@onnx_converter("int_softmax")
-def _table_softmax(b: _Builder, node: Node) -> None:
-    _softmax(b, Node("softmax", [node.inputs[0]], list(node.outputs), {"dim": node.attrs["dim"]}, node.site))
-
-
-@onnx_converter("int_div", "int_reciprocal")
-def _table_division(b: _Builder, node: Node) -> None:
-    op = "div" if node.op == "int_div" else "reciprocal"
-    inputs = node.inputs[:2] if op == "div" else node.inputs[:1]
-    ONNX_CONVERTERS[op](b, Node(op, list(inputs), list(node.outputs), {}, node.site))

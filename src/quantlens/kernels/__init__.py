@@ -29,7 +29,7 @@ from quantlens.kernels.int_ops import (
     softmax_exp_table,
     softmax_multiplier,
 )
-from quantlens.kernels.ops import dtype_from_range
+from quantlens.kernels.ops import TABLE_OP_IO, TableOpIO, dtype_from_range, table_torch_op
 from quantlens.kernels.tables import (
     SegmentedTable,
     Table256,
@@ -72,4 +72,7 @@ __all__ = [
     "div_round_half_even",
     "bit_length",
     "dtype_from_range",
+    "TABLE_OP_IO",
+    "TableOpIO",
+    "table_torch_op",
 ]

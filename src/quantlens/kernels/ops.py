@@ -19,6 +19,8 @@ op                          integer kernel
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from quantlens.kernels.int_ops import int_div, int_layer_norm, int_reciprocal, int_softmax
@@ -26,7 +28,35 @@ from quantlens.kernels.tables import SegmentedTable, Table256, lut256_lookup, se
 from quantlens.march import QuantDType
 from quantlens.numerics import dequantize, quantize
 
-__all__ = ["dtype_from_range"]
+__all__ = ["dtype_from_range", "TableOpIO", "TABLE_OP_IO", "table_torch_op"]
+
+
+@dataclass(frozen=True)
+class TableOpIO:
+    """How a graph carries one table op: its data inputs and the scale input of each (schema names), and the
+    float op it emulates, which a runtime without the march's tables computes instead (``reference``: read from
+    the node's ``attrs["reference"]``; otherwise a fixed op)."""
+
+    data: tuple[str, ...]
+    scales: tuple[str, ...]
+    float_op: str = ""  #: fixed float op (softmax, div, reciprocal); "" when attrs["reference"] names it
+
+
+#: every table op of :mod:`quantlens.kernels.ops`, by its ``torch.ops.quantlens`` name (= its IR op name).
+TABLE_OP_IO: dict[str, TableOpIO] = {
+    "lut": TableOpIO(("x",), ("scale_in",)),
+    "segment_lut": TableOpIO(("x",), ("scale_in",)),
+    "int_reciprocal": TableOpIO(("x",), ("scale_in",), "reciprocal"),
+    "int_softmax": TableOpIO(("x",), ("scale_in",), "softmax"),
+    "int_layer_norm": TableOpIO(("x",), ("scale_in",)),
+    "int_div": TableOpIO(("x", "y"), ("scale_x", "scale_y"), "div"),
+}
+
+
+def table_torch_op(name: str):
+    """The ``torch.ops.quantlens`` overload of table op ``name`` (registered when this module is imported, so
+    a saved IR runs in a new process without lowering having run)."""
+    return getattr(torch.ops.quantlens, name).default
 
 
 def dtype_from_range(qmin: int, qmax: int) -> QuantDType:

@@ -11,7 +11,9 @@ Every op the tracer sees is classified once, here:
 Ops not in the registry that touch float tensors are treated as ``QUANTIZED`` and reported as "no integer rule"
 in ``model_check_result.txt``; export will refuse them.
 
-To support a new op, add one ``register_function_op`` / ``register_module_op`` line.
+The op types and their categories are declared once, in :mod:`quantlens.opset`; this module derives each op's
+kind from its category and maps leaf modules to op types. To support a new op, add it to the op set (and a
+``register_module_op`` line for a module that is one op site).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Callable
 
 from torch import nn
 
+from quantlens.opset import OPS, Category, OpDef
 from quantlens.quantization.stubs import DeQuantStub, QuantStub
 
 __all__ = [
@@ -81,43 +84,27 @@ def register_module_op(module_type: type, op_type: str, kind: OpKind, **flags) -
 
 Q, P, I = OpKind.QUANTIZED, OpKind.PASSTHROUGH, OpKind.IGNORED
 
-# --- functions and tensor methods -------------------------------------------------------------------
-register_function_op(("conv1d", "conv2d"), Q, gemm=True, weight_args=(1,), bias_args=(2,))
-register_function_op("linear", Q, gemm=True, weight_args=(1,), bias_args=(2,))
-register_function_op(("matmul", "bmm", "mm", "scaled_dot_product_attention"), Q, gemm=True)
-register_function_op("embedding", Q, weight_args=(1,), output_from_weight=True)
-register_function_op(("add", "sub", "rsub", "mul", "div", "neg", "cat", "concat", "stack"), Q)
-register_function_op(("mean", "sum", "avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d"), Q)
-register_function_op(("softmax", "log_softmax", "layer_norm", "batch_norm", "group_norm"), Q)
-register_function_op(("gelu", "sigmoid", "tanh", "silu", "exp", "softplus", "reciprocal", "rsqrt", "sqrt"), Q)
-register_function_op(("clamp", "clip", "hardtanh", "relu6", "pow", "interpolate", "masked_fill", "where"), Q)
-register_function_op(("abs", "erf", "log", "square", "leaky_relu", "hardsigmoid", "hardswish", "elu"), Q)
-register_function_op(
-    (
-        "view", "reshape", "permute", "transpose", "t", "flatten", "unflatten", "squeeze", "unsqueeze",
-        "expand", "expand_as", "contiguous", "getitem", "split", "chunk", "unbind", "narrow", "select",
-        "index_select", "gather", "repeat", "tile", "flip", "roll", "relu", "max_pool1d", "max_pool2d",
-        "max_pool1d_with_indices", "max_pool2d_with_indices", "adaptive_max_pool2d", "dropout", "clone",
-        "to", "float", "type", "detach", "pixel_shuffle", "amax", "amin", "view_as", "reshape_as",
-        "movedim", "swapaxes", "pad", "identity",
-    ),
-    P,
-)
-register_function_op(("max", "min", "topk", "sort"), P, index_producing=True)
-register_function_op(("argmax", "argmin", "argsort"), I, index_producing=True)
-register_function_op(("multi_head_attention_forward",), OpKind.COMPOSITE)
-register_function_op(
-    (
-        "size", "dim", "numel", "__get__", "__set__", "bool", "item", "tolist", "eq", "ne", "lt", "le", "gt",
-        "ge", "isnan", "isinf", "isfinite", "all", "any", "len", "iter", "format", "repr", "setitem",
-        "stride", "is_contiguous", "is_floating_point", "element_size", "data_ptr", "get_device",
-        "long", "int", "bool_", "logical_and", "logical_or", "logical_not", "and", "or", "invert",
-        "requires_grad_", "has_torch_function", "_has_compatible_shallow_copy_type", "cpu", "cuda",
-        "zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full",
-        "new_tensor", "arange", "zeros", "ones", "full", "empty", "tensor", "finfo", "iinfo",
-    ),
-    I,
-)
+# --- functions and tensor methods: every op type of the op set (``quantlens.opset``) -------------------------
+_QUANTIZED_CATEGORIES = {Category.GEMM, Category.ELEMENTWISE, Category.REDUCTION, Category.TABLE}
+
+
+def _kind(op: OpDef) -> OpKind:
+    """An op's quantization behaviour follows from its category in the op set."""
+    if op.category is Category.COMPOSITE:
+        return OpKind.COMPOSITE
+    if op.category is Category.METADATA or (op.category is Category.INDEX and not op.ir) or op.name == "argmax":
+        return I
+    if op.category in _QUANTIZED_CATEGORIES or op.output_from_weight:
+        return Q
+    return P
+
+
+for _op in OPS.values():
+    if _op.category is not Category.BOUNDARY:
+        register_function_op(
+            _op.name, _kind(_op), gemm=_op.gemm, weight_args=_op.weight_args, bias_args=_op.bias_args,
+            index_producing=_op.index_producing, output_from_weight=_op.output_from_weight,
+        )
 
 # --- leaf modules: the tracer treats these as one op site named by the module's qualified name ---------
 register_module_op(QuantStub, "quant_stub", Q, boundary="input")

@@ -13,6 +13,7 @@ Steps (each in its own module):
 from __future__ import annotations
 
 import copy
+import warnings as _warnings
 from typing import Any, Iterable
 
 import torch
@@ -24,6 +25,7 @@ from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, i
 from quantlens.quantization.decompositions import DECOMPOSITIONS
 from quantlens.quantization.fuse import FusedGroup, UnfusedPattern, find_fusions
 from quantlens.quantization.observers import FixedScaleObserver
+from quantlens.opset import Stage, op_def
 from quantlens.quantization.op_rules import OpKind
 from quantlens.quantization.overrides import OverrideCall
 from quantlens.quantization.plan import OutputMode, SitePlan, build_plans
@@ -299,11 +301,16 @@ def prepare(
     weight_dtypes = _swap_modules(prepared, record, groups, assignment.qconfigs)
     plans, requests, plan_warnings = build_plans(record, groups, assignment.qconfigs, fixed, weight_dtypes)
 
-    unknown = sorted({s.op_type for s in record.sites.values() if not s.known})
-    warnings = list(assignment.warnings) + plan_warnings + [
-        f"Op '{op}' has no integer rule in march {get_march().spec.name}; it is fake-quantized at its output, "
-        "but export will refuse it." for op in unknown
-    ]
+    refusals = stage_refusals(record, groups)
+    warnings = list(assignment.warnings) + plan_warnings + list(refusals.values())
+    if refusals:
+        # One console line; model_check_result.txt lists every op site with its source line.
+        sites = list(refusals)
+        shown = ", ".join(f"'{n}'" for n in sites[:5]) + (f" and {len(sites) - 5} more" if len(sites) > 5 else "")
+        _warnings.warn(
+            f"prepare: {len(sites)} op site(s) use ops that a later stage will refuse ({shown}); "
+            "model_check_result.txt lists each with the stage and its source line.", stacklevel=2
+        )
     state = QuantState(record, groups, unfused, plans, warnings, getattr(qconfig_setter, "name", repr(qconfig_setter)))
     for request in requests:
         spec = request.spec
@@ -321,6 +328,32 @@ def prepare(
 
         check_qat_model(prepared, example_inputs, check_result_dir)
     return prepared
+
+
+def stage_refusals(record: ModelRecord, groups: list[FusedGroup] = ()) -> dict[str, str]:
+    """Op site name -> one line for each op site whose op a later stage refuses (the op set's stage support), with its source line.
+
+    Host post-processing (after a DeQuantStub) stays float, so only export and ONNX matter there; a BatchNorm
+    folded into its conv/linear is no op of its own."""
+    folded = {g.bn for g in groups if g.bn is not None}
+    lines: dict[str, str] = {}
+    for site in record.sites.values():
+        if site.name in folded:
+            continue
+        op = op_def(site.op_type) if site.known else None
+        if site.known and op is None:
+            continue  # a module op type the op set does not list (QuantStub, DeQuantStub)
+        stages = [s for s in Stage if s is not Stage.FAKE_QUANT] if op is None else op.refused_by()
+        if site.after_dequant:
+            stages = [s for s in stages if s in (Stage.EXPORT, Stage.ONNX)]
+        if not stages:
+            continue
+        why = f"no integer rule in march {get_march().spec.name}" if op is None else (op.note or "not supported")
+        lines[site.name] = (
+            f"Op site '{site.name}' ({site.op_type}, at {site.source}): {', '.join(s.value for s in stages)} will "
+            f"refuse op '{site.op_type}' ({why}); docs/ops.md lists each op's support per stage."
+        )
+    return lines
 
 
 def _drop_unquantized_bn_groups(groups: list[FusedGroup], qconfigs: dict[str, QConfig]):

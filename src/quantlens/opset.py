@@ -1,0 +1,329 @@
+"""The op set: one declaration of every op quantlens knows, and which stages support it.
+
+Two tables, read by every stage (nothing else declares an op's category or its support):
+
+* :data:`IR_OPS`: every op of the IR (``docs/ir.md``). Its category, the section of ``docs/march.md`` that gives
+  its integer rule, and whether ``convert`` lowers it to integers (qat IR ops), whether ``to_onnx`` writes it,
+  and whether the quantized IR runs it with the qat kernel unchanged (data movement, index and mask ops).
+* :data:`OPS`: every op type an op site can have (the canonical torch name the tracer gives it: ``conv2d``,
+  ``add``, ``view``), with its category, its march section, the IR ops ``export`` lowers it to, and the flags
+  ``prepare`` needs (weight arguments, index outputs ...).
+
+A torch op's support per stage (:meth:`OpDef.stages`) follows from the two: ``export`` supports it when it has
+IR ops, ``convert`` and ONNX when every one of its IR ops does; ``pre_export`` when it is not a table op or has a
+table. ``prepare`` warns for every op site whose op a later stage refuses; ``docs/ops.md`` is generated from
+this module (``python -m quantlens.opset > docs/ops.md``) and a test checks both tables against the registries
+of lowering, the interpreter, convert, the integer kernels and the ONNX writer.
+
+To add an op: one :data:`OPS` row, its IR op rows, and one entry in each stage's registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = ["Category", "Stage", "IROp", "OpDef", "IR_OPS", "OPS", "op_def", "ir_op", "ops_in", "render_markdown"]
+
+
+class Category(str, Enum):
+    """What an op does to integer values (the march's view of it)."""
+
+    BOUNDARY = "boundary"  #: QuantStub / DeQuantStub; quantize / dequantize (§12)
+    QUANTIZER = "quantizer"  #: fake quant, requantize (§5, §8)
+    GEMM = "gemm"  #: conv, linear, matmul: exact accumulation, one requantize (§6-§9)
+    ELEMENTWISE = "elementwise"  #: integer arithmetic with rescaled inputs (§10)
+    REDUCTION = "reduction"  #: sums and averages over windows or dims (§10)
+    TABLE = "table"  #: nonlinear: a lookup table or an integer kernel built on tables (§13)
+    MOVEMENT = "movement"  #: passthrough: values keep their integer grid (§11)
+    LOOKUP = "lookup"  #: rows of a quantized weight table (embedding)
+    INDEX = "index"  #: results are indices or masks, not values on a grid
+    COMPOSITE = "composite"  #: no op site of its own: the ops it runs are the op sites
+    METADATA = "metadata"  #: no values (sizes, dtypes, creation): no op site
+
+
+class Stage(str, Enum):
+    FAKE_QUANT = "fake_quant"
+    PRE_EXPORT = "pre_export"
+    EXPORT = "export"
+    CONVERT = "convert"
+    ONNX = "onnx"
+
+
+@dataclass(frozen=True)
+class IROp:
+    """One IR op. ``level``: ``"qat"`` (the qat IR; convert lowers it), ``"quantized"`` (made by convert), or
+    ``"both"`` (the same op in both IRs)."""
+
+    name: str
+    category: Category
+    march: str = ""
+    level: str = "qat"
+    convert: bool = True  #: convert has an integer lowering for it (qat-level ops)
+    onnx: bool = True  #: to_onnx writes it (qat-level ops)
+    #: the quantized IR runs the qat kernel unchanged (movement, index and mask ops)
+    shared_kernel: bool = False
+    #: keeps every dimension in place (a per-channel int32 value may pass through it)
+    keeps_dims: bool = False
+    #: outputs after the first are indices (topk, sort, max_dim)
+    index_outputs: bool = False
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """One op type at an op site (the canonical name the tracer gives a torch function, method or module)."""
+
+    name: str
+    category: Category
+    march: str = ""
+    #: the qat IR ops export lowers this op to; empty: export refuses it
+    ir: tuple[str, ...] = ()
+    #: pre_export computes it by a lookup table (``TABLE`` ops without one stay float, and convert refuses them)
+    table: bool = False
+    gemm: bool = False
+    weight_args: tuple[int, ...] = ()
+    bias_args: tuple[int, ...] = ()
+    index_producing: bool = False
+    output_from_weight: bool = False
+    note: str = ""
+
+    def stages(self) -> frozenset[Stage]:
+        """The stages that accept this op."""
+        out = {Stage.FAKE_QUANT, Stage.PRE_EXPORT}  # pre_export refuses nothing: an op without a table stays float
+        irs = [IR_OPS[name] for name in self.ir]
+        if irs:
+            out.add(Stage.EXPORT)
+            if all(op.convert for op in irs):
+                out.add(Stage.CONVERT)
+            if all(op.onnx for op in irs):
+                out.add(Stage.ONNX)
+        return frozenset(out)
+
+    def refused_by(self) -> list[Stage]:
+        """The later stages (in pipeline order) that refuse this op; empty when every stage accepts it."""
+        if self.category in (Category.METADATA, Category.COMPOSITE):
+            return []
+        have = self.stages()
+        return [s for s in Stage if s not in have]
+
+
+B, Q, G, E, R, T, M, L, X, C, D = (
+    Category.BOUNDARY, Category.QUANTIZER, Category.GEMM, Category.ELEMENTWISE, Category.REDUCTION,
+    Category.TABLE, Category.MOVEMENT, Category.LOOKUP, Category.INDEX, Category.COMPOSITE, Category.METADATA,
+)
+
+# -- the IR ops ------------------------------------------------------------------------------------------------
+_IR_ROWS: list[IROp] = [
+    IROp("fake_quant", Q, "§5"),
+    IROp("quantize", B, "§5, §12", level="quantized"),
+    IROp("dequantize", B, "§5, §12", level="quantized"),
+    IROp("requantize", Q, "§8", level="quantized"),
+    # GEMM
+    IROp("conv1d", G, "§6-§9", level="both"),
+    IROp("conv2d", G, "§6-§9", level="both"),
+    IROp("linear", G, "§6-§9", level="both"),
+    IROp("matmul", G, "§6-§9", level="both"),
+    IROp("sdpa", G, "§6, §13.6", convert=False, note="decomposed at prepare; export sees matmul/softmax"),
+    # elementwise
+    IROp("add", E, "§10", level="both"),
+    IROp("sub", E, "§10", level="both"),
+    IROp("mul", E, "§10", level="both"),
+    IROp("div", E, "§10, §13.5", note="by a constant: a multiplier; by a tensor: the int_div table"),
+    IROp("cat", E, "§10", level="both"),
+    IROp("neg", E, "§10"),
+    IROp("abs", E, "§10"),
+    IROp("clamp", E, "§10", level="both"),
+    IROp("hardtanh", E, "§10"),
+    IROp("masked_fill", E, "§11"),
+    IROp("where", E, "", convert=False, shared_kernel=True, note="selects between float values; no integer rule"),
+    IROp("upsample_bilinear2d", E, "§10.1"),
+    IROp("add_const", E, "§10", level="quantized"),
+    IROp("scale", E, "§8, §10", level="quantized"),
+    IROp("abs_int", E, "§10", level="quantized"),
+    IROp("neg_int", E, "§10", level="quantized"),
+    IROp("masked_fill_int", E, "§11", level="quantized"),
+    IROp("bilinear_int", E, "§10.1", level="quantized"),
+    # reductions
+    IROp("mean", R, "§10"),
+    IROp("sum", R, "§10"),
+    IROp("avg_pool2d", R, "§10"),
+    IROp("adaptive_avg_pool2d", R, "§10", note="even windows only"),
+    IROp("adaptive_avg_pool1d", R, "§10", convert=False),
+    IROp("sum_int", R, "§10", level="quantized"),
+    IROp("avg_pool2d_int", R, "§10", level="quantized"),
+    # float nonlinear ops: in the qat IR only when pre_export left them float (no table)
+    *(IROp(name, T, "§13", convert=False, note="computed by a table after pre_export")
+      for name in ("sigmoid", "tanh", "silu", "exp", "gelu", "softplus", "reciprocal", "softmax", "layer_norm")),
+    *(IROp(name, T, "", convert=False, note="no table yet")
+      for name in ("rsqrt", "sqrt", "erf", "log", "log_softmax", "pow")),
+    # pre_export's table ops (torch.ops.quantlens.*), the same kernels in both IRs
+    IROp("lut", T, "§13.2", level="both"),
+    IROp("segment_lut", T, "§13.3", level="both"),
+    IROp("int_reciprocal", T, "§13.5", level="both"),
+    IROp("int_div", T, "§13.5", level="both"),
+    IROp("int_softmax", T, "§13.6", level="both"),
+    IROp("int_layer_norm", T, "§13.7", level="both"),
+    # movement: values keep their grid
+    IROp("reshape", M, "§11", level="both", shared_kernel=True),
+    IROp("permute", M, "§11", level="both", shared_kernel=True),
+    IROp("expand", M, "§11", level="both", shared_kernel=True, keeps_dims=True),
+    IROp("slice", M, "§11", level="both", shared_kernel=True, keeps_dims=True),
+    IROp("select", M, "§11", level="both", shared_kernel=True),
+    IROp("split", M, "§11", level="both", shared_kernel=True),
+    IROp("index", M, "§11", level="both", shared_kernel=True),
+    IROp("gather", M, "§11", level="both", shared_kernel=True, keeps_dims=True),
+    IROp("index_select", M, "§11", level="both", shared_kernel=True, keeps_dims=True),
+    IROp("embedding", L, "§11", level="both", shared_kernel=True),
+    IROp("relu", M, "§11", level="both", keeps_dims=True),
+    IROp("max_pool2d", M, "§11", level="both", keeps_dims=True),
+    IROp("upsample_nearest2d", M, "§11", level="both"),
+    IROp("amax", M, "§11", level="both", shared_kernel=True),
+    IROp("max_dim", M, "§11", level="both", index_outputs=True),
+    IROp("topk", M, "§11", level="both", index_outputs=True),
+    IROp("sort", M, "§11", level="both", index_outputs=True),
+    # indices and masks
+    IROp("argmax", X, "§11", level="both", shared_kernel=True),
+    IROp("cast", X, "", level="both", shared_kernel=True),
+    *(IROp(name, X, "", level="both", shared_kernel=True)
+      for name in ("eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or")),
+]
+
+IR_OPS: dict[str, IROp] = {op.name: op for op in _IR_ROWS}
+
+# -- the op types of op sites ------------------------------------------------------------------------------------
+
+
+def _rows(names: str, category: Category, march: str = "", ir: tuple[str, ...] | None = None, **flags) -> list[OpDef]:
+    """One row per name; ``ir`` defaults to the IR op of the same name."""
+    return [OpDef(name, category, march, (name,) if ir is None else ir, **flags) for name in names.split()]
+
+
+_OP_ROWS: list[OpDef] = [
+    OpDef("quant_stub", B, "§12", ("fake_quant",)),
+    OpDef("dequant_stub", B, "§12", ("fake_quant",)),
+    # GEMM
+    *_rows("conv1d conv2d linear", G, "§6-§9", gemm=True, weight_args=(1,), bias_args=(2,)),
+    *_rows("matmul bmm mm", G, "§6-§9", ("matmul",), gemm=True),
+    OpDef("scaled_dot_product_attention", G, "§6, §13.6", ("matmul", "int_softmax"), gemm=True,
+          note="decomposed at prepare into matmul, softmax (table) and matmul"),
+    OpDef("embedding", L, "§11", ("embedding",), weight_args=(1,), output_from_weight=True),
+    # elementwise
+    *_rows("add sub mul cat neg abs clamp hardtanh masked_fill", E, "§10"),
+    OpDef("rsub", E, "§10", ("sub",)),
+    OpDef("concat", E, "§10", ("cat",)),
+    OpDef("stack", E, "§10", ("reshape", "cat")),
+    OpDef("clip", E, "§10", ("clamp",)),
+    OpDef("relu6", E, "§10", ("hardtanh",)),
+    OpDef("div", T, "§10, §13.5", ("div", "int_div"), table=True),
+    OpDef("where", E, "", ("where",), note="a select between float values has no integer rule"),
+    OpDef("interpolate", E, "§10.1, §11", ("upsample_nearest2d", "upsample_bilinear2d"),
+          note="nearest and bilinear 2-d"),
+    # reductions
+    *_rows("mean sum avg_pool2d adaptive_avg_pool2d adaptive_avg_pool1d", R, "§10"),
+    OpDef("avg_pool1d", R, "§10", (), note="no lowering yet"),
+    # nonlinear: tables
+    *_rows("sigmoid tanh exp gelu silu softplus reciprocal", T, "§13.4", ("lut", "segment_lut"), table=True),
+    OpDef("softmax", T, "§13.6", ("int_softmax",), table=True),
+    OpDef("layer_norm", T, "§13.7", ("int_layer_norm",), table=True),
+    *_rows("rsqrt sqrt erf log log_softmax pow", T, "", note="no table yet"),
+    *_rows("square leaky_relu hardsigmoid hardswish elu batch_norm group_norm", T, "", (),
+           note="no integer rule yet"),
+    # movement
+    *_rows("view reshape flatten unflatten squeeze unsqueeze view_as reshape_as", M, "§11", ("reshape",)),
+    *_rows("permute transpose t movedim swapaxes", M, "§11", ("permute",)),
+    *_rows("expand expand_as", M, "§11", ("expand",)),
+    *_rows("split chunk unbind", M, "§11", ("split",)),
+    OpDef("getitem", M, "§11", ("slice", "select", "index")),
+    OpDef("narrow", M, "§11", ("slice",)),
+    *_rows("select index_select gather relu max_pool2d", M, "§11"),
+    *_rows("contiguous dropout clone detach identity", M, "§11", ("reshape",),
+           note="lowers to nothing (the value passes through)"),
+    *_rows("to float type", X, "", ("cast",)),
+    OpDef("amax", M, "§11", ("amax",)),
+    *_rows("max", M, "§11", ("max_dim", "amax"), index_producing=True),
+    *_rows("topk sort", M, "§11", index_producing=True),
+    *_rows("min", M, "§11", (), index_producing=True),
+    *_rows("repeat tile flip roll max_pool1d max_pool1d_with_indices max_pool2d_with_indices adaptive_max_pool2d "
+           "pixel_shuffle amin pad", M, "§11", (), note="no lowering yet"),
+    OpDef("argmax", X, "§11", ("argmax",), index_producing=True),
+    *_rows("argmin argsort", X, "", (), index_producing=True),
+    OpDef("multi_head_attention_forward", C),
+    *_rows(
+        "size dim numel __get__ __set__ bool item tolist eq ne lt le gt ge isnan isinf isfinite all any len iter "
+        "format repr setitem stride is_contiguous is_floating_point element_size data_ptr get_device long int "
+        "bool_ logical_and logical_or logical_not and or invert requires_grad_ has_torch_function "
+        "_has_compatible_shallow_copy_type cpu cuda zeros_like ones_like empty_like full_like new_zeros new_ones "
+        "new_empty new_full new_tensor arange zeros ones full empty tensor finfo iinfo",
+        D, "", (),
+    ),
+]
+
+OPS: dict[str, OpDef] = {op.name: op for op in _OP_ROWS}
+
+
+def op_def(name: str) -> OpDef | None:
+    """The declaration of op type ``name``, or ``None`` for an op quantlens does not know."""
+    return OPS.get(name)
+
+
+def ir_op(name: str) -> IROp | None:
+    return IR_OPS.get(name)
+
+
+def ops_in(*categories: Category, level: str | None = None, **flags) -> frozenset[str]:
+    """Names of the IR ops in ``categories`` (all when none given), at ``level`` (``"qat"``: qat-level and
+    ``both``; ``"quantized"``: quantized-level and ``both``), with the given flag values."""
+    out = set()
+    for op in IR_OPS.values():
+        if categories and op.category not in categories:
+            continue
+        if level is not None and op.level not in (level, "both"):
+            continue
+        if any(getattr(op, k) != v for k, v in flags.items()):
+            continue
+        out.add(op.name)
+    return frozenset(out)
+
+
+def render_markdown() -> str:
+    """``docs/ops.md``: every op type and its support per stage, then every IR op."""
+    stages = list(Stage)
+    lines = [
+        "# Op support",
+        "",
+        "Generated from `quantlens.opset` (`python -m quantlens.opset > docs/ops.md`); `tests/test_opset.py` checks",
+        "that this file, the op set and every stage's registry agree. `prepare` warns (console and",
+        "`model_check_result.txt`) for every op site whose op a later stage refuses.",
+        "",
+        "## Op types at op sites",
+        "",
+        "| op | category | march | IR ops | table | " + " | ".join(s.value for s in stages) + " | note |",
+        "|---|---|---|---|---|" + "---|" * len(stages) + "---|",
+    ]
+    for op in sorted(OPS.values(), key=lambda o: (o.category.value, o.name)):
+        if op.category is Category.METADATA:
+            continue
+        have = op.stages()
+        marks = " | ".join("yes" if s in have else "–" for s in stages)
+        irs = ", ".join(f"`{n}`" for n in op.ir) or "–"
+        table = "yes" if op.table else "–"
+        lines.append(f"| `{op.name}` | {op.category.value} | {op.march or '–'} | {irs} | {table} | {marks} | "
+                     f"{op.note} |")
+    metadata = sorted(o.name for o in OPS.values() if o.category is Category.METADATA)
+    lines += ["", "Metadata and creation ops get no op site: " + ", ".join(f"`{n}`" for n in metadata) + ".", "",
+              "## IR ops", "",
+              "| IR op | level | category | march | convert | onnx | quantized IR kernel | note |",
+              "|---|---|---|---|---|---|---|---|"]
+    for op in sorted(IR_OPS.values(), key=lambda o: (o.level, o.category.value, o.name)):
+        qat = op.level in ("qat", "both")
+        conv = ("yes" if op.convert else "–") if qat else "n/a"
+        onnx = ("yes" if op.onnx else "–") if qat else "n/a"
+        kernel = "shared with qat" if op.shared_kernel else ("integer" if op.level != "qat" else "–")
+        lines.append(f"| `{op.name}` | {op.level} | {op.category.value} | {op.march or '–'} | {conv} | {onnx} | "
+                     f"{kernel} | {op.note} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(render_markdown(), end="")

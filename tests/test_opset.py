@@ -1,0 +1,63 @@
+"""The op set (``quantlens.opset``) is the one declaration of every op: each stage's registry agrees with it, and
+``docs/ops.md`` is generated from it."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import quantlens.compiler  # noqa: F401  (registers every stage)
+from quantlens.compiler import interpreter, kernels_int, lowering, onnx_ops
+from quantlens.kernels import TABLE_OP_IO
+from quantlens.opset import IR_OPS, OPS, Category, Stage, render_markdown
+from quantlens.quantization import op_rules
+
+convert_mod = sys.modules["quantlens.compiler.convert"]
+QAT_LEVEL = {n for n, op in IR_OPS.items() if op.level in ("qat", "both")}
+INT_LEVEL = {n for n, op in IR_OPS.items() if op.level in ("quantized", "both")}
+
+
+def test_convert_registry_is_the_declared_convert_support():
+    declared = {n for n in QAT_LEVEL if IR_OPS[n].convert}
+    assert set(convert_mod.CONVERTERS) == declared
+
+
+def test_onnx_registry_is_the_declared_onnx_support():
+    declared = {n for n in QAT_LEVEL if IR_OPS[n].onnx}
+    assert set(onnx_ops.ONNX_CONVERTERS) == declared
+
+
+def test_every_quantized_ir_op_has_an_integer_kernel():
+    integer = set(kernels_int.INT_KERNELS)
+    shared = {n for n, op in IR_OPS.items() if op.shared_kernel}
+    assert integer | shared >= INT_LEVEL
+    assert integer <= INT_LEVEL, f"integer kernels for undeclared ops: {integer - INT_LEVEL}"
+
+
+def test_every_qat_ir_op_has_a_qat_kernel():
+    have = set(lowering.TORCH_OPS) | set(interpreter.QAT_KERNELS) | set(TABLE_OP_IO)
+    assert have >= QAT_LEVEL, f"qat IR ops without a kernel: {QAT_LEVEL - have}"
+    assert set(lowering.TORCH_OPS) <= set(IR_OPS), set(lowering.TORCH_OPS) - set(IR_OPS)
+
+
+def test_op_types_lower_to_declared_ir_ops_and_op_rules_read_them():
+    for op in OPS.values():
+        assert all(name in IR_OPS for name in op.ir), op
+    rules = op_rules._FUNCTION_RULES
+    assert set(rules) == {n for n, op in OPS.items() if op.category is not Category.BOUNDARY}
+    assert rules["conv2d"].kind is op_rules.OpKind.QUANTIZED and rules["conv2d"].gemm
+    assert rules["view"].kind is op_rules.OpKind.PASSTHROUGH
+    assert rules["size"].kind is op_rules.OpKind.IGNORED
+
+
+def test_stage_support_follows_from_the_ir_ops():
+    assert OPS["conv2d"].refused_by() == []
+    assert OPS["sigmoid"].refused_by() == []
+    assert OPS["log_softmax"].refused_by() == [Stage.CONVERT]  # no table: pre_export leaves it float
+    assert OPS["avg_pool1d"].refused_by()[0] is Stage.EXPORT  # no lowering
+    assert OPS["size"].refused_by() == []  # metadata gets no op site
+
+
+def test_docs_ops_md_is_generated_from_the_op_set():
+    path = Path(__file__).resolve().parents[1] / "docs" / "ops.md"
+    assert path.read_text() == render_markdown(), "regenerate: python -m quantlens.opset > docs/ops.md"
