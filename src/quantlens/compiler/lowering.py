@@ -10,6 +10,7 @@ is folded at export. An aten op with no rule is an error naming the op, its op s
 from __future__ import annotations
 
 import operator
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -19,6 +20,7 @@ from torch import fx
 import quantlens.numerics  # noqa: F401  (registers torch.ops.quantlens.fake_quant)
 from quantlens.compiler.ir import Graph, Node, ValueInfo
 from quantlens.errors import QuantLensError
+from quantlens.quantization.tracer import TORCH_DIR, is_within
 
 __all__ = ["lower_exported_program", "LOWERINGS", "TORCH_OPS"]
 
@@ -55,10 +57,14 @@ def _site(node: fx.Node) -> str:
     return (node.meta.get("custom") or {}).get("op_site", "")
 
 
+_MACHINERY = (TORCH_DIR, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "quantization"))
+
+
 def _source(node: fx.Node) -> str:
+    """The user's frame of the node's stack trace: the innermost outside torch and quantlens' tracer."""
     trace = (node.meta.get("stack_trace") or "").strip().splitlines()
     frames = [line.strip() for line in trace if line.strip().startswith("File ")]
-    user = [f for f in frames if "/torch/" not in f and "/quantlens/quantization/" not in f]
+    user = [f for f in frames if not is_within(f.split('"')[1] if '"' in f else f, _MACHINERY)]
     return (user or frames or ["<unknown source>"])[-1]
 
 

@@ -78,7 +78,6 @@ def substitute_indices(op_type: str, args: tuple, kwargs: dict, output: Any, bas
 
 _PROFILER_DIR = os.path.dirname(os.path.abspath(__file__))
 _QUANTIZATION_DIR = os.path.join(os.path.dirname(_PROFILER_DIR), "quantization")
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 _PASS_THROUGH = (os.path.abspath(tracer.__file__), os.path.abspath(__file__))
@@ -90,8 +89,9 @@ def _called_from_model_code() -> bool:
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith(_TORCH_DIR) and not filename.startswith("<") and filename not in _PASS_THROUGH:
-            return not filename.startswith((_PROFILER_DIR, _QUANTIZATION_DIR))
+        if not filename.startswith("<") and not tracer.is_within(filename, tracer.TORCH_DIR) and \
+                filename not in _PASS_THROUGH:
+            return not tracer.is_within(filename, (_PROFILER_DIR, _QUANTIZATION_DIR))
         frame = frame.f_back
     return False
 

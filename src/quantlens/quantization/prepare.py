@@ -86,6 +86,11 @@ class QuantState(nn.Module):
             raise QuantLensError("This QuantState is not attached to a prepared model.")
         return root
 
+    def forward(self, *args):
+        """Identity. A prepared ``nn.Sequential`` calls every child in turn, this one (added last) included, so
+        it must pass the output through unchanged."""
+        return args[0] if len(args) == 1 else args
+
 
 class _Runtime(SiteHandler):
     """Follows the site plans during one forward of the prepared model."""

@@ -33,11 +33,20 @@ from torch.utils import _pytree as pytree
 
 from quantlens.quantization.op_rules import OpKind, OpRule, canonical_op_name, function_rule, module_rule
 
-__all__ = ["SiteCall", "SiteHandler", "OpSiteTracer", "float_tensor_leaves", "user_source_location"]
+__all__ = ["SiteCall", "SiteHandler", "OpSiteTracer", "float_tensor_leaves", "user_source_location", "is_within",
+           "TORCH_DIR"]
 
 _QUANTLENS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-_SKIP_DIRS = (os.path.join(_QUANTLENS_DIR, "quantization"), os.path.join(_QUANTLENS_DIR, "profiler"), _TORCH_DIR)
+TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_SKIP_DIRS = (os.path.join(_QUANTLENS_DIR, "quantization"), os.path.join(_QUANTLENS_DIR, "profiler"), TORCH_DIR)
+
+
+def is_within(filename: str, dirs: tuple[str, ...] | str) -> bool:
+    """Whether ``filename`` lies inside one of ``dirs``. Compares whole path components, so user code in
+    ``site-packages/torchcrepe/`` is not inside ``site-packages/torch``."""
+    path = os.path.abspath(filename)
+    return any(path == d or path.startswith(d.rstrip(os.sep) + os.sep)
+               for d in ((dirs,) if isinstance(dirs, str) else dirs))
 
 
 def user_source_location() -> str:
@@ -45,7 +54,7 @@ def user_source_location() -> str:
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith(_SKIP_DIRS) and not filename.startswith("<"):
+        if not filename.startswith("<") and not is_within(filename, _SKIP_DIRS):
             return f"{filename}:{frame.f_lineno}"
         frame = frame.f_back
     return "<unknown>"
