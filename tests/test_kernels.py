@@ -52,7 +52,7 @@ def f32(value: float) -> float:
 
 
 def test_spec_version_is_3():
-    assert SPEC_VERSION == 3
+    assert SPEC_VERSION == 4
 
 
 # --- integer helpers ------------------------------------------------------------------------------------------

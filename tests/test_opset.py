@@ -54,7 +54,8 @@ def test_stage_support_follows_from_the_ir_ops():
     assert OPS["conv2d"].refused_by() == []
     assert OPS["sigmoid"].refused_by() == []
     assert OPS["log_softmax"].refused_by() == [Stage.CONVERT]  # no table: pre_export leaves it float
-    assert OPS["avg_pool1d"].refused_by()[0] is Stage.EXPORT  # no lowering
+    assert OPS["argsort"].refused_by()[0] is Stage.EXPORT  # no lowering
+    assert OPS["avg_pool1d"].refused_by() == [] and OPS["conv_transpose2d"].refused_by() == []
     assert OPS["size"].refused_by() == []  # metadata gets no op site
 
 

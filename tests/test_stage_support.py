@@ -21,7 +21,7 @@ from quantlens.zoo import example_inputs, get_model, sample_batches
 def _prepared(model, example, batches):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        p = prepare(model, example, default_calibration_qconfig_setter)
+        p = prepare(model, example, default_calibration_qconfig_setter, check_result_dir=None)
     calibrate(p, batches)
     return p
 
@@ -106,7 +106,8 @@ def test_user_code_in_a_torch_named_package_is_reported_at_its_own_line(tmp_path
         wrapped = nn.Sequential(QuantStub(), Net(), DeQuantStub())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            prepared = prepare(wrapped, torch.randn(1, 1, 6, 6), default_calibration_qconfig_setter)
+            prepared = prepare(wrapped, torch.randn(1, 1, 6, 6), default_calibration_qconfig_setter,
+                               check_result_dir=None)
         site = prepared._quantlens_state.record.sites["1.erf_0"]
         assert site.source.endswith("net.py:13"), site.source
     finally:

@@ -13,7 +13,7 @@ from enum import Enum
 from quantlens.errors import QuantLensError
 
 #: version of docs/march.md that this module implements.
-SPEC_VERSION = 3
+SPEC_VERSION = 4
 
 __all__ = ["SPEC_VERSION", "QuantDType", "RoundingMode", "MarchSpec", "March", "set_march", "get_march"]
 

@@ -276,6 +276,20 @@ def _conv(c, node):
     _gemm(c, node, 1)
 
 
+@converter("conv_transpose1d", "conv_transpose2d")
+def _conv_transpose(c, node):
+    """A transposed conv accumulates like a conv (§6): its weight ``[in, out, k...]`` is per channel along axis 1
+    (the output channels), so the bias and the requantize are per output channel (dim 1 of the output)."""
+    w = c.int_input(node, node.inputs[1])
+    if w.scale.numel() > 1 and (w.axis != 1 or node.attrs.get("groups", 1) != 1):
+        raise QuantLensError(
+            f"convert: {node.op} at op site '{node.site}' has a weight quantized per channel along axis "
+            f"{w.axis} with groups={node.attrs.get('groups', 1)}; a transposed conv needs axis 1 (its output "
+            "channels) and groups = 1, or a per-tensor weight."
+        )
+    _gemm(c, node, 1)
+
+
 @converter("linear")
 def _linear(c, node):
     _gemm(c, node, len(c.src.values[node.outputs[0]].shape) - 1)
@@ -300,7 +314,9 @@ def _required_grid(c: _Converter, node: Node) -> tuple[QuantDType, torch.Tensor]
 def _rescaled(c, node):
     if node.op in ("add", "sub") and any(_scalar(c, v) is not None for v in node.inputs):
         return _add_constant(c, node)
-    infos = [c.int_input(node, v) for v in node.inputs]
+    # an empty constant (torch.zeros(1, 0) padding a cat to a multiple) adds nothing and has no grid
+    values = [v for v in node.inputs if not (c.is_const(v) and c.src.constants[v].numel() == 0)]
+    infos = [c.int_input(node, v) for v in values]
     qdtype, out_scale = _required_grid(c, node)
     pairs = [quantize_multiplier(float(i.scale.to(torch.float64) / out_scale.to(torch.float64))) for i in infos]
     attrs = {"multipliers": [p[0] for p in pairs], "shifts": [p[1] for p in pairs], "out_dtype": qdtype.value}
@@ -405,6 +421,42 @@ def _avg_pool(c, node):
     attrs, count = _pool_attrs(c, node)
     real = x.scale.to(torch.float64) / (count * out_scale.to(torch.float64))
     c.emit(node, "avg_pool2d_int", [x.name], {**attrs, **c.requant_attrs(real, qdtype)}, qdtype, out_scale)
+
+
+def _pool1d_attrs(c, node) -> dict:
+    """Fixed windows of a 1-d average: (kernel, stride, padding); refused where torch divides windows by varying
+    counts (excluded padding, ceil_mode windows that overhang) or an adaptive pool has uneven windows."""
+    length = c.src.values[node.inputs[0]].shape[-1]
+    out_len = c.src.values[node.outputs[0]].shape[-1]
+    if node.op == "adaptive_avg_pool1d":
+        (out_size,) = [int(o) for o in node.attrs["output_size"]]
+        if length <= 0 or length % out_size:
+            raise QuantLensError(
+                f"convert: adaptive_avg_pool1d at op site '{node.site}' from {length} to {out_size} has uneven "
+                "windows; the march averages fixed windows (make the input length a multiple of the output)."
+            )
+        k = length // out_size
+        return {"kernel_size": [k], "stride": [k], "padding": [0]}
+    a = node.attrs
+    k = int(a["kernel_size"][0])
+    s = int(a["stride"][0]) if a.get("stride") else k
+    p = int(a["padding"][0]) if a.get("padding") else 0
+    if (p and a.get("count_include_pad") is False) or out_len != (length + 2 * p - k) // s + 1:
+        raise QuantLensError(
+            f"convert: avg_pool1d at op site '{node.site}' with excluded padding or overhanging ceil_mode windows "
+            "has varying window sizes; the march averages fixed windows."
+        )
+    return {"kernel_size": [k], "stride": [s], "padding": [p]}
+
+
+@converter("avg_pool1d", "adaptive_avg_pool1d")
+def _avg_pool1d(c, node):
+    """§10: the exact integer sum of each window, then one requantize by ``s_in / (k · s_out)``."""
+    x = c.int_input(node, node.inputs[0])
+    qdtype, out_scale = _required_grid(c, node)
+    attrs = _pool1d_attrs(c, node)
+    real = x.scale.to(torch.float64) / (attrs["kernel_size"][0] * out_scale.to(torch.float64))
+    c.emit(node, "avg_pool1d_int", [x.name], {**attrs, **c.requant_attrs(real, qdtype)}, qdtype, out_scale)
 
 
 @converter("clamp", "hardtanh")
@@ -607,3 +659,103 @@ def convert(qat_ir: Module) -> Module:
     graph = _Converter(qat_ir).run()
     return Module("quantized", graph, list(qat_ir.input_leaves), qat_ir.input_spec, qat_ir.output_spec,
                   meta=dict(qat_ir.meta))
+
+
+# -- pad, standalone batch norm, prelu / leaky_relu, constant writes (docs/march.md §10.2, §10.3, §11) ----------
+def _on_grid(value: float, info: QInfo) -> int:
+    """A constant written into an integer tensor: ``sat(rhe(v / s))`` on that tensor's grid (§11)."""
+    q = torch.round(torch.tensor(value, dtype=torch.float64) / info.scale.to(torch.float64).reshape(-1)[0])
+    return int(torch.clamp(torch.nan_to_num(q, nan=0.0), info.qdtype.qmin, info.qdtype.qmax))
+
+
+def _per_tensor(c: _Converter, node: Node, info: QInfo, what: str) -> None:
+    if info.scale.numel() != 1:
+        raise QuantLensError(
+            f"convert: {what} at op site '{node.site}' takes a per-channel int32 high-precision value; "
+            "dequantize it first (put the DeQuantStub right after the final conv/linear) or give the producer an "
+            "int8/int16 output."
+        )
+
+
+@converter("pad", "fill")
+def _pad(c, node):
+    """Padding and filling keep the grid; the constant is written as its integer on that grid."""
+    x = c.int_input(node, node.inputs[0])
+    attrs = dict(node.attrs)
+    if node.op == "fill" or attrs.get("mode") == "constant":
+        _per_tensor(c, node, x, node.op)
+        attrs["value"] = _on_grid(attrs["value"], x)
+    name = c.fresh(node.outputs[0])
+    c.out.nodes.append(Node(f"{node.op}_int", [x.name], [name], attrs, node.site))
+    c.out.values[name] = ValueInfo(c.src.values[node.outputs[0]].shape, c.out.values[x.name].dtype, x.qdtype.value)
+    c.q[node.outputs[0]] = QInfo(name, x.qdtype, x.scale, x.axis)
+
+
+@converter("select_scatter", "slice_scatter")
+def _scatter(c, node):
+    """``x[...] = src`` (functionalized): src must already lie on x's grid (the fake-quant model writes it
+    unchanged), so the integers are written as they are."""
+    x, src = c.int_input(node, node.inputs[0]), c.int_input(node, node.inputs[1])
+    if not src.same_grid(x.qdtype, x.scale):
+        raise QuantLensError(
+            f"convert: op site '{node.site}' writes a value with scale {float(src.scale.reshape(-1)[0]):.6g} "
+            f"({src.qdtype.value}) into a tensor with scale {float(x.scale.reshape(-1)[0]):.6g} ({x.qdtype.value}); "
+            "the integer write needs one grid. Write a constant, or a value computed from the same tensor."
+        )
+    name = c.fresh(node.outputs[0])
+    c.out.nodes.append(Node(node.op, [x.name, src.name], [name], dict(node.attrs), node.site))
+    c.out.values[name] = ValueInfo(c.src.values[node.outputs[0]].shape, c.out.values[x.name].dtype, x.qdtype.value)
+    c.q[node.outputs[0]] = QInfo(name, x.qdtype, x.scale, x.axis)
+
+
+@converter("batch_norm")
+def _batch_norm(c, node):
+    """BatchNorm on its own (after an activation): a per-channel affine ``a·x + b`` computed as a depthwise 1x1
+    GEMM (§10.2): int8 weights ``±127`` at ``s_w = |a|/127``, an int32 bias at ``s_x·s_w``, exact accumulation,
+    one per-channel requantize to the output grid."""
+    x = c.int_input(node, node.inputs[0])
+    _per_tensor(c, node, x, "batch_norm")
+    qdtype, out_scale = _required_grid(c, node)
+    consts = []
+    for name in node.inputs[1:]:
+        if name and not c.is_const(name):
+            raise QuantLensError(f"convert: batch_norm at op site '{node.site}' has a computed weight or statistic.")
+        consts.append(c.src.constants[name].to(torch.float64) if name else None)
+    weight, bias, mean, var = consts
+    channels = mean.numel()
+    weight = torch.ones(channels, dtype=torch.float64) if weight is None else weight
+    bias = torch.zeros(channels, dtype=torch.float64) if bias is None else bias
+    a = weight / torch.sqrt(var + node.attrs["eps"])
+    b = bias - mean * a
+    s_w = torch.where(a == 0, torch.ones_like(a), a.abs() / 127.0)
+    w_q = torch.round(a / s_w).to(torch.int8)
+    s_x = x.scale.to(torch.float64).reshape(-1)[0]
+    acc_scale = s_x * s_w
+    bias_q = torch.clamp(torch.round(b / acc_scale), -(2**31), 2**31 - 1).to(torch.int32)
+    inputs = [x.name, c.const(w_q, f"{node.outputs[0]}_a"), c.const(bias_q, f"{node.outputs[0]}_b")]
+    attrs = {"channel_dim": 1, **c.requant_attrs(acc_scale / out_scale.to(torch.float64), qdtype)}
+    c.emit(node, "channel_affine", inputs, attrs, qdtype, out_scale)
+
+
+@converter("prelu", "leaky_relu")
+def _prelu(c, node):
+    """``x >= 0 ? x : α·x`` (§10.3): the same integers, requantized by ``s_x/s_out`` where ``q >= 0`` and by
+    ``|α|·s_x/s_out`` (sign folded into the integers) where ``q < 0``; ``α`` per channel for prelu."""
+    x = c.int_input(node, node.inputs[0])
+    _per_tensor(c, node, x, node.op)
+    qdtype, out_scale = _required_grid(c, node)
+    if node.op == "leaky_relu":
+        alpha = torch.tensor([float(node.attrs["negative_slope"])], dtype=torch.float64)
+    elif node.inputs[1] in c.q:  # a fake-quantized weight: the integer model uses exactly its grid value
+        w = c.q[node.inputs[1]]
+        alpha = (c.out.constants[w.name].to(torch.float64) * w.scale.to(torch.float64)).reshape(-1)
+    else:
+        alpha = c.src.constants[node.inputs[1]].to(torch.float64).reshape(-1)
+    s_x = x.scale.to(torch.float64).reshape(-1)[0]
+    s_out = out_scale.to(torch.float64)
+    # α = 0: the sign 0 zeroes the integers; any valid multiplier will do
+    neg = [quantize_multiplier(float(abs(v) * s_x / s_out)) if v != 0 else (1 << 30, 30) for v in alpha.tolist()]
+    pos = c.requant_attrs(s_x / s_out, qdtype)
+    attrs = {**pos, "neg_multiplier": [m for m, _ in neg], "neg_shift": [s for _, s in neg],
+             "neg_sign": [1 if v > 0 else -1 if v < 0 else 0 for v in alpha.tolist()], "channel_dim": 1}
+    c.emit(node, "prelu_int", [x.name], attrs, qdtype, out_scale)

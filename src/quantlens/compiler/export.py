@@ -150,6 +150,9 @@ def export(
             if dynamic_batch:
                 dynamic = (tuple({0: torch.export.Dim.AUTO} if t.dim() > 0 else None for t in tensors),)
             ep = torch.export.export(flat_call, tensors, dynamic_shapes=dynamic, strict=False)
+            # In-place ops (x += y, x.mul_(2), x[:, 0] = 0, clamp_) become their functional forms; an empty
+            # decomposition table decomposes nothing else.
+            ep = ep.run_decompositions({})
     graph = lower_exported_program(ep, [names[i] for i in tensor_positions])
     # Ops after a DeQuantStub are host post-processing: they stay float through convert.
     host_sites = {s.name for s in model._quantlens_state.record.sites.values() if s.after_dequant}

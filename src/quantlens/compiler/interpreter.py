@@ -126,3 +126,16 @@ def run_graph(module: Module, feeds: dict[str, torch.Tensor], observer: Callable
                 if name and last_use.get(name) == i and name not in keep:
                     env.pop(name, None)
     return [env[name] for name in graph.outputs]
+
+
+@qat_kernel("pad")
+def _pad(node: Node, inputs: list):
+    a = node.attrs
+    return torch.nn.functional.pad(inputs[0], a["pad"], mode=a["mode"],
+                                   value=a["value"] if a["mode"] == "constant" else None)
+
+
+@qat_kernel("batch_norm")
+def _batch_norm(node: Node, inputs: list):
+    x, weight, bias, mean, var = inputs
+    return torch.nn.functional.batch_norm(x, mean, var, weight, bias, False, 0.0, node.attrs["eps"])

@@ -126,6 +126,20 @@ def _conv(node, inputs):
     return _requant(node, _bias(acc, b, 1), 1)
 
 
+@int_kernel("conv_transpose1d", "conv_transpose2d")
+def _conv_transpose(node, inputs):
+    """§6 like a conv: the exact sum over every (input channel, kernel tap) that reaches an output, bias, one
+    requantize per output channel (dim 1). A weight ``[in, out / groups, k...]`` gives each output at most
+    ``in · prod(k)`` terms."""
+    x, w, b = inputs
+    fn = F.conv_transpose2d if node.op == "conv_transpose2d" else F.conv_transpose1d
+    a = node.attrs
+    dtype = _gemm_dtype(x, w, w.shape[0] * w[0, 0].numel())
+    acc = _acc(fn(x.to(dtype), w.to(dtype), None, a["stride"], a["padding"], a["output_padding"], a["groups"],
+                  a["dilation"]))
+    return _requant(node, _bias(acc, b, 1), 1)
+
+
 @int_kernel("linear")
 def _linear(node, inputs):
     x, w, b = inputs
@@ -220,6 +234,16 @@ def _avg_pool(node, inputs):
     return _requant(node, acc)
 
 
+@int_kernel("avg_pool1d_int")
+def _avg_pool1d(node, inputs):
+    """The exact sum of each window (zero padding counts), then one requantize by ``s_in / (k · s_out)``."""
+    a = node.attrs
+    x = _exact(inputs[0]).unsqueeze(-2)  # [..., 1, L]: the 2-d sum pool with a 1-row window
+    acc = _acc(F.avg_pool2d(x, [1, a["kernel_size"][0]], [1, a["stride"][0]], [0, a["padding"][0]],
+                            divisor_override=1)).squeeze(-2)
+    return _requant(node, acc)
+
+
 @int_kernel("abs_int", "neg_int")
 def _sign(node, inputs):
     q = inputs[0].to(torch.int64)
@@ -245,6 +269,20 @@ def _max_pool(node, inputs):
     q = inputs[0]  # int8/int16 values are exact in float32
     y = F.max_pool2d(q.to(torch.float32), a["kernel_size"], a["stride"], a["padding"], a["dilation"], a["ceil_mode"])
     return y.to(q.dtype)
+
+
+@int_kernel("max_pool1d")
+def _max_pool1d(node, inputs):
+    a = node.attrs
+    q = inputs[0]  # float64 holds every int8/int16/int32 value exactly
+    y = F.max_pool1d(_exact(q), a["kernel_size"], a["stride"], a["padding"], a["dilation"], a["ceil_mode"])
+    return y.to(q.dtype)
+
+
+@int_kernel("upsample_nearest1d")
+def _nearest1d(node, inputs):
+    q = inputs[0]
+    return call_torch_op(TORCH_OPS[node.op], node, [_exact(q)]).to(q.dtype)
 
 
 @int_kernel("topk", "sort", "max_dim")
@@ -304,3 +342,53 @@ def int_dispatch(node: Node, inputs: list) -> Any:
 
 #: ops whose integer kernel is the qat kernel (data movement, indices and masks), from the op set.
 _MOVEMENT = ops_in(shared_kernel=True)
+
+
+@int_kernel("pad_int")
+def _pad(node, inputs):
+    """Pads integers (exact in float64 for reflect/replicate, which torch implements for floats only)."""
+    q = inputs[0]
+    a = node.attrs
+    if a["mode"] == "constant":
+        return F.pad(q, a["pad"], mode="constant", value=int(a["value"]))
+    return F.pad(q.to(torch.float64), a["pad"], mode=a["mode"]).to(q.dtype)
+
+
+@int_kernel("fill_int")
+def _fill(node, inputs):
+    return torch.full_like(inputs[0], int(node.attrs["value"]))
+
+
+@int_kernel("select_scatter", "slice_scatter")
+def _scatter(node, inputs):
+    return call_torch_op(TORCH_OPS[node.op], node, inputs)
+
+
+def _channel_shape(node: Node, x: torch.Tensor) -> list[int]:
+    shape = [1] * x.dim()
+    shape[node.attrs["channel_dim"] % x.dim()] = -1
+    return shape
+
+
+@int_kernel("channel_affine")
+def _channel_affine(node, inputs):
+    """BatchNorm alone: ``acc = q·w[c] + b[c]`` exactly, then the per-channel requantize (§10.2)."""
+    q, w, b = inputs
+    shape = _channel_shape(node, q)
+    acc = q.to(torch.int64) * w.to(torch.int64).reshape(shape) + b.to(torch.int64).reshape(shape)
+    return _requant(node, acc, node.attrs["channel_dim"])
+
+
+@int_kernel("prelu_int")
+def _prelu(node, inputs):
+    """``q >= 0``: requantize(q, M, shift); ``q < 0``: requantize(sign(α)·q, M_neg[c], shift_neg[c]) (§10.3)."""
+    q = inputs[0].to(torch.int64)
+    a = node.attrs
+    out = _qdtype(node)
+    pos = requantize(q, int(a["multiplier"][0]), int(a["shift"][0]), out)
+    shape = _channel_shape(node, q) if len(a["neg_multiplier"]) > 1 else [1] * q.dim()
+    sign = torch.tensor(a["neg_sign"], dtype=torch.int64).reshape(shape)
+    mult = torch.tensor(a["neg_multiplier"], dtype=torch.int64).reshape(shape)
+    shift = torch.tensor(a["neg_shift"], dtype=torch.int64).reshape(shape)
+    neg = requantize(q * sign, mult, shift, out)
+    return torch.where(q >= 0, pos, neg).to(storage_dtype(out.value))

@@ -185,6 +185,12 @@ _register(aten.conv2d.default, _generic("conv2d", aten.conv2d.default, ("input",
                                          ("stride", "padding", "dilation", "groups")))
 _register(aten.conv1d.default, _generic("conv1d", aten.conv1d.default, ("input", "weight", "bias"),
                                          ("stride", "padding", "dilation", "groups")))
+_register(aten.conv_transpose1d.default,
+          _generic("conv_transpose1d", aten.conv_transpose1d.default, ("input", "weight", "bias"),
+                   ("stride", "padding", "output_padding", "groups", "dilation")))
+_register(aten.conv_transpose2d.input,
+          _generic("conv_transpose2d", aten.conv_transpose2d.input, ("input", "weight", "bias"),
+                   ("stride", "padding", "output_padding", "groups", "dilation")))
 _register(aten.linear.default, _generic("linear", aten.linear.default, ("input", "weight", "bias")))
 _register(aten.matmul.default, _generic("matmul", aten.matmul.default, ("self", "other")))
 _register([aten.bmm.default, aten.mm.default], _generic("matmul", aten.matmul.default, ("self", "mat2")))
@@ -240,6 +246,10 @@ _register(aten.softplus.default, _generic("softplus", aten.softplus.default, ("s
 _register([aten.clamp.default], _generic("clamp", aten.clamp.default, ("self",), ("min", "max")))
 _register(aten.hardtanh.default, _generic("hardtanh", aten.hardtanh.default, ("self",), ("min_val", "max_val")))
 _register(aten.pow.Tensor_Scalar, _generic("pow", aten.pow.Tensor_Scalar, ("self",), ("exponent",)))
+# float table ops (docs/march.md §13.4): in the qat IR only where pre_export left them float
+_register(aten.hardswish.default, _generic("hardswish", aten.hardswish.default, ("self",)))
+_register(aten.hardsigmoid.default, _generic("hardsigmoid", aten.hardsigmoid.default, ("self",)))
+_register(aten.elu.default, _generic("elu", aten.elu.default, ("self",), ("alpha", "scale", "input_scale")))
 _register(aten.where.self, _generic("where", aten.where.self, ("condition", "self", "other")))
 _register([aten.masked_fill.Scalar], _generic("masked_fill", aten.masked_fill.Scalar, ("self", "mask"), ("value",)))
 
@@ -289,6 +299,40 @@ _register(aten.upsample_nearest2d.vec, _generic("upsample_nearest2d", aten.upsam
                                                  ("output_size", "scale_factors")))
 _register(aten.upsample_bilinear2d.vec, _generic("upsample_bilinear2d", aten.upsample_bilinear2d.vec, ("input",),
                                                   ("output_size", "align_corners", "scale_factors")))
+_register(aten.max_pool1d.default, _generic("max_pool1d", aten.max_pool1d.default, ("self",),
+                                             ("kernel_size", "stride", "padding", "dilation", "ceil_mode")))
+_register(aten.avg_pool1d.default, _generic("avg_pool1d", aten.avg_pool1d.default, ("self",),
+                                             ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad")))
+_register(aten.upsample_nearest1d.vec, _generic("upsample_nearest1d", aten.upsample_nearest1d.vec, ("input",),
+                                                 ("output_size", "scale_factors")))
+
+
+def _adaptive_max_pool(ctx, node):
+    """``adaptive_max_pool1d/2d`` with even windows (the output size divides the input size) is the max pool with
+    kernel = stride = input / output; its indices output is refused (a max pool has none in the IR)."""
+    n = 1 if node.target is aten.adaptive_max_pool1d.default else 2
+    spatial = list(_info(node.args[0]).shape[-n:])
+    out_size = [int(s) for s in node.args[1]]
+    if any(s <= 0 or o <= 0 or s % o for s, o in zip(spatial, out_size)):
+        raise QuantLensError(
+            f"export: adaptive_max_pool{n}d at op site '{_site(node)}' ({_source(node)}) from {spatial} to "
+            f"{out_size} has uneven windows; make the input size a multiple of the output size (or use max_pool)."
+        )
+    if any(u.target is operator.getitem and u.args[1] == 1 and u.users for u in node.users):
+        raise QuantLensError(
+            f"export: adaptive_max_pool{n}d at op site '{_site(node)}' ({_source(node)}) uses its indices; the IR "
+            "has its values only (return_indices=False)."
+        )
+    kernel = [s // o for s, o in zip(spatial, out_size)]
+    attrs = {"kernel_size": kernel, "stride": kernel, "padding": [0] * n, "dilation": [1] * n, "ceil_mode": False}
+    out = node.name
+    ctx.graph.nodes.append(Node(f"max_pool{n}d", [_value(ctx, node.args[0])], [out], attrs, _site(node)))
+    val = node.meta["val"][0]
+    ctx.graph.values[out] = ValueInfo(_shape(val), str(val.dtype).replace("torch.", ""))
+    ctx.names[node] = [out, None]
+
+
+_register([aten.adaptive_max_pool1d.default, aten.adaptive_max_pool2d.default], _adaptive_max_pool)
 
 # -- data movement ---------------------------------------------------------------------------------------------
 
@@ -366,6 +410,9 @@ def _slice(ctx, node):
     bound = _normalized(node)
     shape = _info(node.args[0]).shape
     dim = bound["dim"] % len(shape)
+    if shape[dim] == -1 and bound["start"] in (None, 0) and bound["step"] in (None, 1) and (
+            bound["end"] is None or (isinstance(bound["end"], int) and bound["end"] >= 2**31 - 1)):
+        return _identity(ctx, node)  # x[:, ...]: the whole dynamic batch
     _static_dim(node, shape, dim)
     start = bound["start"] if bound["start"] is not None else 0
     end = bound["end"] if bound["end"] is not None else shape[dim]
@@ -396,7 +443,32 @@ _register([aten.contiguous.default, aten.clone.default, aten.alias.default, aten
 _register([aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default], _to)
 _register(aten.cat.default, _cat)
 _register(aten.stack.default, _stack)
-_register([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int], _split)
+_register([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], _split)
+
+
+def _unbind(ctx, node):
+    """``unbind(x, dim)``: a split into size-1 parts, each reshaped without ``dim``."""
+    bound = _normalized(node)
+    x = _value(ctx, bound["self"])
+    in_shape = _info(node.args[0]).shape
+    dim = bound["dim"] % len(in_shape)
+    _static_dim(node, in_shape, dim)
+    parts = []
+    for i, v in enumerate(node.meta["val"]):
+        part = ctx.fresh("unbind_part")
+        parts.append(part)
+        ctx.graph.values[part] = ValueInfo(in_shape[:dim] + (1,) + in_shape[dim + 1:], _info(node.args[0]).dtype)
+    ctx.graph.nodes.append(Node("split", [x], parts, {"sizes": [1] * len(parts), "dim": dim}, _site(node)))
+    outs = []
+    for i, (part, v) in enumerate(zip(parts, node.meta["val"])):
+        out = f"{node.name}_{i}"
+        ctx.graph.nodes.append(Node("reshape", [part], [out], {"shape": list(_shape(v))}, _site(node)))
+        ctx.graph.values[out] = ValueInfo(_shape(v), str(v.dtype).replace("torch.", ""))
+        outs.append(out)
+    ctx.names[node] = outs
+
+
+_register(aten.unbind.int, _unbind)
 _register(aten.slice.Tensor, _slice)
 _register(aten.select.int, _select)
 _register(aten.expand.default, lambda ctx, node: _emit(ctx, node, "expand", [_value(ctx, node.args[0])],
@@ -405,6 +477,19 @@ _register(aten.gather.default, _generic("gather", aten.gather.default, ("self", 
 _register(aten.index_select.default, _generic("index_select", aten.index_select.default, ("self", "index"),
                                                ("dim",)))
 _register(operator.getitem, _getitem)
+_register(aten.pixel_shuffle.default, _generic("pixel_shuffle", aten.pixel_shuffle.default, ("self",),
+                                               ("upscale_factor",)))
+_register(aten.pixel_unshuffle.default, _generic("pixel_unshuffle", aten.pixel_unshuffle.default, ("self",),
+                                                 ("downscale_factor",)))
+
+
+def _flip(ctx, node):
+    ndim = len(_info(node.args[0]).shape)
+    _emit(ctx, node, "flip", [_value(ctx, node.args[0])], {"dims": sorted(d % ndim for d in node.args[1])})
+
+
+_register(aten.flip.default, _flip)
+TORCH_OPS["flip"] = aten.flip.default
 
 
 def _index(ctx, node):
@@ -585,3 +670,117 @@ def _drop_dead(graph: Graph) -> None:
     graph.nodes = kept[::-1]
     graph.constants = {k: v for k, v in graph.constants.items() if k in live}
     graph.values = {k: v for k, v in graph.values.items() if k in live or k in graph.inputs}
+
+
+# -- padding, standalone batch norm, prelu / leaky_relu, relu6, functionalized in-place writes -----------------
+_PAD_MODES = {"constant": "constant", "reflect": "reflect", "replicate": "replicate"}
+
+
+def _pad(ctx, node):
+    """``F.pad`` and the aten pads it becomes: one ``pad`` op ``{pad, mode, value}`` (``docs/march.md`` §11)."""
+    bound = _normalized(node)
+    target = node.target
+    if target is aten.pad.default:
+        mode, pad, value = bound["mode"], bound["pad"], bound["value"]
+    elif target is aten.constant_pad_nd.default:
+        mode, pad, value = "constant", bound["pad"], bound["value"]
+    else:
+        mode = "reflect" if "reflection" in str(target) else "replicate"
+        pad, value = bound["padding"], None
+    if mode not in _PAD_MODES:
+        raise QuantLensError(
+            f"export: pad mode {mode!r} at op site '{_site(node)}' ({_source(node)}) is not supported; the march "
+            f"pads with a constant, by reflection or by replication ({sorted(_PAD_MODES)})."
+        )
+    _emit(ctx, node, "pad", [_value(ctx, bound.get("self", bound.get("input")))],
+          {"pad": [int(p) for p in pad], "mode": mode, "value": float(value or 0.0)})
+
+
+_register([aten.pad.default, aten.constant_pad_nd.default, aten.reflection_pad1d.default,
+           aten.reflection_pad2d.default, aten.replication_pad1d.default, aten.replication_pad2d.default], _pad)
+
+
+def _batch_norm(ctx, node):
+    """A BatchNorm that export sees (one not folded into a conv/linear at prepare): ``batch_norm`` with its
+    statistics as constant inputs. ``_native_batch_norm_legit_no_training`` has three outputs; only the first
+    is a value."""
+    bound = _normalized(node)
+    names = [_value(ctx, bound[k]) if bound[k] is not None else ""
+             for k in ("input", "weight", "bias", "running_mean", "running_var")]
+    if bound.get("training"):
+        raise QuantLensError(f"export: BatchNorm at op site '{_site(node)}' ({_source(node)}) runs in training "
+                             "mode; call model.eval() before export.")
+    val = node.meta.get("val")
+    first = val[0] if isinstance(val, (tuple, list)) else val
+    out = node.name
+    ctx.graph.nodes.append(Node("batch_norm", names, [out], {"eps": float(bound["eps"])}, _site(node)))
+    ctx.graph.values[out] = ValueInfo(_shape(first), str(first.dtype).replace("torch.", ""))
+    ctx.names[node] = [out, out, out] if isinstance(val, (tuple, list)) else out
+
+
+_register([aten.batch_norm.default, aten._native_batch_norm_legit_no_training.default], _batch_norm)
+_register(aten.prelu.default, _generic("prelu", aten.prelu.default, ("self", "weight")))
+_register(aten._prelu_kernel.default, _generic("prelu", aten.prelu.default, ("self", "weight")))
+_register(aten.leaky_relu.default, _generic("leaky_relu", aten.leaky_relu.default, ("self",), ("negative_slope",)))
+
+
+def _relu6(ctx, node):
+    _emit(ctx, node, "hardtanh", [_value(ctx, node.args[0])], {"min_val": 0.0, "max_val": 6.0})
+
+
+_register(aten.relu6.default, _relu6)
+_register([aten.fill.Scalar], _generic("fill", aten.fill.Scalar, ("self",), ("value",)))
+
+
+def _fill_tensor(ctx, node):
+    value = _value(ctx, node.args[1])
+    if not ctx.is_const(value):
+        raise QuantLensError(f"export: op site '{_site(node)}' ({_source(node)}) writes a computed value into a "
+                             "tensor; the IR writes constants only (x[...] = 0.5).")
+    _emit(ctx, node, "fill", [_value(ctx, node.args[0])], {"value": float(ctx.graph.constants[value])})
+
+
+_register(aten.fill.Tensor, _fill_tensor)
+
+
+def _scatter(op: str, torch_op, attrs: tuple[str, ...]):
+    generic = _generic(op, torch_op, ("self", "src"), attrs)
+
+    def rule(ctx, node):
+        shape = _info(node.args[0]).shape
+        bound = _normalized(node)
+        dim = bound["dim"] % len(shape)
+        _static_dim(node, shape, dim)
+        generic(ctx, node)
+        ctx.graph.nodes[-1].attrs["dim"] = dim
+        if op == "slice_scatter":  # normalise start/end like slice
+            a = ctx.graph.nodes[-1].attrs
+            a["start"], a["end"], a["step"] = slice(a["start"], a["end"], a["step"]).indices(shape[dim])
+        elif op == "select_scatter":
+            ctx.graph.nodes[-1].attrs["index"] = bound["index"] % shape[dim]
+
+    return rule
+
+
+_register(aten.select_scatter.default, _scatter("select_scatter", aten.select_scatter.default, ("dim", "index")))
+_register(aten.slice_scatter.default,
+          _scatter("slice_scatter", aten.slice_scatter.default, ("dim", "start", "end", "step")))
+
+
+def _copy(ctx, node):
+    """Functional ``copy(dst, src)`` (an in-place write after functionalization): the value is ``src``, broadcast
+    to ``dst``'s shape and cast to its dtype."""
+    dst, src = node.args[0], node.args[1]
+    value = _value(ctx, src)
+    if _info(src).shape != _info(dst).shape:
+        name = ctx.fresh("copy_expand")
+        ctx.graph.nodes.append(Node("expand", [value], [name], {"shape": list(_info(dst).shape)}, _site(node)))
+        ctx.graph.values[name] = ValueInfo(_info(dst).shape, _info(src).dtype)
+        value = name
+    if _info(src).dtype != _info(dst).dtype:
+        _emit(ctx, node, "cast", [value], {"dtype": _info(dst).dtype})
+        return
+    ctx.names[node] = value
+
+
+_register(aten.copy.default, _copy)

@@ -152,6 +152,19 @@ def _conv(b: _Builder, node: Node) -> None:
           dilations=_pair(a.get("dilation", 1), n), group=int(a.get("groups", 1)))
 
 
+@onnx_converter("conv_transpose1d", "conv_transpose2d")
+def _conv_transpose(b: _Builder, node: Node) -> None:
+    """``ConvTranspose``: the weight layout ``[in, out / groups, k...]`` is ONNX's; torch's padding crops both
+    ends (``pads``), ``output_padding`` adds at the end."""
+    n = 2 if node.op == "conv_transpose2d" else 1
+    a = node.attrs
+    pads = _pair(a.get("padding", 0), n)
+    inputs = [b.value(i) for i in node.inputs if i]
+    b.add("ConvTranspose", inputs, node.outputs[0], strides=_pair(a.get("stride", 1), n), pads=pads + pads,
+          output_padding=_pair(a.get("output_padding", 0), n), dilations=_pair(a.get("dilation", 1), n),
+          group=int(a.get("groups", 1)))
+
+
 @onnx_converter("linear")
 def _linear(b: _Builder, node: Node) -> None:
     """``Gemm(x, W, b, transB=1)``; an N-D input is flattened to 2-D around it (``Reshape -> Gemm -> Reshape``)."""
@@ -317,6 +330,23 @@ def _pow(b: _Builder, node: Node) -> None:
     x = b.cast(b.value(node.inputs[0]), b.out_dtype(node))
     dtype = b.dtype(x) if b.dtype(x) in _FLOAT_DTYPES else ("int64" if isinstance(exponent, int) else "float32")
     b.add("Pow", [x, b.scalar(exponent, dtype, f"{node.outputs[0]}/exponent")], node.outputs[0])
+
+
+@onnx_converter("hardswish")
+def _hardswish(b: _Builder, node: Node) -> None:
+    b.add("HardSwish", [b.value(node.inputs[0])], node.outputs[0])  # x * max(0, min(1, x / 6 + 1 / 2)), as torch
+
+
+@onnx_converter("hardsigmoid")
+def _hardsigmoid(b: _Builder, node: Node) -> None:
+    b.add("HardSigmoid", [b.value(node.inputs[0])], node.outputs[0], alpha=1.0 / 6.0, beta=0.5)  # torch's constants
+
+
+@onnx_converter("elu")
+def _elu(b: _Builder, node: Node) -> None:
+    if float(node.attrs.get("scale", 1.0)) != 1.0 or float(node.attrs.get("input_scale", 1.0)) != 1.0:
+        raise b.error(node, "elu with scale or input_scale other than 1 (selu/celu)", "Use F.elu(x, alpha).")
+    b.add("Elu", [b.value(node.inputs[0])], node.outputs[0], alpha=float(node.attrs.get("alpha", 1.0)))
 
 
 def _promote(b: _Builder, names: list[str]) -> list[str]:
@@ -517,6 +547,68 @@ def _upsample(b: _Builder, node: Node) -> None:
     b.add("Resize", inputs, out, axes=[2, 3], **attrs)
 
 
+@onnx_converter("max_pool1d")
+def _max_pool1d(b: _Builder, node: Node) -> None:
+    b.add("MaxPool", [b.value(node.inputs[0])], node.outputs[0], dilations=_pair(node.attrs.get("dilation", 1), 1),
+          **_pool_attrs(b, node, 1))
+
+
+@onnx_converter("avg_pool1d")
+def _avg_pool1d(b: _Builder, node: Node) -> None:
+    include = int(bool(node.attrs.get("count_include_pad", True)))
+    b.add("AveragePool", [b.value(node.inputs[0])], node.outputs[0], count_include_pad=include,
+          **_pool_attrs(b, node, 1))
+
+
+@onnx_converter("upsample_nearest1d")
+def _upsample_nearest1d(b: _Builder, node: Node) -> None:
+    """``Resize(nearest, asymmetric, floor)`` on axis 2, like ``upsample_nearest2d`` on axes 2, 3."""
+    a = node.attrs
+    out = node.outputs[0]
+    if a.get("output_size"):
+        inputs = [b.value(node.inputs[0]), "", "", b.ints(_pair(a["output_size"], 1), f"{out}/sizes")]
+    elif a.get("scale_factors"):
+        scales = torch.tensor([float(s) for s in a["scale_factors"]][:1], dtype=torch.float32)
+        inputs = [b.value(node.inputs[0]), "", b.init(scales, f"{out}/scales")]
+    else:
+        raise b.error(node, "neither output_size nor scale_factors is set", "Give interpolate a size or scale.")
+    b.add("Resize", inputs, out, axes=[2], mode="nearest", coordinate_transformation_mode="asymmetric",
+          nearest_mode="floor")
+
+
+@onnx_converter("pixel_shuffle", "pixel_unshuffle")
+def _pixel_shuffle(b: _Builder, node: Node) -> None:
+    """``pixel_shuffle`` is ``DepthToSpace(CRD)``; ``pixel_unshuffle`` (no ONNX op: ``SpaceToDepth`` is the DCR
+    order) is ``Reshape [N, C, H, r, W, r] -> Transpose [0, 1, 3, 5, 2, 4] -> Reshape [N, C·r·r, H, W]``."""
+    x, out = node.inputs[0], node.outputs[0]
+    shape = b.shape(x)
+    if shape is None or len(shape) != 4 or any(d < 0 for d in shape[1:]):
+        raise b.error(node, f"input shape {shape}", "Use a 4-D input with static channel and spatial sizes.")
+    if node.op == "pixel_shuffle":
+        b.add("DepthToSpace", [b.value(x)], out, blocksize=int(node.attrs["upscale_factor"]), mode="CRD")
+        return
+    r = int(node.attrs["downscale_factor"])
+    n, c, h, w = shape
+    dtype = b.dtype(x)
+    split = b.add("Reshape", [b.value(x), b.ints([n, c, h // r, r, w // r, r], f"{out}/split_shape")],
+                  f"{out}/split", dtype=dtype, rank=6)
+    moved = b.add("Transpose", [split], f"{out}/moved", perm=[0, 1, 3, 5, 2, 4], dtype=dtype, rank=6)
+    b.add("Reshape", [moved, b.ints([n, c * r * r, h // r, w // r], f"{out}/shape")], out)
+
+
+@onnx_converter("flip")
+def _flip(b: _Builder, node: Node) -> None:
+    """``Slice`` with step -1 over every flipped dim (starts -1, ends the most negative int64)."""
+    dims = [int(d) for d in node.attrs["dims"]]
+    out = node.outputs[0]
+    if not dims:
+        b.add("Identity", [b.value(node.inputs[0])], out)
+        return
+    b.add("Slice", [b.value(node.inputs[0]), b.ints([-1] * len(dims), f"{out}/starts"),
+                    b.ints([-(2**63)] * len(dims), f"{out}/ends"), b.ints(dims, f"{out}/axes"),
+                    b.ints([-1] * len(dims), f"{out}/steps")], out)
+
+
 def _pair_f(value: Any) -> list[float]:
     values = list(value) if isinstance(value, (list, tuple)) else [value]
     return values * 2 if len(values) == 1 else values
@@ -652,3 +744,87 @@ def _table_reference(b: _Builder, node: Node) -> None:
     if ref["op"] == "layer_norm":
         inputs += [ref.get("weight", ""), ref.get("bias", "")]
     ONNX_CONVERTERS[ref["op"]](b, Node(ref["op"], inputs, list(node.outputs), attrs, node.site))
+
+
+# -- pad, standalone batch norm, prelu / leaky_relu, constant writes -----------------------------------------------
+_ONNX_PAD_MODES = {"constant": "constant", "reflect": "reflect", "replicate": "edge"}
+
+
+@onnx_converter("pad")
+def _pad(b: _Builder, node: Node) -> None:
+    """torch's pad list runs from the last dim backwards as (begin, end) pairs; ONNX wants all begins, then all
+    ends, from the first dim."""
+    x = b.value(node.inputs[0])
+    rank = b.rank(node.inputs[0])
+    pad = [int(p) for p in node.attrs["pad"]]
+    begins, ends = [0] * rank, [0] * rank
+    for i in range(len(pad) // 2):
+        begins[rank - 1 - i], ends[rank - 1 - i] = pad[2 * i], pad[2 * i + 1]
+    out = node.outputs[0]
+    inputs = [x, b.ints(begins + ends, f"{out}/pads")]
+    if node.attrs["mode"] == "constant":
+        inputs.append(b.scalar(float(node.attrs["value"]), b.dtype(node.inputs[0]) or "float32", f"{out}/value"))
+    b.add("Pad", inputs, out, mode=_ONNX_PAD_MODES[node.attrs["mode"]])
+
+
+@onnx_converter("batch_norm")
+def _batch_norm(b: _Builder, node: Node) -> None:
+    x, weight, bias, mean, var = node.inputs
+    channels = b.shape(mean)[0]
+    dtype = b.dtype(x) or "float32"
+    out = node.outputs[0]
+    scale = b.value(weight) if weight else b.init(torch.ones(channels, dtype=getattr(torch, dtype)), f"{out}/ones")
+    shift = b.value(bias) if bias else b.init(torch.zeros(channels, dtype=getattr(torch, dtype)), f"{out}/zeros")
+    b.add("BatchNormalization", [b.value(x), scale, shift, b.value(mean), b.value(var)], out,
+          epsilon=float(node.attrs["eps"]))
+
+
+@onnx_converter("prelu")
+def _prelu(b: _Builder, node: Node) -> None:
+    """ONNX PRelu broadcasts the slope numpy-style (from the last dim): a per-channel slope becomes [C, 1, ...]."""
+    x, slope = node.inputs
+    rank = b.rank(x)
+    out = node.outputs[0]
+    s = b.value(slope)
+    n = b.shape(slope)
+    if n and n[0] > 1 and rank and rank > 2:
+        s = b.add("Reshape", [s, b.ints([n[0]] + [1] * (rank - 2), f"{out}/slope_shape")], f"{out}/slope",
+                  dtype=b.dtype(slope))
+    b.add("PRelu", [b.value(x), s], out)
+
+
+@onnx_converter("leaky_relu")
+def _leaky_relu(b: _Builder, node: Node) -> None:
+    b.add("LeakyRelu", [b.value(node.inputs[0])], node.outputs[0], alpha=float(node.attrs["negative_slope"]))
+
+
+@onnx_converter("fill")
+def _fill(b: _Builder, node: Node) -> None:
+    x = b.value(node.inputs[0])
+    out = node.outputs[0]
+    zero = b.add("Mul", [x, b.scalar(0.0, b.dtype(node.inputs[0]) or "float32", f"{out}/zero")], f"{out}/zeros",
+                 dtype=b.dtype(node.inputs[0]))
+    b.add("Add", [zero, b.scalar(float(node.attrs["value"]), b.dtype(node.inputs[0]) or "float32", f"{out}/v")], out)
+
+
+@onnx_converter("select_scatter", "slice_scatter")
+def _scatter(b: _Builder, node: Node) -> None:
+    """``x[..., i, ...] = src`` as a concat of x's slices before and after the written range and src (step 1)."""
+    x, src = node.inputs
+    a = node.attrs
+    dim, out = int(a["dim"]), node.outputs[0]
+    size = b.shape(x)[dim]
+    if node.op == "select_scatter":
+        start, end = int(a["index"]), int(a["index"]) + 1
+        src_v = b.add("Unsqueeze", [b.value(src), b.ints([dim], f"{out}/axis")], f"{out}/src", dtype=b.dtype(src))
+    else:
+        if (a.get("step") or 1) != 1:
+            raise b.error(node, "a strided slice write", "Write contiguous slices (step 1).")
+        start, end, src_v = int(a["start"]), int(a["end"]), b.value(src)
+    parts = []
+    for lo, hi, tag in ((0, start, "before"), (end, size, "after")):
+        if hi > lo:
+            parts.append((tag, b.add("Slice", [b.value(x), b.ints([lo], f"{out}/{tag}_s"), b.ints([hi], f"{out}/{tag}_e"),
+                                               b.ints([dim], f"{out}/{tag}_a")], f"{out}/{tag}", dtype=b.dtype(x))))
+    pieces = [p for t, p in parts if t == "before"] + [src_v] + [p for t, p in parts if t == "after"]
+    b.add("Concat", pieces, out, axis=dim)

@@ -17,7 +17,7 @@ import torch
 
 from quantlens.errors import QuantLensError
 from quantlens.kernels._int import bit_length, div_round_half_even, rshift_rhe_var
-from quantlens.kernels.functions import real_function
+from quantlens.kernels.functions import int16_uses_table, real_function
 from quantlens.kernels.tables import (
     SegmentedTable,
     Table256,
@@ -97,8 +97,8 @@ def elementwise_table(
     if in_dtype is QuantDType.qint8:
         return build_table256(fn, out_dtype.qmin, out_dtype.qmax, offset=128)
     if in_dtype is QuantDType.qint16:
-        if op_type == "reciprocal":
-            raise QuantLensError("reciprocal with an int16 input uses the mantissa rule, not a table.")
+        if not int16_uses_table(op_type):
+            raise QuantLensError(f"{op_type} with an int16 input uses the mantissa rule, not a table.")
         return build_segmented_table(fn, in_dtype.qmin, in_dtype.qmax, out_dtype.qmin, out_dtype.qmax)
     raise QuantLensError(f"A lookup table needs an int8 or int16 input, got {in_dtype.value}.")
 

@@ -73,6 +73,8 @@ class FakeQuantize(nn.Module):
             self.observe_enabled = state is not FakeQuantState.FLOAT
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:  # nothing to observe or round (e.g. torch.zeros(1, 0) padding a cat)
+            return x
         if self.observe_enabled:
             if self.is_weight:
                 self.observer.reset()
@@ -84,7 +86,10 @@ class FakeQuantize(nn.Module):
                 self.scale.copy_(scale)
             self.calibrated.fill_(True)
         if self.fake_quant_enabled:
-            return fake_quant(x, self.scale, self.dtype, self.ch_axis)
+            # While observing, the next call updates self.scale in place; autograd must keep this call's value
+            # (a quantizer used at every time step of an LSTM runs several times in one forward).
+            scale = self.scale.clone() if self.observe_enabled else self.scale
+            return fake_quant(x, scale, self.dtype, self.ch_axis)
         return x
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

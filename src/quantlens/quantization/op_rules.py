@@ -35,6 +35,8 @@ __all__ = [
     "function_rule",
     "module_rule",
     "canonical_op_name",
+    "register_recurrent_module",
+    "is_recurrent_module",
 ]
 
 
@@ -111,6 +113,8 @@ register_module_op(QuantStub, "quant_stub", Q, boundary="input")
 register_module_op(DeQuantStub, "dequant_stub", P, boundary="output")
 register_module_op(nn.Conv1d, "conv1d", Q, gemm=True)
 register_module_op(nn.Conv2d, "conv2d", Q, gemm=True)
+register_module_op(nn.ConvTranspose1d, "conv_transpose1d", Q, gemm=True)
+register_module_op(nn.ConvTranspose2d, "conv_transpose2d", Q, gemm=True)
 register_module_op(nn.Linear, "linear", Q, gemm=True)
 register_module_op(nn.Embedding, "embedding", Q, output_from_weight=True)
 register_module_op(nn.LayerNorm, "layer_norm", Q)
@@ -130,9 +134,33 @@ register_module_op(nn.Upsample, "interpolate", Q)
 register_module_op(nn.ReLU, "relu", P)
 register_module_op(nn.MaxPool1d, "max_pool1d", P)
 register_module_op(nn.MaxPool2d, "max_pool2d", P)
+register_module_op(nn.AvgPool1d, "avg_pool1d", Q)
+register_module_op(nn.AdaptiveMaxPool1d, "adaptive_max_pool1d", P)
+register_module_op(nn.AdaptiveMaxPool2d, "adaptive_max_pool2d", P)
+register_module_op(nn.PixelShuffle, "pixel_shuffle", P)
+register_module_op(nn.PixelUnshuffle, "pixel_unshuffle", P)
 register_module_op(nn.Dropout, "dropout", P)
 register_module_op(nn.Identity, "identity", P)
 register_module_op(nn.Flatten, "flatten", P)
+register_module_op(nn.Hardswish, "hardswish", Q)
+register_module_op(nn.Hardsigmoid, "hardsigmoid", Q)
+register_module_op(nn.ELU, "elu", Q)
+
+# --- recurrent modules: looked into (their fused _VF op is decomposed into gate ops, ``rnn.py``), and every call
+# restarts their op counters, so all calls (time steps) share one set of op sites and quantizers -------------
+_RECURRENT_MODULES: set[type] = set()
+
+
+def register_recurrent_module(module_type: type) -> None:
+    _RECURRENT_MODULES.add(module_type)
+
+
+def is_recurrent_module(module: nn.Module) -> bool:
+    return any(cls in _RECURRENT_MODULES for cls in type(module).__mro__)
+
+
+for _cls in (nn.LSTMCell, nn.GRUCell, nn.LSTM, nn.GRU):
+    register_recurrent_module(_cls)
 
 
 _DUNDER = {

@@ -197,6 +197,10 @@ def _plan_inputs(site, plan, qc, data_inputs, in_dtypes, module_weight_dtypes, r
                 plan.weight_fq[inp.position] = key
                 per_tensor = site.output_from_weight  # embedding tables: one scale (rows are outputs)
                 wspec = QuantSpec(qc.weight.dtype, qc.weight.observer) if per_tensor else qc.weight
+                if site.op_type in ("conv_transpose1d", "conv_transpose2d") and wspec.ch_axis is not None \
+                        and inp.position in site.weight_args:
+                    # weight [in, out, k...]: the output channels are axis 1 (groups = 1)
+                    wspec = QuantSpec(wspec.dtype, wspec.observer, ch_axis=1)
                 requests.append(FakeQuantRequest(key, wspec, is_weight=True))
         plan.bias_position = next((i.position for i in site.inputs if i.position in site.bias_args
                                    and plan.weight_fq), None)

@@ -2,7 +2,9 @@
 
 ``pre_export(model)`` returns a copy of a prepared model in which each op that the march computes by table
 (``docs/march.md`` §13) runs its integer emulation instead of the float op: sigmoid, tanh, exp, gelu, silu,
-softplus, reciprocal, ``x / y`` with a quantized ``y``, softmax and layer_norm. The integer arithmetic lives in
+softplus, reciprocal, sqrt, rsqrt, log, pow with a constant exponent, erf, hardswish, hardsigmoid, elu, ``x / y``
+with a quantized ``y``, softmax and layer_norm (the table-op registry, :mod:`.table_registry`, says what each one
+reads and builds). The integer arithmetic lives in
 :mod:`quantlens.kernels`, which the integer simulator calls too, so the copy's outputs are the march's bits.
 
 Each table site gets a :class:`~quantlens.quantization.overrides.SiteOverride` in ``QuantState.overrides`` (its
@@ -34,18 +36,8 @@ from quantlens.quantization.overrides import OverrideCall, SiteOverride
 from quantlens.quantization.plan import OutputMode, SitePlan, fq_key
 from quantlens.quantization.prepare import QuantState, is_prepared
 from quantlens.quantization.record import OpSiteRecord, call_model
-from quantlens.quantization.table_overrides import (
-    DivOverride,
-    ElementwiseOverride,
-    LayerNormOverride,
-    LutSiteInfo,
-    SoftmaxOverride,
-    TableOverride,
-    _arg,
-    _elementwise_params,
-    _float_op,
-    _layer_norm_call,
-)
+from quantlens.quantization.table_overrides import LayerNormOverride, LutSiteInfo, SoftmaxOverride, TableOverride
+from quantlens.quantization.table_registry import TABLE_OP_SPECS, table_op_spec
 
 __all__ = [
     "TABLE_OPS",
@@ -58,8 +50,8 @@ __all__ = [
     "TableOverride",
 ]
 
-#: op types that the march computes by table (``docs/march.md`` §13).
-TABLE_OPS = ("sigmoid", "tanh", "exp", "gelu", "silu", "softplus", "reciprocal", "div", "layer_norm", "softmax")
+#: op types that the march computes by table (``docs/march.md`` §13): the keys of the table-op registry.
+TABLE_OPS = tuple(TABLE_OP_SPECS)
 
 _ROLE = "lut"  # QuantState.overrides key: fq_key(site, "lut")
 
@@ -150,10 +142,8 @@ def _table_sites(state: QuantState) -> list[tuple[OpSiteRecord, SitePlan]]:
             "(fused)"]
         if plan.output is not OutputMode.QUANTIZED and not fused_head:
             continue  # float sites (no qconfig) stay float
-        if plan.op_type == "div" and len(rec.inputs) < 2:
-            continue  # division by (or of) a Python scalar is a multiply, not a table op
-        if not rec.inputs:
-            continue
+        if not table_op_spec(plan.op_type).applies(rec):
+            continue  # e.g. division by (or of) a Python scalar is a multiply, not a table op
         sites.append((rec, plan))
     return sites
 
@@ -168,11 +158,11 @@ class _Capture(SiteOverride):
 
     def compute(self, call):
         self.calls.append(call)
-        return _float_op(self.op_type, call)
+        return table_op_spec(self.op_type).float_op(call)
 
 
 def _needs_capture(rec: OpSiteRecord) -> bool:
-    return not rec.is_module and rec.op_type in ("gelu", "softplus", "layer_norm")
+    return not rec.is_module and table_op_spec(rec.op_type).needs_call_args
 
 
 def _capture(model: nn.Module, state: QuantState, sites, example_inputs: Any) -> dict[str, OverrideCall]:
@@ -197,47 +187,18 @@ def _capture(model: nn.Module, state: QuantState, sites, example_inputs: Any) ->
 
 def _params(model: nn.Module, rec: OpSiteRecord, call: OverrideCall | None):
     """(params, weight, bias) the site's tables are built for: module attributes, captured call arguments, or
-    (function sites run without example inputs) the function's defaults."""
+    (function sites run without example inputs) the function's defaults. params ``None``: not a table op."""
     module = model.get_submodule(rec.module_name) if rec.is_module else None
-    fake = OverrideCall(rec.name, rec.op_type, (), {}, module, [], None) if call is None else call
-    if rec.op_type in ("gelu", "softplus"):
-        return _elementwise_params(rec.op_type, fake), None, None
-    if rec.op_type == "softmax":
-        shape = rec.inputs[0].shape
-        length = shape[-1] if shape else 1
-        if module is not None and module.dim is not None and shape:
-            length = shape[module.dim]
-        elif call is not None:
-            dim = _arg(call, 1, "dim", None)
-            if dim is not None and shape:
-                length = shape[int(dim)]
-        return {"length": int(length)}, None, None
-    if rec.op_type == "layer_norm":
-        if module is not None:
-            return ({"normalized_shape": tuple(module.normalized_shape), "eps": float(module.eps)},
-                    module.weight, module.bias)
-        if call is None:
-            raise QuantLensError(
-                f"pre_export: op site '{rec.name}' calls layer_norm as a function (at {rec.source}); its "
-                "normalized shape, weight, bias and eps are only known when it runs. Pass example inputs: "
-                "pre_export(model, example_inputs=...), or use an nn.LayerNorm module."
-            )
-        shape, weight, bias, eps = _layer_norm_call(call)
-        return {"normalized_shape": shape, "eps": eps}, weight, bias
-    return {}, None, None
+    return table_op_spec(rec.op_type).resolve(rec, module, call)
 
 
 def _build(model, state, rec, plan, resolved) -> TableOverride:
     params, weight, bias = resolved
-    count = 2 if rec.op_type == "div" else 1
-    fqs, out_fq = _site_fqs(model, state, rec, plan, count)
-    if rec.op_type == "div":
-        return DivOverride(rec.name, rec.op_type, fqs, out_fq, params)
-    if rec.op_type == "softmax":
-        return SoftmaxOverride(rec.name, rec.op_type, fqs, out_fq, params)
-    if rec.op_type == "layer_norm":
+    spec = table_op_spec(rec.op_type)
+    fqs, out_fq = _site_fqs(model, state, rec, plan, spec.inputs)
+    if spec.override_cls is LayerNormOverride:
         return LayerNormOverride(rec.name, rec.op_type, fqs, out_fq, params, weight, bias)
-    return ElementwiseOverride(rec.name, rec.op_type, fqs, out_fq, params)
+    return spec.override_cls(rec.name, rec.op_type, fqs, out_fq, params)
 
 
 def _state(model: nn.Module, what: str) -> QuantState:
@@ -289,7 +250,8 @@ def pre_export(model: nn.Module, inplace: bool = False, *, example_inputs: Any =
     sites = _table_sites(state)
     calls = _capture(result, state, sites, example_inputs) if example_inputs is not None else {}
     resolved = [(rec, plan, _params(result, rec, calls.get(rec.name))) for rec, plan in sites]  # raise early
-    built = {rec.name: _build(result, state, rec, plan, params) for rec, plan, params in resolved}
+    built = {rec.name: _build(result, state, rec, plan, params) for rec, plan, params in resolved
+             if params[0] is not None}  # params None: this call is not a table op (c ** x): it stays float
     for name, override in built.items():
         key = fq_key(name, _ROLE)
         state.overrides[key] = override

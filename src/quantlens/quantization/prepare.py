@@ -203,13 +203,20 @@ class _Runtime(SiteHandler):
     def function_op(self, site, func, args, kwargs):
         self.visited.append(site.name)
         plan = self._plan(site)
+        target = args[0] if args and _is_inplace(func) and isinstance(args[0], torch.Tensor) else None
         if plan is not None:
             args, kwargs, _ = self._quantize_inputs(plan, args, kwargs)
         if plan is not None and plan.override is not None:
             out = self._override(plan, site, args, kwargs)
         else:
             out = func(*args, **kwargs)
-        return self._finish(plan, out, args, kwargs, site)
+        out = self._finish(plan, out, args, kwargs, site)
+        if target is not None and isinstance(out, torch.Tensor) and out is not target:
+            # x += y, x.mul_(2), x.clamp_(..): the user reads x afterwards, so x must hold the fake-quantized
+            # result (the op may have run on a quantized copy of x). Export functionalizes the copy.
+            target.copy_(out)
+            return target
+        return out
 
     def module_enter(self, site, args):
         self.visited.append(site.name)
@@ -229,6 +236,15 @@ class _Runtime(SiteHandler):
             # The module's float result is discarded (export drops it as dead code).
             output = self._override(plan, site, args, {})
         return self._finish(plan, output, args, {}, site)
+
+
+_INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__", "__imatmul__"}
+
+
+def _is_inplace(func) -> bool:
+    """``Tensor.add_``, ``Tensor.__iadd__`` ... (``torch.relu_``-style functions too)."""
+    name = getattr(func, "__name__", "")
+    return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
 
 
 def _leaves(value: Any) -> list:

@@ -19,6 +19,8 @@ from quantlens.quantization.qconfig import QuantSpec
 __all__ = [
     "QATConv1d",
     "QATConv2d",
+    "QATConvTranspose1d",
+    "QATConvTranspose2d",
     "QATLinear",
     "QATEmbedding",
     "QATConvBn1d",
@@ -60,6 +62,36 @@ class QATConv1d(_WeightQuantMixin, nn.Conv1d):
 class QATConv2d(_WeightQuantMixin, nn.Conv2d):
     def forward(self, x):
         return self._conv_forward(x, self.weight_fake_quant(self.weight), self._quant_bias(self.bias))
+
+
+class _ConvTransposeMixin(_WeightQuantMixin):
+    """A transposed conv's weight is ``[in, out / groups, k...]``: its output channels are axis 1. With groups = 1
+    the weight is quantized per channel along axis 1 (one scale per output channel, like a conv's axis 0, so the
+    int32 bias and the requantize are per output channel); with groups > 1 axis 1 does not index the output
+    channels, so the weight gets one scale."""
+
+    _spatial_dims = 1
+
+    @classmethod
+    def from_float(cls, mod: nn.Module, weight_spec: QuantSpec):
+        if weight_spec.ch_axis is not None:
+            weight_spec = QuantSpec(weight_spec.dtype, weight_spec.observer, ch_axis=1 if mod.groups == 1 else None)
+        return super().from_float(mod, weight_spec)
+
+    def forward(self, x, output_size=None):
+        output_padding = self._output_padding(x, output_size, self.stride, self.padding, self.kernel_size,
+                                              self._spatial_dims, self.dilation)
+        fn = F.conv_transpose1d if self._spatial_dims == 1 else F.conv_transpose2d
+        return fn(x, self.weight_fake_quant(self.weight), self._quant_bias(self.bias), self.stride, self.padding,
+                  output_padding, self.groups, self.dilation)
+
+
+class QATConvTranspose1d(_ConvTransposeMixin, nn.ConvTranspose1d):
+    _spatial_dims = 1
+
+
+class QATConvTranspose2d(_ConvTransposeMixin, nn.ConvTranspose2d):
+    _spatial_dims = 2
 
 
 class QATLinear(_WeightQuantMixin, nn.Linear):
@@ -132,6 +164,7 @@ class QATLinearBn1d(_FoldedBnMixin, nn.Linear):
 
 
 _QAT_CLASSES = {nn.Conv1d: QATConv1d, nn.Conv2d: QATConv2d, nn.Linear: QATLinear, nn.Embedding: QATEmbedding}
+_QAT_CLASSES.update({nn.ConvTranspose1d: QATConvTranspose1d, nn.ConvTranspose2d: QATConvTranspose2d})
 _FUSED_CLASSES = {nn.Conv1d: QATConvBn1d, nn.Conv2d: QATConvBn2d, nn.Linear: QATLinearBn1d}
 
 

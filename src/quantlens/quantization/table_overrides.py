@@ -83,14 +83,11 @@ def _exporting() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _elementwise_params(op_type: str, call: OverrideCall) -> dict[str, Any]:
-    """The call's arguments that an elementwise table depends on."""
-    module = call.module
-    if op_type == "gelu":
-        return {"approximate": module.approximate if module is not None else _arg(call, 1, "approximate", "none")}
-    if op_type == "softplus":
-        return {"beta": float(_arg(call, 1, "beta", 1.0)), "threshold": float(_arg(call, 2, "threshold", 20.0))}
-    return {}
+def _spec(op_type: str):
+    """The op's entry in the table-op registry (:mod:`.table_registry`, which imports this module)."""
+    from quantlens.quantization.table_registry import table_op_spec
+
+    return table_op_spec(op_type)
 
 
 def _softmax_call(call: OverrideCall, site: str) -> tuple[int, torch.dtype | None]:
@@ -117,22 +114,6 @@ def _layer_norm_call(call: OverrideCall):
     shape = _arg(call, 1, "normalized_shape", None)
     shape = (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape)
     return shape, _arg(call, 2, "weight", None), _arg(call, 3, "bias", None), float(_arg(call, 4, "eps", 1e-5))
-
-
-def _float_op(op_type: str, call: OverrideCall, site: str = "") -> Any:
-    """The site's float op (what the prepared model computes before its output fake quant)."""
-    if op_type == "div":
-        return torch.div(*call.args, **call.kwargs)
-    x = _float_leaves(call)[0]
-    if op_type == "softmax":
-        dim, dtype = _softmax_call(call, site)
-        return torch.softmax(x, dim, dtype=dtype)
-    if op_type == "layer_norm":
-        shape, w, b, eps = _layer_norm_call(call)
-        return F.layer_norm(x, shape, w, b, eps)
-    if op_type == "reciprocal":
-        return torch.reciprocal(x)
-    return real_function(op_type, **_elementwise_params(op_type, call))(x)
 
 
 class TableOverride(SiteOverride):
@@ -203,7 +184,7 @@ class TableOverride(SiteOverride):
         return out
 
     def float_op(self, call: OverrideCall) -> Any:
-        return _float_op(self.op_type, call, self.site)
+        return _spec(self.op_type).float_op(call, self.site)
 
     def int_op(self, call: OverrideCall, fqs: list[FakeQuantize], out_fq: FakeQuantize) -> Any:
         raise NotImplementedError
@@ -234,8 +215,8 @@ class TableOverride(SiteOverride):
 
 
 class ElementwiseOverride(TableOverride):
-    """sigmoid, tanh, exp, gelu, silu, softplus, reciprocal: one table (or, for an int16 reciprocal, the
-    mantissa rule). Buffers: ``entries`` (Table256), or ``bounds``/``shifts``/``entries``/``tails``
+    """The elementwise table ops of the registry (sigmoid, tanh, exp, gelu, silu, softplus, reciprocal, sqrt,
+    rsqrt, log, pow, erf, hardswish, hardsigmoid, elu): one table (or, for an int16 reciprocal, the mantissa rule). Buffers: ``entries`` (Table256), or ``bounds``/``shifts``/``entries``/``tails``
     (SegmentedTable), or ``params_q`` = [M, shift] (mantissa reciprocal)."""
 
     def __init__(self, site, op_type, input_fqs, output_fq, params):
@@ -243,7 +224,7 @@ class ElementwiseOverride(TableOverride):
         s_in, s_out = float(input_fqs[0].scale), float(output_fq.scale)
         in_dtype, out_dtype = input_fqs[0].dtype, output_fq.dtype
         self.frac_bits = 0
-        if op_type == "reciprocal" and in_dtype is QuantDType.qint16:
+        if in_dtype is QuantDType.qint16 and _spec(op_type).int16 == "mantissa_reciprocal":
             self.kind = "mantissa_reciprocal"
             self.register_buffer("params_q", torch.tensor(reciprocal_multiplier(s_in, s_out), dtype=torch.int64))
             return
@@ -260,7 +241,7 @@ class ElementwiseOverride(TableOverride):
             self.register_buffer("tails", table.tails.clone())
 
     def int_op(self, call, fqs, out_fq):
-        for name, value in _elementwise_params(self.op_type, call).items():
+        for name, value in (_spec(self.op_type).params_from_call(call) or {}).items():
             if self.params.get(name) != value:
                 raise self._param_mismatch(name, self.params.get(name), value)
         x = _float_leaves(call)[0]

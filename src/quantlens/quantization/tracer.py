@@ -31,7 +31,10 @@ from torch.nn.modules import module as _module_hooks
 from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 from torch.utils import _pytree as pytree
 
-from quantlens.quantization.op_rules import OpKind, OpRule, canonical_op_name, function_rule, module_rule
+from quantlens.quantization.op_rules import (
+    OpKind, OpRule, canonical_op_name, function_rule, is_recurrent_module, module_rule,
+)
+from quantlens.quantization.rnn import DECOMPOSED_FUNCTIONS
 
 __all__ = ["SiteCall", "SiteHandler", "OpSiteTracer", "float_tensor_leaves", "user_source_location", "is_within",
            "TORCH_DIR"]
@@ -160,6 +163,9 @@ class OpSiteTracer(TorchFunctionMode):
         if rule.kind is OpKind.IGNORED or not _has_float_tensor(args, kwargs):
             return func(*args, **kwargs)
         if rule.kind is OpKind.COMPOSITE:
+            decomposition = DECOMPOSED_FUNCTIONS.get(op)
+            if decomposition is not None:  # a fused torch op (_VF.lstm ...): run its Python decomposition
+                return _run_decomposition(self, decomposition, args, kwargs)
             return _run_inside(self, func, args, kwargs)
         module_name = self.module_stack[-1]
         index = self.counters[(module_name, op)]
@@ -174,6 +180,21 @@ class OpSiteTracer(TorchFunctionMode):
         finally:
             self.internal -= 1
 
+    @contextlib.contextmanager
+    def fresh_scope(self, name: str):
+        """Ops run inside are named ``<name>.<op>_<k>``, ``k`` counted from 0 again at every entry: the time steps
+        of a recurrent layer reuse one set of op sites, and so one set of quantizers (``rnn.py``)."""
+        self._restart_counters(name)
+        self.module_stack.append(name)
+        try:
+            yield
+        finally:
+            self.module_stack.pop()
+
+    def _restart_counters(self, scope: str) -> None:
+        for key in [k for k in self.counters if not scope or k[0] == scope or k[0].startswith(scope + ".")]:
+            del self.counters[key]
+
     # -- module calls ----------------------------------------------------------------------------------------
     def _pre_hook(self, module: nn.Module, args: tuple):
         if self.leaf_depth or self.internal:
@@ -187,6 +208,8 @@ class OpSiteTracer(TorchFunctionMode):
         if rule is None:  # a container or an unknown module: trace the ops of its forward one by one
             self.frames.append(_Frame("container"))
             self.module_stack.append(qualname)
+            if is_recurrent_module(module):  # every call (time step) reuses the same op sites (rnn.py)
+                self._restart_counters(qualname)
             return None
         index = self.counters[(qualname, "<module>")]
         self.counters[(qualname, "<module>")] = index + 1
@@ -242,6 +265,15 @@ def _run_inside(mode: "OpSiteTracer", func: Callable, args: tuple, kwargs: dict)
     finally:
         _pop_mode()
         module.has_torch_function = original
+
+
+def _run_decomposition(mode: "OpSiteTracer", decomposition: Callable, args: tuple, kwargs: dict) -> Any:
+    """Run the Python decomposition of a fused torch op with the mode active, so its ops are op sites."""
+    _push_mode(mode)
+    try:
+        return decomposition(mode, *args, **kwargs)
+    finally:
+        _pop_mode()
 
 
 def _annotation(name: str):

@@ -1,0 +1,252 @@
+"""The table-op registry: one :class:`TableOpSpec` per op type that ``pre_export`` computes by table.
+
+``docs/march.md`` §13 gives the integer rules; this is the one place that says, per op type (the canonical name
+the tracer gives the op site, as in :data:`quantlens.opset.OPS`):
+
+* the float op the prepared (fake-quant / QAT) model computes, and the real function the tables sample
+  (``docs/march.md`` §13.4: float64, defined on every input);
+* the call parameters the tables depend on, and whether a function-call site needs one example forward to
+  read them;
+* the site override class that builds the tables and runs the integer kernel (:mod:`.table_overrides`);
+* how many quantized tensor inputs it reads, and what an int16 input gets.
+
+``pre_export``, :mod:`.table_overrides` and :mod:`quantlens.kernels.functions` read it. The IR ops the overrides
+emit are declared in :data:`quantlens.kernels.ops.TABLE_OP_IO`; ``export`` records which float op a ``lut`` /
+``segment_lut`` node emulates (``attrs["reference"]``: ``{"op": op_type, **params}``), and ``to_onnx`` writes that
+float IR op, so an elementwise op type is also a float IR op with an ONNX converter taking ``params`` as its
+attributes. The op set (:mod:`quantlens.opset`) declares ``table=True`` exactly for the keys of
+:data:`TABLE_OP_SPECS` (``tests/test_table_ops.py`` checks it).
+
+To add an elementwise table op: one :func:`_elementwise` entry below (its float op, and its real function
+when the two differ), an :data:`quantlens.opset.OPS` row with ``table=True``, and a rule row in
+``docs/march.md`` §13.4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from quantlens.errors import QuantLensError
+from quantlens.kernels.functions import log_fn, pow_fn, reciprocal_fn, rsqrt_fn, sqrt_fn
+from quantlens.quantization.overrides import OverrideCall
+from quantlens.quantization.record import OpSiteRecord
+from quantlens.quantization.table_overrides import (
+    DivOverride,
+    ElementwiseOverride,
+    LayerNormOverride,
+    SoftmaxOverride,
+    TableOverride,
+    _arg,
+    _float_leaves,
+    _layer_norm_call,
+    _softmax_call,
+)
+
+__all__ = ["TableOpSpec", "TABLE_OP_SPECS", "table_op_spec"]
+
+Params = dict[str, Any]
+#: (params, weight, bias) a site's tables are built for; params ``None``: this call is not a table op
+SiteParams = tuple[Params | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def _no_params(call: OverrideCall) -> Params:
+    return {}
+
+
+@dataclass(frozen=True)
+class TableOpSpec:
+    """One table op type. See the module docstring."""
+
+    op_type: str
+    #: the :class:`~.table_overrides.TableOverride` subclass built for a site: ``cls(site, op_type, input_fqs,
+    #: output_fq, params)`` (``LayerNormOverride`` also takes ``weight, bias``)
+    override_cls: type[TableOverride]
+    #: elementwise ops: the float op of the prepared model, ``torch_op(x, **params)``
+    torch_op: Callable[..., torch.Tensor] | None = None
+    #: elementwise ops: the real function the table samples, ``function(x, **params)`` in float64 (§13.4);
+    #: ``None``: ``torch_op`` (the two agree on every input)
+    function: Callable[..., torch.Tensor] | None = None
+    #: the call parameters the tables depend on: module attributes, call arguments, or the defaults (a call
+    #: with no arguments); ``None``: this call is not a table op (the site stays float)
+    params_from_call: Callable[[OverrideCall], Params | None] = _no_params
+    #: a function-call site's parameters are only known when it runs: pre_export reads them on one forward of
+    #: its ``example_inputs`` (without them, ``site_params`` decides: the defaults, or an error)
+    needs_call_args: bool = False
+    #: non-elementwise ops: ``site_params(rec, module, call)`` -> (params, weight, bias), ``call`` the captured
+    #: call or ``None``; the default is ``params_from_call`` of the captured call or of the module / defaults
+    site_params: Callable[[OpSiteRecord, torch.nn.Module | None, OverrideCall | None], SiteParams] | None = None
+    #: non-elementwise ops: the float op, ``float_fn(call, site)``
+    float_fn: Callable[[OverrideCall, str], Any] | None = None
+    #: quantized tensor inputs the table reads (a site with fewer float tensor inputs is not a table op)
+    inputs: int = 1
+    #: what an int16 input of an elementwise op gets: ``"segmented"`` (§13.3) or ``"mantissa_reciprocal"``
+    #: (§13.5); ``""`` for the other ops (their override decides)
+    int16: str = "segmented"
+
+    @property
+    def elementwise(self) -> bool:
+        """One table per site on one input (§13.4)."""
+        return self.torch_op is not None
+
+    def real_function(self, **params) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``f`` of the table (float64), for the given parameters."""
+        fn = self.function or self.torch_op
+        if fn is None:
+            raise QuantLensError(f"{self.op_type} is not an elementwise table op; it has no table function.")
+        return lambda x: fn(x, **params)
+
+    def float_op(self, call: OverrideCall, site: str = "") -> Any:
+        """What the prepared model computes at the site before its output fake quant."""
+        if self.float_fn is not None:
+            return self.float_fn(call, site)
+        params = self.params_from_call(call)
+        if params is None:  # not a table op call (2 ** x): the user's call itself
+            return call.func(*call.args, **call.kwargs)
+        return self.torch_op(_float_leaves(call)[0], **params)
+
+    def resolve(self, rec: OpSiteRecord, module: torch.nn.Module | None, call: OverrideCall | None) -> SiteParams:
+        """The (params, weight, bias) site ``rec``'s tables are built for (``call``: the captured call, if any)."""
+        if self.site_params is not None:
+            return self.site_params(rec, module, call)
+        fake = OverrideCall(rec.name, rec.op_type, (), {}, module, [], None) if call is None else call
+        return self.params_from_call(fake), None, None
+
+    def applies(self, rec: OpSiteRecord) -> bool:
+        """Whether site ``rec`` (with a quantized output) has the float tensor inputs of this table op."""
+        if self.elementwise and len(rec.inputs) > 1:
+            return False  # an elementwise table reads one tensor (x ** y with a tensor y stays float)
+        return len(rec.inputs) >= self.inputs and bool(rec.inputs)
+
+
+# -- call parameters ------------------------------------------------------------------------------------------
+
+
+def _gelu_params(call: OverrideCall) -> Params:
+    module = call.module
+    return {"approximate": module.approximate if module is not None else _arg(call, 1, "approximate", "none")}
+
+
+def _softplus_params(call: OverrideCall) -> Params:
+    return {"beta": float(_arg(call, 1, "beta", 1.0)), "threshold": float(_arg(call, 2, "threshold", 20.0))}
+
+
+def _elu_params(call: OverrideCall) -> Params:
+    module = call.module
+    return {"alpha": float(module.alpha if module is not None else _arg(call, 1, "alpha", 1.0))}
+
+
+def _pow_params(call: OverrideCall) -> Params | None:
+    """``x ** c``, ``torch.pow(x, c)``, ``x.pow(c)`` with a Python number ``c``. ``c ** x`` (``__rpow__``) and a
+    tensor exponent are not table ops."""
+    if getattr(call.func, "__name__", "") == "__rpow__":
+        return None
+    base = call.args[0] if call.args else call.kwargs.get("input", call.kwargs.get("self"))
+    exponent = _arg(call, 1, "exponent", None)
+    if not isinstance(base, torch.Tensor) or isinstance(exponent, bool) or not isinstance(exponent, (int, float)):
+        return None
+    return {"exponent": exponent}
+
+
+def _pow_site(rec: OpSiteRecord, module, call: OverrideCall | None) -> SiteParams:
+    if call is None:
+        raise QuantLensError(
+            f"pre_export: op site '{rec.name}' calls pow (at {rec.source}); its exponent is only known when it "
+            "runs. Pass example inputs: pre_export(model, example_inputs=...)."
+        )
+    return _pow_params(call), None, None
+
+
+def _softmax_site(rec: OpSiteRecord, module, call: OverrideCall | None) -> SiteParams:
+    shape = rec.inputs[0].shape
+    length = shape[-1] if shape else 1
+    if module is not None and module.dim is not None and shape:
+        length = shape[module.dim]
+    elif call is not None:
+        dim = _arg(call, 1, "dim", None)
+        if dim is not None and shape:
+            length = shape[int(dim)]
+    return {"length": int(length)}, None, None
+
+
+def _layer_norm_site(rec: OpSiteRecord, module, call: OverrideCall | None) -> SiteParams:
+    if module is not None:
+        return ({"normalized_shape": tuple(module.normalized_shape), "eps": float(module.eps)},
+                module.weight, module.bias)
+    if call is None:
+        raise QuantLensError(
+            f"pre_export: op site '{rec.name}' calls layer_norm as a function (at {rec.source}); its "
+            "normalized shape, weight, bias and eps are only known when it runs. Pass example inputs: "
+            "pre_export(model, example_inputs=...), or use an nn.LayerNorm module."
+        )
+    shape, weight, bias, eps = _layer_norm_call(call)
+    return {"normalized_shape": shape, "eps": eps}, weight, bias
+
+
+# -- float ops of the non-elementwise table ops --------------------------------------------------------------
+
+
+def _div_float(call: OverrideCall, site: str) -> Any:
+    return torch.div(*call.args, **call.kwargs)
+
+
+def _softmax_float(call: OverrideCall, site: str) -> Any:
+    dim, dtype = _softmax_call(call, site)
+    return torch.softmax(_float_leaves(call)[0], dim, dtype=dtype)
+
+
+def _layer_norm_float(call: OverrideCall, site: str) -> Any:
+    shape, w, b, eps = _layer_norm_call(call)
+    return F.layer_norm(_float_leaves(call)[0], shape, w, b, eps)
+
+
+# -- the registry ---------------------------------------------------------------------------------------------
+
+
+def _elementwise(op_type: str, torch_op, function=None, params=_no_params, needs_call_args=False,
+                 site_params=None, int16="segmented") -> TableOpSpec:
+    return TableOpSpec(op_type, ElementwiseOverride, torch_op=torch_op, function=function, params_from_call=params,
+                       needs_call_args=needs_call_args, site_params=site_params, int16=int16)
+
+
+_SPECS = [
+    # elementwise (§13.4): the float op, then (where it differs) the real function with its out-of-domain rule
+    _elementwise("sigmoid", lambda x: torch.sigmoid(x)),
+    _elementwise("tanh", lambda x: torch.tanh(x)),
+    _elementwise("exp", lambda x: torch.exp(x)),
+    _elementwise("gelu", lambda x, approximate="none": F.gelu(x, approximate=approximate), params=_gelu_params,
+                 needs_call_args=True),
+    _elementwise("silu", lambda x: F.silu(x)),
+    _elementwise("softplus", lambda x, beta=1.0, threshold=20.0: F.softplus(x, beta=float(beta),
+                                                                            threshold=float(threshold)),
+                 params=_softplus_params, needs_call_args=True),
+    _elementwise("reciprocal", lambda x: torch.reciprocal(x), lambda x: reciprocal_fn(x),
+                 int16="mantissa_reciprocal"),
+    _elementwise("sqrt", lambda x: torch.sqrt(x), lambda x: sqrt_fn(x)),
+    _elementwise("rsqrt", lambda x: torch.rsqrt(x), lambda x: rsqrt_fn(x)),
+    _elementwise("log", lambda x: torch.log(x), lambda x: log_fn(x)),
+    _elementwise("pow", lambda x, exponent: torch.pow(x, exponent), pow_fn, params=_pow_params,
+                 needs_call_args=True, site_params=_pow_site),
+    _elementwise("erf", lambda x: torch.erf(x)),
+    _elementwise("hardswish", lambda x: F.hardswish(x)),
+    _elementwise("hardsigmoid", lambda x: F.hardsigmoid(x)),
+    _elementwise("elu", lambda x, alpha=1.0: F.elu(x, alpha=float(alpha)), params=_elu_params, needs_call_args=True),
+    # the composite table ops (§13.5-§13.7)
+    TableOpSpec("div", DivOverride, float_fn=_div_float, inputs=2, int16=""),
+    TableOpSpec("softmax", SoftmaxOverride, float_fn=_softmax_float, site_params=_softmax_site, int16=""),
+    TableOpSpec("layer_norm", LayerNormOverride, float_fn=_layer_norm_float, site_params=_layer_norm_site,
+                needs_call_args=True, int16=""),
+]
+
+#: every table op type, by the op site's op type
+TABLE_OP_SPECS: dict[str, TableOpSpec] = {spec.op_type: spec for spec in _SPECS}
+
+
+def table_op_spec(op_type: str) -> TableOpSpec:
+    spec = TABLE_OP_SPECS.get(op_type)
+    if spec is None:
+        raise QuantLensError(f"{op_type!r} is not a table op; table ops: {sorted(TABLE_OP_SPECS)}.")
+    return spec
