@@ -62,3 +62,23 @@ def test_stage_support_follows_from_the_ir_ops():
 def test_docs_ops_md_is_generated_from_the_op_set():
     path = Path(__file__).resolve().parents[1] / "docs" / "ops.md"
     assert path.read_text() == render_markdown(), "regenerate: python -m quantlens.opset > docs/ops.md"
+
+
+def test_the_interpreter_refuses_ops_the_op_set_does_not_give_that_ir_kind():
+    import torch
+
+    from quantlens.compiler.ir import Graph, Module, Node, ValueInfo
+    from quantlens.errors import QuantLensError
+
+    def module(kind, op):
+        graph = Graph([Node(op, ["x"], ["y"], {}, "site_a")], ["x"], ["y"], {}, {"x": ValueInfo((2,), "float32")})
+        return Module(kind, graph, [], "", "")
+
+    feeds = {"x": torch.ones(2)}
+    assert torch.equal(module("qat", "relu").run(feeds)[0], torch.ones(2))
+    with pytest.raises(QuantLensError, match=r"op 'requantize' \(op site 'site_a'\) is not an op of a qat IR"):
+        module("qat", "requantize").run(feeds)
+    with pytest.raises(QuantLensError, match=r"op 'sigmoid' .* is not an op of a quantized IR"):
+        module("quantized", "sigmoid").run(feeds)
+    with pytest.raises(QuantLensError, match=r"op 'no_such_op'"):
+        module("qat", "no_such_op").run(feeds)

@@ -599,7 +599,7 @@ def _embedding(c, node):
     c.emit(node, "embedding", [table.name, ids], {}, table.qdtype, table.scale)
 
 
-@converter("argmax", "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or", "cast")
+@converter(*sorted(ops_in(Category.INDEX, level="qat")))
 def _non_numeric(c, node):
     """Ops whose result is an index or a mask: computed on the integer values (order is preserved)."""
     if any(v in c.q for v in node.inputs) and node.op not in ("argmax",):

@@ -15,6 +15,7 @@ from quantlens.compiler.ir import Graph, Module, Node
 from quantlens.compiler.lowering import TORCH_OPS
 from quantlens.errors import QuantLensError
 from quantlens.kernels import TABLE_OP_IO, table_torch_op
+from quantlens.opset import IR_OPS
 
 __all__ = ["run_graph", "QAT_KERNELS", "qat_kernel", "call_torch_op"]
 
@@ -96,6 +97,15 @@ def run_graph(module: Module, feeds: dict[str, torch.Tensor], observer: Callable
         if name not in feeds:
             raise QuantLensError(f"IR input '{name}' was not given; inputs are {graph.inputs}.")
         env[name] = feeds[name]
+    allowed = ("qat", "both") if module.kind == "qat" else ("quantized", "both")
+    for node in graph.nodes:  # the op set says which ops each IR kind may hold (docs/ops.md)
+        op = IR_OPS.get(node.op)
+        if op is None or (op.level not in allowed and not node.attrs.get("host")):
+            raise QuantLensError(
+                f"{module.kind} IR: op '{node.op}' (op site '{node.site}') is not an op of a {module.kind} IR in "
+                "quantlens.opset (docs/ops.md lists them); the file or graph was made by another quantlens "
+                "version or edited by hand. Export it again."
+            )
     if module.kind == "qat":
         dispatch = qat_dispatch
     else:

@@ -285,7 +285,7 @@ def _nearest1d(node, inputs):
     return call_torch_op(TORCH_OPS[node.op], node, [_exact(q)]).to(q.dtype)
 
 
-@int_kernel("topk", "sort", "max_dim")
+@int_kernel(*sorted(ops_in(index_outputs=True)))
 def _values_and_indices(node, inputs):
     q = inputs[0]
     values, indices = call_torch_op(TORCH_OPS[node.op], node, [_exact(q)])

@@ -16,6 +16,7 @@ import torch
 from quantlens.compiler.ir import Node
 from quantlens.compiler.onnx_builder import _Builder, _onnx_dtype
 from quantlens.kernels import TABLE_OP_IO
+from quantlens.opset import IR_OPS, Category
 
 __all__ = ["ONNX_CONVERTERS", "onnx_converter"]
 
@@ -259,7 +260,7 @@ _UNARY = {"relu": "Relu", "sigmoid": "Sigmoid", "tanh": "Tanh", "exp": "Exp", "r
 @onnx_converter(*_UNARY)
 def _unary(b: _Builder, node: Node) -> None:
     x = b.value(node.inputs[0])
-    if node.op in ("sigmoid", "tanh", "exp", "reciprocal", "sqrt", "erf", "log"):
+    if IR_OPS[node.op].category is Category.TABLE:
         x = b.cast(x, b.out_dtype(node))  # torch promotes integer inputs to float
     b.add(_UNARY[node.op], [x], node.outputs[0])
 
@@ -528,23 +529,25 @@ def _adaptive_avg_pool(b: _Builder, node: Node) -> None:
     b.add("AveragePool", [b.value(x)], node.outputs[0], kernel_shape=kernel, strides=kernel)
 
 
-@onnx_converter("upsample_nearest2d", "upsample_bilinear2d")
+@onnx_converter("upsample_nearest1d", "upsample_nearest2d", "upsample_bilinear2d")
 def _upsample(b: _Builder, node: Node) -> None:
+    """``Resize`` on the spatial axes (2, or 2 and 3): nearest is ``asymmetric``/``floor`` (torch's ``nearest``)."""
     a = node.attrs
     out = node.outputs[0]
+    n = 1 if node.op.endswith("1d") else 2
     if a.get("output_size"):
-        inputs = [b.value(node.inputs[0]), "", "", b.ints(_pair(a["output_size"], 2), f"{out}/sizes")]
+        inputs = [b.value(node.inputs[0]), "", "", b.ints(_pair(a["output_size"], n), f"{out}/sizes")]
     elif a.get("scale_factors"):
-        scales = torch.tensor([float(s) for s in _pair_f(a["scale_factors"])], dtype=torch.float32)
-        inputs = [b.value(node.inputs[0]), "", b.init(scales, f"{out}/scales")]
+        factors = _pair_f(a["scale_factors"]) if n == 2 else [float(s) for s in a["scale_factors"]][:1]
+        inputs = [b.value(node.inputs[0]), "", b.init(torch.tensor(factors, dtype=torch.float32), f"{out}/scales")]
     else:
         raise b.error(node, "neither output_size nor scale_factors is set", "Give interpolate a size or scale.")
-    if node.op == "upsample_nearest2d":
+    if node.op.startswith("upsample_nearest"):
         attrs = {"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}
     else:
         attrs = {"mode": "linear", "coordinate_transformation_mode":
                  "align_corners" if a.get("align_corners") else "pytorch_half_pixel"}
-    b.add("Resize", inputs, out, axes=[2, 3], **attrs)
+    b.add("Resize", inputs, out, axes=list(range(2, 2 + n)), **attrs)
 
 
 @onnx_converter("max_pool1d")
@@ -558,22 +561,6 @@ def _avg_pool1d(b: _Builder, node: Node) -> None:
     include = int(bool(node.attrs.get("count_include_pad", True)))
     b.add("AveragePool", [b.value(node.inputs[0])], node.outputs[0], count_include_pad=include,
           **_pool_attrs(b, node, 1))
-
-
-@onnx_converter("upsample_nearest1d")
-def _upsample_nearest1d(b: _Builder, node: Node) -> None:
-    """``Resize(nearest, asymmetric, floor)`` on axis 2, like ``upsample_nearest2d`` on axes 2, 3."""
-    a = node.attrs
-    out = node.outputs[0]
-    if a.get("output_size"):
-        inputs = [b.value(node.inputs[0]), "", "", b.ints(_pair(a["output_size"], 1), f"{out}/sizes")]
-    elif a.get("scale_factors"):
-        scales = torch.tensor([float(s) for s in a["scale_factors"]][:1], dtype=torch.float32)
-        inputs = [b.value(node.inputs[0]), "", b.init(scales, f"{out}/scales")]
-    else:
-        raise b.error(node, "neither output_size nor scale_factors is set", "Give interpolate a size or scale.")
-    b.add("Resize", inputs, out, axes=[2], mode="nearest", coordinate_transformation_mode="asymmetric",
-          nearest_mode="floor")
 
 
 @onnx_converter("pixel_shuffle", "pixel_unshuffle")

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from quantlens.opset import op_def
 from quantlens.march import QuantDType
 from quantlens.profiler.compare import LayerComparison, LayerRow
 
@@ -221,7 +222,8 @@ def dequant_not_high_precision(ctx: AdvisorContext) -> list[Finding]:
             continue
         producer = row.producer or "the op before it"
         ptype = ctx.comparison[row.producer].analy_op_type if row.producer in {r.op_name for r in ctx.comparison} else ""
-        if ptype in ("conv1d", "conv2d", "linear"):
+        op = op_def(ptype)
+        if op is not None and op.gemm and op.weight_args:  # conv, transposed conv, linear
             advice = (f"give '{producer}' an int32 high-precision output: QConfig(output=QuantSpec('qint32')) "
                       "(the default templates do this when a conv/linear feeds only DeQuantStubs)")
         else:

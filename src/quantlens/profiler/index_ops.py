@@ -22,13 +22,14 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from quantlens.opset import OPS, Category
 from quantlens.quantization import tracer
 from quantlens.quantization.op_rules import canonical_op_name
 
 __all__ = ["substitute_indices", "IndexOpMode", "INDEX_ONLY_OPS"]
 
-#: ops whose whole result is an index tensor
-INDEX_ONLY_OPS = ("argmax", "argmin", "argsort")
+#: ops whose whole result is an index tensor (the op set's index ops that produce indices)
+INDEX_ONLY_OPS = tuple(sorted(n for n, op in OPS.items() if op.category is Category.INDEX and op.index_producing))
 
 
 def _int_arg(args: tuple, kwargs: dict, pos: int, name: str, default: Any) -> Any:
