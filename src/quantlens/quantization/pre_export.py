@@ -36,7 +36,7 @@ from quantlens.quantization.overrides import OverrideCall, SiteOverride
 from quantlens.quantization.plan import OutputMode, SitePlan, fq_key
 from quantlens.quantization.prepare import QuantState, is_prepared
 from quantlens.quantization.record import OpSiteRecord, call_model
-from quantlens.quantization.table_overrides import LayerNormOverride, LutSiteInfo, SoftmaxOverride, TableOverride
+from quantlens.quantization.table_overrides import LutSiteInfo, SoftmaxOverride, TableOverride
 from quantlens.quantization.table_registry import TABLE_OP_SPECS, table_op_spec
 
 __all__ = [
@@ -196,9 +196,7 @@ def _build(model, state, rec, plan, resolved) -> TableOverride:
     params, weight, bias = resolved
     spec = table_op_spec(rec.op_type)
     fqs, out_fq = _site_fqs(model, state, rec, plan, spec.inputs)
-    if spec.override_cls is LayerNormOverride:
-        return LayerNormOverride(rec.name, rec.op_type, fqs, out_fq, params, weight, bias)
-    return spec.override_cls(rec.name, rec.op_type, fqs, out_fq, params)
+    return spec.override_cls(rec.name, rec.op_type, fqs, out_fq, params, weight, bias)
 
 
 def _state(model: nn.Module, what: str) -> QuantState:

@@ -219,7 +219,8 @@ class ElementwiseOverride(TableOverride):
     rsqrt, log, pow, erf, hardswish, hardsigmoid, elu): one table (or, for an int16 reciprocal, the mantissa rule). Buffers: ``entries`` (Table256), or ``bounds``/``shifts``/``entries``/``tails``
     (SegmentedTable), or ``params_q`` = [M, shift] (mantissa reciprocal)."""
 
-    def __init__(self, site, op_type, input_fqs, output_fq, params):
+    def __init__(self, site, op_type, input_fqs, output_fq, params, weight=None, bias=None):
+        # weight/bias: affine parameters, which only layer_norm has (one constructor for every table op)
         super().__init__(site, op_type, input_fqs, output_fq, params)
         s_in, s_out = float(input_fqs[0].scale), float(output_fq.scale)
         in_dtype, out_dtype = input_fqs[0].dtype, output_fq.dtype
@@ -296,7 +297,8 @@ class DivOverride(TableOverride):
 
     kind = "div"
 
-    def __init__(self, site, op_type, input_fqs, output_fq, params):
+    def __init__(self, site, op_type, input_fqs, output_fq, params, weight=None, bias=None):
+        # weight/bias: affine parameters, which only layer_norm has (one constructor for every table op)
         super().__init__(site, op_type, input_fqs, output_fq, params)
         s_x, s_y = float(input_fqs[0].scale), float(input_fqs[1].scale)
         m = div_multiplier(s_x, s_y, float(output_fq.scale))
@@ -336,7 +338,8 @@ class SoftmaxOverride(TableOverride):
 
     kind = "softmax"
 
-    def __init__(self, site, op_type, input_fqs, output_fq, params):
+    def __init__(self, site, op_type, input_fqs, output_fq, params, weight=None, bias=None):
+        # weight/bias: affine parameters, which only layer_norm has (one constructor for every table op)
         super().__init__(site, op_type, input_fqs, output_fq, params)
         s_in, s_out = float(input_fqs[0].scale), float(output_fq.scale)
         table = softmax_exp_table(s_in, input_fqs[0].dtype, output_fq.dtype)
@@ -400,7 +403,7 @@ class LayerNormOverride(TableOverride):
 
     kind = "layer_norm"
 
-    def __init__(self, site, op_type, input_fqs, output_fq, params, weight, bias):
+    def __init__(self, site, op_type, input_fqs, output_fq, params, weight=None, bias=None):
         super().__init__(site, op_type, input_fqs, output_fq, params)
         n = int(math.prod(params["normalized_shape"]))
         c = layer_norm_constants(float(input_fqs[0].scale), float(output_fq.scale), input_fqs[0].dtype, n,
