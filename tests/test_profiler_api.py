@@ -194,13 +194,15 @@ def test_errors_are_clear(resnet, tmp_path):
     float_model, calib = resnet
     with pytest.raises(QuantLensError, match="Unknown analysis_model_type 'fakequant'.*fake_quant"):
         QuantAnalysis(float_model, calib, "fakequant")
-    for kind in ("export", "convert"):
-        with pytest.raises(QuantLensError, match="comes with the IR and is not supported yet"):
+    for kind, want in (("export", "qat IR"), ("convert", "quantized IR")):
+        with pytest.raises(QuantLensError, match=f"analysis_model must be the {want}"):
             QuantAnalysis(float_model, calib, kind)
     with pytest.raises(QuantLensError, match="analysis_model is a float model"):
         QuantAnalysis(float_model, float_model, "fake_quant")
-    with pytest.raises(QuantLensError, match="must be a torch.nn.Module"):
+    with pytest.raises(QuantLensError, match="model file 'calib.pt' does not exist"):
         QuantAnalysis(float_model, "calib.pt", "fake_quant")
+    with pytest.raises(QuantLensError, match="must be a torch.nn.Module"):
+        QuantAnalysis(float_model, 3, "fake_quant")
     with pytest.raises(QuantLensError, match="post_process must be a callable"):
         QuantAnalysis(float_model, calib, "fake_quant", post_process=3)
     qa = QuantAnalysis(float_model, calib, "fake_quant", out_dir=tmp_path, progress=False)
@@ -242,5 +244,5 @@ def test_models_whose_op_sites_do_not_match(tmp_path):
 
     qa2 = QuantAnalysis(Wrapped(), digits_calib, "fake_quant", out_dir=tmp_path, progress=False)
     qa2.set_bad_case(example_inputs("digits_cnn"))
-    with pytest.raises(QuantLensError, match=r"op sites of the two models do not match.*prepared from the baseline"):
+    with pytest.raises(QuantLensError, match=r"op sites of the two models do not match.*come from the baseline model"):
         qa2.run()

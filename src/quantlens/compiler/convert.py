@@ -63,6 +63,9 @@ class _Converter:
         self.float_values: dict[str, str] = {}  # qat value -> float value of the quantized IR (inputs, outputs)
         #: scalar mul/div nodes folded into the preceding GEMM's requantize multiplier
         self.folded: set[str] = set()
+        #: qat value -> the op site of the fake quant whose grid the integer op requantizes to (a BatchNorm or
+        #: ReLU fused into a conv): the profiler attributes the integer value to that site ("output_site")
+        self.grid_sites: dict[str, str] = {}
         self.counter = 0
         for name in qat.graph.inputs:
             self.float_values[name] = name
@@ -86,6 +89,9 @@ class _Converter:
              scale: torch.Tensor | None, axis: int | None = None, src_out: str | None = None) -> str:
         src_out = src_out or node.outputs[0]
         name = self.fresh(src_out)
+        grid_site = self.grid_sites.get(src_out)
+        if qdtype is not None and grid_site and grid_site != node.site:
+            attrs = {**attrs, "output_site": grid_site}
         self.out.nodes.append(Node(op, inputs, [name], attrs, node.site))
         info = self.src.values.get(src_out, ValueInfo((), "unknown"))
         if qdtype is not None:
@@ -130,6 +136,7 @@ class _Converter:
             user = users[0]
             if user.op == "fake_quant" and user.inputs[0] == value:
                 grid = _fq_dtype(user.attrs["qmin"]), self.src.constants[user.inputs[1]].to(torch.float32)
+                self.grid_sites[node.outputs[0]] = user.site
                 if not fold_scalars:
                     return grid
                 self.folded.update(folded)
@@ -161,7 +168,27 @@ class _Converter:
             converter(self, node)
         for value in self.src.outputs:
             self.out.outputs.append(self.boundary_output(value))
+        self._name_scales()
         return self.out
+
+    def _name_scales(self) -> None:
+        """Every integer value names its scale constant (passthrough results share their input's), so a reader
+        of the quantized IR (the profiler, a runtime) can dequantize any value."""
+        by_scale: dict[int, str] = {}
+        for info in self.q.values():
+            value = self.out.values.get(info.name)
+            if value is None or not value.qdtype:
+                continue
+            if value.scale is not None:
+                by_scale.setdefault(id(info.scale), value.scale)
+        for info in self.q.values():
+            value = self.out.values.get(info.name)
+            if value is None or not value.qdtype or value.scale is not None:
+                continue
+            if id(info.scale) not in by_scale:
+                by_scale[id(info.scale)] = self.const(info.scale, f"{info.name}_scale")
+            value.scale = by_scale[id(info.scale)]
+            value.axis = info.axis
 
     def is_host_op(self, node: Node) -> bool:
         """Float post-processing after the boundary (all inputs are float values that left the NPU)."""

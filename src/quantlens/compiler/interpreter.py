@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -17,7 +18,7 @@ from quantlens.errors import QuantLensError
 from quantlens.kernels import TABLE_OP_IO, table_torch_op
 from quantlens.opset import IR_OPS
 
-__all__ = ["run_graph", "QAT_KERNELS", "qat_kernel", "call_torch_op"]
+__all__ = ["run_graph", "run_nodes", "RunHooks", "QAT_KERNELS", "qat_kernel", "call_torch_op", "check_ops"]
 
 QAT_KERNELS: dict[str, Callable[[Node, list], Any]] = {}
 
@@ -90,15 +91,35 @@ def qat_dispatch(node: Node, inputs: list) -> Any:
     return call_torch_op(torch_op, node, inputs)
 
 
-def run_graph(module: Module, feeds: dict[str, torch.Tensor], observer: Callable | None = None) -> list:
-    graph: Graph = module.graph
-    env: dict[str, Any] = dict(graph.constants)
-    for name in graph.inputs:
-        if name not in feeds:
-            raise QuantLensError(f"IR input '{name}' was not given; inputs are {graph.inputs}.")
-        env[name] = feeds[name]
+@dataclass
+class RunHooks:
+    """The interpreter's public hooks (what the profiler builds on):
+
+    * ``observer(node, inputs, outputs)``: called after every node;
+    * ``override(node, inputs) -> outputs | None``: a per-node kernel override; a non-``None`` result is used
+      instead of the node's kernel (which then does not run);
+    * ``substitute(node, inputs, outputs) -> outputs | None``: per-node output substitution after the kernel ran;
+      a non-``None`` result replaces the node's outputs for the rest of the run.
+    """
+
+    observer: Callable | None = None
+    override: Callable | None = None
+    substitute: Callable | None = None
+
+
+def dispatch_for(module: Module) -> Callable[[Node, list], Any]:
+    """The kernel registry of the module's IR kind."""
+    if module.kind == "qat":
+        return qat_dispatch
+    from quantlens.compiler.kernels_int import int_dispatch
+
+    return int_dispatch
+
+
+def check_ops(module: Module) -> None:
+    """Every node's op must be an op of the module's IR kind in the op set (docs/ops.md)."""
     allowed = ("qat", "both") if module.kind == "qat" else ("quantized", "both")
-    for node in graph.nodes:  # the op set says which ops each IR kind may hold (docs/ops.md)
+    for node in module.graph.nodes:
         op = IR_OPS.get(node.op)
         if op is None or (op.level not in allowed and not node.attrs.get("host")):
             raise QuantLensError(
@@ -106,12 +127,44 @@ def run_graph(module: Module, feeds: dict[str, torch.Tensor], observer: Callable
                 "quantlens.opset (docs/ops.md lists them); the file or graph was made by another quantlens "
                 "version or edited by hand. Export it again."
             )
-    if module.kind == "qat":
-        dispatch = qat_dispatch
-    else:
-        from quantlens.compiler.kernels_int import int_dispatch
 
-        dispatch = int_dispatch
+
+def _outputs(node: Node, result: Any) -> list:
+    outs = list(result) if isinstance(result, (list, tuple)) else [result]
+    if len(outs) != len(node.outputs):
+        raise QuantLensError(
+            f"IR kernel for '{node.op}' returned {len(outs)} outputs, expected {len(node.outputs)} "
+            f"(op site '{node.site}')."
+        )
+    return outs
+
+
+def run_nodes(module: Module, nodes: list[Node], env: dict[str, Any]) -> dict[str, Any]:
+    """Evaluate ``nodes`` (a part of the module's graph, in order) on the values in ``env``, which is updated
+    with their outputs and returned. Every input must be in ``env`` or a constant."""
+    dispatch = dispatch_for(module)
+    with torch.no_grad():
+        for node in nodes:
+            inputs = [(env[name] if name in env else module.graph.constants[name]) if name else None
+                      for name in node.inputs]
+            for name, value in zip(node.outputs, _outputs(node, dispatch(node, inputs))):
+                env[name] = value
+    return env
+
+
+def run_graph(module: Module, feeds: dict[str, torch.Tensor], observer: Callable | None = None,
+              hooks: RunHooks | None = None) -> list:
+    graph: Graph = module.graph
+    hooks = hooks or RunHooks(observer=observer)
+    if observer is not None and hooks.observer is None:
+        hooks.observer = observer
+    env: dict[str, Any] = dict(graph.constants)
+    for name in graph.inputs:
+        if name not in feeds:
+            raise QuantLensError(f"IR input '{name}' was not given; inputs are {graph.inputs}.")
+        env[name] = feeds[name]
+    check_ops(module)
+    dispatch = dispatch_for(module)
     # Free each value after its last use: memory stays bounded by the live set, not the whole network.
     last_use: dict[str, int] = {}
     for i, node in enumerate(graph.nodes):
@@ -121,17 +174,16 @@ def run_graph(module: Module, feeds: dict[str, torch.Tensor], observer: Callable
     with torch.no_grad():
         for i, node in enumerate(graph.nodes):
             inputs = [env[name] if name else None for name in node.inputs]
-            result = dispatch(node, inputs)
-            outs = list(result) if isinstance(result, (list, tuple)) else [result]
-            if len(outs) != len(node.outputs):
-                raise QuantLensError(
-                    f"IR kernel for '{node.op}' returned {len(outs)} outputs, expected {len(node.outputs)} "
-                    f"(op site '{node.site}')."
-                )
+            result = hooks.override(node, inputs) if hooks.override is not None else None
+            outs = _outputs(node, dispatch(node, inputs) if result is None else result)
+            if hooks.substitute is not None:
+                replaced = hooks.substitute(node, inputs, outs)
+                if replaced is not None:
+                    outs = _outputs(node, replaced)
             for name, value in zip(node.outputs, outs):
                 env[name] = value
-            if observer is not None:
-                observer(node, inputs, outs)
+            if hooks.observer is not None:
+                hooks.observer(node, inputs, outs)
             for name in node.inputs:
                 if name and last_use.get(name) == i and name not in keep:
                     env.pop(name, None)

@@ -121,6 +121,12 @@ class Module:
             return dict(kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         expected = pytree.treespec_loads(self.input_spec)
+        if spec != expected:
+            deployed = self._deployment_spec()
+            if spec == deployed:  # the deployment format: the same structure without the non-tensor leaves
+                tensors = iter(leaves)
+                leaves = [next(tensors) if info.kind == "tensor" else info.value for info in self.input_leaves]
+                spec = expected
         if spec != expected or len(leaves) != len(self.input_leaves):
             raise QuantLensError(
                 "The IR model was exported for inputs of structure "
@@ -141,12 +147,22 @@ class Module:
                 )
         return feeds
 
-    def run(self, feeds: dict[str, torch.Tensor], observer: Callable | None = None) -> list[torch.Tensor]:
+    def _deployment_spec(self):
+        """The input structure without its non-tensor leaves (seed 2.3.2's deployment format): a task list is
+        dropped, a dict loses its non-tensor entries, containers left empty disappear."""
+        marker = object()
+        tree = pytree.tree_unflatten([None if leaf.kind == "tensor" else marker for leaf in self.input_leaves],
+                                     pytree.treespec_loads(self.input_spec))
+        return pytree.tree_flatten(_prune(tree, marker))[1]
+
+    def run(self, feeds: dict[str, torch.Tensor], observer: Callable | None = None, hooks: Any = None
+            ) -> list[torch.Tensor]:
         """Run the graph on named inputs; returns the flat outputs. ``observer(node, inputs, outputs)`` is called
-        after every node (the profiler's hook)."""
+        after every node; ``hooks`` (:class:`~quantlens.compiler.interpreter.RunHooks`) adds per-node kernel
+        override and output substitution (the profiler's hooks)."""
         from quantlens.compiler.interpreter import run_graph
 
-        return run_graph(self, feeds, observer)
+        return run_graph(self, feeds, observer, hooks)
 
     def __call__(self, *args, **kwargs):
         feeds = self._feeds_from_call(args, kwargs)
@@ -168,6 +184,28 @@ class Module:
         lines = [f"quantlens IR ({self.kind}), inputs {self.graph.inputs} -> outputs {self.graph.outputs}"]
         lines += [f"  {node!r}" for node in self.graph.nodes]
         return "\n".join(lines)
+
+
+_EMPTY = object()
+
+
+def _prune(tree: Any, marker: object) -> Any:
+    """``tree`` without the leaves that are ``marker`` (and without containers that end up empty, except the
+    top-level (args, kwargs) pair and its args tuple)."""
+    def walk(node, top=False):
+        if node is marker:
+            return _EMPTY
+        if isinstance(node, dict):
+            kept = {k: walk(v) for k, v in node.items()}
+            kept = {k: v for k, v in kept.items() if v is not _EMPTY}
+            return kept if kept or top else _EMPTY
+        if isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
+            kept = [v for v in (walk(x) for x in node) if v is not _EMPTY]
+            return type(node)(kept) if kept or top else _EMPTY
+        return node
+
+    args, kwargs = tree
+    return walk(args, top=True), walk(kwargs, top=True)
 
 
 def _same_const(a: Any, b: Any) -> bool:

@@ -72,6 +72,12 @@ class LayerRow:
     producer: str = ""
     fused_into: str = ""
     nonfinite: str = ""  # "baseline" / "analysis" / "both" when an output holds NaN/Inf
+    #: deployed stages (export / convert): |diff| in units of the output LSB (the analysis op's scale), per op:
+    #: "bit-exact", "within 1 LSB", "within 4 LSB" or "diverged", and the histogram "0:n|1:n|2:n|3-4:n|5-8:n|>8:n"
+    lsb_verdict: str = ""
+    lsb_hist: str = ""
+    same_input_lsb_verdict: str = ""
+    same_input_lsb_hist: str = ""
     note: str = ""
 
     @property
@@ -86,10 +92,25 @@ COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(LayerRow))
 class LayerComparison(Sequence[LayerRow]):
     """The rows of :meth:`QuantAnalysis.compare_per_layer`, in execution order (a sequence of LayerRow)."""
 
-    def __init__(self, rows: list[LayerRow], baseline: str, analysis: str):
+    def __init__(self, rows: list[LayerRow], baseline: str, analysis: str,
+                 only_in_baseline: list[tuple[str, str]] | None = None,
+                 only_in_analysis: list[tuple[str, str]] | None = None):
         self.rows = rows
         self.baseline = baseline
         self.analysis = analysis
+        #: (op site, op type) traced on one side only (deployed stages: e.g. ops that lower to nothing)
+        self.only_in_baseline = list(only_in_baseline or [])
+        self.only_in_analysis = list(only_in_analysis or [])
+
+    @property
+    def first_diverged(self) -> LayerRow | None:
+        """The first op, in execution order, whose value diverged (more than 4 LSB) from the baseline."""
+        return next((r for r in self.rows if r.lsb_verdict == "diverged"), None)
+
+    @property
+    def first_inexact(self) -> LayerRow | None:
+        """The first op whose own integer kernel (same input) is not bit-exact."""
+        return next((r for r in self.rows if r.same_input_lsb_verdict not in ("", "bit-exact")), None)
 
     def __getitem__(self, item):
         if isinstance(item, str):
@@ -114,9 +135,12 @@ class LayerComparison(Sequence[LayerRow]):
         return [asdict(r) for r in self.rows]
 
 
-def check_site_match(base: TraceReader, analy: TraceReader) -> None:
-    """Raise when the two traces were made on different inputs or do not have the same op sites (the models
-    do not correspond)."""
+def check_site_match(base: TraceReader, analy: TraceReader, strict: bool = True) -> None:
+    """Raise when the two traces were made on different inputs or the models do not correspond.
+
+    ``strict`` (torch stages): the op sites must be the same. Otherwise (an IR on one side) sites may be on one
+    side only (ops that lower to nothing, a BatchNorm folded into its conv), but most of the analysis model's
+    sites must be the baseline's."""
     if base.input_digest != analy.input_digest:
         raise QuantLensError(
             f"The traces in {base.dir} and {analy.dir} were made on different bad cases (a new bad case was set "
@@ -127,12 +151,16 @@ def check_site_match(base: TraceReader, analy: TraceReader) -> None:
     if b == a:
         return
     only_b, only_a = sorted(b - a)[:5], sorted(a - b)[:5]
+    if not strict and len(a & b) >= 0.5 * max(1, min(len(a), len(b))):
+        return
+    why = ("" if strict else f" Only {len(a & b)} of the analysis model's {len(a)} op sites are in the baseline, "
+           "so these are not two stages of one model.")
     raise QuantLensError(
         f"The op sites of the two models do not match: {len(b - a)} only in the baseline (e.g. {only_b}), "
-        f"{len(a - b)} only in the analysis model (e.g. {only_a}). Expected the analysis model to be prepared "
-        "from the baseline model (same op site names) and both to run the same branches on the bad case. Fix: "
-        "pass the float model and the model prepare() returned for it, with the same input format (e.g. the "
-        "same task list)."
+        f"{len(a - b)} only in the analysis model (e.g. {only_a}).{why} Expected the analysis model to come from "
+        "the baseline model (prepare / pre_export / export / convert of it, same op site names) and both to run "
+        "the same branches on the bad case. Fix: pass the two neighbouring stages of one model, with the same "
+        "input format (e.g. the same task list)."
     )
 
 
@@ -213,21 +241,47 @@ def _selected(site: TracedSite, base_site: TracedSite, prefixes, types) -> bool:
 
 
 def compare_traces(base: TraceReader, analy: TraceReader, prefixes: Iterable[str] | None = None,
-                   types: Iterable | None = None) -> LayerComparison:
-    """Compare two traces op site by op site (loads one site's tensors at a time)."""
-    check_site_match(base, analy)
+                   types: Iterable | None = None, deployed: bool = False) -> LayerComparison:
+    """Compare two traces op site by op site (loads one site's tensors at a time).
+
+    ``deployed`` (export / convert): sites on one side only are listed rather than refused, and every row gets
+    its LSB verdict and histogram."""
+    check_site_match(base, analy, strict=not deployed)
     prefixes = [prefixes] if isinstance(prefixes, str) else list(prefixes or [])
     types = [types] if isinstance(types, str) or isinstance(types, type) else list(types or [])
     rows = []
     for site in analy.sites:
-        b = base.by_name[site.name]
-        if not _selected(site, b, prefixes, types):
+        b = base.by_name.get(site.name)
+        if b is None or not _selected(site, b, prefixes, types):
             continue
-        rows.append(_row(base, analy, b, site))
-    return LayerComparison(rows, base.description, analy.description)
+        rows.append(_row(base, analy, b, site, deployed))
+    only_b = [(s.name, s.op_type + (f" (fused into {s.fused_into})" if s.fused_into else ""))
+              for s in base.sites if s.name not in analy.by_name]
+    only_a = [(s.name, s.op_type) for s in analy.sites if s.name not in base.by_name]
+    return LayerComparison(rows, base.description, analy.description, only_b, only_a)
 
 
-def _row(base: TraceReader, analy: TraceReader, b: TracedSite, a: TracedSite) -> LayerRow:
+#: histogram buckets of |diff| in LSB: (label, low, high), inclusive
+LSB_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2", 2, 2), ("3-4", 3, 4), ("5-8", 5, 8), (">8", 9, math.inf))
+
+
+def lsb_report(base: list[torch.Tensor], analy: list[torch.Tensor], scale: float | None) -> dict[str, str]:
+    """``{verdict, hist}`` of ``|base - analy| / scale`` rounded to whole LSB (values on one grid differ by whole
+    steps; rounding absorbs float32 noise)."""
+    if scale is None or scale <= 0 or len(base) != len(analy) or any(x.shape != y.shape for x, y in zip(base, analy)):
+        return {}
+    x, y = _flat(base).double().reshape(-1), _flat(analy).double().reshape(-1)
+    if x.numel() == 0 or not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
+        return {}
+    lsb = torch.round((x - y).abs() / scale)
+    worst = float(lsb.max())
+    verdict = ("bit-exact" if worst == 0 else "within 1 LSB" if worst <= 1 else "within 4 LSB" if worst <= 4
+               else "diverged")
+    counts = [int(((lsb >= lo) & (lsb <= hi)).sum()) for _, lo, hi in LSB_BUCKETS]
+    return {"verdict": verdict, "hist": "|".join(f"{label}:{n}" for (label, _, _), n in zip(LSB_BUCKETS, counts))}
+
+
+def _row(base: TraceReader, analy: TraceReader, b: TracedSite, a: TracedSite, deployed: bool = False) -> LayerRow:
     bmin, bmax, bmean = _range(b)
     amin, amax, amean = _range(a)
     scale = a.per_tensor_scale
@@ -254,6 +308,9 @@ def _row(base: TraceReader, analy: TraceReader, b: TracedSite, a: TracedSite) ->
         return LayerRow(**row, note="mismatch shape" if keys or a.float_outputs() else "no float output")
     row.update(values)
     row["atol_in_scale"] = in_scale_units(values["Atol"], scale)
+    if deployed:
+        lsb = lsb_report(base_out, [at[k] for k in a.float_outputs()], scale)
+        row.update(lsb_verdict=lsb.get("verdict", ""), lsb_hist=lsb.get("hist", ""))
     same = [at[f"same{i}"] for i in range(len(keys)) if f"same{i}" in at]
     same_values = _metrics(base_out, same) if len(same) == len(keys) else None
     note = a.same_input_note
@@ -263,6 +320,9 @@ def _row(base: TraceReader, analy: TraceReader, b: TracedSite, a: TracedSite) ->
                    same_input_in_scale=in_scale_units(same_values["Atol"], scale))
         pre = [at[f"samepre{i}"] for i in range(len(keys)) if f"samepre{i}" in at]
         row.update(_split(base_out, pre if len(pre) == len(keys) else same, same, a.quant_dtype, scale))
+        if deployed:
+            lsb = lsb_report(base_out, same, scale)
+            row.update(same_input_lsb_verdict=lsb.get("verdict", ""), same_input_lsb_hist=lsb.get("hist", ""))
     elif not note:
         note = "no same-input output"
     return LayerRow(**row, note=note)

@@ -11,6 +11,7 @@ output** (the analysis op re-run on the baseline's input for that site).
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -39,29 +40,25 @@ class AnalysisType(str, Enum):
 
     FAKE_QUANT = "fake_quant"  # float (or a good calibration) vs calibration / QAT model
     PRE_EXPORT = "pre_export"  # QAT model vs pre_export model (nonlinear ops as integer lookup tables)
-    EXPORT = "export"  # pre_export model vs exported IR (not yet: comes with the IR)
-    CONVERT = "convert"  # exported IR vs converted integer IR (not yet: comes with the IR)
+    EXPORT = "export"  # pre_export model vs the qat IR (export)
+    CONVERT = "convert"  # qat IR (or pre_export model) vs the quantized IR (convert)
 
-
-_IR_TYPES = (AnalysisType.EXPORT, AnalysisType.CONVERT)
+    @property
+    def deployed(self) -> bool:
+        """The analysis model is an IR (its sites may be several nodes; values compare in LSB)."""
+        return self in (AnalysisType.EXPORT, AnalysisType.CONVERT)
 
 
 def parse_analysis_type(value: Any) -> AnalysisType:
-    """Validate an analysis type string; the IR types are refused until the IR exists."""
+    """Validate an analysis type string."""
     try:
-        kind = AnalysisType(value)
+        return AnalysisType(value)
     except ValueError:
         raise QuantLensError(
             f"Unknown analysis_model_type {value!r}. Expected one of {[t.value for t in AnalysisType]}: "
-            "'fake_quant' (float vs calibration/QAT) or 'pre_export' (QAT vs pre_export)."
+            "'fake_quant' (float vs calibration/QAT), 'pre_export' (QAT vs pre_export), 'export' (pre_export vs "
+            "the qat IR) or 'convert' (qat IR vs the quantized IR)."
         ) from None
-    if kind in _IR_TYPES:
-        raise QuantLensError(
-            f"analysis_model_type '{kind.value}' compares exported IR models; it comes with the IR and is not "
-            "supported yet. Use 'fake_quant' (float vs calibration/QAT) or 'pre_export' (QAT vs pre_export) "
-            "for torch models."
-        )
-    return kind
 
 
 @dataclass
@@ -158,12 +155,15 @@ class ModelAccess(ABC):
         sink: TraceSink | None = None,
         same_input: SameInputSource | None = None,
         indices: dict[str, list[torch.Tensor]] | None = None,
+        override: Any = None,
     ) -> Any:
         """One forward on ``example`` (a tuple is positional arguments, anything else the single argument).
 
         With ``sink`` every op site is reported; with ``same_input`` each event also carries the same-input
         output; with ``indices`` (op site -> the baseline's index outputs), index-producing ops take those
-        indices instead of their own (sensitivity, so index flips do not swamp the metric).
+        indices instead of their own (sensitivity, so index flips do not swamp the metric); with ``override``
+        (:class:`~.ir_access.SiteOverride`) every site's value is shown to it as it completes and chosen sites
+        take the value it returns (sensitivity of the deployed stages: one site computed by the IR).
         """
 
     @abstractmethod
@@ -191,14 +191,23 @@ class ModelAccess(ABC):
 
 
 def make_access(model: Any, label: str) -> ModelAccess:
-    """The :class:`ModelAccess` for ``model``: torch modules now, IR models when the IR exists."""
+    """The :class:`ModelAccess` for ``model``: a torch module, an IR module, or the path of a saved IR."""
     if isinstance(model, torch.nn.Module):
         from quantlens.profiler.torch_access import TorchModelAccess
 
         return TorchModelAccess(model, label)
     if isinstance(model, ModelAccess):
         return model
+    from quantlens.compiler.ir import Module
+
+    if isinstance(model, Module) or (isinstance(model, (str, os.PathLike)) and os.path.isfile(model)):
+        from quantlens.profiler.ir_access import IRModelAccess
+
+        return IRModelAccess(model, label)
+    if isinstance(model, (str, os.PathLike)):
+        raise QuantLensError(f"QuantAnalysis: the {label} model file {str(model)!r} does not exist.")
     raise QuantLensError(
         f"QuantAnalysis: the {label} model must be a torch.nn.Module (float, calibration, QAT or pre_export "
-        f"model), got {type(model).__name__}. Exported IR models come with the 'export'/'convert' analysis types."
+        f"model), a quantlens IR module (export / convert), or the path of one written by save(); got "
+        f"{type(model).__name__}."
     )

@@ -54,10 +54,15 @@ class QuantAnalysis:
     """Compare a baseline model with an analysis model, op site by op site.
 
     Args:
-        baseline_model: the reference: the float model (``fake_quant``) or the QAT model (``pre_export``).
+        baseline_model: the reference: the float model (``fake_quant``), the QAT model (``pre_export``), the
+            pre_export model (``export``), the qat IR or the pre_export model (``convert``). IR models may be
+            given as the path of a file written by ``save``.
         analysis_model: the model under investigation: the calibration/QAT model returned by ``prepare``
-            (``fake_quant``) or the pre_export model (``pre_export``).
-        analysis_model_type: ``"fake_quant"`` or ``"pre_export"``; ``"export"``/``"convert"`` come with the IR.
+            (``fake_quant``), the pre_export model (``pre_export``), the qat IR (``export``) or the quantized IR
+            (``convert``).
+        analysis_model_type: ``"fake_quant"``, ``"pre_export"``, ``"export"`` or ``"convert"``. The IR accepts the
+            bad case as the torch input pytree, in the deployment format (the same without its non-tensor
+            leaves, e.g. the dict without the task list) or as a dict of tensors by input name.
         out_dir: where every report and trace goes. Defaults to ``./quant_analysis``.
         post_process: optional callable or module applied to both models' outputs (host-side float code); its
             results are compared like model outputs (named ``post_process[.<name>]``).
@@ -72,6 +77,7 @@ class QuantAnalysis:
         self.analysis_type = parse_analysis_type(analysis_model_type)
         self.baseline = make_access(baseline_model, "baseline")
         self.analysis = make_access(analysis_model, "analysis")
+        self._check_deployed_pair()
         if not self.analysis.quantized:
             raise QuantLensError(
                 f"QuantAnalysis('{self.analysis_type.value}'): analysis_model is a float model (no fake quants). "
@@ -89,6 +95,37 @@ class QuantAnalysis:
         self._has_bad_case = False
         self._bad_case: Any = None
         self.bad_case_result: BadCaseResult | None = None
+
+    def _check_deployed_pair(self) -> None:
+        """export: the analysis model is the qat IR; convert: the quantized IR. Their baseline is the stage
+        before (or an earlier torch stage of the same model); IR analyses get their baseline as the reference
+        of sensitivity (one op site computed by the IR, the rest by the baseline)."""
+        from quantlens.profiler.ir_access import IRModelAccess
+
+        kind = self.analysis_type
+        is_ir = isinstance(self.analysis, IRModelAccess)
+        if not kind.deployed:
+            if is_ir:
+                raise QuantLensError(
+                    f"QuantAnalysis('{kind.value}'): the analysis model is a {self.analysis.kind} IR; IR models are "
+                    "analysed with 'export' (pre_export model vs qat IR) or 'convert' (qat IR vs quantized IR).")
+            return
+        want = "qat" if kind is AnalysisType.EXPORT else "quantized"
+        if not is_ir or self.analysis.kind != want:
+            got = f"a {self.analysis.kind} IR" if is_ir else type(getattr(self.analysis, "model", None)).__name__
+            raise QuantLensError(
+                f"QuantAnalysis('{kind.value}'): analysis_model must be the {want} IR "
+                f"({'export(pre_export_model, example)' if want == 'qat' else 'convert(qat_ir)'}), got {got}. "
+                "Pairs: 'export' (pre_export model, qat IR), 'convert' (qat IR or pre_export model, quantized IR).")
+        if isinstance(self.baseline, IRModelAccess) and (kind is AnalysisType.EXPORT or self.baseline.kind != "qat"):
+            raise QuantLensError(
+                f"QuantAnalysis('{kind.value}'): baseline_model is a {self.baseline.kind} IR; expected "
+                f"{'the pre_export model' if kind is AnalysisType.EXPORT else 'the qat IR or the pre_export model'}.")
+        if not self.baseline.quantized:
+            raise QuantLensError(
+                f"QuantAnalysis('{kind.value}'): baseline_model is a float model; compare neighbouring stages "
+                "(the pre_export model or the qat IR).")
+        self.analysis.reference = self.baseline
 
     # -- bad case ---------------------------------------------------------------------------------------------
     def auto_find_bad_case(self, data_generator: Iterable[Any], num_steps: int | None = None, metric: str = "L1",
@@ -179,7 +216,7 @@ class QuantAnalysis:
                     "cannot feed the analysis model's same-input run. Run both models: qa.run()."
                 )
             analy, outputs = self._trace(self.analysis, analy_dir, same_input=source)
-            check_site_match(source, analy)
+            check_site_match(source, analy, strict=not self.analysis_type.deployed)
         return RunResult(base_dir if base else None, analy_dir if analy else None,
                          len(base.sites) if base else None, len(analy.sites) if analy else None, outputs)
 
@@ -193,7 +230,7 @@ class QuantAnalysis:
         ``profiler.html`` and ``abnormal_layer_advisor.txt``; returns the rows.
         """
         comparison = compare_traces(TraceReader(self.out_dir / BASELINE_DIR), TraceReader(self.out_dir / ANALYSIS_DIR),
-                                    prefixes, types)
+                                    prefixes, types, deployed=self.analysis_type.deployed)
         findings = self.advise(comparison)
         write_compare_text(comparison, self.out_dir / "compare_per_layer_out.txt")
         write_compare_csv(comparison, self.out_dir / "compare_per_layer_out.csv")
@@ -205,7 +242,7 @@ class QuantAnalysis:
         write ``abnormal_layer_advisor.txt``."""
         if comparison is None:
             comparison = compare_traces(TraceReader(self.out_dir / BASELINE_DIR),
-                                        TraceReader(self.out_dir / ANALYSIS_DIR))
+                                        TraceReader(self.out_dir / ANALYSIS_DIR), deployed=self.analysis_type.deployed)
         ctx = AdvisorContext(comparison, self.analysis_type.value, self.analysis.fake_quant_state)
         findings = advise(ctx)
         write_advisor(findings, self.out_dir / "abnormal_layer_advisor.txt")

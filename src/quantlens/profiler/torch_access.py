@@ -74,11 +74,11 @@ class TorchModelAccess(ModelAccess):
                 m.training = training
 
     def run(self, example: Any, sink: TraceSink | None = None, same_input: SameInputSource | None = None,
-            indices: dict[str, list[torch.Tensor]] | None = None) -> Any:
+            indices: dict[str, list[torch.Tensor]] | None = None, override: Any = None) -> Any:
         with self._profiling():
-            if sink is None and indices is None:
+            if sink is None and indices is None and override is None:
                 return call_model(self.model, example)
-            probe = Probe(sink, same_input if self.prepared else None, indices)
+            probe = Probe(sink, same_input if self.prepared else None, indices, override)
             wants_index_ops = getattr(sink, "wants_index_ops", False)
             mode = IndexOpMode(indices, probe.index_op) if indices is not None or wants_index_ops else nullcontext()
             if not self.prepared:

@@ -80,16 +80,25 @@ class Probe:
     """What both handlers share: event numbering, index substitution, and where events go."""
 
     def __init__(self, sink: TraceSink | None, same_input: SameInputSource | None,
-                 indices: dict[str, list[torch.Tensor]] | None):
+                 indices: dict[str, list[torch.Tensor]] | None, override: Any = None):
         self.sink = sink
         self.same_input = same_input
         self.indices = indices
+        #: another model's value for chosen sites (ir_access.SiteOverride): sees every site's value
+        self.override = override
         self.count = 0
 
     def substitute(self, site: SiteCall, args: tuple, kwargs: dict, output: Any) -> Any:
-        if self.indices is None or not site.rule.index_producing or site.name not in self.indices:
-            return output
-        return substitute_indices(site.rule.op_type, args, kwargs, output, self.indices[site.name])
+        if self.indices is not None and site.rule.index_producing and site.name in self.indices:
+            output = substitute_indices(site.rule.op_type, args, kwargs, output, self.indices[site.name])
+        if self.override is not None:
+            if isinstance(output, torch.Tensor):
+                replaced = self.override.on_site_value(site.name, [output])
+                if replaced is not None:
+                    return replaced[0].to(output.dtype)
+            else:  # several outputs: seen (a later site may take them), never replaced
+                self.override.on_site_value(site.name, _tensor_leaves(output))
+        return output
 
     def event(self, site: SiteCall, args: tuple, kwargs: dict, output: Any) -> SiteEvent:
         weight, weight_scale = None, None
@@ -193,7 +202,8 @@ class RuntimeProbe(_Runtime):
     def _after(self, site: SiteCall, plan: SitePlan | None, args, kwargs, out, run: Callable) -> Any:
         new = self.probe.substitute(site, args, kwargs, out)
         if new is not out:
-            src = next(iter(_incoming(args, kwargs).values()), None)
+            # substituted indices keep the input's grid; a value from another model (override) is this site's
+            src = next(iter(_incoming(args, kwargs).values()), None) if site.rule.index_producing else out
             self._set_marks(new, self._mark(src) if src is not None else None)
             out = new
         if self.probe.sink is None:

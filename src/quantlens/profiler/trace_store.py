@@ -238,3 +238,22 @@ class TraceReader:
 
     def outputs(self) -> dict[str, torch.Tensor]:
         return load_file(str(self.dir / OUTPUTS_FILE))
+
+    def site_outputs(self, site: str) -> list[torch.Tensor] | None:
+        """The site's output tensors (``out0``, ``out1`` ...), or None for a site the trace does not have."""
+        if site not in self.by_name:
+            return None
+        keys = self.by_name[site].outputs()
+        with safe_open(str(self.dir / self.by_name[site].file), framework="pt") as f:
+            return [f.get_tensor(k) for k in keys]
+
+    def fused_members(self, site: str) -> set[str]:
+        """The sites fused into ``site`` (a conv and BatchNorm before their ReLU), transitively."""
+        out, todo = set(), [site]
+        while todo:
+            tail = todo.pop()
+            for s in self.sites:
+                if s.fused_into == tail and s.name not in out:
+                    out.add(s.name)
+                    todo.append(s.name)
+        return out

@@ -1,0 +1,379 @@
+""":class:`IRModelAccess`: the :class:`~.model_access.ModelAccess` of qat IR and quantized IR models (and of files
+written by ``save``), for the ``export`` and ``convert`` analysis types.
+
+**Op sites of an IR.** Every IR node carries the op site it came from (``node.site``); a node of the quantized IR
+that requantizes straight to the grid of a fused member (a conv whose BatchNorm or ReLU was fused) also names
+that member (``attrs["output_site"]``), and its value is attributed to it. One op site may be several nodes: its
+**value** is the output of its last node, dequantized to float in the quantized IR (so values compare with the
+torch model's, and differences divide by the site's scale into LSB).
+
+**Same-input output.** A site's *program* (its nodes, plus those of the sites fused into it) is re-run with
+every input it takes from another site replaced by that site's value in the baseline (quantized to the input's
+grid in the quantized IR); model inputs are the same on both sides. So the error a site *adds* is separated
+from the error it inherits.
+
+**Mixing stages (sensitivity).** :class:`SiteOverride` lets another model's run take this IR's value for one op
+site: the reference model (the torch model for ``export``, the qat IR for ``convert``) runs, and at the chosen
+site its value is replaced by this IR's program run on the reference's own values there.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from quantlens.compiler.interpreter import RunHooks, run_nodes
+from quantlens.compiler.ir import Module, Node
+from quantlens.compiler.kernels_int import storage_dtype
+from quantlens.errors import QuantLensError
+from quantlens.march import QuantDType
+from quantlens.numerics import dequantize, quantize
+from quantlens.opset import IR_OPS, Category
+from quantlens.profiler.model_access import AnalysisType, ModelAccess, Quantizer, SameInputSource, SiteEvent, TraceSink
+
+__all__ = ["IRModelAccess", "SiteOverride", "as_ir_module", "call_ir"]
+
+#: pseudo producer of a model input (the same tensor on both sides of an analysis)
+_INPUT = "<input>"
+#: the IR's nodes that only move or round values: a site's displayed op type is its last other node
+_PLUMBING = {"fake_quant", "requantize", "quantize", "dequantize"}
+
+
+def as_ir_module(model: Any) -> Module:
+    """An IR :class:`Module`, or the one in a file written by ``save``."""
+    if isinstance(model, Module):
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        from quantlens.compiler.serialize import load
+
+        return load(model)
+    raise QuantLensError(f"Expected a quantlens IR module or a path to a saved one, got {type(model).__name__}.")
+
+
+def call_ir(module: Module, example: Any) -> dict[str, torch.Tensor]:
+    """The IR's named input tensors for one call's inputs in any accepted format: the torch input pytree (a tuple
+    is positional arguments), the deployment format (the same without its non-tensor leaves), or a dict of the
+    tensors by input name."""
+    if isinstance(example, dict) and example and set(example) <= set(module.input_names) and \
+            all(isinstance(v, torch.Tensor) for v in example.values()):
+        return module._feeds_from_call((), dict(example))
+    args = example if isinstance(example, tuple) else (example,)
+    return module._feeds_from_call(args, {})
+
+
+@dataclass
+class _Program:
+    """What one op site computes in an IR: its nodes, the values it takes from outside (value name ->
+    ``(producer site, output index)``, ``(_INPUT, name)`` for model inputs, ``None`` when the value is an
+    intermediate of another site), and the names of its value."""
+
+    site: str
+    nodes: list[int]
+    externals: dict[str, tuple[str, Any] | None]
+    outputs: list[str]
+
+
+class IRModelAccess(ModelAccess):
+    """A qat IR or quantized IR module (or the path of a saved one) as the profiler sees it."""
+
+    def __init__(self, model: Any, label: str):
+        self.module = as_ir_module(model)
+        self.label = label
+        self.source = str(model) if isinstance(model, (str, os.PathLike)) else ""
+        graph = self.module.graph
+        self.nodes: list[Node] = graph.nodes
+        self.attributed = [n.attrs.get("output_site") or n.site for n in self.nodes]
+        self.last: dict[str, int] = {}
+        for i, site in enumerate(self.attributed):
+            if site and site != "output":  # "output": the boundary dequantizes (the model outputs are compared)
+                self.last[site] = i
+        self.producer = {out: i for i, node in enumerate(self.nodes) for out in node.outputs}
+        self._programs: dict[tuple[str, frozenset], _Program] = {}
+        #: sites in the order their values are complete
+        self.sites = sorted(self.last, key=self.last.get)
+        self.reference: ModelAccess | None = None  # set by QuantAnalysis for sensitivity (see SiteOverride)
+
+    # -- description -------------------------------------------------------------------------------------
+    def describe(self) -> str:
+        where = f" from {self.source}" if self.source else ""
+        model = self.module.meta.get("source_model", "model")
+        return f"{model} ({self.module.kind} IR{where})"
+
+    @property
+    def kind(self) -> str:
+        return self.module.kind
+
+    # -- values ------------------------------------------------------------------------------------------
+    def _info(self, name: str):
+        return self.module.graph.values.get(name)
+
+    def _scale(self, name: str) -> torch.Tensor | None:
+        info = self._info(name)
+        return self.module.graph.constants[info.scale] if info is not None and info.scale else None
+
+    def to_float(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """The real value of an IR value (integers of the quantized IR are dequantized)."""
+        info = self._info(name)
+        if info is not None and info.qdtype and not value.is_floating_point():
+            return dequantize(value, self._scale(name), info.axis)
+        return value
+
+    def from_float(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """A real value as this IR holds value ``name``: on its integer grid in the quantized IR."""
+        info = self._info(name)
+        if info is not None and info.qdtype and value.is_floating_point():
+            qdtype = QuantDType.parse(info.qdtype)
+            return quantize(value, self._scale(name), qdtype, info.axis).to(storage_dtype(qdtype.value))
+        if info is not None and info.dtype not in ("unknown", "") and hasattr(torch, info.dtype):
+            return value.to(getattr(torch, info.dtype))
+        return value
+
+    def site_grid(self, site: str) -> tuple[str, torch.Tensor | None]:
+        """``(quant dtype, scale)`` of a site's (first) value."""
+        node = self.nodes[self.last[site]]
+        name = node.outputs[0]
+        info = self._info(name)
+        if info is not None and info.qdtype:
+            return info.qdtype, self._scale(name)
+        if node.op == "fake_quant":
+            qdtype = {-128: "qint8", -32768: "qint16", -(2**31): "qint32"}.get(node.attrs["qmin"], "float")
+            return qdtype, self.module.graph.constants.get(node.inputs[1])
+        return "float", None
+
+    def site_op_type(self, site: str) -> str:
+        """The op a site computes: its last node that computes (a fused ReLU after an add is the add's site)."""
+        nodes = [self.nodes[i] for i in self.program(site).nodes]
+        computing = [n.op for n in nodes if n.op not in _PLUMBING]
+        significant = [op for op in computing if op in IR_OPS and IR_OPS[op].category not in
+                       (Category.MOVEMENT, Category.INDEX)]
+        return (significant or computing or [nodes[-1].op])[-1]
+
+    # -- programs ----------------------------------------------------------------------------------------
+    def program(self, site: str, fused: frozenset[str] = frozenset()) -> _Program:
+        key = (site, fused)
+        if key in self._programs:
+            return self._programs[key]
+        members = {site} | set(fused)
+        nodes = [i for i, s in enumerate(self.attributed) if s in members and i <= self.last[site]]
+        inside = {out for i in nodes for out in self.nodes[i].outputs}
+        constants = self.module.graph.constants
+        externals: dict[str, tuple[str, Any] | None] = {}
+        for i in nodes:
+            for name in self.nodes[i].inputs:
+                if not name or name in inside or name in constants or name in externals:
+                    continue
+                p = self.producer.get(name)
+                if p is None:
+                    externals[name] = (_INPUT, name)
+                    continue
+                owner = self.attributed[p]
+                externals[name] = (owner, self.nodes[p].outputs.index(name)) if self.last.get(owner) == p else None
+        prog = _Program(site, nodes, externals, list(self.nodes[self.last[site]].outputs))
+        self._programs[key] = prog
+        return prog
+
+    def run_program(self, prog: _Program, values: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list | None]:
+        """Run a site's program on ``values`` (this IR's representation of its externals); returns the site's
+        float value and, when its last node is a fake quant, the value before it."""
+        env = run_nodes(self.module, [self.nodes[i] for i in prog.nodes], dict(values))
+        out = [self.to_float(name, env[name]) for name in prog.outputs]
+        last = self.nodes[prog.nodes[-1]]
+        pre = [env[last.inputs[0]]] if last.op == "fake_quant" and last.inputs[0] in env else None
+        return out, pre
+
+    # -- running -----------------------------------------------------------------------------------------
+    def run(self, example: Any, sink: TraceSink | None = None, same_input: SameInputSource | None = None,
+            indices: dict[str, list[torch.Tensor]] | None = None, override: "SiteOverride | None" = None) -> Any:
+        feeds = call_ir(self.module, example)
+        if override is None and self._ablated is not None:
+            return self._run_mixed(example, indices)
+        if override is not None and override._inputs is None:
+            override.set_inputs(feeds)
+        if sink is None and indices is None and override is None:
+            return self._unflatten(self.module.run(feeds))
+        live: dict[str, torch.Tensor] = {}
+        wanted = self._live_values(same_input) if same_input is not None else set()
+        count = [0]
+
+        def observer(node: Node, inputs: list, outs: list) -> None:
+            for name, value in zip(node.inputs, inputs):
+                if name in wanted:
+                    live[name] = value
+            i = self._index[id(node)]
+            site = self.attributed[i]
+            if not site or self.last.get(site) != i or sink is None:
+                return
+            sink.on_site(self._event(site, count[0], outs, feeds, live, same_input))
+            count[0] += 1
+
+        def substitute(node: Node, inputs: list, outs: list):
+            i = self._index[id(node)]
+            site = self.attributed[i]
+            if not site or self.last.get(site) != i:
+                return None
+            new = None
+            if indices is not None and site in indices:
+                given = iter(indices[site])
+                new = [next(given, o) if not o.is_floating_point() else o for o in outs]
+            if override is not None:
+                values = [self.to_float(n, o) for n, o in zip(node.outputs, new or outs)]
+                replaced = override.on_site_value(site, values)
+                if replaced is not None:
+                    new = [self.from_float(n, v) for n, v in zip(node.outputs, replaced)]
+            return new
+
+        hooks = RunHooks(observer=observer, substitute=substitute)
+        return self._unflatten(self.module.run(feeds, hooks=hooks))
+
+    @property
+    def _index(self) -> dict[int, int]:
+        if not hasattr(self, "_node_index"):
+            self._node_index = {id(n): i for i, n in enumerate(self.nodes)}
+        return self._node_index
+
+    def _unflatten(self, flat: list) -> Any:
+        from torch.utils import _pytree as pytree
+
+        outs = [self.to_float(name, value) for name, value in zip(self.module.graph.outputs, flat)]
+        return pytree.tree_unflatten(outs, pytree.treespec_loads(self.module.output_spec))
+
+    def _live_values(self, source: SameInputSource) -> set[str]:
+        wanted = set()
+        for site in self.sites:
+            prog = self.program(site, _fused(source, site))
+            wanted.update(name for name, where in prog.externals.items() if where is None)
+        return wanted
+
+    def _event(self, site: str, index: int, outs: list, feeds: dict, live: dict,
+               same_input: SameInputSource | None) -> SiteEvent:
+        node = self.nodes[self.last[site]]
+        qdtype, scale = self.site_grid(site)
+        values = [self.to_float(n, o) for n, o in zip(node.outputs, outs)]
+        prog = self.program(site)
+        first = next(iter(prog.externals.values()), None)
+        event = SiteEvent(
+            index=index, name=site, op_type=self.site_op_type(site), module_type=None, inputs={}, outputs=values,
+            quant_dtype=qdtype, scale=scale,
+            index_producing=any(not v.is_floating_point() for v in values) and qdtype == "float",
+            boundary="input" if any(w is not None and w[0] == _INPUT for w in prog.externals.values()) else
+            ("output" if site == "output" else ""),
+            producer=first[0] if first is not None and first[0] != _INPUT else None,
+        )
+        if same_input is not None:
+            event.same_input, event.same_input_pre, event.same_input_note = self._same_input(
+                site, feeds, live, same_input)
+        return event
+
+    def _same_input(self, site: str, feeds: dict, live: dict, source: SameInputSource):
+        prog = self.program(site, _fused(source, site))
+        values, borrowed = {}, []
+        for name, where in prog.externals.items():
+            if where is None:  # an intermediate of another site: this IR's own value
+                values[name] = live[name]
+                borrowed.append(name)
+            elif where[0] == _INPUT:
+                values[name] = feeds[name]
+            else:
+                base = _site_outputs(source, where[0])
+                if base is None or where[1] >= len(base):
+                    return None, None, f"the baseline has no value for '{where[0]}'"
+                values[name] = self.from_float(name, base[where[1]])
+        out, pre = self.run_program(prog, values)
+        note = f"inputs {borrowed} are this model's own" if borrowed else ""
+        return out, pre, note
+
+    # -- ablation (sensitivity) --------------------------------------------------------------------------
+    _ablated: set[str] | None = None
+
+    def quantizers(self, analysis_type: AnalysisType) -> list[Quantizer]:
+        """One unit per op site that computes (the IR's value of that site replaces the reference's)."""
+        if self.reference is None:
+            raise QuantLensError(
+                "sensitivity() of an IR model needs the reference model of the analysis (QuantAnalysis sets it)."
+            )
+        out = []
+        for site in self.sites:
+            op = IR_OPS.get(self.site_op_type(site))
+            if site == "output" or op is None or op.category in (Category.MOVEMENT, Category.INDEX,
+                                                                 Category.BOUNDARY):
+                continue
+            qdtype, _ = self.site_grid(site)
+            out.append(Quantizer(site, "activation", self.site_op_type(site), qdtype))
+        return out
+
+    @contextmanager
+    def ablation(self, analysis_type: AnalysisType):
+        self._ablated = set()
+
+        def enable(q: Quantizer, on: bool = True) -> None:
+            (self._ablated.add if on else self._ablated.discard)(q.op_name)
+
+        try:
+            yield enable
+        finally:
+            self._ablated = None
+
+    def _run_mixed(self, example: Any, indices) -> Any:
+        """The reference model's run in which the enabled sites take this IR's value."""
+        override = SiteOverride(self, set(self._ablated))
+        override.set_inputs(call_ir(self.module, example))
+        return self.reference.run(example, indices=indices, override=override)
+
+
+def _fused(source: SameInputSource | None, site: str) -> frozenset[str]:
+    members = getattr(source, "fused_members", None)
+    return frozenset(members(site)) if members is not None else frozenset()
+
+
+def _site_outputs(source: SameInputSource, site: str) -> list[torch.Tensor] | None:
+    getter = getattr(source, "site_outputs", None)
+    return getter(site) if getter is not None else None
+
+
+@dataclass
+class SiteOverride:
+    """Hands the chosen sites of a reference run this IR's value: the reference calls
+    :meth:`on_site_value` with every site's value as it completes; the values the chosen sites' programs take
+    are remembered, and at a chosen site its value is replaced by the program run on them."""
+
+    ir: IRModelAccess
+    sites: set[str]
+    _needed: dict[str, set] = field(default_factory=dict)
+    _seen: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self._programs = {s: self.ir.program(s) for s in self.sites if s in self.ir.last}
+        self._needed = {w[0] for p in self._programs.values() for w in p.externals.values()
+                        if w is not None and w[0] != _INPUT}
+        self._inputs: dict[str, torch.Tensor] | None = None
+
+    def on_site_value(self, site: str, values: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        if site in self._needed:
+            self._seen[site] = values
+        prog = self._programs.get(site)
+        if prog is None:
+            return None
+        feeds = {}
+        for name, where in prog.externals.items():
+            if where is None:
+                return None  # takes another site's intermediate: cannot be mixed, keep the reference's value
+            if where[0] == _INPUT:
+                if self._inputs is None or name not in self._inputs:
+                    return None
+                feeds[name] = self._inputs[name]
+            elif where[0] not in self._seen or where[1] >= len(self._seen[where[0]]):
+                return None
+            else:
+                feeds[name] = self.ir.from_float(name, self._seen[where[0]][where[1]])
+        out, _ = self.ir.run_program(prog, feeds)
+        if len(out) != len(values):
+            return None
+        self._seen[site] = out
+        return out
+
+    def set_inputs(self, feeds: dict[str, torch.Tensor]) -> None:
+        self._inputs = feeds
