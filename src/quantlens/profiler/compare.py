@@ -107,6 +107,17 @@ class LayerComparison(Sequence[LayerRow]):
         """The first op, in execution order, whose value diverged (more than 4 LSB) from the baseline."""
         return next((r for r in self.rows if r.lsb_verdict == "diverged"), None)
 
+    def lsb_summary(self) -> dict | None:
+        """Deployed stages: how many ops are bit-exact / within 1 LSB / within 4 LSB / diverged (accumulated and
+        same-input), and the first diverged and first not bit-exact op; None when no row has a verdict."""
+        if not any(r.lsb_verdict or r.same_input_lsb_verdict for r in self.rows):
+            return None
+        count = lambda key: {v: sum(getattr(r, key) == v for r in self.rows) for v in LSB_VERDICTS}  # noqa: E731
+        first_d, first_i = self.first_diverged, self.first_inexact
+        return {"accumulated": count("lsb_verdict"), "same_input": count("same_input_lsb_verdict"),
+                "first_diverged": first_d.op_name if first_d else None,
+                "first_inexact": first_i.op_name if first_i else None}
+
     @property
     def first_inexact(self) -> LayerRow | None:
         """The first op whose own integer kernel (same input) is not bit-exact."""
@@ -261,6 +272,8 @@ def compare_traces(base: TraceReader, analy: TraceReader, prefixes: Iterable[str
     return LayerComparison(rows, base.description, analy.description, only_b, only_a)
 
 
+#: the verdicts of the deployed stages, best first
+LSB_VERDICTS = ("bit-exact", "within 1 LSB", "within 4 LSB", "diverged")
 #: histogram buckets of |diff| in LSB: (label, low, high), inclusive
 LSB_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2", 2, 2), ("3-4", 3, 4), ("5-8", 5, 8), (">8", 9, math.inf))
 

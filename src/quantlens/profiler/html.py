@@ -120,6 +120,42 @@ def _charts(rows: list[LayerRow]) -> list[Markup]:
     return [line_chart(title, labels, series, y_label, ticks) for title, series, y_label in specs]
 
 
+_VERDICT_COLORS = {"bit-exact": "#2ca02c", "within 1 LSB": "#98df8a", "within 4 LSB": "#ff7f0e",
+                   "diverged": "#d62728", "": "#bbb"}
+
+
+def lsb_histogram(hist: str, width: int = 180, height: int = 34) -> Markup:
+    """A small inline SVG bar chart of an ``lsb_hist`` string ("0:n|1:n|..."), log-scaled counts, with tooltips."""
+    if not hist:
+        return Markup("")
+    buckets = [part.split(":") for part in hist.split("|")]
+    counts = [int(n) for _, n in buckets]
+    top = math.log1p(max(counts) or 1)
+    bar = width / len(buckets)
+    esc = _html.escape
+    parts = [f'<svg class="hist" viewBox="0 0 {width} {height + 12}" width="{width}" height="{height + 12}">']
+    for i, (label, n) in enumerate(buckets):
+        h = 0 if int(n) == 0 else max(1.0, height * math.log1p(int(n)) / top)
+        color = "#2ca02c" if label == "0" else "#98df8a" if label == "1" else "#ff7f0e" if label in ("2", "3-4") \
+            else "#d62728"
+        parts.append(f'<rect x="{i * bar + 1:.1f}" y="{height - h:.1f}" width="{bar - 2:.1f}" height="{h:.1f}" '
+                     f'fill="{color}"><title>|diff| = {esc(label)} LSB: {esc(n)} elements</title></rect>')
+        parts.append(f'<text x="{i * bar + bar / 2:.1f}" y="{height + 10}" class="tick" '
+                     f'text-anchor="middle">{esc(label)}</text>')
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+def lsb_rows(comparison: LayerComparison) -> list[dict]:
+    """The rows of the HTML's integer-comparison table (deployed stages)."""
+    return [{"op_name": r.op_name, "op_type": r.analy_op_type, "quant_dtype": r.quant_dtype,
+             "verdict": r.lsb_verdict, "color": _VERDICT_COLORS.get(r.lsb_verdict, "#bbb"),
+             "hist": lsb_histogram(r.lsb_hist), "same_verdict": r.same_input_lsb_verdict,
+             "same_color": _VERDICT_COLORS.get(r.same_input_lsb_verdict, "#bbb"),
+             "same_hist": lsb_histogram(r.same_input_lsb_hist)}
+            for r in comparison if r.lsb_verdict or r.same_input_lsb_verdict]
+
+
 def worst_ops(comparison: LayerComparison, count: int) -> list[LayerRow]:
     """The ops that add the most error themselves (same-input SQNR), leaving out those that add none."""
     return [r for r in comparison.ranked("same_input_sqnr") if math.isfinite(r.same_input_sqnr)][:count]
@@ -149,7 +185,9 @@ def render_html(comparison: LayerComparison, findings: list[Finding], title: str
     return env.get_template("profiler.html.j2").render(
         title=title, baseline=comparison.baseline, analysis=comparison.analysis,
         headers=[h for _, h in TABLE_COLUMNS], table=table, charts=_charts(compared), findings=findings,
-        thresholds=THRESHOLDS, worst=worst_ops(comparison, 10),
+        thresholds=THRESHOLDS, worst=worst_ops(comparison, 10), lsb=comparison.lsb_summary(),
+        lsb_rows=lsb_rows(comparison), only_in_baseline=comparison.only_in_baseline,
+        only_in_analysis=comparison.only_in_analysis,
     )
 
 

@@ -119,7 +119,37 @@ def write_compare_text(comparison: LayerComparison, path: str | os.PathLike, top
                      [[r.op_name, r.analy_op_type, r.quant_dtype, fmt(r.same_input_sqnr), fmt(r.same_input_in_scale),
                        r.error_kind] for r in ranked]) if ranked else "(no same-input results)",
     ]
+    lines += _lsb_lines(comparison) + _one_side_lines(comparison)
     return atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+def _lsb_lines(comparison: LayerComparison) -> list[str]:
+    summary = comparison.lsb_summary()
+    if summary is None:
+        return []
+    counts = lambda kind: ", ".join(f"{v}: {n}" for v, n in summary[kind].items())  # noqa: E731
+    rows = [[r.op_name, r.analy_op_type, r.quant_dtype, r.lsb_verdict, r.lsb_hist, r.same_input_lsb_verdict,
+             r.same_input_lsb_hist] for r in comparison if r.lsb_verdict or r.same_input_lsb_verdict]
+    return [
+        "", "== Integer comparison: |analysis - baseline| in LSB of each op's output ==",
+        f"accumulated: {counts('accumulated')}",
+        f"same input (what each op's own kernel adds): {counts('same_input')}",
+        f"first op that diverges (> 4 LSB): {summary['first_diverged'] or '(none)'}",
+        f"first op whose own kernel is not bit-exact: {summary['first_inexact'] or '(none)'}",
+        "histogram buckets: |diff| of 0, 1, 2, 3-4, 5-8 and more than 8 LSB (element counts)",
+        format_table(["op name", "op type", "quant dtype", "verdict", "histogram", "same-in verdict",
+                      "same-in histogram"], rows),
+    ]
+
+
+def _one_side_lines(comparison: LayerComparison) -> list[str]:
+    lines = []
+    for title, sites in (("only in the baseline", comparison.only_in_baseline),
+                         ("only in the analysis model", comparison.only_in_analysis)):
+        if sites:
+            lines += ["", f"== Op sites {title} ({len(sites)}) ==",
+                      format_table(["op name", "op type"], [list(s) for s in sites])]
+    return lines
 
 
 def write_compare_csv(comparison: LayerComparison, path: str | os.PathLike) -> Path:
