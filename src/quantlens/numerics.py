@@ -30,6 +30,11 @@ __all__ = [
     "requantize",
     "saturate",
     "rescaled_sum",
+    "constant_addend",
+    "clamp_codes",
+    "constant_code",
+    "interpolation_weights",
+    "channel_affine_params",
 ]
 
 
@@ -203,3 +208,68 @@ def rescaled_sum(
         t = torch.clamp(rshift_round_half_to_even(q.to(torch.int64) * int(mult), shift - frac), -(2**31), 2**31 - 1)
         total = total + (t if sign > 0 else -t)
     return saturate(rshift_round_half_to_even(total, frac), dtype)
+
+
+# -- the integer parameters convert derives from constants (docs/march.md §10, §10.1, §10.3, §11) -------------
+
+
+def _rhe(v: float) -> int:
+    """``v`` rounded half to even (Python's ``round``), exact on the float64 value."""
+    return int(round(v))
+
+
+def constant_addend(k: float, s_out: float) -> int:
+    """§10 ``x ± k``: the constant enters the sum as ``rhe(k · 2**F / s_out)``, in units of ``2**-F`` output
+    steps (F = ``MarchSpec.elementwise_frac_bits``), computed in float64."""
+    frac = get_march().spec.elementwise_frac_bits
+    value = float(k) * 2.0**frac / float(s_out)
+    if not math.isfinite(value) or abs(value) >= 2**31:
+        raise QuantLensError(
+            f"The constant {k!r} added at output scale {s_out!r} is {value:.4g} steps of 2**-{frac}: outside the "
+            "int32 range of the sum. The output scale is far too small for this constant; check the add's observer."
+        )
+    return _rhe(value)
+
+
+def clamp_codes(lo: float | None, hi: float | None, s_in: float) -> tuple[int, int]:
+    """§10 clamp / hardtanh / relu6: the bounds as integers of the input grid, ``rhe(bound / s_in)``; a missing
+    bound is the int32 extreme. The integers are clamped, then requantized to the output grid."""
+    low = -(2**31) if lo is None else max(-(2**31), _rhe(float(lo) / float(s_in)))
+    high = 2**31 - 1 if hi is None else min(2**31 - 1, _rhe(float(hi) / float(s_in)))
+    return low, high
+
+
+def constant_code(value: float, scale: float, dtype: QuantDType) -> int:
+    """§11: a constant written into an integer tensor (masked_fill, a constant pad, ``x[...] = v``) is
+    ``sat(rhe(v / s))`` on that tensor's grid; ``±inf`` saturates to ``qmax``/``qmin``, NaN is written as 0."""
+    v = float(value) / float(scale)
+    if math.isnan(v):
+        return 0
+    if math.isinf(v):
+        return dtype.qmax if v > 0 else dtype.qmin
+    return int(min(max(_rhe(v), dtype.qmin), dtype.qmax))
+
+
+def interpolation_weights(size_in: int, size_out: int, align_corners: bool) -> torch.Tensor:
+    """§10.1: ``[size_out, size_in]`` int16 weights (sum 256 per row) of 1-D linear interpolation: torch's float
+    weights for the same sizes, times 256, rounded half to even; each row's rounding residue goes to its largest
+    weight (the first of equal ones)."""
+    eye = torch.eye(size_in, dtype=torch.float64).reshape(size_in, 1, size_in)
+    weights = torch.nn.functional.interpolate(eye, size=size_out, mode="linear", align_corners=align_corners)
+    w = weights.reshape(size_in, size_out).t()  # [out, in]
+    q = torch.round(w * 256).to(torch.int64)
+    residue = 256 - q.sum(dim=1)
+    q[torch.arange(size_out), w.argmax(dim=1)] += residue
+    return q.to(torch.int16)
+
+
+def channel_affine_params(a: torch.Tensor, b: torch.Tensor, s_x: float) -> tuple[torch.Tensor, torch.Tensor,
+                                                                               torch.Tensor]:
+    """§10.3 BatchNorm on its own, ``y = a_c·x + b_c``, as a depthwise 1x1 GEMM: ``(w, bias, s_w)`` with
+    ``s_w = |a|/127`` (1 where ``a = 0``), int8 ``w = rhe(a / s_w)`` (±127) and int32 ``bias = sat(rhe(b / (s_x ·
+    s_w)))``; the accumulator's scale is ``s_x · s_w``. Float64 throughout."""
+    a, b = a.to(torch.float64), b.to(torch.float64)
+    s_w = torch.where(a == 0, torch.ones_like(a), a.abs() / 127.0)
+    w = torch.round(a / s_w).to(torch.int8)
+    bias = torch.clamp(torch.round(b / (float(s_x) * s_w)), -(2**31), 2**31 - 1).to(torch.int32)
+    return w, bias, s_w

@@ -19,9 +19,17 @@ import torch
 from quantlens.compiler.ir import Graph, Module, Node, ValueInfo
 from quantlens.compiler.kernels_int import storage_dtype
 from quantlens.errors import QuantLensError
-from quantlens.march import QuantDType, get_march
+from quantlens.march import QuantDType
 from quantlens.kernels import TABLE_OP_IO, table_torch_op
-from quantlens.numerics import quantize, quantize_multiplier
+from quantlens.numerics import (
+    channel_affine_params,
+    clamp_codes,
+    constant_addend,
+    constant_code,
+    interpolation_weights,
+    quantize,
+    quantize_multiplier,
+)
 from quantlens.opset import Category, ops_in
 
 __all__ = ["convert", "CONVERTERS", "PASSTHROUGH_OPS"]
@@ -362,8 +370,7 @@ def _add_constant(c: _Converter, node: Node) -> None:
     else:
         k, x, sign_x = _scalar(c, b) * (-1 if node.op == "sub" else 1), c.int_input(node, a), 1
     mult, shift = quantize_multiplier(float(x.scale.to(torch.float64) / out_scale.to(torch.float64)))
-    frac = get_march().spec.elementwise_frac_bits
-    addend = int(torch.round(torch.tensor(k * 2.0**frac, dtype=torch.float64) / float(out_scale)))
+    addend = constant_addend(k, float(out_scale))
     attrs = {"multipliers": [mult], "shifts": [shift], "addend": addend, "negate": sign_x < 0,
              "out_dtype": qdtype.value}
     c.emit(node, "add_const", [x.name], attrs, qdtype, out_scale)
@@ -492,9 +499,7 @@ def _clamp(c, node):
     qdtype, out_scale = _required_grid(c, node)
     lo_val = node.attrs.get("min", node.attrs.get("min_val"))
     hi_val = node.attrs.get("max", node.attrs.get("max_val"))
-    s = float(x.scale)
-    lo = -(2**31) if lo_val is None else int(round(lo_val / s))
-    hi = 2**31 - 1 if hi_val is None else int(round(hi_val / s))
+    lo, hi = clamp_codes(lo_val, hi_val, float(x.scale))
     real = x.scale.to(torch.float64) / out_scale.to(torch.float64)
     c.emit(node, "clamp", [x.name], {"lo": lo, "hi": hi, **c.requant_attrs(real, qdtype)}, qdtype, out_scale)
 
@@ -517,22 +522,10 @@ def _bilinear(c, node):
     in_h, in_w = c.src.values[node.inputs[0]].shape[-2:]
     out_h, out_w = c.src.values[node.outputs[0]].shape[-2:]
     align = bool(node.attrs.get("align_corners"))
-    a_h = c.const(_interp_matrix(in_h, out_h, align), f"{node.outputs[0]}_rows")
-    a_w = c.const(_interp_matrix(in_w, out_w, align), f"{node.outputs[0]}_cols")
+    a_h = c.const(interpolation_weights(in_h, out_h, align), f"{node.outputs[0]}_rows")
+    a_w = c.const(interpolation_weights(in_w, out_w, align), f"{node.outputs[0]}_cols")
     real = x.scale.to(torch.float64) * 2.0**-16 / out_scale.to(torch.float64)
     c.emit(node, "bilinear_int", [x.name, a_h, a_w], c.requant_attrs(real, qdtype), qdtype, out_scale)
-
-
-def _interp_matrix(size_in: int, size_out: int, align_corners: bool) -> torch.Tensor:
-    """Integer weights (sum 256 per row) of 1-D linear interpolation, as torch computes the float ones."""
-    eye = torch.eye(size_in, dtype=torch.float64).reshape(size_in, 1, size_in)
-    weights = torch.nn.functional.interpolate(eye, size=size_out, mode="linear", align_corners=align_corners)
-    w = weights.reshape(size_in, size_out).t()  # [out, in]
-    q = torch.round(w * 256).to(torch.int64)
-    # keep each row's weights summing to exactly 1.0 (256): put the rounding residue on the largest weight
-    residue = 256 - q.sum(dim=1)
-    q[torch.arange(size_out), w.argmax(dim=1)] += residue
-    return q.to(torch.int16)
 
 
 @converter(*sorted(PASSTHROUGH_OPS))
@@ -589,7 +582,7 @@ def _masked_fill(c, node):
     value = node.attrs.get("value")
     if value is None:
         value = float(c.src.constants[node.inputs[2]])
-    fill = int(torch.clamp(torch.round(torch.tensor(value / float(x.scale))), x.qdtype.qmin, x.qdtype.qmax))
+    fill = constant_code(value, float(x.scale), x.qdtype)
     name = c.fresh(node.outputs[0])
     c.out.nodes.append(Node("masked_fill_int", [x.name, mask], [name], {"value": fill}, node.site))
     c.out.values[name] = ValueInfo(c.src.values[node.outputs[0]].shape, x.name and c.out.values[x.name].dtype,
@@ -691,8 +684,7 @@ def convert(qat_ir: Module) -> Module:
 # -- pad, standalone batch norm, prelu / leaky_relu, constant writes (docs/march.md §10.2, §10.3, §11) ----------
 def _on_grid(value: float, info: QInfo) -> int:
     """A constant written into an integer tensor: ``sat(rhe(v / s))`` on that tensor's grid (§11)."""
-    q = torch.round(torch.tensor(value, dtype=torch.float64) / info.scale.to(torch.float64).reshape(-1)[0])
-    return int(torch.clamp(torch.nan_to_num(q, nan=0.0), info.qdtype.qmin, info.qdtype.qmax))
+    return constant_code(value, float(info.scale.reshape(-1)[0]), info.qdtype)
 
 
 def _per_tensor(c: _Converter, node: Node, info: QInfo, what: str) -> None:
@@ -754,11 +746,9 @@ def _batch_norm(c, node):
     bias = torch.zeros(channels, dtype=torch.float64) if bias is None else bias
     a = weight / torch.sqrt(var + node.attrs["eps"])
     b = bias - mean * a
-    s_w = torch.where(a == 0, torch.ones_like(a), a.abs() / 127.0)
-    w_q = torch.round(a / s_w).to(torch.int8)
     s_x = x.scale.to(torch.float64).reshape(-1)[0]
+    w_q, bias_q, s_w = channel_affine_params(a, b, float(s_x))
     acc_scale = s_x * s_w
-    bias_q = torch.clamp(torch.round(b / acc_scale), -(2**31), 2**31 - 1).to(torch.int32)
     inputs = [x.name, c.const(w_q, f"{node.outputs[0]}_a"), c.const(bias_q, f"{node.outputs[0]}_b")]
     attrs = {"channel_dim": 1, **c.requant_attrs(acc_scale / out_scale.to(torch.float64), qdtype)}
     c.emit(node, "channel_affine", inputs, attrs, qdtype, out_scale)
