@@ -25,24 +25,19 @@ from quantlens.zoo.third_party import THIRD_PARTY_MODELS, load_third_party
 SETTERS = {"int8": default_calibration_qconfig_setter, "w8a16": calibration_8bit_weight_16bit_act_qconfig_setter}
 
 
-def _run(model, entry, inputs):
-    with torch.no_grad():
-        return [model(*call) for call in inputs] if entry.per_call else model(*inputs)
-
-
 def measure(name: str, setter_name: str) -> dict[str, dict[str, float]]:
     """{stage: metrics} for one model and qconfig setter (metrics are against the float model)."""
     torch.manual_seed(0)
     entry = load_third_party(name)
     model = entry.build()
     example, batches, evaluation, labels = entry.data()
-    reference = _run(model, entry, evaluation)
+    reference = entry.evaluate(model, evaluation)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         calibrated = calibrate(prepare(model, example, SETTERS[setter_name], check_result_dir=None), batches)
     table_model = pre_export(calibrated, example_inputs=example)
     quantized = convert(export(table_model, example, dynamic_batch=not entry.per_call))
-    return {stage: entry.metric(reference, _run(m, entry, evaluation), labels)
+    return {stage: entry.metric(reference, entry.evaluate(m, evaluation), labels)
             for stage, m in (("float", model), ("calibration", calibrated), ("pre_export", table_model),
                              ("quantized IR", quantized))}
 

