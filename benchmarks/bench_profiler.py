@@ -6,9 +6,15 @@ op site's tensors to disk and computes the same-input output of every analysis o
 about one layer's tensors, not the network's. Each measurement runs in a fresh subprocess, and peak memory is
 the largest resident set size sampled during the measured call, minus the size just before it.
 
-    python benchmarks/bench_profiler.py [--layers 8] [--channels 32] [--size 128] [--batch 4] [--glibc-default]
+Three pairs of models of the same net, side by side: the torch models (``fake_quant``: float vs calibration),
+``export`` (the pre_export model vs the qat IR) and ``convert`` (the qat IR vs the quantized IR, both IR models).
+The IRs are exported for the measured input's shape (setup, not measured).
 
-It measures two depths: run()'s peak should stay the same when the network doubles. Prints numbers only;
+    python benchmarks/bench_profiler.py [--layers 8] [--channels 32] [--size 128] [--batch 4] [--glibc-default]
+                                        [--pairs fake_quant,export,convert]
+
+It measures two depths: run()'s peak should stay the same when the network doubles. The thread count is
+torch's intra-op thread count in the measuring subprocess (set it with OMP_NUM_THREADS). Prints numbers only;
 there are no thresholds.
 """
 
@@ -92,23 +98,40 @@ def _models(args):
     return model, calib, x
 
 
+#: the model pairs measured, side by side: analysis type -> what is compared
+PAIRS = {"fake_quant": "float vs calibration (torch)", "export": "pre_export vs qat IR",
+         "convert": "qat IR vs quantized IR"}
+
+
+def _pair(kind: str, model, calib, x):
+    """The (baseline, analysis) models of analysis type ``kind``: torch models or IR modules of one net."""
+    if kind == "fake_quant":
+        return model, calib
+    from quantlens.compiler import convert, export
+    from quantlens.quantization.pre_export import pre_export
+
+    qat_ir = export(calib, (x,))  # shapes fixed at the measured input's, as on the NPU
+    return (pre_export(calib), qat_ir) if kind == "export" else (qat_ir, convert(qat_ir))
+
+
 def measure(mode: str, args) -> dict:
     """One measurement (runs inside a fresh subprocess)."""
     from quantlens.profiler import QuantAnalysis
 
     model, calib, x = _models(args)
-    with torch.no_grad():  # warm-up: first-call kernel setup is not what we measure
-        model(x[:1])
-        calib(x[:1])
+    baseline, analysis = _pair(args.pair, model, calib, x)
+    with torch.no_grad():  # warm-up: first-call kernel setup is not what we measure (IRs: fixed shapes)
+        baseline(x if args.pair == "convert" else x[:1])
+        analysis(x if args.pair != "fake_quant" else x[:1])
     with tempfile.TemporaryDirectory() as out:
-        qa = QuantAnalysis(model, calib, "fake_quant", out_dir=out, progress=False)
+        qa = QuantAnalysis(baseline, analysis, args.pair, out_dir=out, progress=False)
         qa.set_bad_case((x,))
         t0 = time.perf_counter()
         with PeakRSS() as mem:
             if mode == "forward":
                 with torch.no_grad():
-                    model(x)
-                    calib(x)
+                    baseline(x)
+                    analysis(x)
             else:
                 qa.run()
         seconds = time.perf_counter() - t0
@@ -116,11 +139,12 @@ def measure(mode: str, args) -> dict:
         sites = qa.compare_per_layer() if mode == "run" else []
     activation = args.batch * args.channels * args.size * args.size * 4
     return {"mode": mode, "seconds": seconds, "extra_peak": mem.extra, "disk": disk, "activation": activation,
-            "sites": len(sites)}
+            "sites": len(sites), "threads": torch.get_num_threads()}
 
 
-def _measure_in_subprocess(mode: str, layers: int, args) -> dict:
-    flags = [f"--layers={layers}"] + [f"--{k}={getattr(args, k)}" for k in ("channels", "size", "batch")]
+def _measure_in_subprocess(mode: str, layers: int, args, pair: str = "fake_quant") -> dict:
+    flags = [f"--layers={layers}", f"--pair={pair}"] + [f"--{k}={getattr(args, k)}"
+                                                         for k in ("channels", "size", "batch")]
     env = dict(os.environ)
     if not args.glibc_default:
         # glibc raises its mmap threshold after the first large free and then keeps freed activations in its
@@ -138,24 +162,37 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--glibc-default", action="store_true", help="leave glibc's malloc tuning alone")
+    parser.add_argument("--pairs", default=",".join(PAIRS),
+                        help=f"comma-separated analysis types to measure (default: {','.join(PAIRS)})")
     parser.add_argument("--measure", choices=["forward", "run"], help=argparse.SUPPRESS)
+    parser.add_argument("--pair", choices=list(PAIRS), default="fake_quant", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
         print(json.dumps(measure(args.measure, args)))
         return
+    pairs = [p.strip() for p in args.pairs.split(",") if p.strip()]
+    unknown = [p for p in pairs if p not in PAIRS]
+    if unknown:
+        parser.error(f"unknown pair(s) {unknown}; choose from {list(PAIRS)}")
     mb = 1024 * 1024
     act = args.batch * args.channels * args.size * args.size * 4
     print(f"model: conv-BN-ReLU blocks of {args.channels} ch at {args.size}x{args.size}, batch {args.batch}; "
-          f"one activation = {act / mb:.1f} MB")
-    print(f"{'':34s}{'two plain forwards':>20s}{'QuantAnalysis.run()':>22s}")
-    for layers in (args.layers, 2 * args.layers):
-        fwd = _measure_in_subprocess("forward", layers, args)
-        run = _measure_in_subprocess("run", layers, args)
-        print(f"-- {layers} blocks, {run['sites']} op sites: all op outputs of one model = "
-              f"{run['sites'] * act / mb:.0f} MB; run() wrote {run['disk'] / mb:.0f} MB to disk")
-        print(f"{'   time (s)':34s}{fwd['seconds']:>20.2f}{run['seconds']:>22.2f}")
-        print(f"{'   extra peak memory (MB)':34s}{fwd['extra_peak'] / mb:>20.1f}{run['extra_peak'] / mb:>22.1f}")
-        print(f"{'   extra peak memory (activations)':34s}{fwd['extra_peak'] / act:>20.1f}{run['extra_peak'] / act:>22.1f}")
+          f"one activation = {act / mb:.1f} MB; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    header = ["pair", "blocks", "sites", "threads", "fwd s", "run() s", "fwd MB", "run() MB", "run() act",
+              "disk MB"]
+    widths = [28, 7, 6, 8, 8, 9, 8, 10, 10, 9]
+    print("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(header, widths))))
+    for pair in pairs:
+        for layers in (args.layers, 2 * args.layers):
+            fwd = _measure_in_subprocess("forward", layers, args, pair)
+            run = _measure_in_subprocess("run", layers, args, pair)
+            cells = [PAIRS[pair], layers, run["sites"], run["threads"], f"{fwd['seconds']:.2f}",
+                     f"{run['seconds']:.2f}", f"{fwd['extra_peak'] / mb:.1f}", f"{run['extra_peak'] / mb:.1f}",
+                     f"{run['extra_peak'] / act:.1f}", f"{run['disk'] / mb:.0f}"]
+            print("  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths))),
+                  flush=True)
+    print("fwd: both models' plain forwards; run(): QuantAnalysis.run() (both traces, same-input outputs); MB: extra "
+          "peak resident memory during the call; act: run()'s extra peak in activations; sites: compared rows.")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from quantlens.profiler.bad_case import BadCaseResult
 from quantlens.profiler.compare import LayerComparison, LayerRow
 from quantlens.profiler.metrics import METRICS, Metric, get_metric, register_metric
 from quantlens.profiler.model_access import AnalysisType, ModelAccess, Quantizer
+from quantlens.profiler.onnx_access import OnnxModelAccess
 from quantlens.profiler.quant_analysis import QuantAnalysis, RunResult
 from quantlens.profiler.sensitivity import SensitivityResult, SensitivityRow, SensitivityTable
 
@@ -30,4 +31,5 @@ __all__ = [
     "register_metric",
     "ModelAccess",
     "Quantizer",
+    "OnnxModelAccess",
 ]

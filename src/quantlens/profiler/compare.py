@@ -78,6 +78,15 @@ class LayerRow:
     lsb_hist: str = ""
     same_input_lsb_verdict: str = ""
     same_input_lsb_hist: str = ""
+    #: deployed stages, from the IR's integer arithmetic (IntegerStats): the fraction of GEMM accumulator
+    #: elements beyond int32 (saturated, §6), of table inputs clipped at a limit where the table is not flat,
+    #: and the number of NaN/Inf values the quantized IR turned into integers here
+    acc_saturated_ratio: float | None = None
+    table_input_clipped_ratio: float | None = None
+    nonfinite_to_int: int = 0
+    #: deployed stages: fraction of the same-input output at the integer type's limit (qmin/qmax) where the
+    #: baseline's value lay at least two steps inside the range (saturation the fake quant did not do)
+    requant_saturated_ratio: float | None = None
     note: str = ""
 
     @property
@@ -294,6 +303,21 @@ def lsb_report(base: list[torch.Tensor], analy: list[torch.Tensor], scale: float
     return {"verdict": verdict, "hist": "|".join(f"{label}:{n}" for (label, _, _), n in zip(LSB_BUCKETS, counts))}
 
 
+def extra_saturation(base: list[torch.Tensor], analy: list[torch.Tensor], dtype: str, scale: float | None) -> float | None:
+    """Fraction of ``analy`` at the limit (qmin/qmax) of the integer type whose ``base`` value lies at least two
+    steps inside the range: saturation that the baseline's fake quant did not do (one step is rounding)."""
+    if scale is None or scale <= 0 or dtype not in ("qint8", "qint16") or len(base) != len(analy) or \
+            any(x.shape != y.shape for x, y in zip(base, analy)):
+        return None
+    x, y = _flat(base).double().reshape(-1), _flat(analy).double().reshape(-1)
+    if x.numel() == 0:
+        return None
+    dt = QuantDType.parse(dtype)
+    qx, qy = torch.round(x / scale), torch.round(y / scale)
+    inside = (qx >= dt.qmin + 2) & (qx <= dt.qmax - 2)
+    return float((((qy <= dt.qmin) | (qy >= dt.qmax)) & inside).sum()) / x.numel()
+
+
 def _row(base: TraceReader, analy: TraceReader, b: TracedSite, a: TracedSite, deployed: bool = False) -> LayerRow:
     bmin, bmax, bmean = _range(b)
     amin, amax, amean = _range(a)
@@ -311,6 +335,9 @@ def _row(base: TraceReader, analy: TraceReader, b: TracedSite, a: TracedSite, de
     if qe is not None:
         row.update(raw_error_kind=qe.dominant if qe.clip_sq_err + qe.round_sq_err > 0 else "",
                    clipped_ratio=qe.clipped_ratio, raw_min=qe.raw_min, raw_max=qe.raw_max)
+    if a.int_stats is not None:
+        row.update(acc_saturated_ratio=a.int_stats.acc_saturated_ratio,
+                   table_input_clipped_ratio=a.int_stats.table_clipped_ratio, nonfinite_to_int=a.int_stats.nonfinite)
     if a.fused_into:
         return LayerRow(**row, note=f"fused into {a.fused_into}")
     bt, at = base.tensors(b.name), analy.tensors(a.name)
@@ -336,6 +363,7 @@ def _row(base: TraceReader, analy: TraceReader, b: TracedSite, a: TracedSite, de
         if deployed:
             lsb = lsb_report(base_out, same, scale)
             row.update(same_input_lsb_verdict=lsb.get("verdict", ""), same_input_lsb_hist=lsb.get("hist", ""))
+            row["requant_saturated_ratio"] = extra_saturation(base_out, same, a.quant_dtype, scale)
     elif not note:
         note = "no same-input output"
     return LayerRow(**row, note=note)

@@ -26,6 +26,7 @@ __all__ = [
     "AnalysisType",
     "SiteEvent",
     "QuantErrorStats",
+    "IntegerStats",
     "Quantizer",
     "TraceSink",
     "SameInputSource",
@@ -42,11 +43,12 @@ class AnalysisType(str, Enum):
     PRE_EXPORT = "pre_export"  # QAT model vs pre_export model (nonlinear ops as integer lookup tables)
     EXPORT = "export"  # pre_export model vs the qat IR (export)
     CONVERT = "convert"  # qat IR (or pre_export model) vs the quantized IR (convert)
+    ONNXRUNTIME = "onnxruntime"  # qat IR vs its ONNX model (to_onnx) run by onnxruntime
 
     @property
     def deployed(self) -> bool:
-        """The analysis model is an IR (its sites may be several nodes; values compare in LSB)."""
-        return self in (AnalysisType.EXPORT, AnalysisType.CONVERT)
+        """The analysis model is an IR or a runtime (its sites may be several nodes; values compare in LSB)."""
+        return self in (AnalysisType.EXPORT, AnalysisType.CONVERT, AnalysisType.ONNXRUNTIME)
 
 
 def parse_analysis_type(value: Any) -> AnalysisType:
@@ -57,7 +59,8 @@ def parse_analysis_type(value: Any) -> AnalysisType:
         raise QuantLensError(
             f"Unknown analysis_model_type {value!r}. Expected one of {[t.value for t in AnalysisType]}: "
             "'fake_quant' (float vs calibration/QAT), 'pre_export' (QAT vs pre_export), 'export' (pre_export vs "
-            "the qat IR) or 'convert' (qat IR vs the quantized IR)."
+            "the qat IR), 'convert' (qat IR vs the quantized IR) or 'onnxruntime' (qat IR vs its ONNX model in "
+            "onnxruntime)."
         ) from None
 
 
@@ -90,6 +93,35 @@ class QuantErrorStats:
 
 
 @dataclass
+class IntegerStats:
+    """What the integer arithmetic of an IR did at one op site (counted while the IR ran; no tensors kept).
+
+    * ``acc_saturated`` of ``acc_numel``: GEMM accumulator elements (conv, transposed conv, linear, matmul of the
+      quantized IR) whose exact sum, bias included, lies outside int32, so ``docs/march.md`` §6 saturates them;
+    * ``table_clipped`` of ``table_numel``: input codes of a lookup table (``lut``/``segment_lut``) at the limit of
+      the input type where the table is not flat (the real input was clipped to the table's input range, and
+      the function still changes there);
+    * ``nonfinite``: NaN/Inf float values the quantized IR turned into integers at this site (model inputs at a
+      quantize node, baseline values handed to the site's same-input run): NaN becomes an arbitrary code, ±Inf
+      the type's limit.
+    """
+
+    acc_saturated: int = 0
+    acc_numel: int = 0
+    table_clipped: int = 0
+    table_numel: int = 0
+    nonfinite: int = 0
+
+    @property
+    def acc_saturated_ratio(self) -> float | None:
+        return self.acc_saturated / self.acc_numel if self.acc_numel else None
+
+    @property
+    def table_clipped_ratio(self) -> float | None:
+        return self.table_clipped / self.table_numel if self.table_numel else None
+
+
+@dataclass
 class SiteEvent:
     """One executed op site of a traced forward."""
 
@@ -114,6 +146,7 @@ class SiteEvent:
     boundary: str = ""  # "input" (QuantStub), "output" (DeQuantStub) or ""
     fused_into: str | None = None  # the fused group's last op, for the other members
     producer: str | None = None  # the op site that computed the (first) input, through passthrough ops
+    int_stats: IntegerStats | None = None  # IR sites: accumulator / table-input saturation, non-finite inputs
 
 
 class TraceSink(Protocol):
@@ -191,13 +224,20 @@ class ModelAccess(ABC):
 
 
 def make_access(model: Any, label: str) -> ModelAccess:
-    """The :class:`ModelAccess` for ``model``: a torch module, an IR module, or the path of a saved IR."""
+    """The :class:`ModelAccess` for ``model``: a torch module, an IR module, the path of a saved IR, or an ONNX
+    model (``onnx.ModelProto`` or a path ending in ``.onnx``; run by onnxruntime at ``ORT_DISABLE_ALL``)."""
     if isinstance(model, torch.nn.Module):
         from quantlens.profiler.torch_access import TorchModelAccess
 
         return TorchModelAccess(model, label)
     if isinstance(model, ModelAccess):
         return model
+    from quantlens.profiler.onnx_access import is_onnx_model
+
+    if is_onnx_model(model):
+        from quantlens.profiler.onnx_access import OnnxModelAccess
+
+        return OnnxModelAccess(model, label)
     from quantlens.compiler.ir import Module
 
     if isinstance(model, Module) or (isinstance(model, (str, os.PathLike)) and os.path.isfile(model)):
@@ -208,6 +248,7 @@ def make_access(model: Any, label: str) -> ModelAccess:
         raise QuantLensError(f"QuantAnalysis: the {label} model file {str(model)!r} does not exist.")
     raise QuantLensError(
         f"QuantAnalysis: the {label} model must be a torch.nn.Module (float, calibration, QAT or pre_export "
-        f"model), a quantlens IR module (export / convert), or the path of one written by save(); got "
+        f"model), a quantlens IR module (export / convert), the path of one written by save(), or an ONNX model "
+        f"(onnx.ModelProto or a .onnx path: onnxruntime); got "
         f"{type(model).__name__}."
     )

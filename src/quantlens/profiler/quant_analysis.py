@@ -94,16 +94,36 @@ class QuantAnalysis:
         self.progress = progress
         self._has_bad_case = False
         self._bad_case: Any = None
+        self._baseline_case: Any = None
         self.bad_case_result: BadCaseResult | None = None
 
     def _check_deployed_pair(self) -> None:
         """export: the analysis model is the qat IR; convert: the quantized IR. Their baseline is the stage
         before (or an earlier torch stage of the same model); IR analyses get their baseline as the reference
-        of sensitivity (one op site computed by the IR, the rest by the baseline)."""
+        of sensitivity (one op site computed by the IR, the rest by the baseline). onnxruntime: the analysis
+        model is the ONNX model of the qat IR baseline, which gives it its op sites and their value names."""
         from quantlens.profiler.ir_access import IRModelAccess
+        from quantlens.profiler.onnx_access import OnnxModelAccess
 
         kind = self.analysis_type
         is_ir = isinstance(self.analysis, IRModelAccess)
+        if (kind is AnalysisType.ONNXRUNTIME) != isinstance(self.analysis, OnnxModelAccess):
+            raise QuantLensError(
+                f"QuantAnalysis('{kind.value}'): " + ("analysis_model must be the ONNX model written by "
+                f"to_onnx(qat_ir, path) (its path or onnx.ModelProto, or an OnnxModelAccess), got "
+                f"{type(getattr(self.analysis, 'model', getattr(self.analysis, 'module', None))).__name__}."
+                if kind is AnalysisType.ONNXRUNTIME else
+                "the analysis model is an ONNX model; ONNX models are analysed with 'onnxruntime' (qat IR vs its "
+                "ONNX model)."))
+        if kind is AnalysisType.ONNXRUNTIME:  # the qat IR supplies the op sites and their ONNX value names
+            if not (isinstance(self.baseline, IRModelAccess) and self.baseline.kind == "qat"):
+                got = f"a {self.baseline.kind} IR" if isinstance(self.baseline, IRModelAccess) else \
+                    type(getattr(self.baseline, "model", None)).__name__
+                raise QuantLensError(
+                    f"QuantAnalysis('onnxruntime'): baseline_model must be the qat IR the ONNX model was written "
+                    f"from (export(pre_export_model, example), then to_onnx), got {got}.")
+            self.analysis.reference = self.baseline
+            return
         if not kind.deployed:
             if is_ir:
                 raise QuantLensError(
@@ -187,7 +207,17 @@ class QuantAnalysis:
     # -- run -------------------------------------------------------------------------------------------------
     def _trace(self, access, directory: Path, same_input=None) -> tuple[TraceReader, list[str]]:
         writer = TraceWriter(directory, access.label, access.describe(), save_inputs=same_input is None)
-        output = access.run(self._require_bad_case(), sink=writer, same_input=same_input)
+        example = self._require_bad_case()
+        try:
+            output = access.run(example, sink=writer, same_input=same_input)
+        except TypeError as exc:  # the model's own call signature refused the input's structure
+            raise QuantLensError(
+                f"The {access.label} model ({access.describe()}) cannot be called with the bad case: {exc}. A torch "
+                "model takes its full input pytree (non-tensor arguments such as a task list included); an IR also "
+                "takes the deployment format. Set a bad case in a format this model accepts before running it."
+            ) from exc
+        if access is self.baseline:
+            self._baseline_case = example  # sensitivity re-runs the baseline in the format it was traced in
         extra = self.post_process.extra(output)
         outputs = {**named_outputs(output), **extra}
         if extra:  # the post-processing is one more "op site", compared like the others
@@ -248,11 +278,25 @@ class QuantAnalysis:
         write_advisor(findings, self.out_dir / "abnormal_layer_advisor.txt")
         return findings
 
+    def _sensitivity_case(self) -> Any:
+        """The bad case for sensitivity, in a format both models take: the baseline's traced format when the
+        current bad case holds the same tensors in another format (an IR's deployment format)."""
+        current = self._require_bad_case()
+        traced = getattr(self, "_baseline_case", None)
+        if traced is not None and input_digest(traced) == input_digest(current):
+            return traced
+        return current
+
     def sensitivity(self, metric: str = "L1", reverse: bool = False) -> SensitivityResult:
         """Rank the analysis model's quantizers by their effect on each output, most sensitive first
         (``reverse=True``: least sensitive first). Writes ``output_<name>_<metric>_sensitive_ops.txt``/``.pt``
         per output. The result feeds ``sensitive_op_calibration_8bit_weight_16bit_act_qconfig_setter``."""
-        result = run_sensitivity(self.baseline, self.analysis, self.analysis_type, self._require_bad_case(),
+        if self.analysis_type is AnalysisType.ONNXRUNTIME:
+            raise QuantLensError(
+                "sensitivity() is not offered for 'onnxruntime': onnxruntime runs the whole graph, so one op site "
+                "cannot be switched on its own. Rank the integer ops with QuantAnalysis(qat_ir, quantized_ir, "
+                "'convert').sensitivity().")
+        result = run_sensitivity(self.baseline, self.analysis, self.analysis_type, self._sensitivity_case(),
                                  self.post_process, metric, reverse, self.progress)
         for table in result:
             write_sensitivity(table, self.out_dir)

@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 
 from quantlens._io import atomic_write, atomic_write_text
 from quantlens.errors import QuantLensError
-from quantlens.profiler.model_access import QuantErrorStats, SiteEvent
+from quantlens.profiler.model_access import IntegerStats, QuantErrorStats, SiteEvent
 
 __all__ = ["TensorStat", "TracedSite", "TraceWriter", "TraceReader", "tensor_stat", "input_digest", "TRACE_FILE"]
 
@@ -111,6 +111,7 @@ class TracedSite:
     stats: dict[str, TensorStat] = field(default_factory=dict)
     quant_error: QuantErrorStats | None = None
     same_input_note: str = ""
+    int_stats: IntegerStats | None = None  # IR sites (see IntegerStats); absent from older traces
 
     @property
     def per_tensor_scale(self) -> float | None:
@@ -128,6 +129,8 @@ class TracedSite:
         data["stats"] = {k: TensorStat(**{**v, "shape": tuple(v["shape"])}) for k, v in data["stats"].items()}
         if data.get("quant_error") is not None:
             data["quant_error"] = QuantErrorStats(**data["quant_error"])
+        if data.get("int_stats") is not None:
+            data["int_stats"] = IntegerStats(**data["int_stats"])
         return cls(**data)
 
 
@@ -188,7 +191,7 @@ class TraceWriter:
             weight_scale=_scale_value(event.weight_scale), input_dtypes=list(event.input_dtypes),
             boundary=event.boundary, fused_into=event.fused_into, producer=event.producer,
             index_producing=event.index_producing, stats={k: tensor_stat(v) for k, v in tensors.items()},
-            quant_error=event.quant_error, same_input_note=event.same_input_note,
+            quant_error=event.quant_error, same_input_note=event.same_input_note, int_stats=event.int_stats,
         ))
 
     def finish(self, outputs: dict[str, torch.Tensor], input_digest: str = "") -> Path:

@@ -1,0 +1,222 @@
+""":class:`OnnxModelAccess`: the ONNX model written by ``to_onnx``, run by onnxruntime, as the profiler sees it
+(the ``onnxruntime`` analysis type: the qat IR against its ONNX file).
+
+**Op sites.** ``to_onnx`` keeps the qat IR's value names as ONNX tensor names for the outputs of IR nodes, so a
+site's value (the output of its last IR node, see :mod:`.ir_access`) has the same name in the ONNX graph. The
+site -> value-name map comes from the baseline qat IR (:attr:`OnnxModelAccess.reference`, set by
+``QuantAnalysis``): every site's value is added as an extra graph output and the whole graph runs once.
+
+**Optimization.** At ``optimization="disable_all"`` (``ORT_DISABLE_ALL``, the default) onnxruntime runs the graph
+as written (float ops between QuantizeLinear/DequantizeLinear pairs) and every site is traced. At any other
+level (``"basic"``, ``"extended"``, ``"all"``) onnxruntime fuses Q/DQ groups into its own integer kernels; an
+intermediate graph output would block those fusions, so only the **model outputs** are fetched: the analysis
+trace holds only the sites whose value is a model output, and the comparison lists the other sites as absent
+(only in the baseline). Pass the access directly as the analysis model::
+
+    QuantAnalysis(qat_ir, OnnxModelAccess("model.onnx", "analysis", optimization="all"), "onnxruntime")
+
+**Not offered.** Same-input outputs (a whole-graph session cannot re-run one op on the baseline's inputs) and
+sensitivity (onnxruntime's quantizers cannot be switched off one by one): :meth:`quantizers` raises.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from quantlens.errors import QuantLensError
+from quantlens.profiler.model_access import AnalysisType, ModelAccess, Quantizer, SameInputSource, TraceSink
+
+__all__ = ["OnnxModelAccess", "ORT_LEVELS", "is_onnx_model"]
+
+#: ``optimization`` -> onnxruntime ``GraphOptimizationLevel`` member
+ORT_LEVELS = {"disable_all": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
+              "all": "ORT_ENABLE_ALL"}
+
+SAME_INPUT_NOTE = ("onnxruntime runs the whole graph: same-input needs each op re-run on the baseline's inputs "
+                   "(see the 'export' / 'convert' analyses of the IR)")
+
+
+def is_onnx_model(model: Any) -> bool:
+    """An ``onnx.ModelProto`` or the path of an ``.onnx`` file (checked without importing onnx)."""
+    if isinstance(model, (str, os.PathLike)):
+        return str(model).lower().endswith(".onnx")
+    return type(model).__name__ == "ModelProto" and type(model).__module__.startswith("onnx")
+
+
+def _imports():
+    try:
+        import onnx
+        import onnxruntime
+    except ImportError as exc:
+        raise QuantLensError("The 'onnxruntime' analysis needs onnx and onnxruntime: pip install 'quantlens[onnx]' "
+                             "onnxruntime.") from exc
+    return onnx, onnxruntime
+
+
+class OnnxModelAccess(ModelAccess):
+    """An ONNX model (``to_onnx`` of the baseline qat IR; a path or an ``onnx.ModelProto``) run by onnxruntime.
+
+    Args:
+        model: the ``.onnx`` path or the ``ModelProto`` (copied; the caller's proto is not changed).
+        label: ``"analysis"`` (the role in the analysis).
+        optimization: onnxruntime's graph optimization level, one of :data:`ORT_LEVELS`. ``"disable_all"``
+            traces every op site; the others fetch the model outputs only (see the module docstring).
+    """
+
+    kind = "onnx"
+
+    def __init__(self, model: Any, label: str = "analysis", optimization: str = "disable_all"):
+        onnx, ort = _imports()
+        if optimization not in ORT_LEVELS:
+            raise QuantLensError(f"OnnxModelAccess: optimization {optimization!r} is not one of {list(ORT_LEVELS)} "
+                                 "(onnxruntime's ORT_DISABLE_ALL, ORT_ENABLE_BASIC, ORT_ENABLE_EXTENDED, "
+                                 "ORT_ENABLE_ALL).")
+        self.label = label
+        self.optimization = optimization
+        self.source = ""
+        if isinstance(model, (str, os.PathLike)):
+            if not os.path.isfile(model):
+                raise QuantLensError(f"QuantAnalysis: the {label} ONNX file {str(model)!r} does not exist.")
+            self.source = str(model)
+            self.proto = onnx.load(str(model))
+        elif is_onnx_model(model):
+            self.proto = onnx.ModelProto()
+            self.proto.CopyFrom(model)
+        else:
+            raise QuantLensError(f"OnnxModelAccess expects an onnx.ModelProto or the path of an .onnx file, got "
+                                 f"{type(model).__name__}.")
+        graph = self.proto.graph
+        self.output_names = [o.name for o in graph.output]
+        initializers = {i.name for i in graph.initializer}
+        self.input_names = [i.name for i in graph.input if i.name not in initializers]
+        self._produced = {o for node in graph.node for o in node.output} | set(self.input_names)
+        self._ort = ort
+        self._sessions: dict[tuple[str, ...], Any] = {}
+        #: the baseline qat IR's access (site -> value names, op types, grids); set by QuantAnalysis
+        self.reference = None
+        #: op sites of the reference whose value has no ONNX tensor (filled by the first traced run)
+        self.missing_sites: list[str] = []
+
+    # -- description -------------------------------------------------------------------------------------
+    def describe(self) -> str:
+        where = f" from {self.source}" if self.source else ""
+        props = {p.key: p.value for p in self.proto.metadata_props}
+        model = props.get("quantlens.source_model", self.proto.graph.name or "model")
+        return (f"{model} (ONNX{where}, onnxruntime {self._ort.__version__}, "
+                f"{ORT_LEVELS[self.optimization]})")
+
+    @property
+    def outputs_only(self) -> bool:
+        """Whether only the model outputs are fetched (an optimized session): the trace then holds only the
+        sites whose value is a model output."""
+        return self.optimization != "disable_all"
+
+    # -- running -----------------------------------------------------------------------------------------
+    def _ir(self):
+        from quantlens.profiler.ir_access import IRModelAccess
+
+        ref = self.reference
+        if not isinstance(ref, IRModelAccess) or ref.kind != "qat":
+            raise QuantLensError(
+                "OnnxModelAccess needs the qat IR the ONNX model was written from (its op sites and value names): "
+                "use QuantAnalysis(qat_ir, onnx_model, 'onnxruntime'), which sets it, or set access.reference = "
+                "IRModelAccess(qat_ir, 'baseline').")
+        return ref
+
+    def _site_values(self, ref) -> dict[str, list[str]]:
+        """Each traced site's ONNX tensor names: the IR names of its value (the outputs of its last IR node),
+        or, for a value that is a model output, the ONNX output at the same position (outputs may be renamed)."""
+        alias: dict[str, str] = {}
+        for ir_name, onnx_name in zip(ref.module.graph.outputs, self.output_names):
+            alias.setdefault(ir_name, onnx_name)
+        sites, missing = {}, []
+        for site in ref.sites:
+            names = list(ref.nodes[ref.last[site]].outputs)
+            if self.outputs_only:
+                if all(n in alias for n in names):
+                    sites[site] = [alias[n] for n in names]
+                continue
+            found = [n if n in self._produced else alias.get(n) for n in names]
+            if None in found:
+                missing.append(site)
+                continue
+            sites[site] = found
+        self.missing_sites = missing
+        return sites
+
+    def _session(self, extra: tuple[str, ...]):
+        if extra in self._sessions:
+            return self._sessions[extra]
+        onnx, ort = _imports()
+        from quantlens.compiler.onnx_builder import _onnx_dtype
+
+        proto = self.proto
+        if extra:
+            proto = onnx.ModelProto()
+            proto.CopyFrom(self.proto)
+            ref = self._ir()
+            for name in extra:
+                info = ref._info(name)
+                if info is None or info.dtype in ("", "unknown"):
+                    raise QuantLensError(f"OnnxModelAccess: the qat IR has no dtype for value '{name}'; export the "
+                                         "model again.")
+                proto.graph.output.append(onnx.helper.make_tensor_value_info(name, _onnx_dtype(info.dtype), None))
+        options = ort.SessionOptions()
+        options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, ORT_LEVELS[self.optimization])
+        options.log_severity_level = 3
+        try:
+            session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise QuantLensError(f"onnxruntime cannot load the ONNX model ({type(exc).__name__}: {exc}).") from exc
+        self._sessions[extra] = session
+        return session
+
+    def run(self, example: Any, sink: TraceSink | None = None, same_input: SameInputSource | None = None,
+            indices: dict[str, list[torch.Tensor]] | None = None, override: Any = None) -> Any:
+        if indices is not None or override is not None:
+            raise QuantLensError("OnnxModelAccess runs the whole graph in onnxruntime: it cannot take the "
+                                 "baseline's indices or mix values with another model (no sensitivity).")
+        from quantlens.profiler.ir_access import call_ir
+
+        ref = self._ir()
+        feeds = call_ir(ref.module, example)
+        missing = [n for n in self.input_names if n not in feeds]
+        if missing:
+            raise QuantLensError(f"OnnxModelAccess: no value for the ONNX inputs {missing}; the qat IR's inputs are "
+                                 f"{ref.module.input_names}.")
+        sites = self._site_values(ref) if sink is not None else {}
+        have = set(self.output_names)
+        extra = tuple(dict.fromkeys(n for names in sites.values() for n in names if n not in have))
+        session = self._session(extra)
+        fetch = self.output_names + list(extra)
+        arrays = session.run(fetch, {n: feeds[n].detach().cpu().contiguous().numpy() for n in self.input_names})
+        values = {n: torch.from_numpy(a.copy()) if hasattr(a, "copy") else torch.tensor(a)
+                  for n, a in zip(fetch, arrays)}
+        if sink is not None:
+            for index, (site, names) in enumerate(sites.items()):
+                event = ref._event(site, index, [values[n] for n in names], feeds, {}, None)
+                event.same_input_note = SAME_INPUT_NOTE
+                sink.on_site(event)
+        ir_outputs = ref.module.graph.outputs
+        if len(ir_outputs) != len(self.output_names):
+            raise QuantLensError(f"OnnxModelAccess: the ONNX model has {len(self.output_names)} outputs, the qat IR "
+                                 f"{len(ir_outputs)}; pass the ONNX file written by to_onnx from this qat IR.")
+        outs = [ref.to_float(name, values[onnx_name]) for name, onnx_name in zip(ir_outputs, self.output_names)]
+        return pytree.tree_unflatten(outs, pytree.treespec_loads(ref.module.output_spec))
+
+    # -- sensitivity: not offered ------------------------------------------------------------------------
+    def quantizers(self, analysis_type: AnalysisType) -> list[Quantizer]:
+        raise QuantLensError(
+            "sensitivity() is not offered for 'onnxruntime': onnxruntime runs the whole graph and its quantizers "
+            "cannot be switched off one by one. Rank the quantizers on the torch stages ('fake_quant', "
+            "'pre_export') or the IR ('export', 'convert').")
+
+    @contextmanager
+    def ablation(self, analysis_type: AnalysisType):
+        self.quantizers(analysis_type)
+        yield  # pragma: no cover

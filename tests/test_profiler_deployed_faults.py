@@ -1,0 +1,164 @@
+"""Must-show acceptance for the later stages: one planted fault per stage pair is ranked first by the error the
+op adds itself (same input) and by the sensitivity table, and the advisor names it.
+
+* pre_export (QAT model vs pre_export): a table whose output grid is too coarse. An int8-input table is the
+  float op plus the output fake quant exactly (one entry per input code), so the fault sits on an int16-input
+  (segmented, interpolated) sigmoid: with a planted output scale of 0.25 (4 levels for [0, 1]) the
+  interpolation rounds its steep part to other levels than the float op.
+* export (pre_export model vs qat IR): a submodule computes another value under ``torch.export``
+  (``torch.compiler.is_exporting()``).
+* convert (qat IR vs quantized IR): a linear whose exact int32 accumulator overflows (int16 activations near
+  full scale times same-sign int8 weights over 1024 terms); the float fake-quant model has no such limit.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from quantlens.compiler import convert, export
+from quantlens.profiler import QuantAnalysis
+from quantlens.quantization import (
+    DeQuantStub, FixedScaleObserver, QConfig, QuantSpec, QuantStub, calibrate, get_qconfig, pre_export, prepare,
+)
+from quantlens.quantization.qconfig_template import ModuleNameQconfigSetter, default_calibration_qconfig_setter
+
+Q16 = get_qconfig(out_dtype="qint16")
+
+
+def _stages(model, x, mapping=None):
+    setter = (ModuleNameQconfigSetter(mapping), default_calibration_qconfig_setter) if mapping else \
+        default_calibration_qconfig_setter
+    qat = prepare(model, (x,), setter, check_result_dir=None)
+    calibrate(qat, [(x,)])
+    pre = pre_export(qat)
+    qat_ir = export(pre, (x,))
+    return qat, pre, qat_ir
+
+
+def _analyse(baseline, analysis, kind, x, out_dir):
+    qa = QuantAnalysis(baseline, analysis, kind, out_dir=out_dir, progress=False)
+    qa.set_bad_case((x,))
+    qa.run()
+    table = qa.compare_per_layer()
+    return qa, table, qa.advise(table)
+
+
+def _init(module, seed, std=0.5):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def _fired(findings, rule, site):
+    return [f for f in findings if f.rule == rule and f.op_name == site]
+
+
+class TwoTables(nn.Module):
+    """quant -> fc1 -> sigmoid -> fc2 -> tanh, both tables on int16 inputs; cat -> fc3 -> dequant."""
+
+    def __init__(self):
+        super().__init__()
+        self.quant, self.dequant = QuantStub(), DeQuantStub()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(32, 4)
+        _init(self, 0)
+
+    def forward(self, x):
+        a = torch.sigmoid(self.fc1(self.quant(x)))
+        b = torch.tanh(self.fc2(a))
+        return self.dequant(self.fc3(torch.cat([a, b], 1)))
+
+
+def test_pre_export_table_with_a_coarse_output_grid_is_found_first(tmp_path):
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    planted = QConfig(output=QuantSpec("qint8", FixedScaleObserver.with_args(scale=0.25)))
+    mapping = {"fc1": Q16, "fc2": Q16, "tanh_0": Q16, "sigmoid_0": planted}
+    setter = (ModuleNameQconfigSetter(mapping), default_calibration_qconfig_setter)
+    qat = prepare(TwoTables(), (x,), setter, check_result_dir=None)
+    calibrate(qat, [(x,)])
+    qa, table, findings = _analyse(qat, pre_export(qat), "pre_export", x, tmp_path)
+
+    ranked = table.ranked("same_input_sqnr")
+    assert ranked[0].op_name == "sigmoid_0"
+    assert ranked[0].same_input_sqnr < 40 < 80 < ranked[1].same_input_sqnr  # the healthy int16 tanh: ~95 dB
+    top = qa.sensitivity()[0]
+    assert (top[0].op_name, top[0].sensitive_type) == ("sigmoid_0", "lut") and top[0].value > 10 * top[1].value
+    found = _fired(findings, "table_error", "sigmoid_0")
+    assert found and "levels" in found[0].info
+    assert not [f for f in findings if f.rule == "table_error" and f.op_name != "sigmoid_0"]
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.relu = nn.Linear(16, 16), nn.ReLU()
+
+    def forward(self, x):
+        y = self.fc(x)
+        y = y * (1.01 if torch.compiler.is_exporting() else 1.0)  # library code with an export-only path
+        return self.relu(y)
+
+
+class ExportPath(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.quant, self.dequant = QuantStub(), DeQuantStub()
+        self.fc1, self.blk, self.fc2 = nn.Linear(8, 16), Block(), nn.Linear(16, 4)
+        _init(self, 0)
+
+    def forward(self, x):
+        return self.dequant(self.fc2(self.blk(torch.relu(self.fc1(self.quant(x))))))
+
+
+def test_export_path_that_differs_under_torch_export_is_found_first(tmp_path):
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    _, pre, qat_ir = _stages(ExportPath(), x)
+    qa, table, findings = _analyse(pre, qat_ir, "export", x, tmp_path)
+
+    ranked = table.ranked("same_input_sqnr")
+    assert ranked[0].op_name == "blk.mul_0" and ranked[0].same_input_sqnr < 45
+    # every op outside the block is bit-exact on the same input
+    assert all(r.same_input_lsb_verdict in ("", "bit-exact") for r in table if not r.op_name.startswith("blk."))
+    assert qa.sensitivity()[0][0].op_name == "blk.mul_0"
+    found = _fired(findings, "export_path_differs", "blk.mul_0")
+    assert found and "is_exporting" in found[0].advice
+    assert not [f for f in findings if f.rule == "export_path_differs" and not f.op_name.startswith("blk.")]
+
+
+class WideSum(nn.Module):
+    """quant -> fc0 (int16, ~constant 3 after the relu) -> big (1024 terms) -> relu -> fc2 -> dequant.
+
+    ``big``'s first four rows are ~0.5 everywhere: their int8 codes are ~127 (per-channel scale), the int16 input
+    codes ~31700, so the exact sum is ~4e9 > 2**31; its last four rows have random signs and stay far below."""
+
+    def __init__(self):
+        super().__init__()
+        self.quant, self.dequant = QuantStub(), DeQuantStub()
+        self.fc0, self.big, self.relu, self.fc2 = nn.Linear(8, 1024), nn.Linear(1024, 8), nn.ReLU(), nn.Linear(8, 4)
+        _init(self, 0, std=0.05)
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            self.fc0.bias.fill_(3.0)
+            self.big.weight[:4] = 0.5 + 0.01 * torch.randn(4, 1024, generator=gen)
+            self.big.weight[4:] = 0.5 * torch.randn(4, 1024, generator=gen)
+
+    def forward(self, x):
+        h = torch.relu(self.fc0(self.quant(x)))
+        return self.dequant(self.fc2(self.relu(self.big(h))))
+
+
+def test_convert_accumulator_overflow_is_found_first(tmp_path):
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    _, _, qat_ir = _stages(WideSum(), x, {"fc0": Q16, "relu_0": Q16})
+    qa, table, findings = _analyse(qat_ir, convert(qat_ir), "convert", x, tmp_path)
+
+    site = "relu"  # big's requantize goes straight to the fused relu's grid: the site is the relu
+    ranked = table.ranked("same_input_sqnr")
+    assert ranked[0].op_name == site and ranked[0].same_input_lsb_verdict == "diverged"
+    assert ranked[0].same_input_sqnr < 20 < 100 < ranked[1].same_input_sqnr
+    assert table[site].acc_saturated_ratio == pytest.approx(0.5)  # the four same-sign rows, every sample
+    assert all(not r.acc_saturated_ratio for r in table if r.op_name != site)
+    assert qa.sensitivity()[0][0].op_name == site
+    found = _fired(findings, "accumulator_saturation", site)
+    assert found and "50%" in found[0].info
+    assert [f.op_name for f in findings if f.rule == "accumulator_saturation"] == [site]
