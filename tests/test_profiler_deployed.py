@@ -246,3 +246,14 @@ def test_saved_ir_files_are_accepted_by_path(stages, tmp_path):
         QuantAnalysis(qat_path, tmp_path / "missing.qlir", "convert")
     with pytest.raises(QuantLensError, match="must be the quantized IR"):
         QuantAnalysis(stages.pre_export, qat_path, "convert")
+
+
+def test_lsb_report_per_channel_scales_divide_along_their_axis():
+    from quantlens.profiler.compare import lsb_report
+
+    base = torch.zeros(2, 3)
+    analy = torch.tensor([[0.0, 0.2, 3.0], [0.0, 0.4, 0.0]])  # channel steps 1, 0.1, 1 along dim 1
+    report = lsb_report([base], [analy], [1.0, 0.1, 1.0], axis=1)
+    assert report == {"verdict": "within 4 LSB", "hist": "0:3|1:0|2:1|3-4:2|5-8:0|>8:0"}
+    assert lsb_report([base], [analy], [1.0, 0.1], axis=1) == {}  # a scale that does not fit the axis
+    assert lsb_report([base], [base], 0.5)["verdict"] == "bit-exact"

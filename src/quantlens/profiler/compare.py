@@ -287,15 +287,29 @@ LSB_VERDICTS = ("bit-exact", "within 1 LSB", "within 4 LSB", "diverged")
 LSB_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2", 2, 2), ("3-4", 3, 4), ("5-8", 5, 8), (">8", 9, math.inf))
 
 
-def lsb_report(base: list[torch.Tensor], analy: list[torch.Tensor], scale: float | None) -> dict[str, str]:
+def lsb_report(base: list[torch.Tensor], analy: list[torch.Tensor], scale: float | list[float] | None,
+               axis: int | None = None) -> dict[str, str]:
     """``{verdict, hist}`` of ``|base - analy| / scale`` rounded to whole LSB (values on one grid differ by whole
-    steps; rounding absorbs float32 noise)."""
-    if scale is None or scale <= 0 or len(base) != len(analy) or any(x.shape != y.shape for x, y in zip(base, analy)):
+    steps; rounding absorbs float32 noise). A per-channel ``scale`` (a list) divides along ``axis`` of a single
+    output."""
+    if scale is None or len(base) != len(analy) or any(x.shape != y.shape for x, y in zip(base, analy)):
         return {}
-    x, y = _flat(base).double().reshape(-1), _flat(analy).double().reshape(-1)
+    if isinstance(scale, list):
+        if axis is None or len(base) != 1 or base[0].dim() == 0 or min(scale) <= 0 or \
+                base[0].shape[axis % base[0].dim()] != len(scale):
+            return {}
+        shape = [1] * base[0].dim()
+        shape[axis % base[0].dim()] = -1
+        step = torch.tensor(scale, dtype=torch.float64).reshape(shape)
+        x, y = base[0].double(), analy[0].double()
+    elif scale <= 0:
+        return {}
+    else:
+        step = scale
+        x, y = _flat(base).double().reshape(-1), _flat(analy).double().reshape(-1)
     if x.numel() == 0 or not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
         return {}
-    lsb = torch.round((x - y).abs() / scale)
+    lsb = torch.round((x - y).abs() / step).reshape(-1)
     worst = float(lsb.max())
     verdict = ("bit-exact" if worst == 0 else "within 1 LSB" if worst <= 1 else "within 4 LSB" if worst <= 4
                else "diverged")
@@ -348,8 +362,10 @@ def _row(base: TraceReader, analy: TraceReader, b: TracedSite, a: TracedSite, de
         return LayerRow(**row, note="mismatch shape" if keys or a.float_outputs() else "no float output")
     row.update(values)
     row["atol_in_scale"] = in_scale_units(values["Atol"], scale)
-    if deployed:
-        lsb = lsb_report(base_out, [at[k] for k in a.float_outputs()], scale)
+    if deployed and a.quant_dtype != "qint32":
+        # (an int32 high-precision output's LSB is the accumulator's: one input step upstream is thousands of them,
+        # so only its same-input verdict below says something)
+        lsb = lsb_report(base_out, [at[k] for k in a.float_outputs()], a.scale, a.scale_axis)
         row.update(lsb_verdict=lsb.get("verdict", ""), lsb_hist=lsb.get("hist", ""))
     same = [at[f"same{i}"] for i in range(len(keys)) if f"same{i}" in at]
     same_values = _metrics(base_out, same) if len(same) == len(keys) else None
@@ -361,7 +377,7 @@ def _row(base: TraceReader, analy: TraceReader, b: TracedSite, a: TracedSite, de
         pre = [at[f"samepre{i}"] for i in range(len(keys)) if f"samepre{i}" in at]
         row.update(_split(base_out, pre if len(pre) == len(keys) else same, same, a.quant_dtype, scale))
         if deployed:
-            lsb = lsb_report(base_out, same, scale)
+            lsb = lsb_report(base_out, same, a.scale, a.scale_axis)
             row.update(same_input_lsb_verdict=lsb.get("verdict", ""), same_input_lsb_hist=lsb.get("hist", ""))
             row["requant_saturated_ratio"] = extra_saturation(base_out, same, a.quant_dtype, scale)
     elif not note:

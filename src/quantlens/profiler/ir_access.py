@@ -149,6 +149,16 @@ class IRModelAccess(ModelAccess):
             return qdtype, self.module.graph.constants.get(node.inputs[1])
         return "float", None
 
+    def site_axis(self, site: str) -> int | None:
+        """The channel axis of a site's per-channel scale (None: per tensor)."""
+        node = self.nodes[self.last[site]]
+        info = self._info(node.outputs[0])
+        if info is not None and info.qdtype:
+            return info.axis
+        if node.op == "fake_quant" and node.attrs.get("axis", -1) >= 0:
+            return int(node.attrs["axis"])
+        return None
+
     def site_op_type(self, site: str) -> str:
         """The op a site computes: its last node that computes (a fused ReLU after an add is the add's site)."""
         nodes = [self.nodes[i] for i in self.program(site).nodes]
@@ -293,6 +303,7 @@ class IRModelAccess(ModelAccess):
             ("output" if site == "output" else ""),
             producer=first[0] if first is not None and first[0] != _INPUT else None,
             int_stats=int_stats,
+            scale_axis=self.site_axis(site) if scale is not None and scale.numel() > 1 else None
         )
         if same_input is not None:
             entering = [0]

@@ -147,6 +147,7 @@ class SiteEvent:
     fused_into: str | None = None  # the fused group's last op, for the other members
     producer: str | None = None  # the op site that computed the (first) input, through passthrough ops
     int_stats: IntegerStats | None = None  # IR sites: accumulator / table-input saturation, non-finite inputs
+    scale_axis: int | None = None  # the channel axis of a per-channel scale (int32 high-precision outputs)
 
 
 class TraceSink(Protocol):

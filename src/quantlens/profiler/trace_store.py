@@ -112,6 +112,7 @@ class TracedSite:
     quant_error: QuantErrorStats | None = None
     same_input_note: str = ""
     int_stats: IntegerStats | None = None  # IR sites (see IntegerStats); absent from older traces
+    scale_axis: int | None = None  # channel axis of a per-channel ``scale``
 
     @property
     def per_tensor_scale(self) -> float | None:
@@ -192,6 +193,7 @@ class TraceWriter:
             boundary=event.boundary, fused_into=event.fused_into, producer=event.producer,
             index_producing=event.index_producing, stats={k: tensor_stat(v) for k, v in tensors.items()},
             quant_error=event.quant_error, same_input_note=event.same_input_note, int_stats=event.int_stats,
+            scale_axis=event.scale_axis,
         ))
 
     def finish(self, outputs: dict[str, torch.Tensor], input_digest: str = "") -> Path:
