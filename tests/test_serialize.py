@@ -154,7 +154,10 @@ def _synthetic_module() -> Module:
               InputLeaf("const", value=2.5), InputLeaf("const", value=float("nan")), InputLeaf("const", value=True),
               InputLeaf("const", value=None)]
     graph = Graph(nodes=nodes, inputs=["x"], outputs=["z", "y"], constants=constants, values=values)
-    return Module("quantized", graph, leaves, "in-spec", "out-spec", meta={"march": "ql1", "note": [1, (2, 3)]})
+    # load checks that the specs parse and have one leaf per input leaf / graph output
+    in_spec = pytree.treespec_dumps(pytree.tree_flatten(((0,) * len(leaves), {}))[1])
+    out_spec = pytree.treespec_dumps(pytree.tree_flatten((0, 0))[1])
+    return Module("quantized", graph, leaves, in_spec, out_spec, meta={"march": "ql1", "note": [1, (2, 3)]})
 
 
 def test_every_dtype_and_attr_kind_round_trips(tmp_path):
@@ -283,7 +286,11 @@ def _rewrite_header(src, dst, **changes):
         header = json.loads(handle.metadata()[METADATA_KEY])
         tensors = {k: handle.get_tensor(k) for k in handle.keys()}
     header.update(changes)
-    save_file(tensors, str(dst), metadata={METADATA_KEY: json.dumps(header)})
+    text = json.dumps(header)
+    from quantlens.compiler.serialize import CHECKSUM_KEY, _file_checksum
+
+    # resealed: the checksum matches, so load's header validation (not the checksum) must refuse the change
+    save_file(tensors, str(dst), metadata={METADATA_KEY: text, CHECKSUM_KEY: _file_checksum(text, tensors)})
     return dst
 
 

@@ -22,6 +22,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], fsync: b
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; the file gets what open() would have given it
         if fsync:
             with open(tmp, "rb+") as handle:
                 os.fsync(handle.fileno())
@@ -31,6 +32,38 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], fsync: b
             os.unlink(tmp)
         raise
     return path
+
+
+def writable_dir_problem(path: str | os.PathLike) -> str | None:
+    """Why files cannot be written into the folder ``path`` (created on the first write when missing), or
+    None when they can. Checks only: creates nothing."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        return f"{path} exists and is not a folder"
+    probe = path
+    while not probe.exists():  # the folder is made on the first write: its nearest existing ancestor must allow it
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        return f"{probe} is a file, so the folder {path} cannot be created"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable" + ("" if probe == path else f", so the folder {path} cannot be created")
+    return None
+
+
+def _umask() -> int:
+    """The process umask: from /proc where it can be read, else by setting it and straight back."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

@@ -118,8 +118,10 @@ def export(
         apply_pre_export: apply ``pre_export``'s table rewrites first (default), so the IR computes nonlinear ops
             exactly like ``pre_export(model)``. Ignored when ``model`` already is a pre_export model.
         dynamic_batch: keep dim 0 of every tensor input dynamic, so one IR serves any batch size. Shapes are
-            otherwise fixed at the example's, as on the NPU. Models that compute with the batch size beyond
-            reshapes (e.g. building masks with ``arange(batch)``) need the default.
+            otherwise fixed at the example's, as on the NPU. A batch-1 example is traced on a batch-2 copy
+            (torch.export fixes size-1 dims); the IR's batched inputs are checked to have dim 0 = -1, or
+            ``QuantLensError`` is raised. Models that compute with the batch size beyond reshapes (e.g. building
+            masks with ``arange(batch)``) need the default.
     """
     if not is_prepared(model):
         raise QuantLensError(
@@ -142,25 +144,37 @@ def export(
     ]
     flat_call = _FlatCall(model, leaves, spec, tensor_positions)
     tensors = tuple(leaves[i] for i in tensor_positions)
+    traced, batched = (_batch_example(tensors) if dynamic_batch else (tensors, []))
     with _capture_state(model), torch.no_grad():
-        flat_call(*tensors)  # eager once: validates the outputs and records their structure
+        eager = flat_call(*tensors)  # eager once: validates the outputs and records their structure
         output_spec = flat_call.output_spec
         with fx_traceback.preserve_node_meta():  # lets the op-site annotations reach node.meta["custom"]
             dynamic = None
             if dynamic_batch:
-                dynamic = (tuple({0: torch.export.Dim.AUTO} if t.dim() > 0 else None for t in tensors),)
-            ep = torch.export.export(flat_call, tensors, dynamic_shapes=dynamic, strict=False)
+                dynamic = (tuple({0: torch.export.Dim.AUTO} if t.dim() > 0 else None for t in traced),)
+            try:
+                ep = torch.export.export(flat_call, traced, dynamic_shapes=dynamic, strict=False)
+            except Exception as exc:
+                if traced is tensors:
+                    raise
+                raise QuantLensError(
+                    "export(dynamic_batch=True): torch.export fixes size-1 dims, so the batch-1 example was traced "
+                    f"on a batch-2 copy, and that failed: {exc} If the forward depends on the batch size, export "
+                    "with the default dynamic_batch=False, or with an example of the deployment batch size."
+                ) from exc
             # In-place ops (x += y, x.mul_(2), x[:, 0] = 0, clamp_) become their functional forms; an empty
             # decomposition table decomposes nothing else.
             ep = ep.run_decompositions({})
     graph = lower_exported_program(ep, [names[i] for i in tensor_positions])
+    if dynamic_batch:
+        _check_dynamic_batch(graph, [names[tensor_positions[k]] for k in batched])
     # Ops after a DeQuantStub are host post-processing: they stay float through convert.
     host_sites = {s.name for s in model._quantlens_state.record.sites.values() if s.after_dequant}
     for node in graph.nodes:
         if node.site in host_sites:
             node.attrs["host"] = True
     _annotate_table_references(graph, model._quantlens_state)
-    return Module(
+    module = Module(
         "qat",
         graph,
         input_leaves,
@@ -168,6 +182,61 @@ def export(
         pytree.treespec_dumps(output_spec),
         meta={"march": model._quantlens_state.march, "source_model": type(model).__name__},
     )
+    if traced is not tensors:  # traced on a batch-2 copy: the IR must also give the example's batch-1 shapes
+        _check_batch_one(module, dict(zip(graph.inputs, tensors)), eager)
+    return module
+
+
+def _batch_example(tensors: tuple) -> tuple[tuple, list[int]]:
+    """The tensors to trace with a dynamic batch, and the positions of those whose dim 0 is the batch.
+
+    torch.export specialises a dim whose example size is 1 (its "0/1 specialisation"; only a log line says so),
+    so a batch-1 example would give a static IR. When every tensor input with a dim 0 has size 1 there, the
+    model is traced on a batch-2 copy (each such input repeated along dim 0). Otherwise the batch is the
+    largest dim 0; inputs with another dim 0 (e.g. a size-1 tensor broadcast over the batch) stay static."""
+    sizes = [t.shape[0] for t in tensors if t.dim() > 0]
+    if not sizes:
+        raise QuantLensError("export(dynamic_batch=True): no tensor input has a dim 0 to make dynamic; export "
+                             "with the default dynamic_batch=False.")
+    batch = max(sizes)
+    if batch != 1:
+        return tensors, [k for k, t in enumerate(tensors) if t.dim() > 0 and t.shape[0] == batch]
+    traced = tuple(t.repeat(2, *[1] * (t.dim() - 1)) if t.dim() > 0 else t for t in tensors)
+    return traced, [k for k, t in enumerate(tensors) if t.dim() > 0]
+
+
+def _check_dynamic_batch(graph, batched_names: list[str]) -> None:
+    """Every batched input must have a dynamic dim 0 (-1) in the IR, or export raises."""
+    static = [name for name in batched_names if graph.values[name].shape[:1] != (-1,)]
+    if static:
+        shapes = {name: list(graph.values[name].shape) for name in static}
+        raise QuantLensError(
+            f"export(dynamic_batch=True): torch.export fixed the batch dim (dim 0) of input(s) {shapes}: the model "
+            "computes with the batch size beyond reshapes (e.g. a reshape to a literal batch, a mask built with "
+            "arange(batch), a branch on the batch size), so its graph holds only for that batch. Export with the "
+            "default dynamic_batch=False (one IR per batch size), or make the forward batch-agnostic (reshape "
+            "with -1 or x.shape[0])."
+        )
+
+
+def _check_batch_one(module: Module, feeds: dict, eager: tuple) -> None:
+    """An IR traced on a batch-2 copy must still compute the batch-1 example's output shapes."""
+    outputs = module.run(feeds, check_finite=False)
+    got = [list(o.shape) for o in outputs]
+    want = [list(o.shape) for o in eager]
+    # the same ops on the same batch-1 tensors: only a batch-dependent forward differs by more than a few steps
+    differs = got != want or any(
+        o.is_floating_point() and e.is_floating_point() and e.numel()
+        and bool((o - e).abs().max() > 0.1 * e.abs().max() + 1e-6)
+        for o, e in zip(outputs, eager)
+    )
+    if differs:
+        raise QuantLensError(
+            "export(dynamic_batch=True): the model was traced on a batch-2 copy of its batch-1 example (torch.export "
+            "fixes size-1 dims), and at batch 1 the IR does not compute what the model computes (output shapes "
+            f"{got}, the model's {want}): the forward depends on the batch size (e.g. a branch on batch 1). Export "
+            "with an example of batch 2 or more, or with the default dynamic_batch=False."
+        )
 
 
 #: table ops whose float op depends on the site (lut: sigmoid, gelu ...), so the node records it

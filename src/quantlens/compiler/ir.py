@@ -86,7 +86,8 @@ KernelFn = Callable[[Node, list, "Graph"], Any]
 
 class Module:
     """A runnable IR model. Call it like the torch model it came from (same input pytree, non-tensor leaves
-    equal to the exported ones), or with the tensors alone, by input name: ``module(image=..., meta=...)``."""
+    equal to the exported ones), or with the tensors alone, by input name: ``module(image=..., meta=...)``.
+    Every call checks the tensors against the exported input types first (``docs/ir.md``, "Calling an IR")."""
 
     def __init__(
         self,
@@ -112,56 +113,114 @@ class Module:
         return list(self.graph.inputs)
 
     def _feeds_from_call(self, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
+        """The named input tensors of one call, in the exported input order. Accepted: the exported structure
+        (dicts may list their keys in any order), the deployment format (the same without its non-tensor leaves)
+        or the tensors alone by input name. Types are checked by :meth:`run` (:meth:`check_inputs`)."""
         if kwargs and not args and set(kwargs) <= set(self.graph.inputs):
             missing = [n for n in self.graph.inputs if n not in kwargs]
             if missing:
                 raise QuantLensError(
-                    f"IR model called by input name is missing {missing}; its inputs are {self.graph.inputs}."
+                    f"IR model called by input name is missing {missing}; its inputs are {self.graph.inputs}. "
+                    f"It expects {self.describe_call()}."
                 )
-            return dict(kwargs)
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+            return {n: kwargs[n] for n in self.graph.inputs}
         expected = pytree.treespec_loads(self.input_spec)
+        call = _reorder_like((args, kwargs), self._input_tree())
+        leaves, spec = pytree.tree_flatten(call)
         if spec != expected:
-            deployed = self._deployment_spec()
-            if spec == deployed:  # the deployment format: the same structure without the non-tensor leaves
-                tensors = iter(leaves)
+            deployed_tree = self._deployment_tree()
+            call = _reorder_like((args, kwargs), deployed_tree)
+            dep_leaves, dep_spec = pytree.tree_flatten(call)
+            # the deployment format: the same structure without the non-tensor leaves
+            if dep_spec == pytree.tree_flatten(deployed_tree)[1]:
+                tensors = iter(dep_leaves)
                 leaves = [next(tensors) if info.kind == "tensor" else info.value for info in self.input_leaves]
                 spec = expected
         if spec != expected or len(leaves) != len(self.input_leaves):
             raise QuantLensError(
-                "The IR model was exported for inputs of structure "
-                f"{expected} but was called with {spec}. Call it with the same structure as at export, or "
-                f"with the tensors alone by input name: {self.graph.inputs}."
+                "The IR model was called with another input structure than at export. It expects "
+                f"{self.describe_call()}; it was called as {_describe_given(args, kwargs)}. Call it with the same "
+                "structure as at export (dict keys in any order), in the deployment format (the same without the "
+                f"values fixed at export), or with the tensors alone by input name: {self._by_name_call()}."
             )
         feeds = {}
         for i, (leaf, info) in enumerate(zip(leaves, self.input_leaves)):
             if info.kind == "tensor":
                 if not isinstance(leaf, torch.Tensor):
-                    raise QuantLensError(f"IR input '{info.name}' must be a tensor, got {type(leaf).__name__}.")
+                    want = _describe_value_info(self.graph.values.get(info.name))
+                    raise QuantLensError(
+                        f"IR input '{info.name}' must be a tensor ({want}), got {type(leaf).__name__} "
+                        f"{leaf!r:.60}. It expects {self.describe_call()}."
+                    )
                 feeds[info.name] = leaf
             elif not _same_const(leaf, info.value):
                 raise QuantLensError(
                     f"Non-tensor input leaf #{i} was {info.value!r} at export and is {leaf!r} now. The IR is "
                     "specialised for the exported value (e.g. the task list picks a branch); export again "
-                    "with this value, or pass the tensors alone by input name."
+                    f"with this value, or pass the tensors alone by input name. It expects {self.describe_call()}."
                 )
-        return feeds
+        return {n: feeds[n] for n in self.graph.inputs if n in feeds}
+
+    def _input_tree(self) -> Any:
+        """The exported ``(args, kwargs)`` with an :class:`InputLeaf` at every leaf."""
+        return pytree.tree_unflatten(list(self.input_leaves), pytree.treespec_loads(self.input_spec))
+
+    def _deployment_tree(self) -> Any:
+        """:meth:`_input_tree` without its non-tensor leaves (the deployment format)."""
+        marker = object()
+        tree = pytree.tree_unflatten([leaf if leaf.kind == "tensor" else marker for leaf in self.input_leaves],
+                                     pytree.treespec_loads(self.input_spec))
+        return _prune(tree, marker)
+
+    def describe_call(self) -> str:
+        """The expected call in words: ``module({'image': <tensor 'inputs.image' [1, 3, 16, 16] float32>, ...},
+        ['cls'])``, with every value fixed at export written out and marked as such."""
+        args, kwargs = self._input_tree()
+        parts = [_describe_expected(a, self.graph.values) for a in args]
+        parts += [f"{k}={_describe_expected(v, self.graph.values)}" for k, v in kwargs.items()]
+        text = f"module({', '.join(parts)})"
+        consts = [leaf for leaf in self.input_leaves if leaf.kind == "const"]
+        if consts:
+            text += " (the non-tensor values are fixed at export: the IR is specialised for them)"
+        return text
+
+    def _by_name_call(self) -> str:
+        types = {name: _describe_value_info(self.graph.values.get(name)) for name in self.graph.inputs}
+        if all(name.isidentifier() for name in types):
+            return "module(" + ", ".join(f"{name}=<{t}>" for name, t in types.items()) + ")"
+        return "module(**{" + ", ".join(f"{name!r}: <{t}>" for name, t in types.items()) + "})"
+
+    def check_inputs(self, feeds: dict[str, Any], *, check_finite: bool = True) -> None:
+        """Refuse named inputs that do not match the exported input types (``graph.values``): a missing input, a
+        non-tensor, another rank, another static dim (``-1``, the dynamic batch, takes any size), another dtype
+        (exactly the exported one, never converted) and, with ``check_finite``, NaN/Inf in a float input."""
+        for name in self.graph.inputs:
+            if name not in feeds:
+                raise QuantLensError(
+                    f"IR input '{name}' was not given; inputs are {self.graph.inputs}. It expects "
+                    f"{self.describe_call()}."
+                )
+            _check_input(name, feeds[name], self.graph.values.get(name), check_finite)
 
     def _deployment_spec(self):
         """The input structure without its non-tensor leaves (seed 2.3.2's deployment format): a task list is
         dropped, a dict loses its non-tensor entries, containers left empty disappear."""
-        marker = object()
-        tree = pytree.tree_unflatten([None if leaf.kind == "tensor" else marker for leaf in self.input_leaves],
-                                     pytree.treespec_loads(self.input_spec))
-        return pytree.tree_flatten(_prune(tree, marker))[1]
+        return pytree.tree_flatten(self._deployment_tree())[1]
 
-    def run(self, feeds: dict[str, torch.Tensor], observer: Callable | None = None, hooks: Any = None
-            ) -> list[torch.Tensor]:
+    def run(self, feeds: dict[str, torch.Tensor], observer: Callable | None = None, hooks: Any = None, *,
+            check_finite: bool | None = None) -> list[torch.Tensor]:
         """Run the graph on named inputs; returns the flat outputs. ``observer(node, inputs, outputs)`` is called
         after every node; ``hooks`` (:class:`~quantlens.compiler.interpreter.RunHooks`) adds per-node kernel
-        override and output substitution (the profiler's hooks)."""
+        override and output substitution (the profiler's hooks).
+
+        The inputs are checked against the exported types first (:meth:`check_inputs`). ``check_finite``: refuse
+        NaN/Inf in float inputs; ``None`` (default) checks unless the run is instrumented (``observer`` or
+        ``hooks``: the profiler's runs, which diagnose non-finite inputs)."""
         from quantlens.compiler.interpreter import run_graph
 
+        if check_finite is None:
+            check_finite = observer is None and hooks is None
+        self.check_inputs(feeds, check_finite=check_finite)
         return run_graph(self, feeds, observer, hooks)
 
     def __call__(self, *args, **kwargs):
@@ -212,3 +271,121 @@ def _same_const(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return False
     return type(a) is type(b) and a == b
+
+
+# -- the input contract ----------------------------------------------------------------------------------------
+#: how to convert a tensor to an exported input dtype
+_CASTS = {"float32": ".float()", "float64": ".double()", "float16": ".half()", "bfloat16": ".bfloat16()",
+          "int64": ".long()", "int32": ".int()", "int16": ".short()", "bool": ".bool()"}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _fmt_shape(shape) -> str:
+    return "[" + ", ".join("batch" if d < 0 else str(d) for d in shape) + "]"
+
+
+def _describe_value_info(info: ValueInfo | None) -> str:
+    return "tensor" if info is None else f"tensor {_fmt_shape(info.shape)} {info.dtype}"
+
+
+def _check_input(name: str, value: Any, info: ValueInfo | None, check_finite: bool) -> None:
+    """One named input against its exported type (see :meth:`Module.check_inputs`)."""
+    if not isinstance(value, torch.Tensor):
+        raise QuantLensError(f"IR input '{name}' must be a {_describe_value_info(info)}, got "
+                             f"{type(value).__name__} {value!r:.60}.")
+    if info is None:  # a hand-built graph without the input's type: nothing to check against
+        return
+    want, got = _fmt_shape(info.shape), list(value.shape)
+    if value.dim() != len(info.shape):
+        hint = (" (a single sample needs the batch dim: `x.unsqueeze(0)`)"
+                if value.dim() == len(info.shape) - 1 else "")
+        raise QuantLensError(
+            f"IR input '{name}' has {value.dim()} dims (shape {got}), but the IR was exported for {len(info.shape)} "
+            f"dims: shape {want}, {info.dtype}. Pass a tensor of that rank{hint}."
+        )
+    bad = [i for i, (d, e) in enumerate(zip(value.shape, info.shape)) if e >= 0 and d != e]
+    if bad == [0]:
+        raise QuantLensError(
+            f"IR input '{name}' has batch {value.shape[0]} (shape {got}), but the IR was exported with a static "
+            f"batch of {info.shape[0]} (shape {want}): shapes are fixed at export, as on the NPU. Export with "
+            f"`export(..., dynamic_batch=True)` to serve any batch size, or call it with batch {info.shape[0]}."
+        )
+    if bad:
+        dims = ", ".join(f"dim {i} is {value.shape[i]}, expected {info.shape[i]}" for i in bad)
+        raise QuantLensError(
+            f"IR input '{name}' has shape {got}, but the IR was exported for shape {want} ({dims}). Shapes are "
+            "fixed at export (only a dynamic batch, `export(..., dynamic_batch=True)`, varies): resize the input "
+            "to that shape, or export again with an example of this shape."
+        )
+    if _dtype_name(value.dtype) != info.dtype:
+        cast = _CASTS.get(info.dtype, f".to(torch.{info.dtype})")
+        raise QuantLensError(
+            f"IR input '{name}' has dtype {_dtype_name(value.dtype)}, but the IR was exported for {info.dtype} "
+            f"(shape {want}); it takes exactly that dtype and never converts. Convert it: `x{cast}`."
+        )
+    if check_finite and value.is_floating_point() and value.numel():
+        finite = torch.isfinite(value)
+        if not bool(finite.all()):
+            nan = int(torch.isnan(value).sum())
+            inf = int((~finite).sum()) - nan
+            raise QuantLensError(
+                f"IR input '{name}' holds {nan} NaN and {inf} Inf values (of {value.numel()}). The IR refuses "
+                "non-finite inputs: quantizing them gives arbitrary integers (NaN -> 0, Inf -> the saturated "
+                "code) and finite, meaningless outputs. Clean the data (e.g. `torch.nan_to_num`), or run it "
+                "anyway with `module.run(feeds, check_finite=False)`."
+            )
+
+
+def _reorder_like(given: Any, template: Any) -> Any:
+    """``given`` with every plain dict whose keys are those of the matching dict in ``template`` rebuilt in the
+    template's key order (pytree specs compare dict key order)."""
+    if type(given) is dict and isinstance(template, dict) and set(given) == set(template):
+        return {k: _reorder_like(given[k], template[k]) for k in template}
+    if type(given) in (list, tuple) and type(template) is type(given) and len(given) == len(template):
+        return type(given)(_reorder_like(g, t) for g, t in zip(given, template))
+    return given
+
+
+def _render(node: Any, leaf: Callable[[Any], str]) -> str:
+    """A call's input structure in Python-like words; ``leaf`` writes the leaves."""
+    if isinstance(node, dict):
+        return "{" + ", ".join(f"{k!r}: {_render(v, leaf)}" for k, v in node.items()) + "}"
+    if type(node) is list:
+        return "[" + ", ".join(_render(v, leaf) for v in node) + "]"
+    if type(node) is tuple:
+        return "(" + ", ".join(_render(v, leaf) for v in node) + ("," if len(node) == 1 else "") + ")"
+    node_def = pytree.SUPPORTED_NODES.get(type(node))
+    if node_def is not None:  # a namedtuple or another registered container
+        children = node_def.flatten_fn(node)[0]
+        return f"{type(node).__name__}(" + ", ".join(_render(v, leaf) for v in children) + ")"
+    return leaf(node)
+
+
+def _describe_expected(node: Any, values: dict[str, ValueInfo]) -> str:
+    """One exported argument (a tree of :class:`InputLeaf`): tensors by name and type, fixed values as such."""
+    leaves = pytree.tree_leaves(node)
+    if leaves and all(isinstance(x, InputLeaf) and x.kind == "const" for x in leaves):
+        return repr(pytree.tree_map(lambda x: x.value, node))
+
+    def leaf(x: Any) -> str:
+        if isinstance(x, InputLeaf):
+            if x.kind == "tensor":
+                return f"<{_describe_value_info(values.get(x.name)).replace('tensor', f'tensor {x.name!r}', 1)}>"
+            return repr(x.value)
+        return repr(x)
+
+    return _render(node, leaf)
+
+
+def _describe_given(args: tuple, kwargs: dict) -> str:
+    def leaf(x: Any) -> str:
+        if isinstance(x, torch.Tensor):
+            return f"<tensor {list(x.shape)} {_dtype_name(x.dtype)}>"
+        text = repr(x)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    parts = [_render(a, leaf) for a in args] + [f"{k}={_render(v, leaf)}" for k, v in kwargs.items()]
+    return f"module({', '.join(parts)})"

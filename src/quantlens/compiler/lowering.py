@@ -70,8 +70,12 @@ def _source(node: fx.Node) -> str:
 
 
 def _dim(d) -> int:
-    """A static dim, or -1 for the dynamic batch dim (a SymInt)."""
-    return int(d) if isinstance(d, int) or not isinstance(d, torch.SymInt) else -1
+    """A static dim, or -1 for the dynamic batch dim (a SymInt). A SymInt that torch.export specialised (a guard
+    such as a reshape to a literal batch fixed it) is static."""
+    if isinstance(d, torch.SymInt):
+        value = d.node.maybe_as_int()
+        return -1 if value is None else int(value)
+    return int(d)
 
 
 def _shape(val) -> tuple[int, ...]:

@@ -1,8 +1,9 @@
 """Model outputs as named tensors, and the optional ``post_process`` applied to them.
 
 Names come from the output's structure: a lone tensor is ``"0"``, tuple/list items are ``"0"``, ``"1"``,
-dict entries their key, nested ones join with ``"."`` (``"heads.cls"``). Post-processed outputs are named
-``"post_process"`` (a lone tensor) or ``"post_process.<name>"``.
+dict entries their key, nested ones join with ``"."`` (``"heads.cls"``); a name met twice (``{"a": {"b": x},
+"a.b": y}``) gets ``#1``, ``#2`` ... on its later leaves, so every leaf keeps its own name. Post-processed
+outputs are named ``"post_process"`` (a lone tensor) or ``"post_process.<name>"``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch.utils import _pytree as pytree
 
 from quantlens.errors import QuantLensError
 
-__all__ = ["named_outputs", "float_outputs", "PostProcess"]
+__all__ = ["named_outputs", "float_outputs", "PostProcess", "unique_name"]
 
 
 def _key_text(entry: Any) -> str:
@@ -33,8 +34,19 @@ def named_outputs(output: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     for path, leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             name = ".".join(_key_text(p) for p in path) or "0"
-            named[f"{prefix}.{name}" if prefix else name] = leaf
+            named[unique_name(f"{prefix}.{name}" if prefix else name, named)] = leaf
     return named
+
+
+def unique_name(name: str, taken) -> str:
+    """``name``, or ``name#1``, ``name#2`` ... when ``taken`` has it already: two leaves whose paths print the
+    same (``{"a": {"b": x}}`` and ``{"a.b": y}``) keep two names, the later one in flattening order suffixed."""
+    if name not in taken:
+        return name
+    k = 1
+    while f"{name}#{k}" in taken:
+        k += 1
+    return f"{name}#{k}"
 
 
 def float_outputs(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -58,7 +70,8 @@ class PostProcess:
         named = named_outputs(output)
         if self.func is not None:
             with torch.no_grad():
-                named.update(self.extra(output))
+                for name, value in self.extra(output).items():
+                    named[unique_name(name, named)] = value
         return named
 
     def extra(self, output: Any) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ from typing import Any, Iterable
 
 import torch
 
+from quantlens._io import writable_dir_problem
 from quantlens.errors import QuantLensError
 from quantlens.profiler.advisor import AdvisorContext, Finding, advise
 from quantlens.profiler.bad_case import BadCaseResult, find_bad_case
@@ -37,6 +38,74 @@ __all__ = ["QuantAnalysis", "RunResult"]
 
 BASELINE_DIR, ANALYSIS_DIR = "baseline_model", "analysis_model"
 BAD_CASE_FILE, ALL_BAD_CASE_FILE = "badcase.pt", "all_badcase_info.pt"
+
+
+#: a weight tensor whose relative difference ``||w_b - w_a|| / max(||w_b||, ||w_a||)`` exceeds this is not the
+#: same weight (QAT fine-tuning moves weights by a few percent; two independent initialisations give about 1.4)
+UNRELATED_WEIGHT_RATIO = 0.5
+
+
+def _torch_weights(access) -> dict[str, torch.Tensor] | None:
+    """The conv/linear/embedding-like weights (parameters with 2 or more dims) of a torch model, by the
+    qualified name they have in the *float* model: a BatchNorm folded by prepare into ``<conv>.bn`` is listed
+    under its float name. None for a model that is not a torch module."""
+    from quantlens.profiler.torch_access import TorchModelAccess
+
+    if not isinstance(access, TorchModelAccess):
+        return None
+    renames: list[tuple[str, str]] = []
+    if access.prepared:
+        sites = access.state.record.sites
+        for group in access.state.groups:
+            if group.bn is not None and group.bn in sites and group.head in sites:
+                renames.append((sites[group.head].module_name + ".bn.", sites[group.bn].module_name + "."))
+    weights = {}
+    for name, param in access.model.named_parameters():
+        if param.dim() < 2 or not param.is_floating_point():
+            continue
+        for prefix, float_prefix in renames:
+            if name.startswith(prefix):
+                name = float_prefix + name[len(prefix):]
+                break
+        weights[name] = param.detach()
+    return weights
+
+
+def _check_weights_correspond(baseline, analysis, kind: AnalysisType) -> None:
+    """Refuse two torch models that are not the same network: every weight of the analysis model (a prepared
+    model keeps its float model's weights unfolded in its QAT modules) must be the baseline's weight of the
+    same name, up to what QAT training moves. Weights only on one side, or of another shape, are not
+    compared (the op site match of :meth:`QuantAnalysis.run` covers structure)."""
+    base, analy = _torch_weights(baseline), _torch_weights(analysis)
+    if not base or not analy:
+        return
+    compared, unrelated = 0, []
+    for name, wb in base.items():
+        wa = analy.get(name)
+        if wa is None or wa.shape != wb.shape:
+            continue
+        compared += 1
+        # NaN/Inf in the same place on both sides is the same weight (a NaN report is sensitivity's business)
+        wb64, wa64 = (torch.nan_to_num(w.to(torch.float64).cpu(), nan=0.0, posinf=0.0, neginf=0.0) for w in (wb, wa))
+        norm = max(float(wb64.norm()), float(wa64.norm()))
+        diff = float((wb64 - wa64).norm())
+        ratio = diff / norm if norm > 0 else 0.0
+        if ratio > UNRELATED_WEIGHT_RATIO:
+            unrelated.append((name, ratio))
+    if not unrelated:
+        return
+    shown = ", ".join(f"'{n}' (relative difference {r:.2f})" for n, r in unrelated[:3])
+    more = f" and {len(unrelated) - 3} more" if len(unrelated) > 3 else ""
+    pair = ("The analysis model must be prepare(baseline_model, ...) (calibrated or QAT-trained from it)"
+            if kind is AnalysisType.FAKE_QUANT else "The analysis model must be pre_export(baseline_model)")
+    raise QuantLensError(
+        f"QuantAnalysis('{kind.value}'): the two models do not correspond: {len(unrelated)} of {compared} weights "
+        f"differ entirely between baseline_model and analysis_model: {shown}{more}. They are the same op sites "
+        f"with other weights, so every op site would show an error that is not quantization. {pair}: a prepared "
+        "model keeps the float weights (QAT training moves them by a few percent, not more than "
+        f"{UNRELATED_WEIGHT_RATIO:.0%}). Fix: prepare the analysis model from this baseline model, or load the "
+        "same state dict into the float model the analysis model was prepared from."
+    )
 
 
 @dataclass(frozen=True)
@@ -89,7 +158,13 @@ class QuantAnalysis:
                 "QuantAnalysis('pre_export'): baseline_model must be the QAT (or calibration) model returned by "
                 "prepare, and analysis_model its pre_export copy; got a float baseline."
             )
+        if not self.analysis_type.deployed:
+            _check_weights_correspond(self.baseline, self.analysis, self.analysis_type)
         self.out_dir = Path(out_dir)
+        problem = writable_dir_problem(self.out_dir)  # before any model runs, not after a dataset's worth
+        if problem is not None:
+            raise QuantLensError(f"QuantAnalysis: out_dir cannot hold the reports: {problem}. Pass out_dir= a "
+                                 "writable folder (it is created when missing).")
         self.post_process = PostProcess(post_process)
         self.progress = progress
         self._has_bad_case = False

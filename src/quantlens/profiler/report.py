@@ -7,6 +7,7 @@ import csv
 import io
 import math
 import os
+import urllib.parse
 from pathlib import Path
 
 import torch
@@ -42,8 +43,9 @@ def fmt(value) -> str:
 
 
 def safe_name(name: str) -> str:
-    """An output name usable in a file name."""
-    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name) or "output"
+    """An output name usable in a file name, distinct for distinct names: ASCII letters, digits and ``._-~``
+    stay, every other byte is percent-encoded (``"cls/score"`` -> ``cls%2Fscore``, ``"cls_score"`` stays)."""
+    return urllib.parse.quote(name, safe="._-~") or "output"
 
 
 def write_bad_case(result: BadCaseResult, path: str | os.PathLike) -> Path:
@@ -183,5 +185,13 @@ def write_sensitivity(table: SensitivityTable, out_dir: str | os.PathLike) -> tu
 
 
 def save_pt(obj, path: str | os.PathLike) -> Path:
-    """``torch.save`` through a temporary file and a rename (never a half-written file)."""
-    return atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    """``torch.save`` through a temporary file and a rename (never a half-written file).
+
+    The archive is written through a file object: ``torch.save`` names the zip's records after the file name,
+    and the temporary name is random, so a path would give different bytes for the same data each time."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as handle:
+            torch.save(obj, handle)
+
+    return atomic_write(path, write)

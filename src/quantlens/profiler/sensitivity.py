@@ -8,6 +8,11 @@
 During the ablation, index-producing ops (``topk``, ``sort``, ``max``/``min`` with a dim, ``argmax``...) take the
 baseline's indices (:mod:`.index_ops`), so that an index flip does not swamp the metric.
 
+Non-finite values: a baseline whose outputs hold NaN/Inf on the bad case is refused (a ``QuantLensError`` naming
+the outputs and the first op sites whose baseline output is non-finite). A quantizer that alone makes the
+analysis outputs non-finite keeps its row, with the metric's NaN/Inf value, sorted first (NaN sorts as most
+sensitive); the sensitive-op qconfig setters skip such rows with a warning.
+
 The result is a sequence of tables, one per (output, metric), most sensitive first. It is exactly the
 sensitivity-table format of ``docs/quantization.md``: pass it (or one table of it) unchanged to
 ``sensitive_op_calibration_8bit_weight_16bit_act_qconfig_setter(table, topk=k)``.
@@ -92,16 +97,38 @@ class SensitivityResult(Sequence[SensitivityTable]):
 
 
 class IndexRecorder:
-    """A trace sink that keeps the integer outputs of index-producing ops (the baseline's choices)."""
+    """A trace sink that keeps the integer outputs of index-producing ops (the baseline's choices), and the op
+    sites whose float output holds NaN/Inf (``nonfinite``, in execution order)."""
 
     wants_index_ops = True
 
     def __init__(self):
         self.indices: dict[str, list[torch.Tensor]] = {}
+        self.nonfinite: list[str] = []
 
     def on_site(self, event: SiteEvent) -> None:
+        if event.name not in self.nonfinite and any(
+                t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in event.outputs):
+            self.nonfinite.append(event.name)
         if event.index_producing:
             self.indices[event.name] = [t.detach().clone() for t in event.outputs if not t.is_floating_point()]
+
+
+def _refuse_nonfinite_baseline(base: dict[str, torch.Tensor], sites: list[str]) -> None:
+    """A baseline output with NaN/Inf makes every metric NaN: no ranking can be read from it, so refuse."""
+    bad = [name for name, t in base.items() if not bool(torch.isfinite(t).all())]
+    if not bad:
+        return
+    where = (f" The first op site whose output is non-finite in the baseline is '{sites[0]}'"
+             + (f" (then {', '.join(repr(s) for s in sites[1:4])}{' ...' if len(sites) > 4 else ''})" if sites[1:]
+                else "") + "." if sites else
+             " No op site output is non-finite, so the post-processing (or the model's own output code) makes it.")
+    raise QuantLensError(
+        f"sensitivity(): the baseline model's output(s) {bad} hold NaN/Inf on the bad case, so every quantizer's "
+        f"metric would be NaN and the ranking meaningless.{where} Fix the baseline model or pick a bad case on which "
+        "it is finite (qa.set_bad_case(...)); run() + compare_per_layer() still trace the non-finite values (the "
+        "nan_inf advisor rule names the op where they appear)."
+    )
 
 
 def run_sensitivity(
@@ -118,6 +145,7 @@ def run_sensitivity(
     m = get_metric(metric)
     recorder = IndexRecorder()
     base = float_outputs(post_process.outputs(baseline.run(example, sink=recorder)))
+    _refuse_nonfinite_baseline(base, recorder.nonfinite)
     quantizers = analysis.quantizers(analysis_type)
     if not quantizers:
         what = "lookup tables" if analysis_type is AnalysisType.PRE_EXPORT else "fake quants"

@@ -29,7 +29,7 @@ from quantlens.profiler.index_ops import substitute_indices
 from quantlens.profiler.model_access import QuantErrorStats, SameInputSource, SiteEvent, TraceSink
 from quantlens.quantization.fake_quantize import FakeQuantize
 from quantlens.quantization.plan import OutputMode, SitePlan
-from quantlens.quantization.prepare import _MARK, _Runtime, _leaves
+from quantlens.quantization.prepare import _Runtime, _leaves
 from quantlens.quantization.tracer import SiteCall, SiteHandler, float_tensor_leaves, is_float_tensor
 
 __all__ = ["Probe", "FloatProbe", "RuntimeProbe", "quant_error_stats"]
@@ -262,9 +262,8 @@ class RuntimeProbe(_Runtime):
                 if repl is None or repl.shape != leaf.shape:
                     return None, None, f"the baseline's input {pos} does not match (shape or position)"
                 repl = repl.to(device=leaf.device, dtype=leaf.dtype)
-            mark = getattr(leaf, _MARK, None)
-            if mark is not None:  # the runtime reads input scales (bias, lookup tables) from these marks
-                setattr(repl, _MARK, mark)
+            if leaf in self.marks:  # the runtime reads input scales (bias, lookup tables) from these marks
+                self.marks.set(repl, self._mark(leaf))
             leaves[pos] = repl
         new_args, new_kwargs = pytree.tree_unflatten(leaves, spec)
         if plan is not None:

@@ -10,6 +10,10 @@ Layout of ``out_dir/<baseline|analysis>_model/``::
 Every op site's tensors go to disk as soon as the op has run and only small statistics stay in memory, so
 tracing needs about one layer's worth of extra memory, not the network's. ``trace.json`` is written last:
 a trace without it is incomplete and is refused by :class:`TraceReader`.
+
+A new trace is written into the sibling folder ``.<name>.partial/`` and moved into place when complete, so an
+interrupted run leaves the previous complete trace as it was. Only the files named above are ever removed or
+replaced; anything else in the folder (a user's notes, ``tensors/README``) stays.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
+import re
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,17 +166,17 @@ class TraceWriter:
     """A trace sink that streams every op site to ``directory`` (see the module docstring)."""
 
     def __init__(self, directory: str | os.PathLike, label: str, description: str, save_inputs: bool = True):
-        self.dir = Path(directory)
+        #: where the trace ends up; it is written to the sibling staging folder :attr:`dir` and moved here by
+        #: :meth:`finish`, so until then ``target`` keeps the previous complete trace (an interrupted run
+        #: changes nothing there)
+        self.target = Path(directory)
+        self.dir = _staging_dir(self.target)
         #: inputs are what the same-input run of the *other* model needs; without it only model inputs
         #: (QuantStub inputs) are kept, the rest are the previous ops' outputs anyway
         self.save_inputs = save_inputs
         self.label = label
         self.description = description
         self.sites: list[TracedSite] = []
-        # Start clean, removing only what this writer creates (the folder lies inside out_dir).
-        (self.dir / TRACE_FILE).unlink(missing_ok=True)
-        if (self.dir / "tensors").is_dir():
-            shutil.rmtree(self.dir / "tensors")
         (self.dir / "tensors").mkdir(parents=True, exist_ok=True)
 
     def on_site(self, event: SiteEvent) -> None:
@@ -207,7 +212,87 @@ class TraceWriter:
             "outputs": list(outputs),
             "sites": [asdict(s) for s in self.sites],
         }
-        return atomic_write_text(self.dir / TRACE_FILE, json.dumps(data, indent=1, allow_nan=True) + "\n")
+        atomic_write_text(self.dir / TRACE_FILE, json.dumps(data, indent=1, allow_nan=True) + "\n")
+        _swap_in(self.dir, self.target)
+        return self.target / TRACE_FILE
+
+
+#: the names a trace folder's writers give their files; nothing else in the folder is ever removed
+_OWN_TOP = {TRACE_FILE, OUTPUTS_FILE, "statistic.txt"}
+_OWN_TENSOR = re.compile(r"\d{5,}\.safetensors")
+_OWN_TEMP = re.compile(r"\.(\d{5,}\.safetensors|trace\.json|outputs\.safetensors|statistic\.txt)\.\w+\.tmp")
+
+
+def _own_files(folder: Path) -> tuple[list[Path], list[Path]]:
+    """(files written by quantlens, other entries) of a trace folder, ``tensors/`` looked into."""
+    own, foreign = [], []
+    if not folder.is_dir():
+        return own, foreign
+    for entry in folder.iterdir():
+        if entry.name == "tensors" and entry.is_dir() and not entry.is_symlink():
+            for inner in entry.iterdir():
+                ours = inner.is_file() and (_OWN_TENSOR.fullmatch(inner.name) or _OWN_TEMP.fullmatch(inner.name))
+                (own if ours else foreign).append(inner)
+        elif entry.is_file() and (entry.name in _OWN_TOP or _OWN_TEMP.fullmatch(entry.name)):
+            own.append(entry)
+        else:
+            foreign.append(entry)
+    return own, foreign
+
+
+def _remove_own(folder: Path) -> bool:
+    """Remove quantlens' files from a trace folder (and the folders left empty); True when it is gone."""
+    own, foreign = _own_files(folder)
+    for path in own:
+        path.unlink(missing_ok=True)
+    for path in (folder / "tensors", folder):
+        if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+            path.rmdir()
+    return not folder.exists()
+
+
+def _staging_dir(target: Path) -> Path:
+    """An empty sibling folder for a trace being written (a leftover of an interrupted run is cleared of
+    quantlens' own files; one holding anything else is left alone and another name is used)."""
+    if target.exists() and not target.is_dir():
+        raise QuantLensError(f"{target} is a file, not a folder; a trace is a folder there. Move the file away or "
+                             "pass another out_dir.")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.partial"
+    if staging.is_symlink() or (staging.exists() and not _remove_own(staging)):
+        return Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-"))
+    staging.mkdir()
+    return staging
+
+
+def _swap_in(staging: Path, target: Path) -> None:
+    """Move the complete trace in ``staging`` to ``target``. A target holding only quantlens' files is replaced
+    by two renames; one with other files too gets the new files moved in (the old index is removed first and
+    the new one moved last, so the folder never holds a trace mixed from two runs) and keeps the others."""
+    own, foreign = _own_files(target)
+    if not target.exists() or (not foreign and target.is_dir() and not target.is_symlink()):
+        old = None
+        if target.exists():
+            old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.old-"))
+            old.rmdir()
+            os.replace(target, old)
+        os.replace(staging, target)
+        if old is not None:
+            _remove_own(old)
+        return
+    (target / TRACE_FILE).unlink(missing_ok=True)
+    new_names = set()
+    (target / "tensors").mkdir(exist_ok=True)
+    for path in sorted((staging / "tensors").iterdir()):
+        new_names.add(path.name)
+        os.replace(path, target / "tensors" / path.name)
+    for path in own:  # the previous trace's files that the new one does not overwrite
+        in_tensors = path.parent != target
+        if (in_tensors and path.name not in new_names) or path.name == "statistic.txt" or _OWN_TEMP.fullmatch(path.name):
+            path.unlink(missing_ok=True)
+    os.replace(staging / OUTPUTS_FILE, target / OUTPUTS_FILE)
+    os.replace(staging / TRACE_FILE, target / TRACE_FILE)
+    _remove_own(staging)
 
 
 class TraceReader:

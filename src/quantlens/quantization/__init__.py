@@ -53,3 +53,6 @@ __all__ = [
     "LutSiteInfo",
 ]
 from quantlens.quantization.pre_export import LutSiteInfo, lut_errors, lut_sites, pre_export, pre_export_report, set_lut_enabled  # noqa: E402,F401,E501
+from quantlens.quantization.nonfinite import NonFiniteError, NonFiniteSite, detect_nonfinite, find_nonfinite  # noqa: E402,F401,E501
+
+__all__ += ["find_nonfinite", "detect_nonfinite", "NonFiniteSite", "NonFiniteError"]

@@ -16,7 +16,7 @@ from torch import nn
 
 from quantlens._io import atomic_write_text, format_table
 from quantlens.errors import QuantLensError
-from quantlens.quantization.fake_quantize import FakeQuantize
+from quantlens.quantization.fake_quantize import FakeQuantize, nonfinite_sites
 from quantlens.quantization.plan import OutputMode
 
 __all__ = ["OpSiteCheck", "ModelCheckResult", "check_qat_model"]
@@ -50,6 +50,8 @@ class ModelCheckResult:
     shared_modules: list[str]
     warnings: list[str] = field(default_factory=list)
     path: str | None = None
+    #: op site -> roles of its fake quants (``output``, ``input 0``, ``weight``) whose observer saw NaN/Inf
+    nonfinite: dict[str, list[str]] = field(default_factory=dict)
 
     def site(self, name: str) -> OpSiteCheck:
         for s in self.sites:
@@ -84,6 +86,8 @@ class ModelCheckResult:
                      else "(none)")
         lines += ["", "== Modules called more than once (shared) =="]
         lines += self.shared_modules or ["(none)"]
+        lines += ["", "== Op sites whose observers saw NaN/Inf (left out of the statistics) =="]
+        lines += [f"{site}: {', '.join(roles)}" for site, roles in self.nonfinite.items()] or ["(none)"]
         lines += ["", "== Please check these settings =="]
         lines += [f"WARNING: {w}" for w in self.warnings] or ["(no warnings)"]
         return "\n".join(lines) + "\n"
@@ -159,7 +163,15 @@ def check_qat_model(model: nn.Module, example_inputs: Any, out_dir: str | os.Pat
         call_counts=dict(calls),
         shared_modules=shared,
         warnings=list(state.warnings),
+        nonfinite=nonfinite_sites(model),
     )
+    if result.nonfinite:
+        sites = list(result.nonfinite)
+        result.warnings.append(
+            f"the observers of {len(sites)} op site(s) saw NaN/Inf values ({', '.join(sites[:5])}"
+            f"{' ...' if len(sites) > 5 else ''}; first in execution order: '{sites[0]}'): the model computes "
+            "non-finite values there; see 'Op sites whose observers saw NaN/Inf' above."
+        )
     if out_dir is not None:
         result.path = str(atomic_write_text(os.path.join(out_dir, CHECK_FILE), result.to_text()))
     return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from enum import Enum
 
 import torch
@@ -12,7 +13,7 @@ from quantlens.march import QuantDType
 from quantlens.numerics import fake_quant
 from quantlens.quantization.qconfig import QuantSpec
 
-__all__ = ["FakeQuantState", "FakeQuantize", "set_fake_quantize", "calibrate", "int32_bias"]
+__all__ = ["FakeQuantState", "FakeQuantize", "set_fake_quantize", "calibrate", "int32_bias", "nonfinite_sites", "fake_quant_sites"]
 
 
 class FakeQuantState(str, Enum):
@@ -65,6 +66,9 @@ class FakeQuantize(nn.Module):
         self.is_weight = is_weight
         #: whether the scale came from data (observation or a loaded state dict) rather than the placeholder.
         self.register_buffer("calibrated", torch.zeros((), dtype=torch.bool))
+        #: where this fake quant sits (``op site 'relu1' (output, key 'relu1|out')``), set on every prepared
+        #: model's fake quants by :func:`set_fake_quantize`; named in observer errors.
+        self.name: str | None = None
 
     def set_state(self, state: FakeQuantState) -> None:
         state = FakeQuantState(state)
@@ -79,7 +83,13 @@ class FakeQuantize(nn.Module):
             if self.is_weight:
                 self.observer.reset()
             self.observer(x)
-            scale = self.observer.calculate_scale().to(self.scale.device)
+            try:
+                scale = self.observer.calculate_scale().to(self.scale.device)
+            except QuantLensError as exc:
+                label = getattr(self, "name", None)
+                if not label:
+                    raise
+                raise QuantLensError(f"The fake quant of {label}: {exc}") from None
             if scale.shape != self.scale.shape:
                 self.scale = scale
             else:
@@ -117,9 +127,11 @@ def set_fake_quantize(model: nn.Module, state: FakeQuantState | str) -> nn.Modul
             f"Unknown fake quant state {state!r}; expected one of {[s.name for s in FakeQuantState]}."
         ) from None
     found = False
-    for module in model.modules():
+    labels = fake_quant_sites(model)
+    for path, module in model.named_modules():
         if isinstance(module, FakeQuantize):
             module.set_state(state)
+            module.name = _label(*labels[id(module)]) if id(module) in labels else f"module '{path}'"
             found = True
     if not found:
         raise QuantLensError(
@@ -140,13 +152,92 @@ def calibrate(model: nn.Module, batches, *, validate: bool = True) -> nn.Module:
     seen = 0
     with torch.no_grad():
         for batch in batches:
-            model(*batch) if isinstance(batch, tuple) else model(batch)
+            try:
+                model(*batch) if isinstance(batch, tuple) else model(batch)
+            except QuantLensError as exc:
+                first = next(iter(nonfinite_sites(model)), None)
+                if first is None or "NaN/Inf" not in str(exc):
+                    raise
+                raise QuantLensError(
+                    f"calibrate: batch {seen}: {exc} NaN/Inf first appeared (execution order) at op site '{first}'; "
+                    "quantlens.quantization.find_nonfinite(model, batch) tells whether that op produced them."
+                ) from None
             seen += 1
     if seen == 0:
         raise QuantLensError("calibrate: the data gave no batch; pass an iterable of model inputs.")
+    bad = nonfinite_sites(model)
+    if bad:
+        shown = ", ".join(f"'{site}' ({', '.join(roles)})" for site, roles in list(bad.items())[:8])
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        warnings.warn(
+            f"calibrate: the observers of {len(bad)} op site(s) saw NaN/Inf values: {shown}{more}. They were left "
+            "out of the statistics, but the model computes non-finite values there (check the first of these op "
+            "sites and its inputs: overflow, log/division by zero, NaN in the data). "
+            "check_qat_model(model, example_inputs) lists them in model_check_result.txt; "
+            "quantlens.quantization.find_nonfinite(model, batch) names the first op site on one batch.",
+            stacklevel=2,
+        )
     if validate:
         set_fake_quantize(model, FakeQuantState.VALIDATION)
     return model
+
+
+def fake_quant_sites(model: nn.Module) -> dict[int, tuple[str, str, str | None]]:
+    """``id(fake quant) -> (op site, role, key)`` for the fake quants of a prepared model (empty for any other
+    model), e.g. ``("relu1", "output", "relu1|out")``: input, output and weight fake quants of each op site plan,
+    QAT modules' ``weight_fake_quant`` and the fake quants inside a site's override (sdpa's scores...)."""
+    state = getattr(model, "_quantlens_state", None)
+    plans = getattr(state, "plans", None)
+    if not plans:
+        return {}
+    labels: dict[int, tuple[str, str, str | None]] = {}
+    modules = dict(model.named_modules())
+
+    def add(fq, site: str, role: str, key: str | None = None) -> None:
+        if isinstance(fq, FakeQuantize) and id(fq) not in labels:
+            labels[id(fq)] = (site, role, key)
+
+    for plan in plans.values():
+        for pos, key in plan.input_fq.items():
+            add(state.fq[key] if key in state.fq else None, plan.name, f"input {pos}", key)
+        if plan.output_fq and plan.output_fq in state.fq:
+            add(state.fq[plan.output_fq], plan.name, "output", plan.output_fq)
+        for key in plan.weight_fq.values():
+            add(state.fq[key] if key in state.fq else None, plan.name, "weight", key)
+        site = state.record.sites.get(plan.name)
+        module = modules.get(site.module_name) if site is not None and site.is_module and "@" not in plan.name \
+            else None
+        add(getattr(module, "weight_fake_quant", None), plan.name, "weight", f"{site.module_name}.weight_fake_quant"
+            if module is not None else None)
+        if plan.override is not None and plan.override in state.overrides:
+            for sub, fq in state.overrides[plan.override].named_modules():
+                add(fq, plan.name, f"internal {sub}" if sub else "internal", plan.override)
+    for key, fq in state.fq.items():  # anything a plan does not reference
+        add(fq, key.split("|")[0].replace("/", "."), key.split("|")[-1], key)
+    return labels
+
+
+def _label(site: str, role: str, key: str | None) -> str:
+    return f"op site '{site}' ({role}" + (f", key '{key}')" if key else ")")
+
+
+def nonfinite_sites(model: nn.Module) -> dict[str, list[str]]:
+    """Op site -> the roles (``output``, ``input 0``, ``weight``...) of its fake quants whose observer saw
+    NaN/Inf since it was last reset, in plan (execution) order. Weight observers restart on every call, so
+    they report the latest weights. For a model that is not prepared, fake quants are named by module path."""
+    labels = fake_quant_sites(model)
+    order: dict[str, list[str]] = {}
+    for path, module in model.named_modules():
+        if not isinstance(module, FakeQuantize) or not bool(module.observer.saw_nonfinite):
+            continue
+        site, role, _ = labels.get(id(module), (path, "fake quant", None))
+        order.setdefault(site, [])
+        if role not in order[site]:
+            order[site].append(role)
+    if labels:  # execution order of the plans rather than module registration order
+        plan_order = {name: i for i, name in enumerate(model._quantlens_state.plans)}
+        order = dict(sorted(order.items(), key=lambda kv: plan_order.get(kv[0], len(plan_order))))
+    return order
 
 
 def int32_bias(bias: torch.Tensor | None, in_fq: "FakeQuantize | None", w_fq: FakeQuantize) -> torch.Tensor | None:

@@ -38,12 +38,10 @@ from quantlens.quantization.qconfig_template import (
 )
 from quantlens.quantization.record import ModelRecord, call_model, record_model
 from quantlens.quantization.stubs import QuantStub
-from quantlens.quantization.tracer import OpSiteTracer, SiteCall, SiteHandler, is_float_tensor
+from quantlens.quantization.tracer import OpSiteTracer, SiteCall, SiteHandler, TensorMarks, is_float_tensor
 from torch.utils import _pytree as pytree
 
 __all__ = ["prepare", "is_prepared", "QuantState"]
-
-_MARK = "_ql_quant_mark"
 
 
 class QuantState(nn.Module):
@@ -104,16 +102,18 @@ class _Runtime(SiteHandler):
         self.plans = state.plans
         self.fq = state.fq
         self.visited: list[str] = []
+        #: the fake quant (grid) each tensor of this forward is on; a side table, so the user's tensors carry
+        #: no attribute of quantlens (cleared when the forward ends)
+        self.marks = TensorMarks()
 
     # -- helpers ------------------------------------------------------------------------------------------
     def _mark(self, tensor: torch.Tensor):
-        mark = getattr(tensor, _MARK, None)
-        return mark[1] if mark is not None and mark[0] == self.generation else None
+        return self.marks.get(tensor)
 
     def _set_marks(self, output: Any, fq: FakeQuantize | None) -> None:
         for leaf in _leaves(output):
             if is_float_tensor(leaf):
-                setattr(leaf, _MARK, (self.generation, fq))
+                self.marks.set(leaf, fq)
 
     def _plan(self, site: SiteCall) -> SitePlan | None:
         plan = self.plans.get(site.name)
@@ -266,8 +266,11 @@ class _QuantizedForward:
         state: QuantState = model._quantlens_state
         state.__dict__["_root_ref"] = model
         runtime = state.__dict__.get("_next_runtime") or _Runtime(state)
-        with OpSiteTracer(model, runtime):
-            return type(model).forward(model, *args, **kwargs)
+        try:
+            with OpSiteTracer(model, runtime):
+                return type(model).forward(model, *args, **kwargs)
+        finally:
+            runtime.marks.clear()  # the marks belong to this forward only
 
 
 def is_prepared(model: nn.Module) -> bool:
@@ -303,7 +306,9 @@ def prepare(
     prepared = copy.deepcopy(model)
     was_training = prepared.training
     prepared.eval()  # recording must not update BatchNorm statistics or sample dropout masks
-    examples = [example_inputs, *list(extra_example_inputs)]
+    # The model runs on copies: a forward that changes its input in place (x.mul_(2)) leaves the user's
+    # example inputs as they were.
+    examples = [_copy_inputs(e) for e in (example_inputs, *list(extra_example_inputs))]
     record = record_model(prepared, examples)
     groups, unfused = find_fusions(record, prepared)
     ctx = QconfigContext(record, groups)
@@ -345,10 +350,30 @@ def prepare(
     set_fake_quantize(prepared, FakeQuantState.QAT)
     prepared.train(was_training)
     if check_result_dir is not None:
-        from quantlens.quantization.check import check_qat_model
-
-        check_qat_model(prepared, example_inputs, check_result_dir)
+        _write_check_report(prepared, _copy_inputs(example_inputs), check_result_dir)
     return prepared
+
+
+def _copy_inputs(example: Any) -> Any:
+    """``example`` with every tensor leaf cloned (containers rebuilt, other leaves as they are)."""
+    return pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, example)
+
+
+def _write_check_report(prepared: nn.Module, example: Any, directory: Any) -> None:
+    """``model_check_result.txt``: a report, so a folder that cannot take it is a warning, never a failure."""
+    import os
+
+    from quantlens._io import atomic_write_text
+    from quantlens.quantization.check import CHECK_FILE, check_qat_model
+
+    result = check_qat_model(prepared, example, None)
+    path = os.path.join(os.fspath(directory), CHECK_FILE)
+    try:
+        atomic_write_text(path, result.to_text())
+    except OSError as exc:
+        _warnings.warn(f"prepare: could not write the check report {path} ({exc.strerror or exc}); the model is "
+                       "prepared. Pass check_result_dir= a writable folder, or None to skip the report.",
+                       stacklevel=3)
 
 
 def stage_refusals(record: ModelRecord, groups: list[FusedGroup] = ()) -> dict[str, str]:

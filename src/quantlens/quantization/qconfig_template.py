@@ -13,6 +13,8 @@ rows, most sensitive first, each a mapping (or object) with at least ``op_name``
 
 from __future__ import annotations
 
+import math
+import warnings as _warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -189,6 +191,29 @@ def _row_field(row: Any, key: str) -> Any:
     return getattr(row, key, None)
 
 
+def _nonfinite_row(row: Any) -> bool:
+    """Whether a sensitivity row's ``value`` is NaN, or infinitely bad (+inf for L1/MSE/..., -inf for SQNR):
+    switching that quantizer on made the outputs non-finite, or the baseline was, so the value ranks nothing.
+    +inf SQNR (outputs unchanged) is a finite verdict and is kept. Rows without a numeric value are kept."""
+    value = _row_field(row, "value")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:  # a 0-dim tensor
+            value = float(value) if value is not None and getattr(value, "numel", lambda: 0)() == 1 else None
+        except (TypeError, ValueError):
+            value = None
+    if value is None or math.isfinite(value):
+        return False
+    if math.isnan(value):
+        return True
+    try:
+        from quantlens.profiler.metrics import get_metric
+
+        worse_up = get_metric(_row_field(row, "metric")).higher_is_worse
+    except Exception:  # an unknown (custom) metric: any infinity is suspect
+        return True
+    return (value > 0) == worse_up
+
+
 class SensitiveOpQconfigSetter(QconfigSetter):
     """Promote the most sensitive ops of a sensitivity table to int16 (activation rows: the op's output;
     weight rows: the op's weight). Take the union of several tables; ``topk`` or ``ratio`` of each table."""
@@ -212,8 +237,16 @@ class SensitiveOpQconfigSetter(QconfigSetter):
         if tables and (isinstance(tables[0], Mapping) or hasattr(tables[0], "op_name")):
             tables = [tables]
         self.selected: list[tuple[str, str]] = []
+        #: rows left out because their value is NaN/Inf, as (op_name, sensitive_type, value)
+        self.skipped: list[tuple[str, str, float]] = []
         for table in tables:
-            rows = list(table)
+            rows = []
+            for row in table:
+                if _nonfinite_row(row):
+                    self.skipped.append((_row_field(row, "op_name"), _row_field(row, "sensitive_type") or "activation",
+                                         _row_field(row, "value")))
+                else:
+                    rows.append(row)
             count = topk if topk is not None else max(1, round(len(rows) * ratio))
             for row in rows[:count]:
                 op_name, kind = _row_field(row, "op_name"), _row_field(row, "sensitive_type") or "activation"
@@ -224,6 +257,17 @@ class SensitiveOpQconfigSetter(QconfigSetter):
                     )
                 if (op_name, kind) not in self.selected:
                     self.selected.append((op_name, kind))
+        self.nonfinite_warning = None
+        if self.skipped:
+            shown = ", ".join(f"{op} ({kind}: {value})" for op, kind, value in self.skipped[:5])
+            more = f" and {len(self.skipped) - 5} more" if len(self.skipped) > 5 else ""
+            self.nonfinite_warning = (
+                f"{name}: {len(self.skipped)} sensitivity row(s) with a NaN/Inf value were not promoted: {shown}{more}. "
+                "A non-finite value ranks nothing (the quantizer made the outputs NaN/Inf, or the baseline was "
+                "non-finite); find the op site that produces them (compare_per_layer's nan_inf rule, "
+                "quantlens.quantization.find_nonfinite) and re-run sensitivity()."
+            )
+            _warnings.warn(self.nonfinite_warning, stacklevel=3)
         self.int16 = QuantSpec(QuantDType.qint16, observer)
         self.int8_weight = QuantSpec(QuantDType.qint8, MinMaxObserver, ch_axis=0)
         self.int16_weight = QuantSpec(QuantDType.qint16, MinMaxObserver, ch_axis=0)
@@ -231,6 +275,8 @@ class SensitiveOpQconfigSetter(QconfigSetter):
 
     def assign(self, ctx: QconfigContext) -> QconfigAssignment:
         result = QconfigAssignment()
+        if self.nonfinite_warning:
+            result.warnings.append(self.nonfinite_warning)  # listed in model_check_result.txt too
         promoted_outputs: set[str] = set()
         for op_name, kind in self.selected:  # most sensitive first
             if op_name not in ctx.record.sites:

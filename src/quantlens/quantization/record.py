@@ -7,7 +7,6 @@ profiler (op site names are identical in the float and the prepared model).
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -22,6 +21,7 @@ from quantlens.quantization.tracer import (
     OpSiteTracer,
     SiteCall,
     SiteHandler,
+    TensorMarks,
     float_tensor_leaves,
     is_float_tensor,
     user_source_location,
@@ -29,8 +29,6 @@ from quantlens.quantization.tracer import (
 
 __all__ = ["SiteInput", "OpSiteRecord", "ModelRecord", "record_model", "get_op_sites", "call_model"]
 
-_MARK = "_ql_record_mark"
-_generation = itertools.count(1)
 
 
 @dataclass
@@ -116,15 +114,15 @@ class ModelRecord:
 class _Recorder(SiteHandler):
     def __init__(self, record: ModelRecord):
         self.record = record
-        self.generation = next(_generation)
+        #: which op site produced each tensor, for this one forward (nothing is attached to the tensors)
+        self.marks = TensorMarks()
 
     def _inputs(self, site: SiteCall, args: tuple, kwargs: dict) -> list[SiteInput]:
         leaves, _, positions = float_tensor_leaves(args, kwargs)
         result = []
         for pos in positions:
             t = leaves[pos]
-            mark = getattr(t, _MARK, None)
-            producer = mark[1] if mark is not None and mark[0] == self.generation else None
+            producer = self.marks.get(t)
             result.append(SiteInput(pos, producer, isinstance(t, nn.Parameter), tuple(t.shape)))
         return result
 
@@ -132,7 +130,7 @@ class _Recorder(SiteHandler):
         shapes = []
         for leaf in _output_leaves(output):
             if is_float_tensor(leaf):
-                setattr(leaf, _MARK, (self.generation, name))
+                self.marks.set(leaf, name)
                 shapes.append(tuple(leaf.shape))
         return shapes
 
@@ -207,8 +205,11 @@ def record_model(model: nn.Module, examples: Iterable[Any]) -> ModelRecord:
     with torch.no_grad():
         for example in examples:
             recorder = _Recorder(record)
-            with OpSiteTracer(model, recorder):
-                call_model(model, example)
+            try:
+                with OpSiteTracer(model, recorder):
+                    call_model(model, example)
+            finally:
+                recorder.marks.clear()
             record.num_examples += 1
     _mark_after_dequant(record)
     if not record.sites:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -37,7 +38,7 @@ from quantlens.quantization.op_rules import (
 from quantlens.quantization.rnn import DECOMPOSED_FUNCTIONS
 
 __all__ = ["SiteCall", "SiteHandler", "OpSiteTracer", "float_tensor_leaves", "user_source_location", "is_within",
-           "TORCH_DIR"]
+           "TORCH_DIR", "TensorMarks"]
 
 _QUANTLENS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -72,6 +73,49 @@ def float_tensor_leaves(args: tuple, kwargs: dict) -> tuple[list, Any, list[int]
     leaves, spec = pytree.tree_flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(leaves) if is_float_tensor(leaf)]
     return leaves, spec, positions
+
+
+class TensorMarks:
+    """A side table ``tensor -> value`` owned by one forward (the producer of a tensor, its fake quant).
+
+    Nothing is attached to the tensors themselves: the user's inputs and outputs leave a forward exactly as
+    they came (they pickle, deep-copy and ``torch.load(weights_only=True)`` as before). Entries are keyed by
+    ``id(tensor)`` and hold a weak reference to the tensor, so a lookup only answers for the very object that
+    was marked (an id reused by a later tensor finds the dead reference and answers ``default``), and the table
+    keeps no activation alive. :meth:`clear` ends the forward.
+    """
+
+    __slots__ = ("_table", "__weakref__")
+
+    def __init__(self):
+        self._table: dict[int, tuple[Any, Any]] = {}
+
+    def get(self, tensor: Any, default: Any = None) -> Any:
+        entry = self._table.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:
+            return default
+        return entry[1]
+
+    def __contains__(self, tensor: Any) -> bool:
+        entry = self._table.get(id(tensor))
+        return entry is not None and entry[0]() is tensor
+
+    def set(self, tensor: torch.Tensor, value: Any) -> None:
+        key = id(tensor)
+        table_ref = weakref.ref(self)
+
+        def forget(ref, key=key):  # the tensor died: drop its entry unless the id was marked again since
+            table = table_ref()
+            if table is not None and table._table.get(key, (None,))[0] is ref:
+                del table._table[key]
+
+        self._table[key] = (weakref.ref(tensor, forget), value)
+
+    def clear(self) -> None:
+        self._table.clear()
+
+    def __len__(self) -> int:
+        return len(self._table)
 
 
 @dataclass
