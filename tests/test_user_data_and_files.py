@@ -264,3 +264,22 @@ def test_every_file_is_byte_identical_for_the_same_inputs(tmp_path):
         digests.append(_digests(tmp_path / name))
     assert any(k.endswith(".pt") for k in digests[0])
     assert digests[0] == digests[1]
+
+
+def test_a_model_output_named_like_the_post_processing_keeps_its_own_name(tmp_path):
+    class Named(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return {"post_process": self.fc(x)}
+
+    model, calib = _pair(Named)
+    qa = QuantAnalysis(model, calib, "fake_quant", out_dir=tmp_path, progress=False,
+                       post_process=lambda out: out["post_process"].softmax(-1))
+    qa.set_bad_case(_batches(1)[0])
+    outputs = qa.run().outputs
+    assert outputs == ["post_process", "post_process#1"]  # the model's own output, then the post-processing's
+    traced = TraceReader(tmp_path / "analysis_model").outputs()
+    assert torch.allclose(traced["post_process#1"].sum(-1), torch.ones(4))

@@ -26,7 +26,7 @@ from quantlens.profiler.bad_case import BadCaseResult, find_bad_case
 from quantlens.profiler.compare import LayerComparison, check_site_match, compare_traces
 from quantlens.profiler.html import write_html
 from quantlens.profiler.model_access import AnalysisType, SiteEvent, make_access, parse_analysis_type
-from quantlens.profiler.outputs import PostProcess, named_outputs
+from quantlens.profiler.outputs import PostProcess, named_outputs, unique_name
 from quantlens.profiler.report import (
     save_pt, write_advisor, write_bad_case, write_compare_csv, write_compare_text, write_sensitivity,
     write_statistic,
@@ -294,7 +294,9 @@ class QuantAnalysis:
         if access is self.baseline:
             self._baseline_case = example  # sensitivity re-runs the baseline in the format it was traced in
         extra = self.post_process.extra(output)
-        outputs = {**named_outputs(output), **extra}
+        outputs = named_outputs(output)
+        for name, value in extra.items():  # a model output named like a post-processed one keeps its own name
+            outputs[unique_name(name, outputs)] = value
         if extra:  # the post-processing is one more "op site", compared like the others
             writer.on_site(SiteEvent(index=len(writer.sites), name="post_process", op_type="post_process",
                                      module_type=None, inputs={}, outputs=list(extra.values())))
