@@ -169,7 +169,10 @@ def op_error(ctx: AdvisorContext) -> list[Finding]:
         if v is None or math.isnan(v) or v >= SAME_INPUT_SQNR_LIMIT or row.quant_dtype == "float":
             continue
         kind = row.error_kind or "rounding"
-        if kind == "clipping":
+        if (row.acc_saturated_ratio or 0) > ACC_SATURATION_LIMIT:
+            advice = (f"the int32 accumulator of '{row.op_name}' saturates (see accumulator_saturation): int16 "
+                      "weights would make it worse; shorten the reduction or use int8 activations at its input")
+        elif kind == "clipping":
             advice = "clipping-dominated: widen the output range (calibration data, fixed scale) before trying int16"
         elif kind == "rounding":
             advice = (f"rounding-dominated: int16 output for '{row.op_name}' (an 'activation' row for it in the "
