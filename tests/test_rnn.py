@@ -310,3 +310,28 @@ def test_export_and_convert_within_two_output_steps(core):
         torch.testing.assert_close(_leaves(qat_ir(batch)), ref, rtol=1e-6, atol=1e-6)
         for r, g, step in zip(ref, _leaves(q_ir(batch)), steps):
             assert (r - g).abs().max().item() <= 2 * step + 1e-7
+
+
+def test_a_cell_called_from_two_source_lines_prepares_and_shares_its_sites():
+    class TwoLines(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant, self.dequant = QuantStub(), DeQuantStub()
+            self.cell = nn.LSTMCell(4, 8)
+
+        def forward(self, x):
+            x = self.quant(x)
+            h, c = self.cell(x[:, 0])  # the first step on its own line, the rest in a loop
+            for t in range(1, x.shape[1]):
+                h, c = self.cell(x[:, t], (h, c))
+            return self.dequant(h)
+
+    torch.manual_seed(0)
+    model = TwoLines()
+    x = torch.randn(2, 3, 4)
+    prepared = prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None)
+    sites = [n for n in prepared._quantlens_state.plans if n.startswith("cell.")]
+    assert "cell.sigmoid_0" in sites and not any("@" in n for n in sites)  # one set of sites for every step
+    set_fake_quantize(prepared, FakeQuantState.FLOAT)
+    with torch.no_grad():
+        assert torch.allclose(prepared(x), model(x), atol=1e-6)

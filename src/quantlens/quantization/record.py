@@ -139,7 +139,8 @@ class _Recorder(SiteHandler):
         if existing is not None:
             existing.calls += 1
             source = user_source_location()
-            if existing.op_type != site.rule.op_type or existing.source != source:
+            moved = existing.source != source and not site.repeated  # a recurrent layer's ops: any calling line
+            if existing.op_type != site.rule.op_type or moved:
                 raise QuantLensError(
                     f"Op site '{site.name}' ran from {existing.source} ({existing.op_type}) on one example input "
                     f"and from {source} ({site.rule.op_type}) on another. Python control flow in module "

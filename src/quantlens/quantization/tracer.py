@@ -127,6 +127,8 @@ class SiteCall:
     module_name: str  # the module itself for module sites, the enclosing module for function ops
     module: nn.Module | None = None  # set for module sites
     func: Callable | None = None  # set for function ops
+    #: inside a recurrent layer: the site runs once per call or time step, from whichever line calls the layer
+    repeated: bool = False
 
     @property
     def is_module(self) -> bool:
@@ -152,6 +154,7 @@ class _Frame:
     site: SiteCall | None = None
     args: tuple = ()
     annotation: Any = None
+    recurrent: bool = False  # a recurrent module's container frame
 
 
 class OpSiteTracer(TorchFunctionMode):
@@ -182,6 +185,7 @@ class OpSiteTracer(TorchFunctionMode):
         self.frames: list[_Frame] = []
         self.leaf_depth = 0
         self.internal = 0
+        self.recurrent_depth = 0  # recurrent modules (LSTM, GRU cells) on the module stack
 
     # -- entering / leaving -------------------------------------------------------------------------------
     def __enter__(self):
@@ -215,7 +219,7 @@ class OpSiteTracer(TorchFunctionMode):
         index = self.counters[(module_name, op)]
         self.counters[(module_name, op)] = index + 1
         name = f"{module_name}.{op}_{index}" if module_name else f"{op}_{index}"
-        site = SiteCall(name=name, rule=rule, module_name=module_name, func=func)
+        site = SiteCall(name=name, rule=rule, module_name=module_name, func=func, repeated=self.recurrent_depth > 0)
         self.internal += 1
         annotation = _annotation(name)
         try:
@@ -250,10 +254,12 @@ class OpSiteTracer(TorchFunctionMode):
             return None
         rule = module_rule(module)
         if rule is None:  # a container or an unknown module: trace the ops of its forward one by one
-            self.frames.append(_Frame("container"))
+            recurrent = is_recurrent_module(module)
+            self.frames.append(_Frame("container", recurrent=recurrent))
             self.module_stack.append(qualname)
-            if is_recurrent_module(module):  # every call (time step) reuses the same op sites (rnn.py)
+            if recurrent:  # every call (time step) reuses the same op sites (rnn.py)
                 self._restart_counters(qualname)
+                self.recurrent_depth += 1
             return None
         index = self.counters[(qualname, "<module>")]
         self.counters[(qualname, "<module>")] = index + 1
@@ -276,6 +282,7 @@ class OpSiteTracer(TorchFunctionMode):
         frame = self.frames.pop()
         if frame.kind == "container":
             self.module_stack.pop()
+            self.recurrent_depth -= frame.recurrent
             return None
         if frame.kind == "skip":
             return None
