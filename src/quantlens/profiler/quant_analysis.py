@@ -364,17 +364,36 @@ class QuantAnalysis:
             return traced
         return current
 
-    def sensitivity(self, metric: str = "L1", reverse: bool = False) -> SensitivityResult:
+    def sensitivity(self, metric: str = "L1", reverse: bool = False, shard: bool | None = None) -> SensitivityResult:
         """Rank the analysis model's quantizers by their effect on each output, most sensitive first
         (``reverse=True``: least sensitive first). Writes ``output_<name>_<metric>_sensitive_ops.txt``/``.pt``
-        per output. The result feeds ``sensitive_op_calibration_8bit_weight_16bit_act_qconfig_setter``."""
+        per output. The result feeds ``sensitive_op_calibration_8bit_weight_16bit_act_qconfig_setter``.
+
+        ``shard`` (default: whether ``torch.distributed`` is initialised): split the quantizers over the ranks
+        and record each finished one in ``out_dir/sensitivity_progress/`` so an interrupted run resumes
+        (:mod:`.sharding`); every rank returns the same result, rank 0 writes the files."""
         if self.analysis_type is AnalysisType.ONNXRUNTIME:
             raise QuantLensError(
                 "sensitivity() is not offered for 'onnxruntime': onnxruntime runs the whole graph, so one op site "
                 "cannot be switched on its own. Rank the integer ops with QuantAnalysis(qat_ir, quantized_ir, "
                 "'convert').sensitivity().")
-        result = run_sensitivity(self.baseline, self.analysis, self.analysis_type, self._sensitivity_case(),
-                                 self.post_process, metric, reverse, self.progress)
-        for table in result:
-            write_sensitivity(table, self.out_dir)
+        from quantlens.profiler.sharding import dist_rank_world, run_sharded_sensitivity
+
+        group = dist_rank_world()
+        if shard is None:
+            shard = group is not None
+        if not shard:
+            result = run_sensitivity(self.baseline, self.analysis, self.analysis_type, self._sensitivity_case(),
+                                     self.post_process, metric, reverse, self.progress)
+        else:
+            result = run_sharded_sensitivity(self.baseline, self.analysis, self.analysis_type,
+                                             self._sensitivity_case(), self.post_process, self.out_dir, metric,
+                                             reverse, self.progress)
+        if not (shard and group is not None and group[0] != 0):  # sharded: rank 0 writes the report files
+            for table in result:
+                write_sensitivity(table, self.out_dir)
+        if shard and group is not None:
+            import torch.distributed as dist
+
+            dist.barrier()  # every rank returns once the files are written
         return result

@@ -31,7 +31,8 @@ from quantlens.profiler.model_access import AnalysisType, ModelAccess, SiteEvent
 from quantlens.profiler.outputs import PostProcess, float_outputs
 from quantlens.profiler.progress import progress_iter
 
-__all__ = ["SensitivityRow", "SensitivityTable", "SensitivityResult", "IndexRecorder", "run_sensitivity"]
+__all__ = ["SensitivityRow", "SensitivityTable", "SensitivityResult", "IndexRecorder", "run_sensitivity",
+           "sensitivity_setup", "ablate_one", "build_result"]
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,18 @@ def run_sensitivity(
 ) -> SensitivityResult:
     """One forward per quantizer; see the module docstring."""
     m = get_metric(metric)
+    base, recorder, quantizers = sensitivity_setup(baseline, analysis, analysis_type, example, post_process)
+    values: dict[str, list[float]] = {name: [] for name in base}
+    with analysis.ablation(analysis_type) as enable:
+        for q in progress_iter(quantizers, f"sensitivity ({m.name})", enabled=progress):
+            for name, value in ablate_one(analysis, enable, q, example, post_process, recorder, base, m).items():
+                values[name].append(value)
+    return build_result(quantizers, values, m, reverse)
+
+
+def sensitivity_setup(baseline: ModelAccess, analysis: ModelAccess, analysis_type: AnalysisType, example: Any,
+                      post_process: PostProcess) -> tuple[dict[str, torch.Tensor], IndexRecorder, list]:
+    """The baseline's outputs (refused when non-finite), its index recorder and the analysis quantizers."""
     recorder = IndexRecorder()
     base = float_outputs(post_process.outputs(baseline.run(example, sink=recorder)))
     _refuse_nonfinite_baseline(base, recorder.nonfinite)
@@ -150,21 +163,30 @@ def run_sensitivity(
     if not quantizers:
         what = "lookup tables" if analysis_type is AnalysisType.PRE_EXPORT else "fake quants"
         raise QuantLensError(f"sensitivity(): the analysis model has no {what} to rank.")
-    values: dict[str, list[float]] = {name: [] for name in base}
-    with analysis.ablation(analysis_type) as enable:
-        for q in progress_iter(quantizers, f"sensitivity ({m.name})", enabled=progress):
-            enable(q, True)
-            try:
-                out = float_outputs(post_process.outputs(analysis.run(example, indices=recorder.indices)))
-            finally:
-                enable(q, False)
-            for name in base:
-                if name not in out:
-                    raise QuantLensError(
-                        f"sensitivity(): output '{name}' disappeared when {q.sensitive_type} quantization of "
-                        f"'{q.op_name}' was switched on; both models must return the same outputs."
-                    )
-                values[name].append(m(base[name], out[name]))
+    return base, recorder, quantizers
+
+
+def ablate_one(analysis: ModelAccess, enable, q, example: Any, post_process: PostProcess, recorder: IndexRecorder,
+               base: dict[str, torch.Tensor], m) -> dict[str, float]:
+    """Switch quantizer ``q`` on alone, run the analysis model once, and return the metric value per output."""
+    enable(q, True)
+    try:
+        out = float_outputs(post_process.outputs(analysis.run(example, indices=recorder.indices)))
+    finally:
+        enable(q, False)
+    values = {}
+    for name in base:
+        if name not in out:
+            raise QuantLensError(
+                f"sensitivity(): output '{name}' disappeared when {q.sensitive_type} quantization of "
+                f"'{q.op_name}' was switched on; both models must return the same outputs."
+            )
+        values[name] = m(base[name], out[name])
+    return values
+
+
+def build_result(quantizers: list, values: dict[str, list[float]], m, reverse: bool) -> SensitivityResult:
+    """One table per output from the values in quantizer (execution) order."""
     tables = []
     for name, vals in values.items():
         # Stable sort: ties keep execution order, so the table is deterministic.

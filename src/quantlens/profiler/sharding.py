@@ -1,0 +1,166 @@
+"""Sharded, resumable sensitivity: the quantizers split over the processes of a ``torch.distributed`` group.
+
+Rank ``r`` of ``world_size`` ablates the quantizers ``i`` (execution order) with ``i % world_size == r``, exactly
+like :func:`.sensitivity.run_sensitivity` (the same :func:`.sensitivity.ablate_one`), and appends each finished
+value to ``<out_dir>/sensitivity_progress/rank<r>.jsonl`` (one JSON line, flushed and fsynced). The values are
+collected with ``all_gather_object``; every rank builds the same :class:`.sensitivity.SensitivityResult`
+(:func:`.sensitivity.build_result`: the single-process table, value for value).
+
+Resume: on start every rank reads every ``rank*.jsonl`` whose header line (format, metric, analysis type, bad-case
+digest, model digests, quantizer list) equals this run's; finished quantizers are not recomputed, whatever the
+world size of the interrupted run. Files with another header are ignored and then replaced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantlens._io import atomic_write_text
+from quantlens.errors import QuantLensError
+from quantlens.profiler.metrics import get_metric
+from quantlens.profiler.model_access import AnalysisType, ModelAccess
+from quantlens.profiler.outputs import PostProcess
+from quantlens.profiler.progress import progress_iter
+from quantlens.profiler.sensitivity import SensitivityResult, ablate_one, build_result, sensitivity_setup
+from quantlens.profiler.trace_store import input_digest
+
+__all__ = ["PROGRESS_DIR", "dist_rank_world", "model_digest", "run_sharded_sensitivity"]
+
+PROGRESS_DIR = "sensitivity_progress"
+FORMAT = "quantlens-sensitivity-progress/1"
+
+
+def dist_rank_world() -> tuple[int, int] | None:
+    """``(rank, world_size)`` of the default ``torch.distributed`` group, or None when it is not initialised."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return None
+
+
+def model_digest(access: ModelAccess) -> str:
+    """A fingerprint of a torch model's state (parameters and buffers, so observers' scales too); for other
+    models (IRs), their one-line description."""
+    model = getattr(access, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        return access.describe()
+    h = hashlib.sha256()
+    for key, value in model.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            h.update(key.encode())
+            h.update(input_digest(value).encode())
+    return h.hexdigest()[:16]
+
+
+def _header(metric: str, analysis_type: AnalysisType, example: Any, baseline: ModelAccess, analysis: ModelAccess,
+            quantizers: list, outputs: list[str]) -> dict:
+    header = {"format": FORMAT, "metric": metric, "analysis_type": analysis_type.value,
+              "bad_case": input_digest(example), "baseline": model_digest(baseline),
+              "analysis": model_digest(analysis), "outputs": outputs,
+              "quantizers": [[q.op_name, q.sensitive_type, q.op_type, q.quant_dtype] for q in quantizers]}
+    return json.loads(json.dumps(header))  # the form it has once read back
+
+
+def _read_progress(directory: Path, header: dict, quantizers: list) -> dict[int, dict[str, float]]:
+    """Finished values of every progress file in ``directory`` whose header equals ``header``."""
+    done: dict[int, dict[str, float]] = {}
+    for path in sorted(directory.glob("rank*.jsonl")):
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except OSError:
+            continue
+        try:
+            if not lines or json.loads(lines[0]) != header:
+                continue
+        except ValueError:
+            continue
+        for line in lines[1:]:
+            try:
+                entry = json.loads(line)
+                i, values = entry["i"], entry["values"]
+                q = quantizers[i]
+                if [entry["op_name"], entry["sensitive_type"]] != [q.op_name, q.sensitive_type] or \
+                        list(values) != header["outputs"]:
+                    continue
+            except (ValueError, KeyError, IndexError, TypeError):
+                continue  # a line cut by the interruption
+            done[i] = {name: float(v) for name, v in values.items()}
+    return done
+
+
+def _entry(i: int, q, values: dict[str, float]) -> str:
+    return json.dumps({"i": i, "op_name": q.op_name, "sensitive_type": q.sensitive_type, "values": values})
+
+
+def run_sharded_sensitivity(
+    baseline: ModelAccess,
+    analysis: ModelAccess,
+    analysis_type: AnalysisType,
+    example: Any,
+    post_process: PostProcess,
+    out_dir: str | os.PathLike,
+    metric: str = "L1",
+    reverse: bool = False,
+    progress: bool = True,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> SensitivityResult:
+    """This rank's share of the ablation, resumed from ``out_dir/sensitivity_progress``, then gathered.
+
+    ``rank``/``world_size`` default to the initialised ``torch.distributed`` group's (else 0 and 1: a
+    single process that still records and resumes its progress). Every rank returns the same result."""
+    import torch.distributed as dist
+
+    group = dist_rank_world()
+    if rank is None or world_size is None:
+        rank, world_size = group if group is not None else (0, 1)
+    distributed = group is not None and world_size > 1
+    m = get_metric(metric)
+    base, recorder, quantizers = sensitivity_setup(baseline, analysis, analysis_type, example, post_process)
+    header = _header(m.name, analysis_type, example, baseline, analysis, quantizers, list(base))
+    directory = Path(out_dir) / PROGRESS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    done = _read_progress(directory, header, quantizers)
+    mine = [i for i in range(len(quantizers)) if i % world_size == rank]
+    if distributed:
+        dist.barrier()  # every rank has read the old progress before any file is replaced
+    path = directory / f"rank{rank}.jsonl"
+    atomic_write_text(path, "\n".join([json.dumps(header)] + [_entry(i, quantizers[i], done[i])
+                                                               for i in mine if i in done]) + "\n")
+    if distributed:
+        dist.barrier()  # every rank has carried over its finished values
+    if rank == 0:  # progress of a run with more ranks: its values now live in the files above
+        for stale in directory.glob("rank*.jsonl"):
+            suffix = stale.name[len("rank"):-len(".jsonl")]
+            if not (suffix.isdigit() and int(suffix) < world_size):
+                stale.unlink(missing_ok=True)
+    todo = [i for i in mine if i not in done]
+    with analysis.ablation(analysis_type) as enable, open(path, "a", encoding="utf-8") as handle:
+        for i in progress_iter(todo, f"sensitivity ({m.name}, rank {rank}/{world_size})",
+                               enabled=progress and rank == 0):
+            done[i] = ablate_one(analysis, enable, quantizers[i], example, post_process, recorder, base, m)
+            handle.write(_entry(i, quantizers[i], done[i]) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+    local = {i: done[i] for i in mine}
+    if distributed:
+        gathered: list = [None] * world_size
+        dist.all_gather_object(gathered, local)
+    else:
+        gathered = [local]
+    merged: dict[int, dict[str, float]] = {}
+    for part in gathered:
+        merged.update(part)
+    missing = [i for i in range(len(quantizers)) if i not in merged]
+    if missing:
+        raise QuantLensError(f"sharded sensitivity(): no value for {len(missing)} quantizer(s) (first "
+                             f"'{quantizers[missing[0]].op_name}'); rank {rank} of {world_size} got a partial gather.")
+    values = {name: [merged[i][name] for i in range(len(quantizers))] for name in base}
+    return build_result(quantizers, values, m, reverse)
