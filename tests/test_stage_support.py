@@ -36,7 +36,7 @@ def test_saved_ir_with_table_ops_runs_in_a_fresh_process(tmp_path, kind):
     ir = ir if kind == "qat" else convert(ir)
     assert any(n.op in ("int_layer_norm", "int_softmax", "lut", "segment_lut") for n in ir.graph.nodes)
     path = save(ir, tmp_path / "model.qlir")
-    feeds = ir._feeds_from_call(tuple(example), {})
+    feeds = ir.feeds(*example)
     torch.save(feeds, tmp_path / "feeds.pt")
     expected = ir.run(feeds)
     torch.save(expected, tmp_path / "expected.pt")

@@ -202,6 +202,11 @@ class Module:
                 )
             _check_input(name, feeds[name], self.graph.values.get(name), check_finite)
 
+    def feeds(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """The named input tensors for one call, in any accepted format (the torch input pytree, the deployment
+        format, or tensors by input name), checked against the structure the IR was exported with."""
+        return self._feeds_from_call(args, kwargs)
+
     def _deployment_spec(self):
         """The input structure without its non-tensor leaves (seed 2.3.2's deployment format): a task list is
         dropped, a dict loses its non-tensor entries, containers left empty disappear."""

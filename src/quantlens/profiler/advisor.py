@@ -269,6 +269,17 @@ def _deployed(ctx: AdvisorContext) -> bool:
     return ctx.analysis_type in ("export", "convert")
 
 
+def _over_limit(ctx: AdvisorContext, field: str, limit: float):
+    """``(row, ratio)`` for the rows of a deployed-stage analysis whose integer statistic ``field`` (a fraction
+    of elements) exceeds ``limit``."""
+    if not _deployed(ctx):
+        return
+    for row in ctx.comparison:
+        ratio = getattr(row, field)
+        if ratio is not None and ratio > limit:
+            yield row, ratio
+
+
 def _pct(ratio: float | None) -> str:
     return _g(100 * (ratio or 0.0)) + "%"
 
@@ -303,10 +314,7 @@ def table_error(ctx: AdvisorContext) -> list[Finding]:
 def accumulator_saturation(ctx: AdvisorContext) -> list[Finding]:
     """A conv/linear/matmul of the quantized IR whose exact int32 sum overflows: saturated once (§6)."""
     out = []
-    for row in ctx.comparison:
-        ratio = row.acc_saturated_ratio
-        if not _deployed(ctx) or ratio is None or ratio <= ACC_SATURATION_LIMIT:
-            continue
+    for row, ratio in _over_limit(ctx, "acc_saturated_ratio", ACC_SATURATION_LIMIT):
         out.append(_finding(
             "accumulator_saturation", row,
             f"{_pct(ratio)} of the int32 accumulators of '{row.op_name}' saturate: the exact sum of its integer "
@@ -323,10 +331,7 @@ def accumulator_saturation(ctx: AdvisorContext) -> list[Finding]:
 def requant_saturation(ctx: AdvisorContext) -> list[Finding]:
     """The IR op saturates outputs (qmin/qmax) that the baseline's fake quant kept inside the range."""
     out = []
-    for row in ctx.comparison:
-        ratio = row.requant_saturated_ratio
-        if not _deployed(ctx) or ratio is None or ratio <= REQUANT_SATURATION_LIMIT:
-            continue
+    for row, ratio in _over_limit(ctx, "requant_saturated_ratio", REQUANT_SATURATION_LIMIT):
         out.append(_finding(
             "requant_saturation", row,
             f"{_pct(ratio)} of the outputs of '{row.op_name}' (same input) sit at the {row.quant_dtype} limit where "
@@ -344,10 +349,7 @@ def table_input_clipped(ctx: AdvisorContext) -> list[Finding]:
     """A table whose input sits at the input type's limit where the table still changes: the table was built
     for a narrower input range than the data (the limit is the range it was built for; a flat end is fine)."""
     out = []
-    for row in ctx.comparison:
-        ratio = row.table_input_clipped_ratio
-        if not _deployed(ctx) or ratio is None or ratio <= TABLE_CLIP_LIMIT:
-            continue
+    for row, ratio in _over_limit(ctx, "table_input_clipped_ratio", TABLE_CLIP_LIMIT):
         out.append(_finding(
             "table_input_clipped", row,
             f"{_pct(ratio)} of the inputs of table '{row.op_name}' are at the limit code of its input range, where "

@@ -64,9 +64,9 @@ def call_ir(module: Module, example: Any) -> dict[str, torch.Tensor]:
     tensors by input name."""
     if isinstance(example, dict) and example and set(example) <= set(module.input_names) and \
             all(isinstance(v, torch.Tensor) for v in example.values()):
-        return module._feeds_from_call((), dict(example))
+        return module.feeds(**example)
     args = example if isinstance(example, tuple) else (example,)
-    return module._feeds_from_call(args, {})
+    return module.feeds(*args)
 
 
 @dataclass
@@ -96,6 +96,7 @@ class IRModelAccess(ModelAccess):
             if site and site != "output":  # "output": the boundary dequantizes (the model outputs are compared)
                 self.last[site] = i
         self.producer = {out: i for i, node in enumerate(self.nodes) for out in node.outputs}
+        self._index = {id(node): i for i, node in enumerate(self.nodes)}  # the hooks get nodes, not positions
         self._programs: dict[tuple[str, frozenset], _Program] = {}
         #: sites in the order their values are complete
         self.sites = sorted(self.last, key=self.last.get)
@@ -113,23 +114,24 @@ class IRModelAccess(ModelAccess):
         return self.module.kind
 
     # -- values ------------------------------------------------------------------------------------------
-    def _info(self, name: str):
+    def value_info(self, name: str):
+        """The ``ValueInfo`` of an IR value (shape, dtype, integer grid), or None."""
         return self.module.graph.values.get(name)
 
     def _scale(self, name: str) -> torch.Tensor | None:
-        info = self._info(name)
+        info = self.value_info(name)
         return self.module.graph.constants[info.scale] if info is not None and info.scale else None
 
     def to_float(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """The real value of an IR value (integers of the quantized IR are dequantized)."""
-        info = self._info(name)
+        info = self.value_info(name)
         if info is not None and info.qdtype and not value.is_floating_point():
             return dequantize(value, self._scale(name), info.axis)
         return value
 
     def from_float(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """A real value as this IR holds value ``name``: on its integer grid in the quantized IR."""
-        info = self._info(name)
+        info = self.value_info(name)
         if info is not None and info.qdtype and value.is_floating_point():
             qdtype = QuantDType.parse(info.qdtype)
             return quantize(value, self._scale(name), qdtype, info.axis).to(storage_dtype(qdtype.value))
@@ -141,7 +143,7 @@ class IRModelAccess(ModelAccess):
         """``(quant dtype, scale)`` of a site's (first) value."""
         node = self.nodes[self.last[site]]
         name = node.outputs[0]
-        info = self._info(name)
+        info = self.value_info(name)
         if info is not None and info.qdtype:
             return info.qdtype, self._scale(name)
         if node.op == "fake_quant":
@@ -152,7 +154,7 @@ class IRModelAccess(ModelAccess):
     def site_axis(self, site: str) -> int | None:
         """The channel axis of a site's per-channel scale (None: per tensor)."""
         node = self.nodes[self.last[site]]
-        info = self._info(node.outputs[0])
+        info = self.value_info(node.outputs[0])
         if info is not None and info.qdtype:
             return info.axis
         if node.op == "fake_quant" and node.attrs.get("axis", -1) >= 0:
@@ -225,7 +227,7 @@ class IRModelAccess(ModelAccess):
                 self._count(node, inputs, outs, stats, site)
             if not site or self.last.get(site) != i or sink is None:
                 return
-            sink.on_site(self._event(site, count[0], outs, feeds, live, same_input, stats.pop(site, None)))
+            sink.on_site(self.site_event(site, count[0], outs, feeds, live, same_input, stats.pop(site, None)))
             count[0] += 1
 
         def substitute(node: Node, inputs: list, outs: list):
@@ -247,11 +249,6 @@ class IRModelAccess(ModelAccess):
         hooks = RunHooks(observer=observer, substitute=substitute)
         return self._unflatten(self.module.run(feeds, hooks=hooks))
 
-    @property
-    def _index(self) -> dict[int, int]:
-        if not hasattr(self, "_node_index"):
-            self._node_index = {id(n): i for i, n in enumerate(self.nodes)}
-        return self._node_index
 
     def _unflatten(self, flat: list) -> Any:
         from torch.utils import _pytree as pytree
@@ -288,8 +285,10 @@ class IRModelAccess(ModelAccess):
             if bad:
                 stats.setdefault(site, IntegerStats()).nonfinite += bad
 
-    def _event(self, site: str, index: int, outs: list, feeds: dict, live: dict,
-               same_input: SameInputSource | None, int_stats: IntegerStats | None = None) -> SiteEvent:
+    def site_event(self, site: str, index: int, outs: list, feeds: dict, live: dict,
+                   same_input: SameInputSource | None, int_stats: IntegerStats | None = None) -> SiteEvent:
+        """The profiler's event for a site whose last node produced ``outs`` (with its same-input output when
+        ``same_input`` is given); ``live`` holds this run's values that a site's program borrows."""
         node = self.nodes[self.last[site]]
         qdtype, scale = self.site_grid(site)
         values = [self.to_float(n, o) for n, o in zip(node.outputs, outs)]
@@ -328,7 +327,7 @@ class IRModelAccess(ModelAccess):
                 base = _site_outputs(source, where[0])
                 if base is None or where[1] >= len(base):
                     return None, None, f"the baseline has no value for '{where[0]}'"
-                info = self._info(name)
+                info = self.value_info(name)
                 if entering is not None and info is not None and info.qdtype:  # quantized to this IR's integers
                     entering[0] += _nonfinite(base[where[1]])
                 values[name] = self.from_float(name, base[where[1]])

@@ -161,7 +161,7 @@ class OnnxModelAccess(ModelAccess):
             proto.CopyFrom(self.proto)
             ref = self._ir()
             for name in extra:
-                info = ref._info(name)
+                info = ref.value_info(name)
                 if info is None or info.dtype in ("", "unknown"):
                     raise QuantLensError(f"OnnxModelAccess: the qat IR has no dtype for value '{name}'; export the "
                                          "model again.")
@@ -199,7 +199,7 @@ class OnnxModelAccess(ModelAccess):
                   for n, a in zip(fetch, arrays)}
         if sink is not None:
             for index, (site, names) in enumerate(sites.items()):
-                event = ref._event(site, index, [values[n] for n in names], feeds, {}, None)
+                event = ref.site_event(site, index, [values[n] for n in names], feeds, {}, None)
                 event.same_input_note = SAME_INPUT_NOTE
                 sink.on_site(event)
         ir_outputs = ref.module.graph.outputs
