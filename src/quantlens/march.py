@@ -15,7 +15,7 @@ from quantlens.errors import QuantLensError
 #: version of docs/march.md that this module implements.
 SPEC_VERSION = 4
 
-__all__ = ["SPEC_VERSION", "QuantDType", "RoundingMode", "MarchSpec", "March", "set_march", "get_march"]
+__all__ = ["SPEC_VERSION", "QuantDType", "RoundingMode", "Qpp", "MarchSpec", "March", "set_march", "get_march"]
 
 
 class QuantDType(str, Enum):
@@ -58,6 +58,14 @@ class RoundingMode(str, Enum):
     """How a real value becomes an integer. The march uses one mode for quantize and requantize alike."""
 
     HALF_TO_EVEN = "half_to_even"
+
+
+class Qpp(str, Enum):
+    """Requantize precision profile ("qpp"): the NPU's cheap default arithmetic, or the high-precision one that
+    costs more cycles (``docs/march.md`` §8)."""
+
+    DEFAULT = "default"
+    HIGH_PRECISION = "high_precision"
 
 
 @dataclass(frozen=True)

@@ -180,11 +180,20 @@ def export(
         input_leaves,
         pytree.treespec_dumps(spec),
         pytree.treespec_dumps(output_spec),
-        meta={"march": model._quantlens_state.march, "source_model": type(model).__name__},
+        meta={"march": model._quantlens_state.march, "source_model": type(model).__name__,
+              **_consistency_meta(model._quantlens_state)},
     )
     if traced is not tensors:  # traced on a batch-2 copy: the IR must also give the example's batch-1 shapes
         _check_batch_one(module, dict(zip(graph.inputs, tensors)), eager)
     return module
+
+
+def _consistency_meta(state) -> dict:
+    """The consistency level the model was prepared with; convert reads ``high_precision_qpp`` (level 0)."""
+    config = getattr(state, "consistency", None)
+    if config is None:  # a model prepared before the strategy existed
+        return {"consistency_level": None, "high_precision_qpp": False}
+    return {"consistency_level": config.level, "high_precision_qpp": config.high_precision_qpp}
 
 
 def _batch_example(tensors: tuple) -> tuple[tuple, list[int]]:

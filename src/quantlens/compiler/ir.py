@@ -107,6 +107,17 @@ class Module:
         self.output_spec = output_spec
         self.meta = dict(meta or {})
 
+    @property
+    def _high_precision_qpp(self) -> bool:
+        """Whether this IR was built for (qat) or with (quantized) the high-precision requantize everywhere:
+        consistency level 0 (``quantlens.quantization.ConsistencyStrategy``)."""
+        return bool(self.meta.get("high_precision_qpp", False))
+
+    @property
+    def consistency_level(self) -> int | None:
+        """The consistency level the model was prepared with (``None``: strategy off)."""
+        return self.meta.get("consistency_level")
+
     # -- calling -----------------------------------------------------------------------------------------
     @property
     def input_names(self) -> list[str]:

@@ -11,6 +11,7 @@ Typical flow::
     set_fake_quantize(calib, FakeQuantState.VALIDATION)   # evaluate what the NPU computes
 """
 
+from quantlens.quantization.consistency import ConsistencyConfig, ConsistencyStrategy
 from quantlens.quantization.check import ModelCheckResult, check_qat_model
 from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, calibrate, set_fake_quantize
 from quantlens.quantization.observers import (
@@ -26,6 +27,8 @@ from quantlens.quantization.record import get_op_sites
 from quantlens.quantization.stubs import DeQuantStub, QuantStub
 
 __all__ = [
+    "ConsistencyStrategy",
+    "ConsistencyConfig",
     "prepare",
     "is_prepared",
     "set_fake_quantize",

@@ -22,6 +22,7 @@ from torch import nn
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType, get_march
 from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, int32_bias, set_fake_quantize
+from quantlens.quantization.consistency import ConsistencyConfig, ConsistencyStrategy
 from quantlens.quantization.decompositions import DECOMPOSITIONS
 from quantlens.quantization.fuse import FusedGroup, UnfusedPattern, find_fusions
 from quantlens.quantization.observers import FixedScaleObserver
@@ -60,6 +61,8 @@ class QuantState(nn.Module):
         self.setter_name = setter_name
         self.march = get_march().spec.name
         self.fake_quant_state = FakeQuantState.QAT
+        #: the consistency level this model was prepared with (``ConsistencyStrategy``); every stage reads it here
+        self.consistency: ConsistencyConfig = ConsistencyStrategy.config()
 
     def last_sites(self, example: Any) -> list[str]:
         """Op sites visited by one forward on ``example`` (no grad; observers are paused)."""
