@@ -33,12 +33,12 @@ def _rhe(fraction: Fraction) -> int:
 
 # -- §10: x ± k -------------------------------------------------------------------------------------------------
 def test_constant_addend_rounds_half_to_even_in_2_to_minus_8_steps():
-    assert constant_addend(0.3, 0.25) == 307  # 0.3 · 256 / 0.25 = 307.2
-    assert constant_addend(5 / 1024, 0.5) == 2  # 2.5 -> 2 (even)
-    assert constant_addend(7 / 1024, 0.5) == 4  # 3.5 -> 4 (even)
-    assert constant_addend(-5 / 1024, 0.5) == -2
+    assert constant_addend(0.3, 0.25, 8) == 307  # 0.3 · 256 / 0.25 = 307.2
+    assert constant_addend(5 / 1024, 0.5, 8) == 2  # 2.5 -> 2 (even)
+    assert constant_addend(7 / 1024, 0.5, 8) == 4  # 3.5 -> 4 (even)
+    assert constant_addend(-5 / 1024, 0.5, 8) == -2
     with pytest.raises(QuantLensError, match="outside the int32 range"):
-        constant_addend(1e6, 1e-3)
+        constant_addend(1e6, 1e-3, 8)
 
 
 # -- §10: clamp bounds on the input grid ------------------------------------------------------------------------
@@ -139,9 +139,10 @@ def test_rescaled_sum_float64_path_equals_the_integer_path_at_its_limit():
     terms = lambda a, b: [(torch.tensor(a), m, shift, 1), (torch.tensor(b), m, shift, -1)]  # noqa: E731
     # beyond the bound (q >= 2**22) float64 would round q · m onto a tie: t = 5122733 exactly (not 5122732), and
     # the addend -44 puts t + addend = 5122689 just above the final tie: 5122689 / 256 = 20010.50390625 -> 20011
-    assert rescaled_sum([(torch.tensor([8388611]), 1311419051, 39, 1)], -44, QuantDType.qint32).tolist() == [20011]
-    fast = rescaled_sum(terms(qa, qb), 100, QuantDType.qint32)
-    slow = rescaled_sum(terms(qa + [2**22], qb + [0]), 100, QuantDType.qint32)[:-1]  # forces the integer path
+    beyond = rescaled_sum([(torch.tensor([8388611]), 1311419051, 39, 1)], -44, QuantDType.qint32, frac)
+    assert beyond.tolist() == [20011]
+    fast = rescaled_sum(terms(qa, qb), 100, QuantDType.qint32, frac)
+    slow = rescaled_sum(terms(qa + [2**22], qb + [0]), 100, QuantDType.qint32, frac)[:-1]  # forces the integer path
     want = [ref(a, b) for a, b in zip(qa, qb)]
     assert fast.tolist() == want and slow.tolist() == want
 

@@ -51,8 +51,8 @@ def f32(value: float) -> float:
     return torch.tensor(value, dtype=torch.float32).item()
 
 
-def test_spec_version_is_3():
-    assert SPEC_VERSION == 4
+def test_spec_version_is_5():
+    assert SPEC_VERSION == 5
 
 
 # --- integer helpers ------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from quantlens.errors import QuantLensError
-from quantlens.march import March, QuantDType, RoundingMode, get_march
+from quantlens.march import March, Qpp, QuantDType, RoundingMode, get_march
 from quantlens.numerics import (
     dequantize,
     fake_quant,
@@ -41,6 +41,11 @@ def f32(value: float) -> float:
     return torch.tensor(value, dtype=torch.float32).item()
 
 
+#: the worked examples of §8 and §10 below are those of the high-precision profile (31-bit M, F = 8);
+#: tests/test_qpp.py has the default profile's.
+HP = Qpp.HIGH_PRECISION
+
+
 @pytest.fixture(autouse=True)
 def _default_march():
     # quantize_multiplier and scale_from_range read the selected march; the rules below are those of QL1.
@@ -57,6 +62,8 @@ def test_ql1_constants():
     assert spec.rounding is RoundingMode.HALF_TO_EVEN
     assert spec.min_scale == 2.0**-24
     assert spec.requant_multiplier_bits == 31 and spec.max_requant_shift == 62
+    assert (spec.qpp(Qpp.HIGH_PRECISION).multiplier_bits, spec.qpp(Qpp.HIGH_PRECISION).elementwise_frac_bits) == (31, 8)
+    assert (spec.qpp(Qpp.DEFAULT).multiplier_bits, spec.qpp(Qpp.DEFAULT).elementwise_frac_bits) == (16, 0)
     assert spec.allow_int16_x_int16_gemm is False
     assert spec.accumulator_dtype is I32 and spec.high_precision_output_dtype is I32
     assert (I8.qmin, I8.qmax) == (-128, 127)
@@ -292,11 +299,12 @@ def test_fake_quant_is_one_custom_op_under_export():
     ],
 )
 def test_quantize_multiplier_hand_values(real, expected):
-    assert quantize_multiplier(real) == expected
+    # the high-precision profile (31-bit M), the worked table of docs/march.md §8.1
+    assert quantize_multiplier(real, HP) == expected
 
 
 def test_quantize_multiplier_0_0123_is_within_2_pow_minus_31():
-    mult, shift = quantize_multiplier(0.0123)
+    mult, shift = quantize_multiplier(0.0123, HP)
     approx = Fraction(mult, 2**shift)
     assert abs(approx - Fraction(0.0123)) / Fraction(0.0123) <= Fraction(1, 2**31)
 
@@ -305,7 +313,7 @@ def test_quantize_multiplier_range_and_error_bound_on_many_values():
     gen = torch.Generator().manual_seed(1)
     for e in torch.empty(200).uniform_(-30.0, 30.0, generator=gen).tolist():
         real = 2.0**e
-        mult, shift = quantize_multiplier(real)
+        mult, shift = quantize_multiplier(real, HP)
         assert 2**30 <= mult < 2**31 and 0 <= shift <= 62
         assert abs(Fraction(mult, 2**shift) - Fraction(real)) <= Fraction(real) / 2**31
 
@@ -313,13 +321,13 @@ def test_quantize_multiplier_range_and_error_bound_on_many_values():
 @pytest.mark.parametrize("real", [0.0, -0.5, math.nan, math.inf, -math.inf])
 def test_quantize_multiplier_rejects_non_positive_and_non_finite(real):
     with pytest.raises(QuantLensError, match="positive and finite"):
-        quantize_multiplier(real)
+        quantize_multiplier(real, HP)
 
 
 @pytest.mark.parametrize("real", [2.0**-33, 1e-12, 2.0**31, 1e10])
 def test_quantize_multiplier_rejects_shift_outside_0_62(real):
     with pytest.raises(QuantLensError, match=r"outside \[0, 62\]"):
-        quantize_multiplier(real)
+        quantize_multiplier(real, HP)
 
 
 # --- rounding right shift -------------------------------------------------------------------------------------
@@ -353,7 +361,7 @@ def test_rshift_large_shifts():
 
 
 def test_requantize_quarter_saturates_int8_not_int16():
-    mult, shift = quantize_multiplier(0.25)
+    mult, shift = quantize_multiplier(0.25, HP)
     acc = torch.tensor([1000, -1000, 300, 301, 302, 303, 298, -298, -302], dtype=torch.int32)
     # acc / 4 = 250, -250, 75, 75.25, 75.5, 75.75, 74.5, -74.5, -75.5
     assert requantize(acc, mult, shift, I8).tolist() == [127, -128, 75, 75, 76, 76, 74, -74, -76]
@@ -362,18 +370,18 @@ def test_requantize_quarter_saturates_int8_not_int16():
 
 
 def test_requantize_saturates_int16():
-    mult, shift = quantize_multiplier(0.25)
+    mult, shift = quantize_multiplier(0.25, HP)
     assert requantize(i64([200000, -200000, 131068]), mult, shift, I16).tolist() == [32767, -32768, 32767]
 
 
 def test_requantize_non_power_of_two_multiplier():
-    mult, shift = quantize_multiplier(0.0123)
+    mult, shift = quantize_multiplier(0.0123, HP)
     # acc * 0.0123 = 12.3, -12.3, 0.615, -0.615, 0.492, 0.5043
     assert requantize(i64([1000, -1000, 50, -50, 40, 41]), mult, shift, I8).tolist() == [12, -12, 1, -1, 0, 1]
 
 
 def test_requantize_multiplier_above_one():
-    mult, shift = quantize_multiplier(3.0)
+    mult, shift = quantize_multiplier(3.0, HP)
     assert requantize(i64([42, 43, -42, -43, 10]), mult, shift, I8).tolist() == [126, 127, -126, -128, 30]
 
 
@@ -396,7 +404,7 @@ def test_conv_worked_example_of_the_spec():
     assert qb.tolist() == [307]  # 0.3 * 1024 = 307.2
     acc = int((qx * qw).sum()) + int(qb)
     assert acc == 2867
-    mult, shift = quantize_multiplier(s_in * s_w / s_out)
+    mult, shift = quantize_multiplier(s_in * s_w / s_out, HP)
     assert (mult, shift) == (2**30, 37)
     # 2867 / 128 = 22.398 -> 22; ties: 2880 / 128 = 22.5 -> 22, 2752 / 128 = 21.5 -> 22
     assert requantize(i64([acc, 2880, 2752, -2880]), mult, shift, I8).tolist() == [22, 22, 22, -22]
@@ -406,21 +414,21 @@ def test_elementwise_add_worked_example_of_the_spec():
     # docs/march.md §10: q_a = 5 at 2**-4, q_b = 2 at 2**-5, output at 2**-3, F = 8 extra fractional bits.
     from quantlens.numerics import rescaled_sum
 
-    ma, sa = quantize_multiplier(0.5)  # (2**30, 31)
-    mb, sb = quantize_multiplier(0.25)  # (2**30, 32)
+    ma, sa = quantize_multiplier(0.5, HP)  # (2**30, 31)
+    mb, sb = quantize_multiplier(0.25, HP)  # (2**30, 32)
     # t_a = rhe(5 * 0.5 * 256) = 640, t_b = rhe(2 * 0.25 * 256) = 128, y = rhe(768 / 256) = 3
-    assert rescaled_sum([(i64([5]), ma, sa, 1), (i64([2]), mb, sb, 1)], 0, I8).tolist() == [3]
+    assert rescaled_sum([(i64([5]), ma, sa, 1), (i64([2]), mb, sb, 1)], 0, I8, 8).tolist() == [3]
     # ... which is what the fake-quant model gives: (0.3125 + 0.0625) / 0.125 = 3 (rounding each term first
     # would give rhe(2.5) + rhe(0.5) = 2).
     assert quantize(t([5 * 2.0**-4 + 2 * 2.0**-5]), t(2.0**-3), I8).tolist() == [3]
     # sub, a tie: 5*0.5 - 1*0.25 = 2.25 -> 2;  3*0.5 - 0 = 1.5 -> 2 (ties to even); saturation to int8
-    assert rescaled_sum([(i64([5, 3]), ma, sa, 1), (i64([1, 0]), mb, sb, -1)], 0, I8).tolist() == [2, 2]
-    assert rescaled_sum([(i64([127]), *quantize_multiplier(2.0), 1), (i64([127]), *quantize_multiplier(2.0), 1)],
-                        0, I8).tolist() == [127]
+    assert rescaled_sum([(i64([5, 3]), ma, sa, 1), (i64([1, 0]), mb, sb, -1)], 0, I8, 8).tolist() == [2, 2]
+    two = quantize_multiplier(2.0, HP)
+    assert rescaled_sum([(i64([127]), *two, 1), (i64([127]), *two, 1)], 0, I8, 8).tolist() == [127]
     # An addend in units of 2**-F output steps: 1.5 steps + 1 -> 2.5 -> 2
-    assert rescaled_sum([(i64([3]), ma, sa, 1)], 256, I8).tolist() == [2]
+    assert rescaled_sum([(i64([3]), ma, sa, 1)], 256, I8, 8).tolist() == [2]
     # An equal scale rescales exactly (identity).
-    assert requantize(i64([-128, 77, 127]), *quantize_multiplier(1.0), I8).tolist() == [-128, 77, 127]
+    assert requantize(i64([-128, 77, 127]), *quantize_multiplier(1.0, HP), I8).tolist() == [-128, 77, 127]
 
 
 # --- bias and BatchNorm folding -------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from quantlens import QuantLensError
-from quantlens.compiler import convert, export, save
+from quantlens.compiler import Module, convert, export, save
 from quantlens.profiler import QuantAnalysis
 from quantlens.profiler.trace_store import TraceReader
 from quantlens.quantization import calibrate as calibrate_model
@@ -135,20 +135,31 @@ def test_convert_tiny_resnet_is_within_one_lsb_and_never_diverges(tiny_resnet, t
     qa, table = _analyse(s.qat_ir, s.quantized_ir, "convert", tmp_path, s.formats["by_name"])
     _assert_every_site_matched_or_listed(tmp_path, table)
     scored = [r for r in table if r.lsb_verdict]
-    # measured: 14 rows on a grid (fc, int32 with a per-channel scale, has none); 4 bit-exact, 10 within 1 LSB
+    # 14 rows on a grid (fc, int32 with a per-channel scale, has none). Spec v5's default qpp (16-bit multiplier,
+    # add terms rounded to whole steps) makes a few convs and the adds round 1 LSB differently on the same input;
+    # accumulated over the net a few rows reach 2-4 LSB, none diverges.
     assert len(scored) >= 12
     acc = _verdicts(table)
-    assert set(acc) <= {"bit-exact", "within 1 LSB"} and acc["bit-exact"] >= 3
+    assert set(acc) <= {"bit-exact", "within 1 LSB", "within 4 LSB"} and acc["bit-exact"] >= 2
     same = _verdicts(table, "same_input_lsb_verdict")
-    assert set(same) <= {"bit-exact", "within 1 LSB"} and same["bit-exact"] >= 0.75 * len(scored)
+    assert set(same) <= {"bit-exact", "within 1 LSB"} and same["bit-exact"] >= 0.5 * len(scored)
     assert table.first_diverged is None
     first = table.first_inexact
-    assert first is not None and first.analy_op_type == "add" and first.same_input_lsb_verdict == "within 1 LSB"
+    assert first is not None and first.same_input_lsb_verdict == "within 1 LSB"
+    # with the high-precision qpp (consistency level 0) only the adds' own kernels are inexact, as in spec v4
+    hp_ir = Module("qat", s.qat_ir.graph, s.qat_ir.input_leaves, s.qat_ir.input_spec, s.qat_ir.output_spec,
+                   meta={**s.qat_ir.meta, "high_precision_qpp": True})
+    _, hp_table = _analyse(s.qat_ir, convert(hp_ir), "convert", tmp_path / "hp", s.formats["by_name"])
+    inexact = {r.analy_op_type for r in hp_table if r.same_input_lsb_verdict not in (None, "bit-exact")}
+    assert inexact == {"add"}, inexact
+    assert set(_verdicts(hp_table)) <= {"bit-exact", "within 1 LSB"}
     ones = sum(int(part.split(":")[1]) for r in scored for part in r.lsb_hist.split("|") if part.startswith("1:"))
     total = sum(int(part.split(":")[1]) for r in scored for part in r.lsb_hist.split("|"))
-    assert 0 < ones < 0.05 * total  # a 1-LSB difference is rare
+    # the default add rule rounds each term (F = 0): about a quarter of an add's outputs, and what they feed,
+    # differ by 1 LSB (measured 11.5 % of all elements); most elements are exact
+    assert 0 < ones < 0.25 * total
     for row in scored:
-        assert row.atol_in_scale <= 1 + 1e-4, row.op_name
+        assert row.atol_in_scale <= 4 + 1e-4, row.op_name  # "within 4 LSB" at most, as the verdicts say
 
 
 def test_convert_only_in_lists_hold_fused_sites(stages, tmp_path):

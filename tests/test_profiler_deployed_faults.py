@@ -155,7 +155,8 @@ def test_convert_accumulator_overflow_is_found_first(tmp_path):
     site = "relu"  # big's requantize goes straight to the fused relu's grid: the site is the relu
     ranked = table.ranked("same_input_sqnr")
     assert ranked[0].op_name == site and ranked[0].same_input_lsb_verdict == "diverged"
-    assert ranked[0].same_input_sqnr < 20 < 100 < ranked[1].same_input_sqnr
+    # the runner-up is only the default qpp's 16-bit multiplier at an int16 output: about 6 dB per bit, ~97 dB
+    assert ranked[0].same_input_sqnr < 20 < 90 < ranked[1].same_input_sqnr
     assert table[site].acc_saturated_ratio == pytest.approx(0.5)  # the four same-sign rows, every sample
     assert all(not r.acc_saturated_ratio for r in table if r.op_name != site)
     assert qa.sensitivity()[0][0].op_name == site

@@ -74,8 +74,10 @@ def test_05_pre_export_vs_qat_ir(tmp_path):
 def test_06_qat_ir_vs_quantized_ir(tmp_path):
     summary = _load("06_qat_ir_vs_quantized_ir").main(tmp_path, progress=False)
     assert summary["first_diverged"] is None
-    assert summary["first_inexact"][:2] == ("add_0", "add")
-    assert summary["lsb_verdicts"].get("bit-exact", 0) >= 6 and "diverged" not in summary["lsb_verdicts"]
+    # spec v5's default qpp: the conv fused with relu1 requantizes with a 16-bit multiplier (a rare 1-LSB flip)
+    assert summary["first_inexact"][:2] == ("relu1", "conv2d")
+    assert set(summary["same_input_lsb_verdicts"]) <= {"bit-exact", "within 1 LSB"}
+    assert summary["lsb_verdicts"].get("bit-exact", 0) >= 3 and "diverged" not in summary["lsb_verdicts"]
     assert {name for name, _ in summary["only_in_baseline"]} == {"conv1", "conv2", "meta_fc"}
     for head in ("cls", "reg"):
         assert summary["sensitivity_top3"][head][0][0] == "add_0"

@@ -13,9 +13,12 @@ from enum import Enum
 from quantlens.errors import QuantLensError
 
 #: version of docs/march.md that this module implements.
-SPEC_VERSION = 4
+SPEC_VERSION = 5
 
-__all__ = ["SPEC_VERSION", "QuantDType", "RoundingMode", "Qpp", "MarchSpec", "March", "set_march", "get_march"]
+__all__ = [
+    "SPEC_VERSION", "QuantDType", "RoundingMode", "Qpp", "QppSpec", "CostModel", "MarchSpec", "March", "set_march",
+    "get_march",
+]
 
 
 class QuantDType(str, Enum):
@@ -67,6 +70,54 @@ class Qpp(str, Enum):
     DEFAULT = "default"
     HIGH_PRECISION = "high_precision"
 
+    @classmethod
+    def parse(cls, value: "Qpp | str | bool") -> "Qpp":
+        """Accept a ``Qpp``, its value (``"default"``/``"high_precision"``) or a bool (``True``: high precision)."""
+        if isinstance(value, Qpp):
+            return value
+        if isinstance(value, bool):
+            return cls.HIGH_PRECISION if value else cls.DEFAULT
+        try:
+            return cls(str(value))
+        except ValueError:
+            raise QuantLensError(f"Unknown qpp {value!r}. Expected one of {[q.value for q in cls]}.") from None
+
+
+@dataclass(frozen=True)
+class QppSpec:
+    """The arithmetic of one requantize precision profile (``docs/march.md`` §8, §10)."""
+
+    #: requantize multipliers are integers in ``[2**(multiplier_bits-1), 2**multiplier_bits)`` (§8.1).
+    multiplier_bits: int
+    #: extra fractional bits kept by the rescaled terms of add/sub before their final rounding (§10); 0: each
+    #: term is rounded to whole output steps and the rounded terms are summed.
+    elementwise_frac_bits: int
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Cycle costs of the march's units (``docs/march.md`` §15), read by ``quantlens.compiler.cost``.
+
+    A *vector pass* processes ``vector_lanes`` elements per cycle; a requantize costs ``requant_passes_*``
+    passes per element (0 when the multiplier is exactly 1)."""
+
+    #: NPU clock in MHz (cycles per microsecond).
+    clock_mhz: float = 1000.0
+    #: GEMM MACs per cycle, int8 x int8.
+    macs_per_cycle_int8: int = 1024
+    #: GEMM MACs per cycle when one operand is int16 (int8 x int16; bilinear's int16 weights).
+    macs_per_cycle_int16: int = 256
+    #: elements per cycle of one vector pass (add, compare, select, move, pooling sums, boundary (de)quantize).
+    vector_lanes: int = 64
+    #: table lookups per cycle (§13), all table ops.
+    table_lookups_per_cycle: int = 16
+    #: vector passes of one requantize per element: a pure power-of-two multiplier (a rounding shift) ...
+    requant_passes_shift: int = 1
+    #: ... a multiplier of at most 16 bits (one 16x32 multiply with its rounding shift, qpp DEFAULT) ...
+    requant_passes_default: int = 2
+    #: ... and a wider one (32x32 -> 64-bit multiply, 64-bit rounding shift, qpp HIGH_PRECISION).
+    requant_passes_high_precision: int = 4
+
 
 @dataclass(frozen=True)
 class MarchSpec:
@@ -80,14 +131,24 @@ class MarchSpec:
     rounding: RoundingMode
     #: smallest scale an observer may produce; guards all-zero tensors.
     min_scale: float
-    #: requantize multipliers are integers in [2**(bits-1), 2**bits).
+    #: requantize multipliers of the high-precision profile are integers in [2**(bits-1), 2**bits); kept for
+    #: compatibility (spec v4 readers): ``qpp(Qpp.HIGH_PRECISION).multiplier_bits`` is the source of truth.
     requant_multiplier_bits: int
     #: largest right shift a requantize may use.
     max_requant_shift: int
     #: whether a conv/linear/matmul may take int16 on both operands.
     allow_int16_x_int16_gemm: bool
-    #: extra fractional bits kept by the rescaled terms of add/sub before their one final rounding (§10).
+    #: F of the high-precision add/sub (§10); kept for compatibility, like ``requant_multiplier_bits``.
     elementwise_frac_bits: int = 8
+    #: the two requantize precision profiles (§8); the source of truth for the multiplier width and F.
+    default_qpp: QppSpec = QppSpec(multiplier_bits=16, elementwise_frac_bits=0)
+    high_precision_qpp: QppSpec = QppSpec(multiplier_bits=31, elementwise_frac_bits=8)
+    #: cycle costs (§15).
+    cost: CostModel = CostModel()
+
+    def qpp(self, q: "Qpp | str") -> QppSpec:
+        """The arithmetic of requantize precision profile ``q`` (§8)."""
+        return self.high_precision_qpp if Qpp.parse(q) is Qpp.HIGH_PRECISION else self.default_qpp
 
     def scale_from_range(self, min_val: float, max_val: float, dtype: QuantDType) -> float:
         """Scale of a symmetric quantizer covering ``[min_val, max_val]``: ``max(|min|, |max|) / qmax``.

@@ -19,7 +19,7 @@ import math
 import torch
 
 from quantlens.errors import QuantLensError
-from quantlens.march import QuantDType, get_march
+from quantlens.march import Qpp, QuantDType, get_march
 
 __all__ = [
     "fake_quant",
@@ -99,13 +99,14 @@ def saturate(x: torch.Tensor, dtype: QuantDType) -> torch.Tensor:
     return torch.clamp(x, dtype.qmin, dtype.qmax)
 
 
-def quantize_multiplier(real: float) -> tuple[int, int]:
-    """Represent a positive real multiplier as ``M * 2**-shift`` with ``M`` in ``[2**30, 2**31)``.
+def quantize_multiplier(real: float, qpp: Qpp = Qpp.DEFAULT) -> tuple[int, int]:
+    """Represent a positive real multiplier as ``M * 2**-shift`` with ``M`` in ``[2**(b-1), 2**b)``, ``b`` the
+    multiplier width of requantize precision profile ``qpp`` (16 by default, 31 for ``Qpp.HIGH_PRECISION``).
 
-    ``M = round_half_to_even(real * 2**shift)``; if rounding reaches ``2**31`` the shift drops by one.
+    ``M = round_half_to_even(real * 2**shift)``; if rounding reaches ``2**b`` the shift drops by one.
     """
     spec = get_march().spec
-    bits = spec.requant_multiplier_bits
+    bits = spec.qpp(qpp).multiplier_bits
     if not (real > 0 and math.isfinite(real)):
         raise QuantLensError(f"A requantize multiplier must be positive and finite, got {real!r}.")
     exponent = math.floor(math.log2(real))
@@ -156,15 +157,17 @@ def requantize(
     """Scale an int32 accumulator by ``multiplier * 2**-shift`` and saturate to ``dtype`` (int64 result).
     ``multiplier``/``shift`` may be tensors broadcast against ``acc`` (per-channel).
 
-    Fast path, same result: when ``|acc| < 2**22`` the product ``acc * M`` (``M < 2**31``) has at most 53
-    significant bits, so ``acc * (M * 2**-shift)`` is exact in float64 and ``torch.round`` (half to even) rounds
-    it exactly as ``rshift_round_half_to_even`` would.
+    Fast path, same result: with ``b`` the bit length of the largest multiplier (``M < 2**b``), ``|acc| <
+    2**(53 - b)`` gives ``|acc * M| < 2**53``, so ``acc * (M * 2**-shift)`` is exact in float64 (``M * 2**-shift``
+    is exact: ``M`` has ``b <= 53`` bits and the scaling is a power of two) and ``torch.round`` (half to even)
+    rounds it exactly as ``rshift_round_half_to_even`` would. A 31-bit (high-precision) multiplier allows
+    ``|acc| < 2**22``; a 16-bit (default) one ``|acc| < 2**37``, which every saturated int32 accumulator meets.
     """
     if acc.is_floating_point():  # integer values held in float64 (the simulator's exact GEMM results)
         acc = acc.to(torch.float64)
     else:
         acc = acc.to(torch.int64)
-    if acc.numel() and float(acc.abs().max()) < 2**22:
+    if acc.numel() and float(acc.abs().max()) < _exact_bound(multiplier):
         if isinstance(multiplier, torch.Tensor) or isinstance(shift, torch.Tensor):
             real = torch.as_tensor(multiplier, dtype=torch.float64) * torch.pow(
                 2.0, -torch.as_tensor(shift, dtype=torch.float64))
@@ -179,24 +182,37 @@ def requantize(
     return saturate(rshift_round_half_to_even(prod, shift), dtype)
 
 
+def _exact_bound(multiplier: "int | torch.Tensor") -> int:
+    """``2**(53 - b)``, ``b`` the bit length of the largest multiplier: below it ``|x · M| < 2**53`` (exact in
+    float64)."""
+    m = int(multiplier.max()) if isinstance(multiplier, torch.Tensor) else int(multiplier)
+    return 2 ** max(0, 53 - abs(m).bit_length())
+
+
 def rescaled_sum(
-    terms: "list[tuple[torch.Tensor, int, int, int]]", addend: "int | torch.Tensor", dtype: QuantDType
+    terms: "list[tuple[torch.Tensor, int, int, int]]", addend: "int | torch.Tensor", dtype: QuantDType,
+    frac_bits: int,
 ) -> torch.Tensor:
     """``docs/march.md`` §10: ``sat(rshift_rhe(Σ sign_i · rshift_rhe(q_i · M_i, shift_i − F) + addend, F))``.
 
-    Each term ``(q_i, M_i, shift_i, sign_i)`` is rescaled to the output scale keeping ``F`` extra fractional bits
-    (``MarchSpec.elementwise_frac_bits``); the sum (plus ``addend``, already in those units) is rounded once.
+    Each term ``(q_i, M_i, shift_i, sign_i)`` is rescaled to the output scale keeping ``F = frac_bits`` extra
+    fractional bits (8 for the high-precision profile, 0 for the default one: each term is then rounded to whole
+    output steps); the sum (plus ``addend``, already in those units) is rounded once (F = 0: not at all).
     """
-    frac = get_march().spec.elementwise_frac_bits
+    frac = int(frac_bits)
+    if frac < 0:
+        raise QuantLensError(f"rescaled_sum: frac_bits must be >= 0, got {frac_bits!r}.")
     for q, mult, shift, sign in terms:
         if shift < frac:
             raise QuantLensError(
-                f"An add/sub input scale is more than 2**{30 - frac} times the output scale; the march cannot "
-                "rescale it. Check the observers of this op's inputs."
+                f"An add/sub input is rescaled with shift {shift}, below the {frac} fractional bits the sum keeps: "
+                "its scale is too large next to the output scale for the march to rescale it. Check the observers "
+                "of this op's inputs."
             )
-    if all(int(q.abs().max()) < 2**22 if q.numel() else True for q, *_ in terms):
-        # Same result in float64: q·M < 2**53 is exact, scaling by powers of two is exact, torch.round is half
-        # to even, and the int32-bounded terms and their sum are exact.
+    if all(int(q.abs().max()) < _exact_bound(mult) if q.numel() else True for q, mult, *_ in terms):
+        # Same result in float64: |q·M| < 2**53 is exact (the bound of _exact_bound: |q| < 2**22 for a 31-bit M,
+        # 2**37 for a 16-bit one), scaling by powers of two is exact, torch.round is half to even, and the
+        # int32-bounded terms and their sum (plus an int32 addend) are exact.
         total = torch.zeros((), dtype=torch.float64) + float(addend)
         for q, mult, shift, sign in terms:
             t = torch.round(q.to(torch.float64) * (int(mult) * 2.0 ** (frac - int(shift))))
@@ -218,10 +234,10 @@ def _rhe(v: float) -> int:
     return int(round(v))
 
 
-def constant_addend(k: float, s_out: float) -> int:
+def constant_addend(k: float, s_out: float, frac_bits: int) -> int:
     """§10 ``x ± k``: the constant enters the sum as ``rhe(k · 2**F / s_out)``, in units of ``2**-F`` output
-    steps (F = ``MarchSpec.elementwise_frac_bits``), computed in float64."""
-    frac = get_march().spec.elementwise_frac_bits
+    steps (``F = frac_bits``, the add rule's fractional bits of the profile), computed in float64."""
+    frac = int(frac_bits)
     value = float(k) * 2.0**frac / float(s_out)
     if not math.isfinite(value) or abs(value) >= 2**31:
         raise QuantLensError(

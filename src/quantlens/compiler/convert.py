@@ -19,7 +19,7 @@ import torch
 from quantlens.compiler.ir import Graph, Module, Node, ValueInfo
 from quantlens.compiler.kernels_int import storage_dtype
 from quantlens.errors import QuantLensError
-from quantlens.march import QuantDType
+from quantlens.march import Qpp, QuantDType, get_march
 from quantlens.kernels import TABLE_OP_IO, table_torch_op
 from quantlens.numerics import (
     channel_affine_params,
@@ -32,7 +32,7 @@ from quantlens.numerics import (
 )
 from quantlens.opset import Category, ops_in
 
-__all__ = ["convert", "CONVERTERS", "PASSTHROUGH_OPS"]
+__all__ = ["convert", "CONVERTERS", "PASSTHROUGH_OPS", "requant_attrs", "rescale_attrs", "qpp_of"]
 
 #: ops that move integer values without changing them (or their scale): the op set's movement ops.
 PASSTHROUGH_OPS = set(ops_in(Category.MOVEMENT, level="qat"))
@@ -57,6 +57,43 @@ class QInfo:
         )
 
 
+def qpp_of(module: Module) -> Qpp:
+    """The requantize precision profile convert uses for ``module`` (a qat IR): high precision where its meta says
+    ``high_precision_qpp`` (consistency level 0), else the default one (``docs/march.md`` §8)."""
+    return Qpp.HIGH_PRECISION if module.meta.get("high_precision_qpp", False) else Qpp.DEFAULT
+
+
+def _multiplier(real: float, qpp: Qpp) -> tuple[int, int]:
+    """``quantize_multiplier(real, qpp)``; a multiplier outside the default profile's range (``2**-47 <= m <
+    2**16 - 1/2``, docs/march.md §8.1) takes the 31-bit one for that requantize (the wide multiplier; the cost
+    model charges it as high precision)."""
+    if qpp is Qpp.DEFAULT:
+        try:
+            return quantize_multiplier(real, qpp)
+        except QuantLensError:
+            pass
+    return quantize_multiplier(real, Qpp.HIGH_PRECISION)
+
+
+def requant_attrs(real: torch.Tensor, qdtype: QuantDType, qpp: Qpp) -> dict:
+    """Requantize attrs of one real multiplier per tensor (``[]``/``[1]``) or per channel (``[C]``), §8:
+    ``{"multiplier": [M...], "shift": [shift...], "out_dtype": qdtype}`` with ``M`` of profile ``qpp``."""
+    reals = real.reshape(-1).tolist() if isinstance(real, torch.Tensor) else [float(real)]
+    pairs = [_multiplier(float(m), qpp) for m in reals]
+    return {"multiplier": [p[0] for p in pairs], "shift": [p[1] for p in pairs], "out_dtype": qdtype.value}
+
+
+def rescale_attrs(in_scales: list[torch.Tensor], out_scale: torch.Tensor, qdtype: QuantDType, qpp: Qpp) -> dict:
+    """Rescale attrs of add/sub/cat (§10): one ``(M_i, shift_i)`` of ``s_i / s_out`` per input (per-tensor scales,
+    float64 division of the float32 scales) and the add rule's ``frac_bits`` F of profile ``qpp``:
+    ``{"multipliers", "shifts", "frac_bits", "out_dtype"}`` (cat ignores ``frac_bits``)."""
+    s_out = float(torch.as_tensor(out_scale).to(torch.float64).reshape(-1)[0])
+    pairs = [_multiplier(float(torch.as_tensor(s).to(torch.float64).reshape(-1)[0]) / s_out, qpp)
+             for s in in_scales]
+    return {"multipliers": [p[0] for p in pairs], "shifts": [p[1] for p in pairs],
+            "frac_bits": get_march().spec.qpp(qpp).elementwise_frac_bits, "out_dtype": qdtype.value}
+
+
 def _fq_dtype(qmin: int) -> QuantDType:
     return {-128: QuantDType.qint8, -32768: QuantDType.qint16, -(2**31): QuantDType.qint32}[qmin]
 
@@ -64,6 +101,8 @@ def _fq_dtype(qmin: int) -> QuantDType:
 class _Converter:
     def __init__(self, qat: Module):
         self.src = qat.graph
+        #: the requantize precision profile of every multiplier this conversion derives (§8)
+        self.qpp = qpp_of(qat)
         self.out = Graph(nodes=[], inputs=list(qat.graph.inputs), outputs=[], constants={}, values={})
         self.producers = self.src.producers()
         self.consumers = self.src.consumers()
@@ -123,9 +162,7 @@ class _Converter:
         return info
 
     def requant_attrs(self, real: torch.Tensor, qdtype: QuantDType) -> dict:
-        pairs = [quantize_multiplier(float(m)) for m in real.reshape(-1).tolist()]
-        return {"multiplier": [p[0] for p in pairs], "shift": [p[1] for p in pairs],
-                "out_dtype": qdtype.value}
+        return requant_attrs(real, qdtype, self.qpp)
 
     def output_grid(self, node: Node, fold_scalars: bool = False):
         """The fake quant that ends this compute op's output chain (through passthrough ops), if any.
@@ -353,9 +390,9 @@ def _rescaled(c, node):
     values = [v for v in node.inputs if not (c.is_const(v) and c.src.constants[v].numel() == 0)]
     infos = [c.int_input(node, v) for v in values]
     qdtype, out_scale = _required_grid(c, node)
-    pairs = [quantize_multiplier(float(i.scale.to(torch.float64) / out_scale.to(torch.float64))) for i in infos]
-    attrs = {"multipliers": [p[0] for p in pairs], "shifts": [p[1] for p in pairs], "out_dtype": qdtype.value}
-    if node.op == "cat":
+    attrs = rescale_attrs([i.scale for i in infos], out_scale, qdtype, c.qpp)
+    if node.op == "cat":  # each input is requantized alone (§10): no sum, no F
+        del attrs["frac_bits"]
         attrs["dim"] = node.attrs["dim"]
     c.emit(node, node.op, [i.name for i in infos], attrs, qdtype, out_scale)
 
@@ -369,10 +406,8 @@ def _add_constant(c: _Converter, node: Node) -> None:
         k, x, sign_x = _scalar(c, a), c.int_input(node, b), -1 if node.op == "sub" else 1
     else:
         k, x, sign_x = _scalar(c, b) * (-1 if node.op == "sub" else 1), c.int_input(node, a), 1
-    mult, shift = quantize_multiplier(float(x.scale.to(torch.float64) / out_scale.to(torch.float64)))
-    addend = constant_addend(k, float(out_scale))
-    attrs = {"multipliers": [mult], "shifts": [shift], "addend": addend, "negate": sign_x < 0,
-             "out_dtype": qdtype.value}
+    attrs = rescale_attrs([x.scale], out_scale, qdtype, c.qpp)
+    attrs.update(addend=constant_addend(k, float(out_scale), attrs["frac_bits"]), negate=sign_x < 0)
     c.emit(node, "add_const", [x.name], attrs, qdtype, out_scale)
 
 
@@ -676,9 +711,10 @@ def convert(qat_ir: Module) -> Module:
             "convert expects the qat IR returned by quantlens.compiler.export (kind 'qat'), got "
             f"{getattr(qat_ir, 'kind', type(qat_ir).__name__)!r}."
         )
-    graph = _Converter(qat_ir).run()
+    converter = _Converter(qat_ir)
+    graph = converter.run()
     return Module("quantized", graph, list(qat_ir.input_leaves), qat_ir.input_spec, qat_ir.output_spec,
-                  meta=dict(qat_ir.meta))
+                  meta={**qat_ir.meta, "qpp": converter.qpp.value})
 
 
 # -- pad, standalone batch norm, prelu / leaky_relu, constant writes (docs/march.md §10.2, §10.3, §11) ----------
@@ -768,11 +804,19 @@ def _prelu(c, node):
         alpha = (c.out.constants[w.name].to(torch.float64) * w.scale.to(torch.float64)).reshape(-1)
     else:
         alpha = c.src.constants[node.inputs[1]].to(torch.float64).reshape(-1)
-    s_x = x.scale.to(torch.float64).reshape(-1)[0]
+    attrs = prelu_attrs(alpha, x.scale, out_scale, qdtype, c.qpp)
+    c.emit(node, "prelu_int", [x.name], attrs, qdtype, out_scale)
+
+
+def prelu_attrs(alpha: torch.Tensor, s_x: torch.Tensor, out_scale: torch.Tensor, qdtype: QuantDType,
+                qpp: Qpp) -> dict:
+    """§10.4 ``prelu_int`` attrs for slopes ``alpha`` (float64, one or per channel): the ``q >= 0`` requantize
+    ``s_x / s_out``, and per slope the multiplier of ``|α|·s_x/s_out`` with the sign folded into the integers."""
+    s_x = s_x.to(torch.float64).reshape(-1)[0]
     s_out = out_scale.to(torch.float64)
     # α = 0: the sign 0 zeroes the integers; any valid multiplier will do
-    neg = [quantize_multiplier(float(abs(v) * s_x / s_out)) if v != 0 else (1 << 30, 30) for v in alpha.tolist()]
-    pos = c.requant_attrs(s_x / s_out, qdtype)
-    attrs = {**pos, "neg_multiplier": [m for m, _ in neg], "neg_shift": [s for _, s in neg],
-             "neg_sign": [1 if v > 0 else -1 if v < 0 else 0 for v in alpha.tolist()], "channel_dim": 1}
-    c.emit(node, "prelu_int", [x.name], attrs, qdtype, out_scale)
+    neg = [_multiplier(float(abs(v) * s_x / s_out), qpp) if v != 0 else _multiplier(1.0, qpp)
+           for v in alpha.tolist()]
+    pos = requant_attrs(s_x / s_out, qdtype, qpp)
+    return {**pos, "neg_multiplier": [m for m, _ in neg], "neg_shift": [s for _, s in neg],
+            "neg_sign": [1 if v > 0 else -1 if v < 0 else 0 for v in alpha.tolist()], "channel_dim": 1}

@@ -66,7 +66,9 @@ def _capture_state(model: nn.Module):
     saved = [(m.observe_enabled, m.fake_quant_enabled) for m in fqs]
     model.eval()
     for m in fqs:
-        m.observe_enabled = False
+        # Weights observe in export's eager pass, so their scales match the current (eval-mode, BatchNorm-folded)
+        # weights even right after an optimizer step; torch.export then traces with every observer off.
+        m.observe_enabled = m.is_weight
         m.fake_quant_enabled = True
     OpSiteTracer.annotate_sites = True
     try:
@@ -148,6 +150,9 @@ def export(
     with _capture_state(model), torch.no_grad():
         eager = flat_call(*tensors)  # eager once: validates the outputs and records their structure
         output_spec = flat_call.output_spec
+        for m in model.modules():
+            if isinstance(m, FakeQuantize):
+                m.observe_enabled = False
         with fx_traceback.preserve_node_meta():  # lets the op-site annotations reach node.meta["custom"]
             dynamic = None
             if dynamic_batch:

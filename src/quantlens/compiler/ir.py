@@ -246,14 +246,28 @@ class Module:
 
     # -- inspection ----------------------------------------------------------------------------------------
     def statistics(self) -> dict[str, int]:
-        """Op counts by ``op`` and, for integer ops, ``op[dtype]`` (requantize ops included)."""
+        """Op counts by ``op`` and, for integer ops, ``op[dtype]`` (requantize ops included). A quantized IR also
+        reports ``"requantize_ops"`` (requantize applications whose multiplier is not exactly 1) and
+        ``"estimated_cycles"`` (batch 1) from :meth:`latency_estimate`."""
         counts: Counter = Counter()
         for node in self.graph.nodes:
             counts[node.op] += 1
             out = self.graph.values.get(node.outputs[0]) if node.outputs else None
             if out is not None and out.qdtype:
                 counts[f"{node.op}[{out.qdtype}]"] += 1
-        return dict(sorted(counts.items()))
+        stats = dict(sorted(counts.items()))
+        if self.kind == "quantized":
+            estimate = self.latency_estimate()
+            stats["requantize_ops"] = estimate.requantize_ops
+            stats["estimated_cycles"] = estimate.cycles
+        return stats
+
+    def latency_estimate(self, batch: int = 1):
+        """The march cost model's latency of one call with batch size ``batch`` (quantized IR only):
+        :func:`quantlens.compiler.cost.estimate_latency`."""
+        from quantlens.compiler.cost import estimate_latency
+
+        return estimate_latency(self, batch)
 
     def __repr__(self) -> str:
         lines = [f"quantlens IR ({self.kind}), inputs {self.graph.inputs} -> outputs {self.graph.outputs}"]

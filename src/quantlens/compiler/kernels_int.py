@@ -167,11 +167,20 @@ def _store(node: Node, y: torch.Tensor) -> torch.Tensor:
     return torch.clamp(y, out.qmin, out.qmax).to(storage_dtype(out.value))
 
 
+#: F of an add/sub/add_const node without ``frac_bits`` (written by spec v4, whose one add rule kept 8 bits)
+_V4_FRAC_BITS = 8
+
+
+def _frac_bits(node: Node) -> int:
+    """The add rule's extra fractional bits F (§10): the node's ``frac_bits`` (0: default qpp, 8: high precision)."""
+    return int(node.attrs.get("frac_bits", _V4_FRAC_BITS))
+
+
 @int_kernel("add", "sub")
 def _add(node, inputs):
     (ma, mb), (sa, sb) = node.attrs["multipliers"], node.attrs["shifts"]
     sign_b = 1 if node.op == "add" else -1
-    y = rescaled_sum([(inputs[0], ma, sa, 1), (inputs[1], mb, sb, sign_b)], 0, _qdtype(node))
+    y = rescaled_sum([(inputs[0], ma, sa, 1), (inputs[1], mb, sb, sign_b)], 0, _qdtype(node), _frac_bits(node))
     return y.to(storage_dtype(node.attrs["out_dtype"]))
 
 
@@ -179,7 +188,8 @@ def _add(node, inputs):
 def _add_const(node, inputs):
     sign = -1 if node.attrs["negate"] else 1
     term = (inputs[0], node.attrs["multipliers"][0], node.attrs["shifts"][0], sign)
-    return rescaled_sum([term], node.attrs["addend"], _qdtype(node)).to(storage_dtype(node.attrs["out_dtype"]))
+    y = rescaled_sum([term], node.attrs["addend"], _qdtype(node), _frac_bits(node))
+    return y.to(storage_dtype(node.attrs["out_dtype"]))
 
 
 @int_kernel("cat")

@@ -556,6 +556,8 @@ _ATTR_RULES: dict[Any, Any] = {
     "table_inputs": lambda v: None if isinstance(v, list) and all(isinstance(x, str) for x in v) else
     "a list of strings",
     ("cast", "dtype"): _dtype_rule,
+    # F of the add rule (docs/march.md §10); absent in files of spec v4, whose kernels read it as 8
+    **{(op, "frac_bits"): _one_int(0) for op in ("add", "sub", "add_const")},
 }
 _PAIRS = (("multiplier", "shift"), ("multipliers", "shifts"))
 _RANGES = (("qmin", "qmax"), ("in_qmin", "in_qmax"), ("out_qmin", "out_qmax"))

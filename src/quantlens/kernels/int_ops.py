@@ -26,7 +26,7 @@ from quantlens.kernels.tables import (
     recip_mantissa_table,
     rsqrt_mantissa_table,
 )
-from quantlens.march import QuantDType
+from quantlens.march import Qpp, QuantDType
 from quantlens.numerics import quantize_multiplier, requantize, saturate
 
 __all__ = [
@@ -135,7 +135,7 @@ def softmax_exp_table(s_in: float, in_dtype: QuantDType, out_dtype: QuantDType) 
 
 def softmax_multiplier(s_out: float) -> tuple[int, int]:
     """``(M, shift)`` of the output requantize: ``quantize_multiplier(2**-31 / s_out)``."""
-    return quantize_multiplier(2.0**-SOFTMAX_PROB_BITS / float(s_out))
+    return quantize_multiplier(2.0**-SOFTMAX_PROB_BITS / float(s_out), Qpp.HIGH_PRECISION)
 
 
 def _normalize(v: torch.Tensor, k: torch.Tensor, low: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,7 +224,7 @@ def layer_norm_constants(
     gn = (math.sqrt(n) * g) / s_out
     a = float(gn.abs().max())
     if a > 0:
-        _, shift = quantize_multiplier(a * 2.0**-LN_NORM_BITS)
+        _, shift = quantize_multiplier(a * 2.0**-LN_NORM_BITS, Qpp.HIGH_PRECISION)
     else:
         shift = 30
     gain = torch.round(gn * 2.0 ** (shift - LN_NORM_BITS)).to(torch.int64)
@@ -277,7 +277,7 @@ def div_multiplier(s_x: float, s_y: float, s_out: float) -> tuple[int, int]:
     ``(M31, shift31) = quantize_multiplier(s_x / (s_y * s_out) * 2**-23)`` (float64), then
     ``M = rshift_rhe(M31, 8)`` (in ``[2**22, 2**23]``) and ``shift = shift31 - 8``, which must be >= 0.
     """
-    m31, shift31 = quantize_multiplier(float(s_x) / (float(s_y) * float(s_out)) * 2.0**-23)
+    m31, shift31 = quantize_multiplier(float(s_x) / (float(s_y) * float(s_out)) * 2.0**-23, Qpp.HIGH_PRECISION)
     if shift31 < 8:
         raise QuantLensError(
             f"div: the scales s_x={s_x}, s_y={s_y}, s_out={s_out} need a multiplier above 2**14; the output scale "

@@ -110,6 +110,9 @@ class LayerComparison(Sequence[LayerRow]):
         #: (op site, op type) traced on one side only (deployed stages: e.g. ops that lower to nothing)
         self.only_in_baseline = list(only_in_baseline or [])
         self.only_in_analysis = list(only_in_analysis or [])
+        #: the consistency level the models were built with (``model_access.ConsistencyInfo``), set by
+        #: ``QuantAnalysis``; None when unknown to the comparison (two float/torch models without one)
+        self.consistency = None
 
     @property
     def first_diverged(self) -> LayerRow | None:

@@ -184,6 +184,7 @@ def render_html(comparison: LayerComparison, findings: list[Finding], title: str
     table = [[cell(r, key) for key, _ in TABLE_COLUMNS] for r in comparison]
     return env.get_template("profiler.html.j2").render(
         title=title, baseline=comparison.baseline, analysis=comparison.analysis,
+        consistency=comparison.consistency.line() if getattr(comparison, "consistency", None) is not None else "",
         headers=[h for _, h in TABLE_COLUMNS], table=table, charts=_charts(compared), findings=findings,
         thresholds=THRESHOLDS, worst=worst_ops(comparison, 10), lsb=comparison.lsb_summary(),
         lsb_rows=lsb_rows(comparison), only_in_baseline=comparison.only_in_baseline,

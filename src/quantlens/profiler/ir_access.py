@@ -36,7 +36,7 @@ from quantlens.march import QuantDType
 from quantlens.numerics import dequantize, quantize
 from quantlens.opset import IR_OPS, Category
 from quantlens.profiler.model_access import (
-    AnalysisType, IntegerStats, ModelAccess, Quantizer, SameInputSource, SiteEvent, TraceSink,
+    AnalysisType, ConsistencyInfo, IntegerStats, ModelAccess, Quantizer, SameInputSource, SiteEvent, TraceSink,
 )
 
 __all__ = ["IRModelAccess", "SiteOverride", "as_ir_module", "call_ir"]
@@ -112,6 +112,10 @@ class IRModelAccess(ModelAccess):
     @property
     def kind(self) -> str:
         return self.module.kind
+
+    def consistency(self) -> ConsistencyInfo:
+        """The level recorded in the IR's meta by export (kept by convert and by save/load)."""
+        return ConsistencyInfo.from_meta(self.module.meta, f"{self.label} model ({self.kind} IR meta)")
 
     # -- values ------------------------------------------------------------------------------------------
     def value_info(self, name: str):

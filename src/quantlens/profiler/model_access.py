@@ -31,6 +31,7 @@ __all__ = [
     "TraceSink",
     "SameInputSource",
     "ModelAccess",
+    "ConsistencyInfo",
     "make_access",
     "parse_analysis_type",
 ]
@@ -173,6 +174,70 @@ class Quantizer:
     quant_dtype: str
 
 
+@dataclass(frozen=True)
+class ConsistencyInfo:
+    """The consistency level a model was built with (``quantlens.quantization.ConsistencyStrategy``), as the
+    reports show it: read from a prepared model's state or an IR's meta (``consistency_level``,
+    ``high_precision_qpp``, ``qpp``). ``known`` is False where the model does not carry it (an ONNX model)."""
+
+    level: int | None = None  # None: the strategy was off (or, with known=False, not known)
+    qpp: str = "default"  # the requantize precision profile: "default" or "high_precision"
+    known: bool = True
+    source: str = ""  # where it was read: "analysis model (quantized IR meta)", ...
+
+    @property
+    def needs_retraining(self) -> bool:
+        return self.level is not None and self.level >= 1
+
+    def describe(self) -> str:
+        """``consistency level: off``, ``consistency level 2 (qpp default; emulate integer rules, ...)``."""
+        if not self.known:
+            return "consistency level: unknown"
+        if self.level is None:
+            return "consistency level: off" + (f" (qpp {self.qpp})" if self.qpp != "default" else "")
+        from quantlens.quantization.consistency import ConsistencyConfig
+
+        try:
+            config = ConsistencyConfig.for_level(self.level)
+        except QuantLensError:  # a level this version does not know: show it as it is
+            return f"consistency level {self.level} (qpp {self.qpp})"
+        switches = [name.replace("_", " ") for name in ("emulate_integer_rules", "pow2_activation_scales",
+                                                        "shared_elementwise_scales", "tables_in_qat",
+                                                        "exact_validation") if getattr(config, name)]
+        rest = f"; {', '.join(switches)}" if switches else ""
+        return f"consistency level {self.level} (qpp {self.qpp}{rest})"
+
+    def line(self) -> str:
+        """The report header line: the description and where it was read."""
+        return self.describe() + (f" [from the {self.source}]" if self.source else "")
+
+    @classmethod
+    def from_config(cls, config: Any, source: str = "") -> "ConsistencyInfo":
+        """From a prepared model's ``QuantState.consistency`` (a ``ConsistencyConfig``; None: off)."""
+        if config is None:
+            return cls(source=source)
+        qpp = getattr(getattr(config, "qpp", None), "value", None) or "default"
+        return cls(level=config.level, qpp=qpp, source=source)
+
+    @classmethod
+    def from_meta(cls, meta: dict, source: str = "") -> "ConsistencyInfo":
+        """From an IR's meta: ``consistency_level`` (absent in IRs made before the strategy: off),
+        ``qpp`` (the quantized IR's profile) or else ``high_precision_qpp``."""
+        level = meta.get("consistency_level")
+        qpp = meta.get("qpp")
+        if qpp not in ("default", "high_precision"):
+            qpp = "high_precision" if meta.get("high_precision_qpp") else "default"
+        return cls(level=level if isinstance(level, int) and not isinstance(level, bool) else None, qpp=qpp,
+                   source=source)
+
+    @staticmethod
+    def of_pair(baseline: "ModelAccess", analysis: "ModelAccess") -> "ConsistencyInfo | None":
+        """What an analysis reports: the analysis model's level where it carries one, else the baseline's (an
+        ONNX model is analysed against the qat IR it was written from)."""
+        infos = [info for info in (analysis.consistency(), baseline.consistency()) if info is not None]
+        return next((info for info in infos if info.known), infos[0] if infos else None)
+
+
 class ModelAccess(ABC):
     """A model as the profiler sees it.
 
@@ -221,6 +286,11 @@ class ModelAccess(ABC):
     @property
     def fake_quant_state(self) -> str | None:
         """The fake quant state of a prepared torch model (None where it does not apply)."""
+        return None
+
+    def consistency(self) -> "ConsistencyInfo | None":
+        """The consistency level the model was built with (``ConsistencyStrategy``); None where no level applies
+        (a float model)."""
         return None
 
 

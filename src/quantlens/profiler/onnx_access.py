@@ -29,7 +29,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from quantlens.errors import QuantLensError
-from quantlens.profiler.model_access import AnalysisType, ModelAccess, Quantizer, SameInputSource, TraceSink
+from quantlens.profiler.model_access import (
+    AnalysisType, ConsistencyInfo, ModelAccess, Quantizer, SameInputSource, TraceSink,
+)
 
 __all__ = ["OnnxModelAccess", "ORT_LEVELS", "is_onnx_model"]
 
@@ -109,6 +111,10 @@ class OnnxModelAccess(ModelAccess):
         model = props.get("quantlens.source_model", self.proto.graph.name or "model")
         return (f"{model} (ONNX{where}, onnxruntime {self._ort.__version__}, "
                 f"{ORT_LEVELS[self.optimization]})")
+
+    def consistency(self) -> ConsistencyInfo:
+        """An ONNX model does not record the consistency level (the analysis reports the qat IR's)."""
+        return ConsistencyInfo(known=False, qpp="", source=f"{self.label} model (ONNX: not recorded)")
 
     @property
     def outputs_only(self) -> bool:

@@ -25,7 +25,9 @@ from quantlens.profiler.advisor import AdvisorContext, Finding, advise
 from quantlens.profiler.bad_case import BadCaseResult, find_bad_case
 from quantlens.profiler.compare import LayerComparison, check_site_match, compare_traces
 from quantlens.profiler.html import write_html
-from quantlens.profiler.model_access import AnalysisType, SiteEvent, make_access, parse_analysis_type
+from quantlens.profiler.model_access import (
+    AnalysisType, ConsistencyInfo, SiteEvent, make_access, parse_analysis_type,
+)
 from quantlens.profiler.outputs import PostProcess, named_outputs, unique_name
 from quantlens.profiler.report import (
     save_pt, write_advisor, write_bad_case, write_compare_csv, write_compare_text, write_sensitivity,
@@ -117,6 +119,9 @@ class RunResult:
     baseline_sites: int | None
     analysis_sites: int | None
     outputs: list[str]
+    #: the consistency level the models were built with (the analysis model's, else the baseline's; None for
+    #: two float/torch models without one): ``consistency.describe()`` is the line the reports show
+    consistency: ConsistencyInfo | None = None
 
 
 class QuantAnalysis:
@@ -325,7 +330,15 @@ class QuantAnalysis:
             analy, outputs = self._trace(self.analysis, analy_dir, same_input=source)
             check_site_match(source, analy, strict=not self.analysis_type.deployed)
         return RunResult(base_dir if base else None, analy_dir if analy else None,
-                         len(base.sites) if base else None, len(analy.sites) if analy else None, outputs)
+                         len(base.sites) if base else None, len(analy.sites) if analy else None, outputs,
+                         self.consistency)
+
+    @property
+    def consistency(self) -> ConsistencyInfo | None:
+        """The consistency level the compared models were built with (``ConsistencyStrategy``): the analysis
+        model's (a prepared model's state, an IR's meta), else the baseline's (an ONNX analysis model does not
+        record it); None when neither model has one (float models)."""
+        return ConsistencyInfo.of_pair(self.baseline, self.analysis)
 
     # -- analysis --------------------------------------------------------------------------------------------
     def compare_per_layer(self, prefixes: Iterable[str] | str | None = None,
@@ -338,6 +351,7 @@ class QuantAnalysis:
         """
         comparison = compare_traces(TraceReader(self.out_dir / BASELINE_DIR), TraceReader(self.out_dir / ANALYSIS_DIR),
                                     prefixes, types, deployed=self.analysis_type.deployed)
+        comparison.consistency = self.consistency
         findings = self.advise(comparison)
         write_compare_text(comparison, self.out_dir / "compare_per_layer_out.txt")
         write_compare_csv(comparison, self.out_dir / "compare_per_layer_out.csv")
@@ -350,9 +364,11 @@ class QuantAnalysis:
         if comparison is None:
             comparison = compare_traces(TraceReader(self.out_dir / BASELINE_DIR),
                                         TraceReader(self.out_dir / ANALYSIS_DIR), deployed=self.analysis_type.deployed)
-        ctx = AdvisorContext(comparison, self.analysis_type.value, self.analysis.fake_quant_state)
+            comparison.consistency = self.consistency
+        ctx = AdvisorContext(comparison, self.analysis_type.value, self.analysis.fake_quant_state,
+                             self.consistency)
         findings = advise(ctx)
-        write_advisor(findings, self.out_dir / "abnormal_layer_advisor.txt")
+        write_advisor(findings, self.out_dir / "abnormal_layer_advisor.txt", self.consistency)
         return findings
 
     def _sensitivity_case(self) -> Any:

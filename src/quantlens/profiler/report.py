@@ -111,6 +111,7 @@ def write_compare_text(comparison: LayerComparison, path: str | os.PathLike, top
         "quantlens per-layer comparison",
         f"baseline: {comparison.baseline}",
         f"analysis: {comparison.analysis}",
+        *_consistency_lines(getattr(comparison, "consistency", None)),
         "Accumulated error: analysis output vs baseline output. Same-input error: the analysis op re-run on the "
         "baseline's input (what this op adds). Atol/scale: in output quantization steps.",
         "",
@@ -123,6 +124,11 @@ def write_compare_text(comparison: LayerComparison, path: str | os.PathLike, top
     ]
     lines += _lsb_lines(comparison) + _one_side_lines(comparison)
     return atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+def _consistency_lines(consistency) -> list[str]:
+    """The header line naming the consistency level the models were built with (none without one)."""
+    return [] if consistency is None else [consistency.line()]
 
 
 def _lsb_lines(comparison: LayerComparison) -> list[str]:
@@ -163,8 +169,8 @@ def write_compare_csv(comparison: LayerComparison, path: str | os.PathLike) -> P
     return atomic_write_text(path, buf.getvalue())
 
 
-def write_advisor(findings: list[Finding], path: str | os.PathLike) -> Path:
-    lines = ["quantlens abnormal layer advisor",
+def write_advisor(findings: list[Finding], path: str | os.PathLike, consistency=None) -> Path:
+    lines = ["quantlens abnormal layer advisor", *_consistency_lines(consistency),
              "thresholds: " + ", ".join(f"{k} = {v:g}" for k, v in THRESHOLDS.items()), ""]
     if findings:
         lines.append(format_table(["rule", "op name", "op type", "abnormal info", "advice"],

@@ -11,7 +11,9 @@ from torch import nn
 
 from quantlens.errors import QuantLensError
 from quantlens.profiler.index_ops import IndexOpMode
-from quantlens.profiler.model_access import AnalysisType, ModelAccess, Quantizer, SameInputSource, TraceSink
+from quantlens.profiler.model_access import (
+    AnalysisType, ConsistencyInfo, ModelAccess, Quantizer, SameInputSource, TraceSink,
+)
 from quantlens.profiler.torch_probe import FloatProbe, Probe, RuntimeProbe
 from quantlens.quantization.fake_quantize import FakeQuantize
 from quantlens.quantization.prepare import is_prepared
@@ -54,6 +56,13 @@ class TorchModelAccess(ModelAccess):
     @property
     def fake_quant_state(self) -> str | None:
         return self.state.fake_quant_state.value if self.prepared else None
+
+    def consistency(self) -> ConsistencyInfo | None:
+        """A prepared model's level (``QuantState.consistency``, recorded by prepare); None for a float model."""
+        if not self.prepared:
+            return None
+        return ConsistencyInfo.from_config(getattr(self.state, "consistency", None),
+                                           f"{self.label} model (prepared model state)")
 
     # -- running ------------------------------------------------------------------------------------------
     @contextmanager

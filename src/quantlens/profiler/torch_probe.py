@@ -158,10 +158,11 @@ class RuntimeProbe(_Runtime):
         self._group_same: dict[str, torch.Tensor] = {}
 
     # -- the runtime's hooks ------------------------------------------------------------------------------
-    def _finish(self, plan, output, inputs, kwargs, site):
+    def _finish(self, plan, output, inputs, kwargs, site, *rest):
+        # (*rest: the runtime's further arguments, e.g. the integer-rule call of the consistency levels)
         if self.probe.sink is not None and plan is not None and plan.output is OutputMode.QUANTIZED:
             self._qerr = quant_error_stats(output, self.fq[plan.output_fq])
-        return super()._finish(plan, output, inputs, kwargs, site)
+        return super()._finish(plan, output, inputs, kwargs, site, *rest)
 
     def function_op(self, site, func, args, kwargs):
         self._qerr = None

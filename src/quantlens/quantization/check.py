@@ -52,6 +52,8 @@ class ModelCheckResult:
     path: str | None = None
     #: op site -> roles of its fake quants (``output``, ``input 0``, ``weight``) whose observer saw NaN/Inf
     nonfinite: dict[str, list[str]] = field(default_factory=dict)
+    #: scale groups of the consistency strategy's shared add/sub/cat scales (``scale_policy.ScaleGroup.describe``)
+    scale_groups: list[str] = field(default_factory=list)
 
     def site(self, name: str) -> OpSiteCheck:
         for s in self.sites:
@@ -86,6 +88,8 @@ class ModelCheckResult:
                      else "(none)")
         lines += ["", "== Modules called more than once (shared) =="]
         lines += self.shared_modules or ["(none)"]
+        lines += ["", "== Scale groups (shared add/sub/cat scales; members use one scale) =="]
+        lines += self.scale_groups or ["(none)"]
         lines += ["", "== Op sites whose observers saw NaN/Inf (left out of the statistics) =="]
         lines += [f"{site}: {', '.join(roles)}" for site, roles in self.nonfinite.items()] or ["(none)"]
         lines += ["", "== Please check these settings =="]
@@ -164,6 +168,7 @@ def check_qat_model(model: nn.Module, example_inputs: Any, out_dir: str | os.Pat
         shared_modules=shared,
         warnings=list(state.warnings),
         nonfinite=nonfinite_sites(model),
+        scale_groups=[g.describe() for g in getattr(state, "scale_groups", None) or ()],
     )
     if result.nonfinite:
         sites = list(result.nonfinite)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from quantlens.errors import QuantLensError
+from quantlens.quantization.emulation import current_emulator
 from quantlens.quantization.fake_quantize import FakeQuantize
 from quantlens.quantization.overrides import OverrideCall, SiteOverride
 from quantlens.quantization.qconfig import QuantSpec
@@ -53,14 +54,23 @@ class SdpaDecomposition(SiteOverride):
                 "repeat the key/value heads explicitly."
             )
         scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
-        scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+        emulator = current_emulator()
+        q_fq, k_fq, v_fq = (list(call.input_fqs) + [None] * 3)[:3]
+        if emulator is not None and None not in (q_fq, k_fq, v_fq) and scale > 0 and not (
+                mask is not None and not mask.dtype == torch.bool):
+            # the integer rules (consistency levels 1-4): q @ kᵀ with the scale folded into its requantize
+            k_t = k.transpose(-2, -1)
+            scores = emulator.matmul(q, k_t, q_fq, k_fq, lambda: torch.matmul(q, k_t) * scale, factor=scale)
+        else:
+            emulator = None
+            scores = torch.matmul(q, k.transpose(-2, -1)) * scale
         if a["is_causal"]:
             length, source = scores.shape[-2], scores.shape[-1]
             mask = torch.ones(length, source, dtype=torch.bool, device=scores.device).tril()
         if mask is not None and not mask.dtype == torch.bool:
             scores = scores + mask
             mask = None
-        scores = self.scores_fq(scores)
+        scores = self.scores_fq(scores) if emulator is None else emulator.quantize_output(scores, self.scores_fq)
         if mask is not None:
             lowest = self.scores_fq.scale.reshape(()) * self.scores_fq.dtype.qmin
             scores = scores.masked_fill(torch.logical_not(mask), lowest)
@@ -73,6 +83,8 @@ class SdpaDecomposition(SiteOverride):
         probs = self.probs_fq(probs)
         if a["dropout_p"] and self.training:
             probs = F.dropout(probs, a["dropout_p"])
+        if emulator is not None and not (a["dropout_p"] and self.training):
+            return emulator.matmul(probs, v, self.probs_fq, v_fq, lambda: torch.matmul(probs, v))
         return torch.matmul(probs, v)
 
 

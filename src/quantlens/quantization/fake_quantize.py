@@ -12,6 +12,7 @@ from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType
 from quantlens.numerics import fake_quant
 from quantlens.quantization.qconfig import QuantSpec
+from quantlens.quantization.scale_policy import group_scale, pow2_ceil, sync_groups
 
 __all__ = ["FakeQuantState", "FakeQuantize", "set_fake_quantize", "calibrate", "int32_bias", "nonfinite_sites", "fake_quant_sites"]
 
@@ -50,6 +51,11 @@ class FakeQuantize(nn.Module):
     calibrated state_dict fully describes the quantization.
     """
 
+    # class defaults, so fake quants pickled before these switches existed still load and run
+    pow2_scale: bool = False
+    scale_group: "int | None" = None
+    fq_key: "str | None" = None
+
     def __init__(self, spec: QuantSpec, is_weight: bool = False):
         super().__init__()
         if spec.dtype is QuantDType.qint32:
@@ -69,6 +75,12 @@ class FakeQuantize(nn.Module):
         #: where this fake quant sits (``op site 'relu1' (output, key 'relu1|out')``), set on every prepared
         #: model's fake quants by :func:`set_fake_quantize`; named in observer errors.
         self.name: str | None = None
+        #: round the observed scale up to a power of two (consistency level 2, set by ``prepare``; activations only)
+        self.pow2_scale = False
+        #: index of this fake quant's scale group in ``QuantState.scale_groups`` and its key in ``QuantState.fq``
+        #: (shared scales at add/sub/cat, set by ``prepare``; see :mod:`.scale_policy`)
+        self.scale_group: int | None = None
+        self.fq_key: str | None = None
 
     def set_state(self, state: FakeQuantState) -> None:
         state = FakeQuantState(state)
@@ -90,6 +102,10 @@ class FakeQuantize(nn.Module):
                 if not label:
                     raise
                 raise QuantLensError(f"The fake quant of {label}: {exc}") from None
+            if self.scale_group is not None:  # one scale for the whole group (scale_policy)
+                scale = group_scale(self, scale)
+            elif self.pow2_scale:
+                scale = pow2_ceil(scale)
             if scale.shape != self.scale.shape:
                 self.scale = scale
             else:
@@ -141,6 +157,14 @@ def set_fake_quantize(model: nn.Module, state: FakeQuantState | str) -> nn.Modul
     state_holder = getattr(model, "_quantlens_state", None)
     if state_holder is not None:
         state_holder.fake_quant_state = state
+        if state in (FakeQuantState.QAT, FakeQuantState.VALIDATION):
+            sync_groups(state_holder)  # shared add/sub/cat scales: every member's buffer bit-identical
+    if (state_holder is not None and state in (FakeQuantState.QAT, FakeQuantState.VALIDATION)
+            and getattr(getattr(state_holder, "consistency", None), "tables_in_qat", False)
+            and all(bool(m.calibrated) for m in model.modules() if isinstance(m, FakeQuantize) and not m.is_weight)):
+        from quantlens.quantization.pre_export import install_tables  # consistency level 3+: tables in QAT
+
+        install_tables(model)
     return model
 
 
@@ -150,8 +174,11 @@ def calibrate(model: nn.Module, batches, *, validate: bool = True) -> nn.Module:
     model.eval()
     set_fake_quantize(model, FakeQuantState.CALIBRATION)
     seen = 0
+    first_batch = None
     with torch.no_grad():
         for batch in batches:
+            if first_batch is None:
+                first_batch = batch
             try:
                 model(*batch) if isinstance(batch, tuple) else model(batch)
             except QuantLensError as exc:
@@ -177,6 +204,13 @@ def calibrate(model: nn.Module, batches, *, validate: bool = True) -> nn.Module:
             "quantlens.quantization.find_nonfinite(model, batch) names the first op site on one batch.",
             stacklevel=2,
         )
+    state_holder = getattr(model, "_quantlens_state", None)
+    if getattr(getattr(state_holder, "consistency", None), "tables_in_qat", False):
+        # consistency level 3+: the lookup tables from now on (QAT and VALIDATION compute through them); the
+        # first batch tells the call parameters of ops such as pow
+        from quantlens.quantization.pre_export import install_tables
+
+        install_tables(model, example_inputs=first_batch)
     if validate:
         set_fake_quantize(model, FakeQuantState.VALIDATION)
     return model

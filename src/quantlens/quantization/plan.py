@@ -192,7 +192,8 @@ def _plan_inputs(site, plan, qc, data_inputs, in_dtypes, module_weight_dtypes, r
     # Weights passed to functional ops (F.linear(x, self.weight)) get a weight fake quant at the site.
     if qc.weight is not None:
         for inp in site.inputs:
-            if _is_weight_input(site, inp):
+            # the bias next to a functional weight is quantized to int32 at run time (bias_position), not here
+            if _is_weight_input(site, inp) and inp.position not in site.bias_args:
                 key = fq_key(site.name, f"w{inp.position}")
                 plan.weight_fq[inp.position] = key
                 per_tensor = site.output_from_weight  # embedding tables: one scale (rows are outputs)

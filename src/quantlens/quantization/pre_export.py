@@ -42,6 +42,7 @@ from quantlens.quantization.table_registry import TABLE_OP_SPECS, table_op_spec
 __all__ = [
     "TABLE_OPS",
     "pre_export",
+    "install_tables",
     "pre_export_report",
     "set_lut_enabled",
     "lut_sites",
@@ -175,11 +176,16 @@ def _capture(model: nn.Module, state: QuantState, sites, example_inputs: Any) ->
             keys[rec.name] = key
     if not keys:
         return {}
+    paused = [m for m in model.modules() if isinstance(m, FakeQuantize) and m.observe_enabled]
+    for m in paused:  # install_tables on a QAT model: reading the call arguments must not move the scales
+        m.observe_enabled = False
     try:
         with torch.no_grad():
             call_model(model, example_inputs)
         return {name: state.overrides[key].calls[0] for name, key in keys.items() if state.overrides[key].calls}
     finally:
+        for m in paused:
+            m.observe_enabled = True
         for name, key in keys.items():
             state.plans[name].override = None
             del state.overrides[key]
@@ -228,18 +234,46 @@ def pre_export(model: nn.Module, inplace: bool = False, *, example_inputs: Any =
     The result is in ``eval()`` mode and ``FakeQuantState.VALIDATION`` with every observer off (weight fake
     quants included, so their scales are frozen too): it is meant for evaluation and export.
     Switching it to a state that observes (CALIBRATION, QAT) makes its tables stale; a table then raises on
-    the next forward. In FLOAT and CALIBRATION state a table site computes the float op (like the prepared
+    the next forward (with consistency level 3+, ``tables_in_qat``, it is rebuilt for the new scales instead,
+    see :func:`install_tables`). In FLOAT and CALIBRATION state a table site computes the float op (like the prepared
     model). Op site names are unchanged. Raises ``QuantLensError`` for models that are not prepared, and for
     table sites whose scales are not calibrated or whose input or output is not quantized.
     """
-    state = _state(model, "pre_export")
+    _state(model, "pre_export")  # raises for a model that is not prepared
     result = model if inplace else copy.deepcopy(model)
-    state = result._quantlens_state
     result.eval()
     set_fake_quantize(result, FakeQuantState.VALIDATION)
     for module in result.modules():  # weight fake quants too: the result is a frozen evaluation artifact
         if isinstance(module, FakeQuantize):
             module.observe_enabled = False
+    _install(result, example_inputs)
+    return result
+
+
+def install_tables(model: nn.Module, *, example_inputs: Any = None) -> list[str]:
+    """Install ``pre_export``'s table overrides IN PLACE on the prepared, calibrated ``model``; returns
+    :func:`lut_sites`.
+
+    Idempotent: a model that has its tables keeps them (and the sites switched off by :func:`set_lut_enabled`
+    stay off). Nothing else changes: not the fake quant state, the observers or train/eval. With consistency
+    level 3+ (``ConsistencyStrategy``, ``tables_in_qat``) ``set_fake_quantize`` calls it when a calibrated model
+    is switched to QAT or VALIDATION; the tables then follow the scales (rebuilt when they move) and give the
+    float op's gradient (straight-through). ``example_inputs``: as for :func:`pre_export`.
+    """
+    state = _state(model, "install_tables")
+    if not _has_tables(state):
+        _install(model, example_inputs)
+    return lut_sites(model)
+
+
+def _has_tables(state: QuantState) -> bool:
+    return any(k.endswith("|" + _ROLE) for k in state.overrides) or any(
+        isinstance(o, SdpaDecomposition) and o.softmax_table is not None for o in state.overrides.values())
+
+
+def _install(result: nn.Module, example_inputs: Any) -> None:
+    """(Re)build the table override of every table site of ``result`` in place (the code of pre_export)."""
+    state = result._quantlens_state
     for key in [k for k in state.overrides if k.endswith("|" + _ROLE)]:
         del state.overrides[key]
     for plan in state.plans.values():
@@ -250,15 +284,16 @@ def pre_export(model: nn.Module, inplace: bool = False, *, example_inputs: Any =
     resolved = [(rec, plan, _params(result, rec, calls.get(rec.name))) for rec, plan in sites]  # raise early
     built = {rec.name: _build(result, state, rec, plan, params) for rec, plan, params in resolved
              if params[0] is not None}  # params None: this call is not a table op (c ** x): it stays float
+    rebuild = bool(getattr(getattr(state, "consistency", None), "tables_in_qat", False))
     for name, override in built.items():
         key = fq_key(name, _ROLE)
+        override.rebuild_on_change = rebuild
         state.overrides[key] = override
         state.plans[name].override = key
-    _attention_softmax_tables(state)
-    return result
+    _attention_softmax_tables(state, rebuild)
 
 
-def _attention_softmax_tables(state: QuantState) -> None:
+def _attention_softmax_tables(state: QuantState, rebuild: bool = False) -> None:
     """The softmax inside each decomposed scaled_dot_product_attention gets its table too."""
     for name, plan in state.plans.items():
         override = state.overrides[plan.override] if plan.override in state.overrides else None
@@ -267,6 +302,7 @@ def _attention_softmax_tables(state: QuantState) -> None:
             override.softmax_table = SoftmaxOverride(
                 f"{name}.softmax", "softmax", [override.scores_fq], override.probs_fq, {"length": int(length)}
             )
+            override.softmax_table.rebuild_on_change = rebuild
 
 
 def lut_sites(model: nn.Module) -> list[str]:

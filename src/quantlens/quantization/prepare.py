@@ -12,6 +12,7 @@ Steps (each in its own module):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings as _warnings
 from typing import Any, Iterable
@@ -24,6 +25,7 @@ from quantlens.march import QuantDType, get_march
 from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, int32_bias, set_fake_quantize
 from quantlens.quantization.consistency import ConsistencyConfig, ConsistencyStrategy
 from quantlens.quantization.decompositions import DECOMPOSITIONS
+from quantlens.quantization.emulation import EmuCall, IntegerEmulator
 from quantlens.quantization.fuse import FusedGroup, UnfusedPattern, find_fusions
 from quantlens.quantization.observers import FixedScaleObserver
 from quantlens.opset import Stage, op_def
@@ -108,6 +110,8 @@ class _Runtime(SiteHandler):
         #: the fake quant (grid) each tensor of this forward is on; a side table, so the user's tensors carry
         #: no attribute of quantlens (cleared when the forward ends)
         self.marks = TensorMarks()
+        #: the integer rules in this forward (consistency levels 1-4), or None
+        self.emulator = _emulator_for(state)
 
     # -- helpers ------------------------------------------------------------------------------------------
     def _mark(self, tensor: torch.Tensor):
@@ -153,7 +157,10 @@ class _Runtime(SiteHandler):
         first = None
         for pos, key in plan.input_fq.items():
             if pos < len(leaves) and is_float_tensor(leaves[pos]):
-                leaves[pos] = self.fq[key](leaves[pos])
+                original = leaves[pos]
+                leaves[pos] = self.fq[key](original)
+                if self.emulator is not None:  # the NPU requantizes from the producer's grid
+                    leaves[pos] = self.emulator.to_grid(original, self._mark(original), self.fq[key], leaves[pos])
                 self._set_marks(leaves[pos], self.fq[key])  # the op (and an override) sees its input scale
                 first = first or self.fq[key]
         for pos, key in plan.weight_fq.items():
@@ -166,7 +173,14 @@ class _Runtime(SiteHandler):
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         return args, kwargs, first
 
-    def _finish(self, plan: SitePlan | None, output: Any, inputs: tuple, kwargs: dict, site: SiteCall) -> Any:
+    def _finish(self, plan: SitePlan | None, output: Any, inputs: tuple, kwargs: dict, site: SiteCall,
+                call: EmuCall | None = None) -> Any:
+        if self.emulator is not None and plan is not None and plan.output is OutputMode.FUSED and call is not None \
+                and isinstance(output, torch.Tensor) and output not in self.emulator.deferred:
+            # the fused group's last op quantizes: the integer rule waits for its grid
+            pending = self.emulator.integer_rule(call)
+            if pending is not None:
+                self.emulator.defer(output, pending)
         if plan is None or plan.output is OutputMode.INHERIT:
             src = next((x for x in _leaves((inputs, kwargs)) if is_float_tensor(x)), None)
             self._set_marks(output, self._mark(src) if src is not None else None)
@@ -174,7 +188,11 @@ class _Runtime(SiteHandler):
         if plan.output is OutputMode.QUANTIZED:
             fq = self.fq[plan.output_fq]
             if is_float_tensor(output):
-                output = fq(output)
+                quantized = fq(output)
+                if self.emulator is not None:
+                    exact = self.emulator.resolve(output, fq, quantized, call)
+                    quantized = quantized if exact is None else exact
+                output = quantized
             else:
                 leaves, spec = pytree.tree_flatten(output)
                 output = pytree.tree_unflatten([fq(x) if is_float_tensor(x) else x for x in leaves], spec)
@@ -207,13 +225,18 @@ class _Runtime(SiteHandler):
         self.visited.append(site.name)
         plan = self._plan(site)
         target = args[0] if args and _is_inplace(func) and isinstance(args[0], torch.Tensor) else None
+        raw = args, kwargs
         if plan is not None:
             args, kwargs, _ = self._quantize_inputs(plan, args, kwargs)
+        call = None
         if plan is not None and plan.override is not None:
             out = self._override(plan, site, args, kwargs)
+        elif self.emulator is not None and plan is not None:
+            call = self._emu_call(site, plan, func, None, args, kwargs)
+            out = self._emulated_function(site, plan, call, raw)
         else:
             out = func(*args, **kwargs)
-        out = self._finish(plan, out, args, kwargs, site)
+        out = self._finish(plan, out, args, kwargs, site, call)
         if target is not None and isinstance(out, torch.Tensor) and out is not target:
             # x += y, x.mul_(2), x.clamp_(..): the user reads x afterwards, so x must hold the fake-quantized
             # result (the op may have run on a quantized copy of x). Export functionalizes the copy.
@@ -235,10 +258,68 @@ class _Runtime(SiteHandler):
     def module_exit(self, site, args, output):
         plan = self.plans.get(site.name)
         site.module.__dict__["_ql_input_fq"] = None
+        call = None
         if plan is not None and plan.override is not None:
             # The module's float result is discarded (export drops it as dead code).
             output = self._override(plan, site, args, {})
-        return self._finish(plan, output, args, {}, site)
+        elif self.emulator is not None and plan is not None:
+            call = self._emu_call(site, plan, None, site.module, args, {})
+            output = self._emulated_module(site, plan, call, output)
+        return self._finish(plan, output, args, {}, site, call)
+
+    # -- the integer rules (consistency levels 1-4, emulation.py) ------------------------------------------
+    def _emu_call(self, site, plan: SitePlan, func, module, args: tuple, kwargs: dict) -> EmuCall:
+        leaves = pytree.tree_flatten((args, kwargs))[0]
+        grids = {}
+        for pos, leaf in enumerate(leaves):
+            if not is_float_tensor(leaf):
+                continue
+            fq = self.fq[plan.weight_fq[pos]] if pos in plan.weight_fq else self._mark(leaf)
+            if fq is not None:
+                grids[pos] = fq
+        return EmuCall(site.name, site.rule.op_type, func, module, args, kwargs, grids, leaves)
+
+    def _emulated_function(self, site, plan: SitePlan, call: EmuCall, raw: tuple) -> Any:
+        emulator = self.emulator
+        channel_dim = GEMM_CHANNEL_DIM.get(site.rule.op_type, False)
+        if channel_dim is not False and plan.output is not OutputMode.FLOAT:
+            weight_pos = next(iter(plan.weight_fq), None)
+            data = [p for p in call.grids if p != weight_pos and p != plan.bias_position]
+            if weight_pos is None and len(data) == 2:  # matmul of two activations
+                x_fq, w_fq, weight_pos = call.grids[data[0]], call.grids[data[1]], data[1]
+            elif weight_pos is not None and len(data) == 1:
+                x_fq, w_fq = call.grids[data[0]], call.grids[weight_pos]
+            else:
+                x_fq = None
+            if x_fq is not None:
+                bias = None
+                if plan.bias_position is not None:
+                    raw_leaves = pytree.tree_flatten(raw)[0]
+                    bias = raw_leaves[plan.bias_position] if plan.bias_position < len(raw_leaves) else None
+                return emulator.gemm(call, lambda: call.func(*call.args, **call.kwargs), x_fq=x_fq, w_fq=w_fq,
+                                     weight_pos=weight_pos, bias=bias, bias_pos=plan.bias_position,
+                                     channel_dim=channel_dim)
+        out = call.func(*call.args, **call.kwargs)
+        call.output = out
+        if site.rule.kind is OpKind.PASSTHROUGH:
+            emulator.movement(call, out)
+        return out
+
+    def _emulated_module(self, site, plan: SitePlan, call: EmuCall, output: Any) -> Any:
+        module = site.module
+        call.output = output
+        # a conv/linear + BatchNorm in training runs BatchNorm on batch statistics: no integer rule applies there
+        folded_training = module.training and isinstance(getattr(module, "bn", None), nn.Module)
+        if hasattr(module, "integer_operands") and plan.output is not OutputMode.FLOAT and not folded_training \
+                and call.args and call.grids.get(0) is not None and module.weight_fake_quant.fake_quant_enabled:
+            weight, bias = module.integer_operands()
+            return self.emulator.gemm(call, lambda: output, x_fq=call.grids[0], w_fq=module.weight_fake_quant,
+                                      weight_pos=None, bias=bias if call.grids.get(0) is not None else None,
+                                      bias_pos=None, channel_dim=module.output_channel_dim, module=module,
+                                      module_weight=weight)
+        if site.rule.kind is OpKind.PASSTHROUGH:
+            self.emulator.movement(call, output)
+        return output
 
 
 _INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__", "__imatmul__"}
@@ -258,6 +339,25 @@ def _leaves(value: Any) -> list:
     return pytree.tree_leaves(value)
 
 
+#: GEMM op types -> the channel dim of their output (None: per-tensor operands)
+GEMM_CHANNEL_DIM = {"conv1d": 1, "conv2d": 1, "conv_transpose1d": 1, "conv_transpose2d": 1, "linear": -1,
+                    "matmul": None, "bmm": None, "mm": None}
+
+
+def _emulator_for(state: QuantState) -> IntegerEmulator | None:
+    """The integer rules run in QAT and VALIDATION forwards of a model prepared at consistency level 1-4 (never
+    while export traces it: the qat IR keeps the float + fake-quant semantics, and convert the integer ones)."""
+    config = getattr(state, "consistency", None)
+    if config is None or not config.emulate_integer_rules or OpSiteTracer.annotate_sites:
+        return None
+    if state.fake_quant_state not in (FakeQuantState.QAT, FakeQuantState.VALIDATION):
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    exact = config.exact_validation and state.fake_quant_state is FakeQuantState.VALIDATION
+    return IntegerEmulator(config.qpp, exact)
+
+
 class _QuantizedForward:
     """Replaces ``forward`` on the prepared model's instance: runs the class's own forward under the tracer."""
 
@@ -270,7 +370,10 @@ class _QuantizedForward:
         state.__dict__["_root_ref"] = model
         runtime = state.__dict__.get("_next_runtime") or _Runtime(state)
         try:
-            with OpSiteTracer(model, runtime):
+            from quantlens.quantization.scale_policy import forward_scope
+
+            emulation = runtime.emulator.active() if runtime.emulator is not None else contextlib.nullcontext()
+            with OpSiteTracer(model, runtime), forward_scope(state), emulation:  # grouped fake quants resolve through state
                 return type(model).forward(model, *args, **kwargs)
         finally:
             runtime.marks.clear()  # the marks belong to this forward only
@@ -349,6 +452,9 @@ def prepare(
     _install_decompositions(state)
     prepared._quantlens_state = state
     state.__dict__["_root_ref"] = prepared
+    from quantlens.quantization.scale_policy import install_scale_policy
+
+    install_scale_policy(prepared)  # consistency level 2: pow2 activation scales, shared add/sub/cat scales
     prepared.forward = _QuantizedForward(prepared)
     set_fake_quantize(prepared, FakeQuantState.QAT)
     prepared.train(was_training)

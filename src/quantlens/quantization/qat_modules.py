@@ -43,6 +43,21 @@ class _WeightQuantMixin:
     def _quant_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
         return int32_bias(bias, self.__dict__.get("_ql_input_fq"), self.weight_fake_quant)
 
+    #: the channel dim of the GEMM's output (the bias and the per-channel requantize run along it)
+    output_channel_dim = 1
+
+    def integer_operands(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and bias before quantization, as the NPU sees them (BatchNorm folded in eval mode)."""
+        return self.weight, self.bias
+
+    def _gemm(self, x, w, b, *extra):
+        """The module's float op on the given operands (the integer emulation calls it on integer values)."""
+        raise NotImplementedError
+
+    def forward(self, x, *extra):
+        w, b = self.integer_operands()
+        return self._gemm(x, self.weight_fake_quant(w), self._quant_bias(b), *extra)
+
     @classmethod
     def from_float(cls, mod: nn.Module, weight_spec: QuantSpec):
         qat = cls.__new__(cls)
@@ -55,13 +70,13 @@ class _WeightQuantMixin:
 
 
 class QATConv1d(_WeightQuantMixin, nn.Conv1d):
-    def forward(self, x):
-        return self._conv_forward(x, self.weight_fake_quant(self.weight), self._quant_bias(self.bias))
+    def _gemm(self, x, w, b, *extra):
+        return self._conv_forward(x, w, b)
 
 
 class QATConv2d(_WeightQuantMixin, nn.Conv2d):
-    def forward(self, x):
-        return self._conv_forward(x, self.weight_fake_quant(self.weight), self._quant_bias(self.bias))
+    def _gemm(self, x, w, b, *extra):
+        return self._conv_forward(x, w, b)
 
 
 class _ConvTransposeMixin(_WeightQuantMixin):
@@ -78,12 +93,11 @@ class _ConvTransposeMixin(_WeightQuantMixin):
             weight_spec = QuantSpec(weight_spec.dtype, weight_spec.observer, ch_axis=1 if mod.groups == 1 else None)
         return super().from_float(mod, weight_spec)
 
-    def forward(self, x, output_size=None):
+    def _gemm(self, x, w, b, output_size=None):
         output_padding = self._output_padding(x, output_size, self.stride, self.padding, self.kernel_size,
                                               self._spatial_dims, self.dilation)
         fn = F.conv_transpose1d if self._spatial_dims == 1 else F.conv_transpose2d
-        return fn(x, self.weight_fake_quant(self.weight), self._quant_bias(self.bias), self.stride, self.padding,
-                  output_padding, self.groups, self.dilation)
+        return fn(x, w, b, self.stride, self.padding, output_padding, self.groups, self.dilation)
 
 
 class QATConvTranspose1d(_ConvTransposeMixin, nn.ConvTranspose1d):
@@ -95,8 +109,10 @@ class QATConvTranspose2d(_ConvTransposeMixin, nn.ConvTranspose2d):
 
 
 class QATLinear(_WeightQuantMixin, nn.Linear):
-    def forward(self, x):
-        return F.linear(x, self.weight_fake_quant(self.weight), self._quant_bias(self.bias))
+    output_channel_dim = -1
+
+    def _gemm(self, x, w, b, *extra):
+        return F.linear(x, w, b)
 
 
 class QATEmbedding(_WeightQuantMixin, nn.Embedding):
@@ -125,20 +141,31 @@ class _FoldedBnMixin(_WeightQuantMixin):
     def _bn_shape(self, x: torch.Tensor) -> list[int]:
         return [1, -1] + [1] * (x.dim() - 2)
 
-    def forward(self, x):
+    def _fold(self):
         bn = self.bn
         std = torch.sqrt(bn.running_var + bn.eps)
         gamma = bn.weight if bn.affine else torch.ones_like(std)
         beta = bn.bias if bn.affine else torch.zeros_like(std)
         factor = gamma / std
         w_shape = [-1] + [1] * (self.weight.dim() - 1)
-        w_fold = self.weight_fake_quant(self.weight * factor.reshape(w_shape))
         bias = self.bias if self.bias is not None else torch.zeros_like(bn.running_mean)
+        return self.weight * factor.reshape(w_shape), factor, beta, bias
+
+    def integer_operands(self):
+        w, factor, beta, bias = self._fold()
+        return w, beta + (bias - self.bn.running_mean) * factor
+
+    def _gemm(self, x, w, b, *extra):
+        return self._affine(x, w, b)
+
+    def forward(self, x):
+        w, factor, beta, bias = self._fold()
+        w_fold = self.weight_fake_quant(w)
         if self.training:
             y = self._affine(x, w_fold, None)
             y = y / factor.reshape(self._bn_shape(y)) + bias.reshape(self._bn_shape(y))
-            return bn(y)
-        b_fold = beta + (bias - bn.running_mean) * factor
+            return self.bn(y)
+        b_fold = beta + (bias - self.bn.running_mean) * factor
         return self._affine(x, w_fold, self._quant_bias(b_fold))
 
     @classmethod
@@ -159,6 +186,8 @@ class QATConvBn2d(_FoldedBnMixin, nn.Conv2d):
 
 
 class QATLinearBn1d(_FoldedBnMixin, nn.Linear):
+    output_channel_dim = -1
+
     def _affine(self, x, w, b):
         return F.linear(x, w, b)
 

@@ -138,6 +138,10 @@ class TableOverride(SiteOverride):
         scales = [float(fq.scale) for fq in input_fqs] + [float(output_fq.scale)]
         self.register_buffer("table_scales", torch.tensor(scales, dtype=torch.float32))
         self.__dict__["_static_fqs"] = (list(input_fqs), output_fq)
+        #: consistency level 3+ (``tables_in_qat``): when the fake quants' scales (or the call's parameters,
+        #: layer_norm's gamma/beta) no longer match the tables, rebuild them for the current ones instead of
+        #: raising; set by :func:`~quantlens.quantization.pre_export.install_tables` / ``pre_export``
+        self.rebuild_on_change = False
 
     # -- helpers --------------------------------------------------------------------------------------------
     def _fqs(self, call: OverrideCall) -> tuple[list[FakeQuantize], FakeQuantize]:
@@ -164,6 +168,41 @@ class TableOverride(SiteOverride):
                 "pre_export models in FakeQuantState.VALIDATION, where scales are frozen)."
             )
 
+    def _call_params(self, call: OverrideCall) -> tuple[dict[str, Any], Any, Any]:
+        """(params, weight, bias) that this call needs the tables built for (layer_norm adds gamma/beta)."""
+        return self.params, None, None
+
+    def _same_affine(self, weight: Any, bias: Any) -> bool:
+        return True
+
+    def _refresh(self, call: OverrideCall, fqs: list[FakeQuantize], out_fq: FakeQuantize) -> bool:
+        """Eager, ``rebuild_on_change`` only: rebuild the tables when the scales, dtypes or parameters they were
+        built for are not the current ones (the tables are keyed by those values: unchanged, nothing is done).
+        Returns whether the tables were rebuilt. The buffer names stay the same."""
+        params, weight, bias = self._call_params(call)
+        scales = [float(fq.scale) for fq in fqs] + [float(out_fq.scale)]
+        dtypes = tuple(fq.dtype for fq in fqs) + (out_fq.dtype,)
+        if (scales == self.table_scales.tolist() and dtypes == self.input_dtypes + (self.output_dtype,)
+                and params == self.params and self._same_affine(weight, bias)):
+            return False
+        fresh = type(self)(self.site, self.op_type, fqs, out_fq, params, weight, bias)
+        device = self.table_scales.device
+        for name, buffer in fresh._buffers.items():
+            self._buffers[name] = buffer.to(device) if buffer is not None else None
+        for name, value in fresh.__dict__.items():
+            if not name.startswith("_") and name not in ("training", "rebuild_on_change"):
+                self.__dict__[name] = value
+        return True
+
+    def _straight_through(self, call: OverrideCall) -> bool:
+        """Whether this call is differentiated (QAT): grad mode on and an input (or a module parameter, e.g.
+        layer_norm's gamma) requires grad; never while exporting."""
+        if not torch.is_grad_enabled() or _exporting():
+            return False
+        if any(isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves((call.args, call.kwargs))):
+            return True
+        return call.module is not None and any(p.requires_grad for p in call.module.parameters(recurse=False))
+
     def _param_mismatch(self, name: str, built: Any, now: Any) -> QuantLensError:
         return QuantLensError(
             f"Op site '{self.site}' ({self.op_type}) is called with {name}={now!r}, but its table was built for "
@@ -175,12 +214,21 @@ class TableOverride(SiteOverride):
         fqs, out_fq = self._fqs(call)
         if not out_fq.fake_quant_enabled:  # FLOAT / CALIBRATION: the float op, like the prepared model
             return self.float_op(call)
+        if self.rebuild_on_change and not _exporting():
+            self._refresh(call, fqs, out_fq)
         self._check(fqs, out_fq)
-        out = self.int_op(call, fqs, out_fq)
+        straight_through = self._straight_through(call)
+        if straight_through:  # the integer result carries no gradient (the custom ops have none)
+            with torch.no_grad():
+                out = self.int_op(call, fqs, out_fq)
+        else:
+            out = self.int_op(call, fqs, out_fq)
         errors = self.__dict__.get("_errors")
         if errors is not None:  # lut_errors(): the QAT result on the same input, in output steps
             ref = out_fq(self.float_op(call))
             errors.append(float(((out.float() - ref.float()).abs() / out_fq.scale).max()) if out.numel() else 0.0)
+        if straight_through:
+            out = _straight_through(out, self.float_op(call))
         return out
 
     def float_op(self, call: OverrideCall) -> Any:
@@ -240,6 +288,10 @@ class ElementwiseOverride(TableOverride):
             self.register_buffer("shifts", table.shifts.clone())
             self.register_buffer("entries", table.entries.to(torch.int32))
             self.register_buffer("tails", table.tails.clone())
+
+    def _call_params(self, call):
+        params = _spec(self.op_type).params_from_call(call)
+        return (self.params if params is None else dict(params)), None, None
 
     def int_op(self, call, fqs, out_fq):
         for name, value in (_spec(self.op_type).params_from_call(call) or {}).items():
@@ -416,6 +468,15 @@ class LayerNormOverride(TableOverride):
         self.register_buffer("weight_ref", ref(weight))
         self.register_buffer("bias_ref", ref(bias))
 
+    def _call_params(self, call):
+        shape, w, b, eps = _layer_norm_call(call)
+        return {"normalized_shape": shape, "eps": eps}, w, b
+
+    def _same_affine(self, weight, bias):
+        return all((now is None and ref.numel() == 0) or (
+            now is not None and now.shape == ref.shape and torch.equal(now.detach().to(ref), ref))
+            for now, ref in ((weight, self.weight_ref), (bias, self.bias_ref)))
+
     def int_op(self, call, fqs, out_fq):
         shape, w, b, eps = _layer_norm_call(call)
         if shape != tuple(self.params["normalized_shape"]):
@@ -461,6 +522,16 @@ class LayerNormOverride(TableOverride):
     def describe(self):
         eps_term, shift, frac = self.params_q.tolist()
         return f"N={self.gain.numel()}, P={frac}, eps_term={eps_term}, shift={shift}, mantissa rsqrt"
+
+
+def _straight_through(table_out: torch.Tensor, float_out: torch.Tensor) -> torch.Tensor:
+    """The table's value with the float op's gradient: ``table_out + (float_out - float_out.detach())``, which is
+    ``table_out`` bit for bit where the float op is finite (and exactly ``table_out`` where it is not, e.g.
+    ``1 / 0``: there the gradient is what the float op gives through a saturated output fake quant)."""
+    if not isinstance(float_out, torch.Tensor) or not float_out.requires_grad:
+        return table_out
+    delta = float_out - float_out.detach()
+    return torch.where(torch.isfinite(float_out.detach()), table_out + delta.to(table_out.dtype), table_out)
 
 
 def _probe_rows(dtype: QuantDType, length: int) -> torch.Tensor:

@@ -1,0 +1,209 @@
+"""A latency estimate of a quantized IR on the march's cost model (``docs/march.md`` §15).
+
+``estimate_latency(module, batch)`` walks the quantized IR once and charges every node the cycles of the unit
+that runs it, from the numbers of :class:`quantlens.march.CostModel` (the march's data):
+
+* GEMMs (conv, transposed conv, linear, matmul, bilinear resize): ``ceil(MACs / macs_per_cycle)``, the int8 x int8
+  rate, or the int16 one when an operand is int16; plus the requantize of the output;
+* a requantize of ``n`` elements: ``ceil(n · passes / vector_lanes)`` where ``passes`` is 0 for a multiplier of
+  exactly 1 (``M == 2**shift``), ``requant_passes_shift`` for a power of two (a rounding shift),
+  ``requant_passes_default`` for a multiplier of at most 16 bits and ``requant_passes_high_precision`` above;
+  a per-channel requantize costs its most expensive channel;
+* add/sub/add_const: each term's requantize, one vector pass per sum, and with ``F > 0`` (high precision) the
+  final rounding shift and the ``2**F`` shift of terms whose multiplier is 1; cat: each input's requantize and
+  one move;
+* other integer ops: vector passes over their elements; table ops (§13): one lookup per element at
+  ``table_lookups_per_cycle`` plus their vector passes; views (reshape, slice, ...) and host ops: free.
+
+The requantize applications themselves are counted per node and term (``requantize_ops``: multipliers other
+than exactly 1; ``shift_only_ops``: those that are a pure power of two). The shapes come from ``graph.values``;
+a dynamic dim (-1) counts as ``batch``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from quantlens.errors import QuantLensError
+from quantlens.march import CostModel, get_march
+
+__all__ = ["LatencyEstimate", "estimate_latency", "requant_class"]
+
+
+@dataclass(frozen=True)
+class LatencyEstimate:
+    """The estimated latency of one call of a quantized IR (``docs/march.md`` §15)."""
+
+    cycles: int
+    microseconds: float
+    #: requantize applications (per node and term) whose multiplier is not exactly 1
+    requantize_ops: int
+    #: of those, the ones whose multiplier is a power of two (a rounding shift, no multiply)
+    shift_only_ops: int
+    #: cycles per IR op
+    by_op: dict[str, int] = field(default_factory=dict)
+
+
+#: requantize classes, cheapest first
+_CLASSES = ("identity", "shift", "default", "high_precision")
+
+
+def requant_class(multiplier: int, shift: int) -> str:
+    """``"identity"`` (``M · 2**-shift == 1``), ``"shift"`` (``M`` a power of two), ``"default"`` (``M < 2**16``,
+    the 16x32 multiply) or ``"high_precision"`` (a wider ``M``: the 32x32 -> 64-bit multiply)."""
+    m, s = int(multiplier), int(shift)
+    if m > 0 and s >= 0 and m == 1 << s:
+        return "identity"
+    if m > 0 and m & (m - 1) == 0:
+        return "shift"
+    return "default" if m < 1 << 16 else "high_precision"
+
+
+def _worst(mults, shifts) -> str:
+    classes = [requant_class(m, s) for m, s in zip(mults, shifts)]
+    return max(classes, key=_CLASSES.index) if classes else "identity"
+
+
+def _passes(cm: CostModel, cls: str) -> int:
+    return {"identity": 0, "shift": cm.requant_passes_shift, "default": cm.requant_passes_default,
+            "high_precision": cm.requant_passes_high_precision}[cls]
+
+
+#: views: no data moves
+_VIEWS = {"reshape", "expand", "select", "slice", "split"}
+#: vector passes of the table ops besides their one lookup per element (max/sum/normalise, centre/scale, ...)
+_TABLE_PASSES = {"lut": 0, "segment_lut": 1, "int_reciprocal": 1, "int_div": 2, "int_softmax": 4,
+                 "int_layer_norm": 4}
+_GEMMS = {"conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "linear", "matmul"}
+
+
+class _Estimator:
+    def __init__(self, module, batch: int):
+        self.g = module.graph
+        self.batch = batch
+        self.cm = get_march().spec.cost
+        self.requantize_ops = 0
+        self.shift_only_ops = 0
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        info = self.g.values.get(name)
+        if info is None:
+            tensor = self.g.constants.get(name)
+            return tuple(tensor.shape) if tensor is not None else ()
+        return tuple(self.batch if d == -1 else max(int(d), 0) for d in info.shape)
+
+    def numel(self, name: str) -> int:
+        return math.prod(self.shape(name)) if name else 0
+
+    def qdtype(self, name: str) -> str | None:
+        info = self.g.values.get(name)
+        return info.qdtype if info is not None else None
+
+    def vector(self, elements: int, passes: int = 1) -> int:
+        return -(-elements * passes // self.cm.vector_lanes) if elements > 0 and passes > 0 else 0
+
+    def requant(self, elements: int, mults, shifts) -> int:
+        """Cycles of one requantize application of ``elements`` values, and its count."""
+        if mults is None:  # int32 high-precision output: saturate only, no requantize
+            return 0
+        cls = _worst(mults, shifts)
+        if cls != "identity":
+            self.requantize_ops += 1
+            self.shift_only_ops += cls == "shift"
+        return self.vector(elements, _passes(self.cm, cls))
+
+    def gemm(self, macs: int, operands: list[str]) -> int:
+        wide = any(self.qdtype(v) == "qint16" for v in operands if v)
+        rate = self.cm.macs_per_cycle_int16 if wide else self.cm.macs_per_cycle_int8
+        return -(-macs // rate) if macs > 0 else 0
+
+    def node(self, node) -> int:
+        op, a = node.op, node.attrs
+        if a.get("host"):
+            return 0  # float post-processing on the host, after the boundary
+        out = self.numel(node.outputs[0]) if node.outputs else 0
+        x = node.inputs[0] if node.inputs else ""
+        if op in _VIEWS:
+            return 0
+        if op in _GEMMS:
+            w_shape = self.shape(node.inputs[1])
+            if op in ("conv1d", "conv2d"):
+                macs = out * math.prod(w_shape[1:])
+            elif op.startswith("conv_transpose"):  # every input element reaches out/groups · prod(k) outputs
+                macs = self.numel(x) * math.prod(w_shape[1:])
+            else:  # linear [out, in], matmul [..., k, n]: the contraction length
+                k = w_shape[-1] if op == "linear" else (self.shape(x)[-1] if self.shape(x) else 1)
+                macs = out * k
+            return self.gemm(macs, node.inputs[:2]) + self.requant(out, a.get("multiplier"), a.get("shift"))
+        if op == "bilinear_int":
+            shape = self.shape(x)
+            lead = math.prod(shape[:-2]) if len(shape) >= 2 else 1
+            (h_out, h_in), (w_out, w_in) = self.shape(node.inputs[1]), self.shape(node.inputs[2])
+            macs = lead * (h_out * h_in * w_in + h_out * w_in * w_out)
+            # the interpolation weights are int16: the int8 x int16 rate
+            return -(-macs // self.cm.macs_per_cycle_int16) + self.requant(out, a.get("multiplier"), a.get("shift"))
+        if op in ("add", "sub", "add_const"):
+            frac = int(a.get("frac_bits", 8))
+            cycles = 0
+            for m, s in zip(a.get("multipliers", []), a.get("shifts", [])):
+                cycles += self.requant(out, [m], [s])
+                if frac > 0 and requant_class(m, s) == "identity":
+                    cycles += self.vector(out, self.cm.requant_passes_shift)  # q · 2**F
+            sums = len(a.get("multipliers", [1])) - 1 + (op == "add_const")
+            cycles += self.vector(out, sums)
+            if frac > 0:
+                cycles += self.vector(out, self.cm.requant_passes_shift)  # the one final rounding by F
+            return cycles
+        if op == "cat":
+            cycles = sum(self.requant(self.numel(v), [m], [s])
+                         for v, m, s in zip(node.inputs, a.get("multipliers", []), a.get("shifts", [])))
+            return cycles + self.vector(out)
+        if op == "prelu_int":
+            return (self.vector(out) + self.requant(out, a.get("multiplier"), a.get("shift"))
+                    + self.requant(out, a.get("neg_multiplier"), a.get("neg_shift")))
+        if op in ("mul", "clamp", "abs_int", "neg_int", "channel_affine"):
+            return self.vector(out) + self.requant(out, a.get("multiplier"), a.get("shift"))
+        if op == "scale":
+            negate = self.vector(out, int(bool(a.get("negative"))))
+            return negate + self.requant(out, a.get("multiplier"), a.get("shift"))
+        if op == "requantize":
+            return self.requant(out, a.get("multiplier"), a.get("shift"))
+        if op == "sum_int":
+            return self.vector(self.numel(x)) + self.requant(out, a.get("multiplier"), a.get("shift"))
+        if op in ("avg_pool2d_int", "avg_pool1d_int"):
+            window = math.prod(a.get("kernel_size", [1]))
+            return self.vector(out, window) + self.requant(out, a.get("multiplier"), a.get("shift"))
+        if op in ("max_pool2d", "max_pool1d"):
+            ks = a.get("kernel_size", [1])
+            return self.vector(out, math.prod(ks if isinstance(ks, (list, tuple)) else [ks]))
+        if op in _TABLE_PASSES:
+            elements = self.numel(x)
+            lookups = -(-elements // self.cm.table_lookups_per_cycle) if elements else 0
+            return lookups + self.vector(elements, _TABLE_PASSES[op])
+        if op in ("sort", "topk", "max_dim", "amax", "argmax"):
+            return self.vector(self.numel(x))
+        return self.vector(out)  # a move, a boundary (de)quantize, an index op: one vector pass
+
+
+def estimate_latency(module, batch: int = 1) -> "LatencyEstimate":
+    """The estimated cycles of one call of the quantized IR ``module`` with batch size ``batch`` on the selected
+    march's cost model (``docs/march.md`` §15)."""
+    kind = getattr(module, "kind", None)
+    if kind != "quantized":
+        what = "the qat IR (kind 'qat')" if kind == "qat" else repr(type(module).__name__)
+        raise QuantLensError(
+            f"estimate_latency needs the integer-only quantized IR; it was given {what}. The cost model counts "
+            "integer kernels and their requantize multipliers, which only the quantized IR has: convert first, "
+            "with quantlens.compiler.convert(qat_ir)."
+        )
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise QuantLensError(f"estimate_latency: batch must be an int >= 1, got {batch!r}.")
+    est = _Estimator(module, batch)
+    by_op: Counter = Counter()
+    for node in module.graph.nodes:
+        by_op[node.op] += est.node(node)
+    cycles = int(sum(by_op.values()))
+    return LatencyEstimate(cycles=cycles, microseconds=cycles / est.cm.clock_mhz, requantize_ops=est.requantize_ops,
+                           shift_only_ops=est.shift_only_ops, by_op=dict(sorted(by_op.items())))
