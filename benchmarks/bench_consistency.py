@@ -251,7 +251,7 @@ def render(results: list[tuple[str, str, int | None, dict]], threads: int, secon
         ort = [f"{row[k]['exact']:.2f} %, {row[k]['max_lsb'] or 0:.0f}" if k in row else "" for k in ("ort_off",
                                                                                                     "ort_on")]
         lines.append(f"| {name} | {setter} | {_level(level)} | {row['exact']:.3f} | {hist} | {worst} | "
-                     f"{row['cos']:.6f} | {acc} | {row['requant']} | {row['latency_us']:.1f} | {ort[0]} | {ort[1]} |")
+                     f"{row['cos']:.6f} | {acc} | {row['requant']} | {row['latency_us']:.3f} | {ort[0]} | {ort[1]} |")
     return "\n".join(lines)
 
 
@@ -274,7 +274,7 @@ def main() -> None:
                 within = "n/a" if row["within1"] is None else f"{row['within1']:.3f} %"
                 print(f"{case.name:22s} {setter:6s} level {_level(level):3s} exact {row['exact']:8.3f} % "
                       f"within1 {within:>9s} max {row['max_lsb'] or 0:4.0f} LSB cos {row['cos']:.6f} "
-                      f"requant {row['requant']:4d} latency {row['latency_us']:8.1f} us"
+                      f"requant {row['requant']:4d} latency {row['latency_us']:9.3f} us"
                       + (f" acc {row['acc_qat']:.2f}/{row['acc_ir']:.2f}" if "acc_qat" in row else ""), flush=True)
     table = render(results, torch.get_num_threads(), time.perf_counter() - start)
     if args.write:

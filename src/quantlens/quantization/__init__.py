@@ -17,6 +17,7 @@ from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, c
 from quantlens.quantization.observers import (
     FixedScaleObserver,
     MinMaxObserver,
+    KLObserver,
     MSEObserver,
     Observer,
     PercentileObserver,
@@ -47,6 +48,7 @@ __all__ = [
     "MinMaxObserver",
     "PercentileObserver",
     "MSEObserver",
+    "KLObserver",
     "FixedScaleObserver",
     "pre_export",
     "pre_export_report",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from enum import Enum
 
@@ -81,6 +82,12 @@ class FakeQuantize(nn.Module):
         #: (shared scales at add/sub/cat, set by ``prepare``; see :mod:`.scale_policy`)
         self.scale_group: int | None = None
         self.fq_key: str | None = None
+        #: LSQ: in QAT the scale is this parameter (initialised from calibration when QAT starts), trained with the
+        #: straight-through estimator; activations per tensor only
+        self.learn_scale = bool(getattr(spec, "learn_scale", False)) and not is_weight and spec.ch_axis is None
+        if self.learn_scale:
+            self.learned_scale = nn.Parameter(torch.ones(()))
+            self.register_buffer("learned_initialized", torch.zeros((), dtype=torch.bool))
 
     def set_state(self, state: FakeQuantState) -> None:
         state = FakeQuantState(state)
@@ -88,9 +95,46 @@ class FakeQuantize(nn.Module):
         if self.is_weight:
             self.observe_enabled = state is not FakeQuantState.FLOAT
 
+    def _learning(self) -> bool:
+        """In QAT with a learned scale: the parameter, not the observer, gives the scale (shared or power-of-two
+        scales keep their observer: a learned value would break their invariants)."""
+        return (self.learn_scale and self.observe_enabled and self.fake_quant_enabled and bool(self.calibrated)
+                and self.scale_group is None and not self.pow2_scale)
+
+    def start_learning(self) -> None:
+        """Initialise the learned scale from the calibrated one (once, when QAT starts)."""
+        if self.learn_scale and bool(self.calibrated) and not bool(self.learned_initialized):
+            with torch.no_grad():
+                self.learned_scale.copy_(self.scale.reshape(()))
+            self.learned_initialized.fill_(True)
+
+    def _learned_forward(self, x: torch.Tensor) -> torch.Tensor:
+        from quantlens.march import get_march
+        from quantlens.quantization.emulation import _ste
+
+        self.start_learning()
+        s = self.learned_scale.clamp(min=get_march().spec.min_scale)
+        with torch.no_grad():
+            self.scale.copy_(s.detach().to(self.scale.dtype).reshape(self.scale.shape))  # what export reads
+        # LSQ (Esser et al.): round with a straight-through gradient; the scale's gradient scaled by
+        # 1/sqrt(numel * qmax) so its steps are comparable to the weights'
+        g = 1.0 / math.sqrt(max(x.numel(), 1) * self.dtype.qmax)
+        s_grad = s * g + (s - s * g).detach()
+        v = x / s_grad
+        lsq = torch.clamp(v + (torch.round(v) - v).detach(), self.dtype.qmin, self.dtype.qmax) * s_grad
+        # the value is the exact fake quant of docs/march.md (the expression above rounds in float32)
+        return _ste(lsq, fake_quant(x, self.scale.clone(), self.dtype, None))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0:  # nothing to observe or round (e.g. torch.zeros(1, 0) padding a cat)
             return x
+        if self._learning():
+            return self._learned_forward(x)
+        if self.learn_scale and not self.observe_enabled and not torch.compiler.is_compiling() \
+                and bool(self.learned_initialized):
+            with torch.no_grad():  # VALIDATION / export: the latest learned value (an optimizer step moved it)
+                self.scale.copy_(self.learned_scale.detach().clamp(min=0).to(self.scale.dtype).reshape(
+                    self.scale.shape))
         if self.observe_enabled:
             if self.is_weight:
                 self.observer.reset()

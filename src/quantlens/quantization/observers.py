@@ -21,7 +21,8 @@ from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType, get_march
 
 __all__ = [
-    "Observer", "ObserverFactory", "MinMaxObserver", "PercentileObserver", "MSEObserver", "FixedScaleObserver"
+    "Observer", "ObserverFactory", "MinMaxObserver", "PercentileObserver", "MSEObserver", "KLObserver",
+    "FixedScaleObserver"
 ]
 
 
@@ -351,6 +352,75 @@ class MSEObserver(_AbsHistogramObserver):
         err = ((centres - deq) ** 2 * hist).sum(dim=1)
         best = self.num_candidates - 1 - int(torch.argmin(err.flip(0)))  # argmin takes the first: flip for last
         return thresholds[best]
+
+
+class KLObserver(_AbsHistogramObserver):
+    """Scale ``t / qmax`` for the clipping threshold ``t`` whose quantized distribution is closest to the
+    observed one in KL divergence (entropy calibration).
+
+    Over the ``|x|`` histogram (``bins`` bins up to the running absmax), each candidate threshold at the upper edge
+    of bin ``i`` (``i = qmax + 1 .. bins``, every ``stride`` bins, and ``bins`` itself) is scored: ``P`` is the
+    histogram's first ``i`` bins with every count above folded into bin ``i - 1`` (what clipping does); ``Q``
+    merges those ``i`` bins into ``qmax + 1`` levels (``|q| = 0..qmax``) and spreads each level's count evenly over
+    its non-empty bins (Q is built from the unclipped counts, so the folded mass is what it misses). The candidate
+    with the least ``KL(P || Q)`` wins; ties go to the largest threshold. With
+    ``qmax + 1 >= bins`` (int16 on the default 2048 bins) every level is finer than a bin, nothing is lost by
+    keeping the full range, and the threshold is the absmax. Per tensor only.
+    """
+
+    def __init__(self, dtype: QuantDType, ch_axis: int | None = None, *, bins: int = 2048, stride: int = 16):
+        super().__init__(dtype, ch_axis, bins=bins)
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+            raise QuantLensError(f"KLObserver: stride must be a positive int, got {stride!r}.")
+        self.stride = stride
+
+    def _options(self) -> dict:
+        return {**super()._options(), "stride": self.stride}
+
+    def _threshold(self) -> torch.Tensor:
+        absmax = self._range()
+        hist = self.histogram.to(torch.float64)
+        levels = self.dtype.qmax + 1
+        if absmax <= 0 or levels >= self.bins or float(hist.sum()) == 0:
+            return torch.tensor(max(absmax, 0.0), dtype=torch.float32)
+        candidates = list(range(levels, self.bins + 1, self.stride))
+        if candidates[-1] != self.bins:
+            candidates.append(self.bins)
+        best, best_kl = self.bins, math.inf
+        for i in candidates:
+            kl = _kl_of_clipping(hist, i, levels)
+            if kl <= best_kl:  # <=: ties go to the larger threshold
+                best, best_kl = i, kl
+        return torch.tensor(absmax * best / self.bins, dtype=torch.float32)
+
+
+def _kl_of_clipping(hist: torch.Tensor, i: int, levels: int) -> float:
+    """``KL(P || Q)`` of clipping the histogram at bin ``i`` and quantizing its ``i`` bins to ``levels`` levels."""
+    p = hist[:i].clone()
+    p[-1] += hist[i:].sum()
+    # bin j of the first i bins belongs to level floor(j * levels / i)
+    level = torch.div(torch.arange(i, dtype=torch.int64) * levels, i, rounding_mode="floor")
+    nonzero = (hist[:i] > 0).to(torch.float64)
+    total = torch.zeros(levels, dtype=torch.float64).index_add_(0, level, hist[:i])
+    count = torch.zeros(levels, dtype=torch.float64).index_add_(0, level, nonzero)
+    # Q is built from the unclipped bins: the mass clipping folds into P's last bin is what Q cannot represent
+    q = torch.where(nonzero > 0, total[level] / count[level].clamp(min=1), torch.zeros_like(p))
+    p_sum, q_sum = p.sum(), q.sum()
+    if p_sum <= 0 or q_sum <= 0:
+        return math.inf
+    p, q = _smooth(p / p_sum), _smooth(q / q_sum)
+    mask = p > 0
+    return float((p[mask] * torch.log(p[mask] / q[mask])).sum())
+
+
+def _smooth(d: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """Move ``eps`` of probability onto every empty bin (taken evenly from the others), so a sparse histogram
+    (few samples, empty bins where P is not) gives a finite divergence; a no-op without empty bins."""
+    zero = d == 0
+    n_zero, n_other = int(zero.sum()), int((~zero).sum())
+    if n_zero == 0 or n_other == 0:
+        return d
+    return torch.where(zero, torch.full_like(d, eps), d - eps * n_zero / n_other).clamp(min=eps * 1e-3)
 
 
 class FixedScaleObserver(Observer):

@@ -33,6 +33,9 @@ class QuantSpec:
     dtype: QuantDType
     observer: Callable = field(default_factory=_default_observer)
     ch_axis: int | None = None
+    #: LSQ-style learned scale in QAT (per-tensor activations): the observer calibrates it, then QAT trains it
+    #: with straight-through gradients (``FakeQuantize``); VALIDATION, export and convert use the learned value
+    learn_scale: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", QuantDType.parse(self.dtype))
@@ -49,7 +52,8 @@ class QuantSpec:
         kwargs = getattr(self.observer, "keywords", None) or {}
         args = ",".join(f"{k}={v}" for k, v in sorted(kwargs.items()))
         text = f"{self.dtype.value} {name}({args})"
-        return text + ("" if self.ch_axis is None else f" ch{self.ch_axis}")
+        text += "" if self.ch_axis is None else f" ch{self.ch_axis}"
+        return text + (" learned-scale" if self.learn_scale else "")
 
     def with_dtype(self, dtype: QuantDType | str) -> "QuantSpec":
         return replace(self, dtype=QuantDType.parse(dtype))
@@ -89,14 +93,16 @@ def get_qconfig(
     weight_dtype: QuantDType | str = "qint8",
     out_dtype: QuantDType | str = "qint8",
     weight_observer: Callable | None = None,
+    learn_scale: bool = False,
 ) -> QConfig:
-    """Build a QConfig the way the templates do: per-tensor activations, per-channel (axis 0) weights."""
+    """Build a QConfig the way the templates do: per-tensor activations, per-channel (axis 0) weights.
+    ``learn_scale``: the activation scales are learned in QAT (LSQ, see :class:`QuantSpec`)."""
     from quantlens.quantization.observers import MinMaxObserver
 
     observer = observer or MinMaxObserver
-    out = QuantSpec(QuantDType.parse(out_dtype), observer)
+    out = QuantSpec(QuantDType.parse(out_dtype), observer, learn_scale=learn_scale)
     return QConfig(
-        input=None if in_dtype is None else QuantSpec(QuantDType.parse(in_dtype), observer),
+        input=None if in_dtype is None else QuantSpec(QuantDType.parse(in_dtype), observer, learn_scale=learn_scale),
         weight=QuantSpec(QuantDType.parse(weight_dtype), weight_observer or MinMaxObserver, ch_axis=0),
         output=out,
     )
