@@ -37,6 +37,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"batch {args.batch}, best of {args.repeat}, {torch.get_num_threads()} thread(s)")
     print(f"{'model':22s} {'float ms':>10s} {'qat IR ms':>10s} {'int IR ms':>10s} {'int/float':>10s}")
+    ratios = {}
     for name in list_models():
         model = get_model(name)
         batch = sample_batches(name, 1, args.batch)[0]
@@ -48,7 +49,10 @@ def main() -> None:
             t_float = _time(lambda: model(*batch), args.repeat)
         t_qat = _time(lambda: qat_ir(*batch), args.repeat)
         t_int = _time(lambda: int_ir(*batch), args.repeat)
+        ratios[name] = t_int / t_float
         print(f"{name:22s} {t_float * 1e3:10.3f} {t_qat * 1e3:10.3f} {t_int * 1e3:10.3f} {t_int / t_float:10.2f}")
+    print(f"max int/float ratio: {max(ratios.values()):.2f} ({max(ratios, key=ratios.get)}); "
+          f"{torch.get_num_threads()} thread(s), batch {args.batch}")
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ def test_demo_digits_accuracy_targets(tmp_path):
     assert abs(result.accuracy("quantized IR (integer)") - result.accuracy("int8 QAT")) <= 0.5
     summary = json.loads((tmp_path / "demo_summary.json").read_text())
     assert [s["stage"] for s in summary] == [
-        "float", "int8 calibration", "int16-activation calibration", "int8 QAT", "quantized IR (integer)"]
-    assert (tmp_path / "quantized.qlir").is_file()
+        "float", "int8 calibration", "int16-activation calibration", "int8 QAT", "pre_export (lookup tables)",
+        "qat IR", "quantized IR (integer)"]
+    assert (tmp_path / "quantized_ir.qlir").is_file()
     assert "== Op sites" in (tmp_path / "model_check_result.txt").read_text()
 
 

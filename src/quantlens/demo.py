@@ -1,8 +1,13 @@
-"""End-to-end demo on the bundled digits CNN: float -> calibration -> QAT -> validation -> integer IR.
+"""End-to-end demo on the bundled digits CNN: every stage, then every stage-pair analysis.
 
-Run it with ``./dev demo`` (or ``python -m quantlens.demo --out DIR``). It prints the accuracy of every stage and
-writes ``model_check_result.txt``, the quantized IR (``quantized.qlir``) and ``demo_summary.json`` into the
-output folder.
+Run it with ``./dev demo`` (or ``python -m quantlens.demo --out DIR``). It runs float -> int8 calibration -> QAT ->
+pre_export -> qat IR (export) -> quantized IR (convert), prints the accuracy of every stage, then compares each
+pair of neighbouring stages with the profiler (``QuantAnalysis``), each pair in its own subfolder of the output
+folder, and prints where precision is lost: the worst op per stage pair, the worst overall first. ``index.html``
+links every pair's ``profiler.html``.
+
+``--fault`` plants a fault: op site ``relu2`` (the output of the fused conv2-bn2-relu2) gets a fixed int8 scale
+far too coarse for its range, so a newcomer sees the profiler find it.
 """
 
 from __future__ import annotations
@@ -10,20 +15,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
 from quantlens._io import atomic_write_text
-from quantlens.compiler import convert, export, save
-from quantlens.quantization import FakeQuantState, calibrate, check_qat_model, prepare, set_fake_quantize
+from quantlens.quantization import FakeQuantState, check_qat_model, set_fake_quantize
 from quantlens.quantization.qconfig_template import (
     calibration_8bit_weight_16bit_act_qconfig_setter,
     default_calibration_qconfig_setter,
     default_qat_qconfig_setter,
 )
 
-__all__ = ["StageResult", "DemoResult", "run_demo", "main"]
+__all__ = ["StageResult", "DemoResult", "run_demo", "main", "FAULT_SITE", "fault_setters"]
+
+#: the op site ``--fault`` breaks
+FAULT_SITE = "relu2"
+#: its planted fixed output scale: int8 steps of 1.0 where the calibrated scale is about 0.035 (relu2's outputs
+#: span 0..4), so its values round to 0, 1, 2, 3 or 4
+FAULT_SCALE = 1.0
 
 
 @dataclass(frozen=True)
@@ -36,12 +48,32 @@ class StageResult:
 class DemoResult:
     stages: list[StageResult] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
+    pairs: list = field(default_factory=list)  # quantlens.cli.pipeline.PairResult, in pipeline order
+    culprit: str | None = None  # the op that loses the most precision itself, over all pairs
+    fault: str | None = None  # the planted op site (--fault)
 
     def accuracy(self, stage: str) -> float:
         return next(s.accuracy for s in self.stages if s.stage == stage)
 
 
+def fault_setters(calibration: bool = True):
+    """The demo's qconfig setters with the planted fault: ``FAULT_SITE`` gets a fixed, far too coarse int8
+    output scale; every other op site keeps the default template."""
+    from quantlens.march import QuantDType
+    from quantlens.quantization import FixedScaleObserver, MinMaxObserver, QConfig, QuantSpec
+    from quantlens.quantization.qconfig_template import ModuleNameQconfigSetter
+
+    planted = QConfig(
+        weight=QuantSpec(QuantDType.qint8, MinMaxObserver, ch_axis=0),
+        output=QuantSpec(QuantDType.qint8, FixedScaleObserver.with_args(scale=FAULT_SCALE)),
+    )
+    base = default_calibration_qconfig_setter if calibration else default_qat_qconfig_setter
+    return (ModuleNameQconfigSetter({FAULT_SITE: planted}), base)
+
+
 def _calibrate(model, x: torch.Tensor, batch_size: int = 128) -> None:
+    from quantlens.quantization import calibrate
+
     calibrate(model, (x[i : i + batch_size] for i in range(0, len(x), batch_size)))
 
 
@@ -62,50 +94,6 @@ def _qat(model, x: torch.Tensor, y: torch.Tensor, epochs: int, seed: int) -> Non
     set_fake_quantize(model, FakeQuantState.VALIDATION)
 
 
-def run_demo(out_dir: str = "quantlens_demo", qat_epochs: int = 2, seed: int = 0) -> DemoResult:
-    """Run the whole flow and return the accuracies; files go to ``out_dir``."""
-    from quantlens.zoo import digits_cnn, evaluate_accuracy, load_digits_data
-
-    torch.manual_seed(seed)
-    data = load_digits_data()
-    example = data.x_train[:8]
-    float_model = digits_cnn(pretrained=True).eval()
-    result = DemoResult()
-
-    def record(stage, model):
-        result.stages.append(StageResult(stage, evaluate_accuracy(model, data.x_test, data.y_test)))
-
-    record("float", float_model)
-
-    calib = prepare(float_model, example, default_calibration_qconfig_setter, check_result_dir=None)
-    _calibrate(calib, data.x_train)
-    record("int8 calibration", calib)
-
-    calib16 = prepare(float_model, example, calibration_8bit_weight_16bit_act_qconfig_setter, check_result_dir=None)
-    _calibrate(calib16, data.x_train)
-    record("int16-activation calibration", calib16)
-
-    # QAT starts from the calibrated scales, as recommended: same structure, QAT observers (moving average).
-    qat = prepare(float_model, example, default_qat_qconfig_setter, check_result_dir=None)
-    qat.load_state_dict(calib.state_dict())
-    _qat(qat, data.x_train, data.y_train, qat_epochs, seed)
-    record("int8 QAT", qat)
-
-    check = check_qat_model(qat, example, out_dir)
-
-    # Deployment: the qat IR (float + fake quant) and the integer-only IR, a bit-exact simulator of the march.
-    qat_ir = export(qat, example, dynamic_batch=True)
-    quantized_ir = convert(qat_ir)
-    result.stages.append(StageResult("quantized IR (integer)", _accuracy_ir(quantized_ir, data.x_test, data.y_test)))
-    ir_path = os.path.join(out_dir, "quantized.qlir")
-    save(quantized_ir, ir_path)
-
-    summary = os.path.join(out_dir, "demo_summary.json")
-    atomic_write_text(summary, json.dumps([asdict(s) for s in result.stages], indent=2) + "\n")
-    result.files = [check.path, ir_path, summary]
-    return result
-
-
 def _accuracy_ir(module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256) -> float:
     correct = 0
     for i in range(0, len(x), batch_size):
@@ -113,15 +101,95 @@ def _accuracy_ir(module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256
     return 100.0 * correct / len(x)
 
 
+def run_demo(out_dir: str = "quantlens_demo", qat_epochs: int = 2, seed: int = 0, *, fault: bool = False,
+             analysis_batches: int = 3, batch_size: int = 32, sensitivity: bool = True, int16: bool = True,
+             progress: bool = False, step=None) -> DemoResult:
+    """Run the whole flow and every stage-pair analysis; files go to ``out_dir``.
+
+    ``analysis_batches`` x ``batch_size`` held-out images are searched for each pair's bad case; ``int16``
+    also reports an int16-activation calibration's accuracy; ``fault`` plants :data:`FAULT_SITE`'s fault."""
+    from quantlens.cli.pipeline import (
+        PAIRS, analyze_pairs, build_stages, ranked_losses, write_index, write_summary,
+    )
+    from quantlens.quantization import prepare
+    from quantlens.zoo import digits_cnn, evaluate_accuracy, load_digits_data
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    data = load_digits_data()
+    example = data.x_train[:8]
+    float_model = digits_cnn(pretrained=True).eval()
+    result = DemoResult(fault=FAULT_SITE if fault else None)
+    calib_setter = fault_setters(True) if fault else default_calibration_qconfig_setter
+    qat_setter = fault_setters(False) if fault else default_qat_qconfig_setter
+
+    def record(stage, model):
+        result.stages.append(StageResult(stage, evaluate_accuracy(model, data.x_test, data.y_test)))
+
+    stages = build_stages(
+        float_model, example, lambda: (data.x_train[i : i + 128] for i in range(0, len(data.x_train), 128)),
+        calib_setter, qat_qconfig_setter=qat_setter,
+        train_qat=(lambda m: _qat(m, data.x_train, data.y_train, qat_epochs, seed)) if qat_epochs > 0 else None,
+        out_dir=out, step=step)
+    record("float", stages.float)
+    record("int8 calibration", stages.calibration)
+    if int16 and not fault:
+        calib16 = prepare(float_model, example, calibration_8bit_weight_16bit_act_qconfig_setter,
+                          check_result_dir=None)
+        _calibrate(calib16, data.x_train)
+        record("int16-activation calibration", calib16)
+    if stages.qat is not stages.calibration:
+        record("int8 QAT", stages.qat)
+    record("pre_export (lookup tables)", stages.pre_export)
+    result.stages.append(StageResult("qat IR", _accuracy_ir(stages.qat_ir, data.x_test, data.y_test)))
+    result.stages.append(StageResult("quantized IR (integer)",
+                                     _accuracy_ir(stages.quantized_ir, data.x_test, data.y_test)))
+    check = check_qat_model(stages.qat, example, out_dir)
+
+    def batches():
+        return [data.x_test[i * batch_size : (i + 1) * batch_size] for i in range(analysis_batches)]
+
+    result.pairs = analyze_pairs(stages, list(PAIRS), out, batches, example, sensitivity=sensitivity,
+                                 progress=progress, step=step)
+    ranked = ranked_losses(result.pairs)
+    result.culprit = ranked[0].worst_op if ranked else None
+    intro = ("digits CNN, " + (f"planted fault at op site '{FAULT_SITE}' (fixed int8 scale {FAULT_SCALE})"
+                               if fault else "no planted fault") + ". Accuracy: " +
+             ", ".join(f"{s.stage} {s.accuracy:.2f}%" for s in result.stages))
+    index = write_index(result.pairs, out, "quantlens demo: where the digits CNN loses precision", intro)
+    summary = write_summary(result.pairs, out, {"fault": result.fault,
+                                                "stages": [asdict(s) for s in result.stages]})
+    legacy = out / "demo_summary.json"  # accuracies only, as before
+    atomic_write_text(legacy, json.dumps([asdict(s) for s in result.stages], indent=2) + "\n")
+    result.files = [check.path, *stages.files, str(index), str(summary), str(legacy)]
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from quantlens.cli import _quiet_torch
+    from quantlens.cli.pipeline import print_losses
+
+    _quiet_torch()
+    parser = argparse.ArgumentParser(prog="quantlens-demo", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.splitlines()[2:]))
     parser.add_argument("--out", default="quantlens_demo", help="output folder (default: ./quantlens_demo)")
-    parser.add_argument("--qat-epochs", type=int, default=2)
+    parser.add_argument("--qat-epochs", type=int, default=2, help="QAT epochs (default 2; 0 skips training)")
+    parser.add_argument("--fault", action="store_true",
+                        help=f"plant a fault: op site '{FAULT_SITE}' gets a far too coarse fixed int8 scale")
+    parser.add_argument("--batches", type=int, default=3,
+                        help="held-out batches of 32 searched for each pair's bad case (default 3)")
+    parser.add_argument("--no-sensitivity", action="store_true", help="skip the per-quantizer sensitivity tables")
     args = parser.parse_args(argv)
-    result = run_demo(args.out, args.qat_epochs)
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    with console.status("quantlens demo") as status:
+        result = run_demo(args.out, args.qat_epochs, fault=args.fault, analysis_batches=args.batches,
+                          sensitivity=not args.no_sensitivity, step=lambda s: status.update(f"[bold]{s}"))
+
     table = Table(title="digits CNN: accuracy by stage (360 held-out images)")
     table.add_column("stage")
     table.add_column("accuracy %", justify="right")
@@ -129,8 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     base = result.accuracy("float")
     for stage in result.stages:
         table.add_row(stage.stage, f"{stage.accuracy:.2f}", f"{stage.accuracy - base:+.2f}")
-    console = Console()
     console.print(table)
+    print_losses(console, result.pairs)
+    console.print(f"reports: {os.path.join(args.out, 'index.html')} links each pair's <pair>/profiler.html")
+    if result.fault:
+        found = "found it" if result.culprit == result.fault else f"but the worst op is {result.culprit}"
+        console.print(f"planted fault: {result.fault} ({found})")
     for path in result.files:
         console.print(f"wrote {path}")
     return 0

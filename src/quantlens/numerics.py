@@ -28,6 +28,9 @@ __all__ = [
     "quantize_multiplier",
     "rshift_round_half_to_even",
     "requantize",
+    "RequantizeParams",
+    "requantize_params",
+    "apply_requantize",
     "saturate",
     "rescaled_sum",
     "constant_addend",
@@ -123,22 +126,30 @@ def quantize_multiplier(real: float, qpp: Qpp = Qpp.DEFAULT) -> tuple[int, int]:
     return int(mult), int(shift)
 
 
-def rshift_round_half_to_even(x: torch.Tensor, shift: "int | torch.Tensor") -> torch.Tensor:
+def rshift_round_half_to_even(x: torch.Tensor, shift: "int | torch.Tensor", *,
+                              bound: "float | None" = None) -> torch.Tensor:
     """``x / 2**shift`` rounded half to even, on int64 tensors. ``shift`` may be a tensor broadcast against ``x``
     (per-channel requantize).
 
     With ``f = x >> k`` (floor), remainder ``r = x - f·2**k`` and ``h = 2**(k-1)``: ``(r + h - 1 + (f & 1)) >> k``
     is 1 exactly when ``r > h``, or ``r == h`` and ``f`` is odd (``docs/march.md`` §8.2); it cannot overflow.
+
+    ``bound`` (speed only, same result): a known bound on ``|x|``. Below ``2**53`` the float64 path below is taken
+    without looking at the data; below ``2**62`` the sum is formed on ``x`` itself, ``(x + h - 1 + (f & 1)) >> k``
+    (adding ``f·2**k`` back cannot overflow there), in fewer passes.
     """
     x = x.to(torch.int64)
     if not isinstance(shift, torch.Tensor) and shift == 0:
         return x
-    if x.numel() >= 4096 and int(x.abs().max()) < 2**53:
+    if (bound is not None and bound < 2**53) or (bound is None and x.numel() >= 4096
+                                                 and int(x.abs().max()) < 2**53):
         # Same result, faster on large tensors: x is exact in float64, x·2**-shift is exact (a power of two), and
         # torch.round rounds half to even.
         scale = 2.0 ** -shift if not isinstance(shift, torch.Tensor) else torch.pow(2.0, -shift.to(torch.float64))
         return torch.round(x.to(torch.float64) * scale).to(torch.int64)
     if not isinstance(shift, torch.Tensor):
+        if bound is not None and bound <= 2**62 and 0 < shift <= 62:  # |x| + 2**(k-1) < 2**63
+            return _rshift_rhe_short(x, shift)
         floor = torch.bitwise_right_shift(x, shift)
         rem = x - torch.bitwise_left_shift(floor, shift)
         up = torch.bitwise_right_shift(rem + ((1 << (shift - 1)) - 1) + torch.bitwise_and(floor, 1), shift)
@@ -151,8 +162,17 @@ def rshift_round_half_to_even(x: torch.Tensor, shift: "int | torch.Tensor") -> t
     return floor + torch.where(shift > 0, up, 0)
 
 
+def _rshift_rhe_short(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """``rshift_round_half_to_even`` for ``|x| < 2**62`` and ``0 < shift <= 62``: ``(x + h - 1 + (f & 1)) >> k``
+    with ``f = x >> k`` equals ``f + ((r + h - 1 + (f & 1)) >> k)`` (``x = f·2**k + r``) and stays below 2**63."""
+    up = torch.bitwise_right_shift(x, shift)
+    up.bitwise_and_(1).add_(x).add_((1 << (shift - 1)) - 1)
+    return up.bitwise_right_shift_(shift)
+
+
 def requantize(
-    acc: torch.Tensor, multiplier: "int | torch.Tensor", shift: "int | torch.Tensor", dtype: QuantDType
+    acc: torch.Tensor, multiplier: "int | torch.Tensor", shift: "int | torch.Tensor", dtype: QuantDType, *,
+    bound: "float | None" = None, storage: torch.dtype = torch.int64,
 ) -> torch.Tensor:
     """Scale an int32 accumulator by ``multiplier * 2**-shift`` and saturate to ``dtype`` (int64 result).
     ``multiplier``/``shift`` may be tensors broadcast against ``acc`` (per-channel).
@@ -162,24 +182,68 @@ def requantize(
     is exact: ``M`` has ``b <= 53`` bits and the scaling is a power of two) and ``torch.round`` (half to even)
     rounds it exactly as ``rshift_round_half_to_even`` would. A 31-bit (high-precision) multiplier allows
     ``|acc| < 2**22``; a 16-bit (default) one ``|acc| < 2**37``, which every saturated int32 accumulator meets.
+
+    Speed only, same result: ``bound``, a known bound on ``|acc|`` (it replaces the data's maximum in the fast
+    path's test); ``storage``, the integer dtype of the result (the saturated values, exactly).
+    :func:`requantize_params` prepares the parameters once for repeated calls (:func:`apply_requantize`).
     """
-    if acc.is_floating_point():  # integer values held in float64 (the simulator's exact GEMM results)
-        acc = acc.to(torch.float64)
+    return apply_requantize(acc, requantize_params(multiplier, shift, dtype), bound=bound, storage=storage)
+
+
+class RequantizeParams:
+    """The parameters of :func:`requantize`, prepared once: ``multiplier``/``shift`` (ints or int64 tensors),
+    the output ``dtype``, ``real = M * 2**-shift`` (float64, exact) and the fast path's ``exact_bound``."""
+
+    __slots__ = ("multiplier", "shift", "dtype", "real", "exact_bound")
+
+    def __init__(self, multiplier, shift, dtype: QuantDType, real, exact_bound: int):
+        self.multiplier, self.shift, self.dtype, self.real, self.exact_bound = (
+            multiplier, shift, dtype, real, exact_bound)
+
+
+def requantize_params(multiplier: "int | torch.Tensor", shift: "int | torch.Tensor",
+                      dtype: QuantDType) -> RequantizeParams:
+    if isinstance(multiplier, torch.Tensor) or isinstance(shift, torch.Tensor):
+        m = torch.as_tensor(multiplier).to(torch.int64)
+        sh = shift.to(torch.int64) if isinstance(shift, torch.Tensor) else int(shift)
+        real = m.to(torch.float64) * torch.pow(2.0, -torch.as_tensor(sh, dtype=torch.float64))
     else:
-        acc = acc.to(torch.int64)
-    if acc.numel() and float(acc.abs().max()) < _exact_bound(multiplier):
-        if isinstance(multiplier, torch.Tensor) or isinstance(shift, torch.Tensor):
-            real = torch.as_tensor(multiplier, dtype=torch.float64) * torch.pow(
-                2.0, -torch.as_tensor(shift, dtype=torch.float64))
-        else:
-            real = float(multiplier) * 2.0 ** -int(shift)
-        y = torch.round(acc.to(torch.float64) * real)
-        return saturate(y, dtype).to(torch.int64)
+        m, sh = int(multiplier), int(shift)
+        real = float(m) * 2.0 ** -sh
+    return RequantizeParams(m, sh, dtype, real, _exact_bound(m) if not isinstance(m, torch.Tensor) or m.numel()
+                            else 1)
+
+
+def apply_requantize(acc: torch.Tensor, p: RequantizeParams, *, bound: "float | None" = None,
+                     storage: torch.dtype = torch.int64, consume: bool = False) -> torch.Tensor:
+    """:func:`requantize` with prepared parameters. ``consume`` (speed only): ``acc`` is a float64 temporary of
+    the caller's, which may be overwritten."""
+    amax = float(bound) if bound is not None else None
+    if acc.numel():
+        if amax is None or amax >= p.exact_bound:
+            data = float(acc.abs().max() if acc.is_floating_point() else acc.to(torch.int64).abs().max())
+            amax = data if amax is None else min(amax, data)
+        if amax < p.exact_bound:
+            real = p.real
+            y = acc if consume and acc.dtype == torch.float64 else acc.to(torch.float64, copy=True)
+            if isinstance(real, torch.Tensor) and torch.broadcast_shapes(y.shape, real.shape) != y.shape:
+                y = y * real
+            else:
+                y.mul_(real)
+            return y.round_().clamp_(p.dtype.qmin, p.dtype.qmax).to(storage)
+    else:
+        amax = 0.0
     acc = acc.to(torch.int64)
-    if isinstance(multiplier, torch.Tensor):
-        multiplier = multiplier.to(torch.int64)
+    multiplier = p.multiplier
     prod = acc * multiplier
-    return saturate(rshift_round_half_to_even(prod, shift), dtype)
+    if isinstance(multiplier, torch.Tensor):
+        mmax = float(multiplier.abs().max()) if multiplier.numel() else 0.0
+    else:
+        mmax = abs(float(multiplier))
+    # a bound on |acc · M| in Python ints (amax from float64: widened by its possible rounding, 2**-53 relative)
+    exact = (int(amax) + (int(amax) >> 50) + 1) * int(mmax)
+    y = rshift_round_half_to_even(prod, p.shift, bound=exact if exact <= 2**62 else None)
+    return saturate(y, p.dtype).to(storage)
 
 
 def _exact_bound(multiplier: "int | torch.Tensor") -> int:
@@ -191,13 +255,14 @@ def _exact_bound(multiplier: "int | torch.Tensor") -> int:
 
 def rescaled_sum(
     terms: "list[tuple[torch.Tensor, int, int, int]]", addend: "int | torch.Tensor", dtype: QuantDType,
-    frac_bits: int,
+    frac_bits: int, *, storage: torch.dtype = torch.int64,
 ) -> torch.Tensor:
     """``docs/march.md`` §10: ``sat(rshift_rhe(Σ sign_i · rshift_rhe(q_i · M_i, shift_i − F) + addend, F))``.
 
     Each term ``(q_i, M_i, shift_i, sign_i)`` is rescaled to the output scale keeping ``F = frac_bits`` extra
     fractional bits (8 for the high-precision profile, 0 for the default one: each term is then rounded to whole
     output steps); the sum (plus ``addend``, already in those units) is rounded once (F = 0: not at all).
+    ``storage`` (speed only): the integer dtype of the result.
     """
     frac = int(frac_bits)
     if frac < 0:
@@ -209,21 +274,52 @@ def rescaled_sum(
                 "its scale is too large next to the output scale for the march to rescale it. Check the observers "
                 "of this op's inputs."
             )
-    if all(int(q.abs().max()) < _exact_bound(mult) if q.numel() else True for q, mult, *_ in terms):
+    if all(_magnitude_bound(q, mult) for q, mult, *_ in terms):
         # Same result in float64: |q·M| < 2**53 is exact (the bound of _exact_bound: |q| < 2**22 for a 31-bit M,
         # 2**37 for a 16-bit one), scaling by powers of two is exact, torch.round is half to even, and the
-        # int32-bounded terms and their sum (plus an int32 addend) are exact.
-        total = torch.zeros((), dtype=torch.float64) + float(addend)
+        # int32-bounded terms and their sum (plus an int32 addend) are exact. (In place on fresh tensors; a term
+        # whose bound |q|·M·2**(F - shift) is below 2**31 - 1 needs no int32 clamp.)
+        total = None
         for q, mult, shift, sign in terms:
-            t = torch.round(q.to(torch.float64) * (int(mult) * 2.0 ** (frac - int(shift))))
-            t = torch.clamp(t, -(2**31), 2**31 - 1)
-            total = total + (t if sign > 0 else -t)
-        return saturate(torch.round(total * 2.0**-frac), dtype).to(torch.int64)
+            factor = int(mult) * 2.0 ** (frac - int(shift))
+            t = q.to(torch.float64, copy=True).mul_(factor).round_()
+            if _STORAGE_MAGNITUDE.get(q.dtype, 2**63) * abs(factor) > 2**31 - 1:
+                t.clamp_(-(2**31), 2**31 - 1)
+            if sign < 0:
+                t.neg_()
+            if total is None:
+                total = t
+            elif torch.broadcast_shapes(total.shape, t.shape) == total.shape:
+                total.add_(t)
+            else:
+                total = t.add_(total) if torch.broadcast_shapes(total.shape, t.shape) == t.shape else total + t
+        if total is None:
+            total = torch.zeros((), dtype=torch.float64)
+        if float(addend) != 0.0:
+            total = total + float(addend) if total.dim() == 0 else total.add_(float(addend))
+        if frac:
+            total.mul_(2.0**-frac).round_()
+        return total.clamp_(dtype.qmin, dtype.qmax).to(storage)
     total = torch.zeros((), dtype=torch.int64) + addend
     for q, mult, shift, sign in terms:
         t = torch.clamp(rshift_round_half_to_even(q.to(torch.int64) * int(mult), shift - frac), -(2**31), 2**31 - 1)
         total = total + (t if sign > 0 else -t)
-    return saturate(rshift_round_half_to_even(total, frac), dtype)
+    return saturate(rshift_round_half_to_even(total, frac), dtype).to(storage)
+
+
+#: the largest magnitude of each integer storage dtype (a static bound on |q|, no pass over the data).
+_STORAGE_MAGNITUDE = {torch.int8: 2**7, torch.int16: 2**15, torch.int32: 2**31, torch.uint8: 2**8 - 1,
+                      torch.bool: 1}
+
+
+def _magnitude_bound(q: torch.Tensor, mult: int) -> bool:
+    """``max |q| < _exact_bound(mult)``: from the storage dtype when that suffices, else from the data."""
+    if not q.numel():
+        return True
+    bound = _exact_bound(mult)
+    if _STORAGE_MAGNITUDE.get(q.dtype, 2**63) < bound:
+        return True
+    return int(q.to(torch.int64).abs().max()) < bound
 
 
 # -- the integer parameters convert derives from constants (docs/march.md §10, §10.1, §10.3, §11) -------------

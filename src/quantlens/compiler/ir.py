@@ -232,12 +232,16 @@ class Module:
         The inputs are checked against the exported types first (:meth:`check_inputs`). ``check_finite``: refuse
         NaN/Inf in float inputs; ``None`` (default) checks unless the run is instrumented (``observer`` or
         ``hooks``: the profiler's runs, which diagnose non-finite inputs)."""
+        from quantlens._threads import loop_threads
         from quantlens.compiler.interpreter import run_graph
 
         if check_finite is None:
             check_finite = observer is None and hooks is None
         self.check_inputs(feeds, check_finite=check_finite)
-        return run_graph(self, feeds, observer, hooks)
+        if self.kind != "quantized":  # float kernels: the caller's thread count (it can change the last float bit)
+            return run_graph(self, feeds, observer, hooks)
+        with loop_threads():  # the simulator's thread count (quantlens._threads); exact whatever the count
+            return run_graph(self, feeds, observer, hooks)
 
     def __call__(self, *args, **kwargs):
         feeds = self._feeds_from_call(args, kwargs)

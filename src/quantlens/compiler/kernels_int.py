@@ -11,6 +11,8 @@ along ``axis``) and the output type's ``qmin``/``qmax``.
 
 from __future__ import annotations
 
+import copy
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -21,9 +23,18 @@ from quantlens.compiler.ir import Node
 from quantlens.compiler.lowering import TORCH_OPS
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType
-from quantlens.kernels import TABLE_OP_IO, table_torch_op
+from quantlens.kernels import TABLE_OP_IO, int_div, int_layer_norm, int_reciprocal, int_softmax, table_torch_op
+from quantlens.kernels import SegmentedTable, Table256, dtype_from_range, lut256_lookup, segmented_lookup
 from quantlens.opset import ops_in
-from quantlens.numerics import dequantize, quantize, requantize, rescaled_sum, rshift_round_half_to_even
+from quantlens.numerics import (
+    apply_requantize,
+    dequantize,
+    quantize,
+    requantize,
+    requantize_params,
+    rescaled_sum,
+    rshift_round_half_to_even,
+)
 
 __all__ = ["INT_KERNELS", "int_kernel", "int_dispatch", "storage_dtype"]
 
@@ -49,24 +60,93 @@ def _qdtype(node: Node) -> QuantDType:
     return QuantDType.parse(node.attrs["out_dtype"])
 
 
-def _requant(node: Node, acc: torch.Tensor, channel_dim: int | None = None) -> torch.Tensor:
-    """Apply the node's requantize attrs to an int64 accumulator; store in the output's integer type."""
-    out = _qdtype(node)
-    mult = node.attrs.get("multiplier")
-    if mult is None:  # int32 high-precision output: saturate only
-        y = torch.clamp(acc, _INT32.qmin, _INT32.qmax)
-    else:
-        shifts = node.attrs["shift"]
-        acc = torch.clamp(acc, _INT32.qmin, _INT32.qmax)
-        if len(mult) == 1:
-            y = requantize(acc, int(mult[0]), int(shifts[0]), out)
-        else:  # per channel: broadcast along the channel dim
-            shape = [1] * acc.dim()
-            shape[channel_dim % acc.dim()] = -1
-            m = torch.tensor(mult, dtype=torch.int64).reshape(shape)
-            sh = shifts[0] if len(set(shifts)) == 1 else torch.tensor(shifts, dtype=torch.int64).reshape(shape)
-            y = requantize(acc, m, sh, out)
-    return y.to(storage_dtype(out.value))
+# -- per-node prepared parameters ------------------------------------------------------------------------------
+#: (id(node), builder) -> (weakref to the node, builder, snapshot of its attrs, prepared value)
+_PREPARED: dict[tuple[int, Any], tuple] = {}
+
+
+def _forget(key: tuple, ref: weakref.ref) -> None:
+    entry = _PREPARED.get(key)
+    if entry is not None and entry[0] is ref:
+        del _PREPARED[key]
+
+
+def _prepared(node: Node, build: Callable[[Node], Any]) -> Any:
+    """``build(node)``, cached per node (by identity) while its attrs stay equal to those it was built from: the
+    parameters a kernel derives from attrs (requantize multipliers as tensors, ...) are made once, not per call."""
+    key = (id(node), build)
+    entry = _PREPARED.get(key)
+    if entry is not None and entry[0]() is node:
+        try:
+            if entry[2] == node.attrs:
+                return entry[3]
+        except Exception:  # attrs that do not compare (tensors): no caching
+            pass
+    value = build(node)
+    try:
+        snapshot = copy.deepcopy(node.attrs)
+        ref = weakref.ref(node, lambda r, key=key: _forget(key, r))
+    except Exception:
+        return value
+    _PREPARED[key] = (ref, build, snapshot, value)
+    return value
+
+
+class _Requant:
+    """A node's requantize attrs, prepared: the output type and the :func:`requantize_params` (per channel: one
+    per accumulator rank and channel dim)."""
+
+    def __init__(self, node: Node):
+        self.out = _qdtype(node)
+        self.storage = storage_dtype(self.out.value)
+        self.mult = node.attrs.get("multiplier")
+        self.shifts = node.attrs.get("shift")
+        self.scalar = None
+        if self.mult is not None and len(self.mult) == 1:
+            self.scalar = requantize_params(int(self.mult[0]), int(self.shifts[0]), self.out)
+        self.by_shape: dict[tuple[int, int], Any] = {}
+
+    def params(self, ndim: int, channel_dim: int | None):
+        if self.scalar is not None:
+            return self.scalar
+        key = (ndim, channel_dim % ndim)
+        p = self.by_shape.get(key)
+        if p is None:
+            shape = [1] * ndim
+            shape[key[1]] = -1
+            m = torch.tensor(self.mult, dtype=torch.int64).reshape(shape)
+            sh = (self.shifts[0] if len(set(self.shifts)) == 1
+                  else torch.tensor(self.shifts, dtype=torch.int64).reshape(shape))
+            p = self.by_shape[key] = requantize_params(m, sh, self.out)
+        return p
+
+
+_INT32_MAX = _INT32.qmax
+
+
+def _clamp_int32(acc: torch.Tensor) -> torch.Tensor:
+    if acc.is_floating_point():  # float bounds: exact in float64 (and a faster kernel than int bounds)
+        return torch.clamp(acc.to(torch.float64), float(_INT32.qmin), float(_INT32.qmax))
+    return torch.clamp(acc, _INT32.qmin, _INT32.qmax)
+
+
+def _requant(node: Node, acc: torch.Tensor, channel_dim: int | None = None, bound: float | None = None,
+             consume: bool = False) -> torch.Tensor:
+    """Apply the node's requantize attrs to an exact integer accumulator (int64, or integer values in float32/64);
+    store in the output's integer type. ``bound``: a known bound on ``|acc|`` (no saturation pass below int32's
+    range, and the requantize fast path's test without a pass over the data); ``consume``: ``acc`` is a float64
+    temporary that may be overwritten."""
+    rq = _prepared(node, _Requant)
+    if bound is None or bound > _INT32_MAX:
+        acc = _clamp_int32(acc)
+        consume = acc.dtype == torch.float64
+        bound = None if bound is None else float(2**31)
+    if rq.mult is None:  # int32 high-precision output: saturate only
+        return acc.to(rq.storage)
+    if bound is None:
+        bound = float(2**31)  # saturated above
+    return apply_requantize(acc, rq.params(acc.dim(), channel_dim), bound=bound, storage=rq.storage,
+                            consume=consume)
 
 
 def _exact(t: torch.Tensor) -> torch.Tensor:
@@ -82,6 +162,12 @@ def _gemm_dtype(a: torch.Tensor, b: torch.Tensor, terms: int) -> torch.dtype:
 
 def _magnitude(t: torch.Tensor) -> int:
     return {torch.int8: 128, torch.int16: 32768}.get(t.dtype, 2**31)
+
+
+def _bound_of(t: torch.Tensor) -> float | None:
+    """``max |t|`` from its storage type (int8/int16/int32), or ``None`` (unknown: the data decide)."""
+    return {torch.int8: 128.0, torch.int16: 32768.0, torch.int32: float(2**31), torch.bool: 1.0,
+            torch.uint8: 255.0}.get(t.dtype)
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
@@ -104,7 +190,8 @@ def _dequantize(node, inputs):
 
 @int_kernel("requantize")
 def _requantize(node, inputs):
-    return _requant(node, inputs[0].to(torch.int64), node.attrs.get("axis"))
+    q = inputs[0]
+    return _requant(node, q.to(torch.int64), node.attrs.get("axis"), bound=_bound_of(q))
 
 
 # -- GEMM -----------------------------------------------------------------------------------------------------
@@ -116,14 +203,90 @@ def _bias(acc: torch.Tensor, bias: torch.Tensor | None, channel_dim: int) -> tor
     return acc + bias.to(acc.dtype).reshape(shape)
 
 
+class _GemmWeights:
+    """A GEMM node's constant operands, prepared for one weight/bias pair (kept while they are the same tensors,
+    unmodified): the GEMM dtype, the weight (and bias, when it can enter the GEMM) in that dtype, and a bound on
+    ``|acc|``.
+
+    The bound: every partial sum of ``x · w`` for an output is at most ``max|x| · Σ|w|`` over that output's
+    weights (``max|x|`` from the input's storage type), plus ``|bias|``. Below ``2**24`` the whole GEMM with its
+    bias is exact in float32 whatever the summation order (the ``_gemm_dtype`` rule, with the weights' actual
+    magnitudes); else the bias is added in float64 after a float32 GEMM whose products alone stay below
+    ``2**24``; else float64 (exact below ``2**53``)."""
+
+    __slots__ = ("w", "w_version", "b", "b_version", "x_dtype", "dtype", "weight", "gemm_bias", "late_bias",
+                 "bound")
+
+    def __init__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out_sums: Callable):
+        self.w, self.w_version, self.b, self.x_dtype = w, w._version, b, x.dtype
+        self.b_version = None if b is None else b._version
+        w_abs = w.to(torch.int64).abs()
+        products = _magnitude(x) * (int(out_sums(w_abs).max()) if w.numel() else 0)
+        b_max = int(b.to(torch.int64).abs().max()) if b is not None and b.numel() else 0
+        self.bound = float(products + b_max)
+        if products + b_max < 2**24:
+            self.dtype, self.gemm_bias, self.late_bias = torch.float32, b, None
+        elif products < 2**24:
+            self.dtype, self.gemm_bias, self.late_bias = torch.float32, None, b
+        else:
+            self.dtype, self.gemm_bias, self.late_bias = torch.float64, None, b
+        self.weight = w.to(self.dtype)
+        if self.gemm_bias is not None:
+            self.gemm_bias = self.gemm_bias.to(self.dtype)
+        if self.late_bias is not None:
+            self.late_bias = self.late_bias.to(torch.float64)
+
+    def fits(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+        return (w is self.w and w._version == self.w_version and b is self.b and x.dtype == self.x_dtype
+                and (b is None or b._version == self.b_version))
+
+
+class _GemmCache:
+    def __init__(self, node: Node):
+        self.entry: _GemmWeights | None = None
+
+
+def _gemm_weights(node: Node, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                  out_sums: Callable) -> _GemmWeights:
+    cache = _prepared(node, _GemmCache)
+    entry = cache.entry
+    if entry is None or not entry.fits(x, w, b):
+        entry = cache.entry = _GemmWeights(x, w, b, out_sums)
+    return entry
+
+
+def _gemm_out(node: Node, acc: torch.Tensor, g: _GemmWeights, channel_dim: int) -> torch.Tensor:
+    """Add a late bias (float64, exact) and requantize with the GEMM's bound."""
+    consume = False
+    if g.late_bias is not None:
+        acc = acc.to(torch.float64)  # the GEMM's fresh result: changed in place
+        shape = [1] * acc.dim()
+        shape[channel_dim] = -1
+        acc.add_(g.late_bias.reshape(shape))
+        consume = True
+    return _requant(node, acc, channel_dim, bound=g.bound, consume=consume or acc.dtype == torch.float64)
+
+
+def _conv_sums(w_abs: torch.Tensor) -> torch.Tensor:  # weight [out, in / groups, k...]
+    return w_abs.reshape(w_abs.shape[0], -1).sum(1)
+
+
+def _conv_transpose_sums(w_abs: torch.Tensor) -> torch.Tensor:  # weight [in, out / groups, k...]
+    return w_abs.transpose(0, 1).reshape(w_abs.shape[1], -1).sum(1)
+
+
+def _linear_sums(w_abs: torch.Tensor) -> torch.Tensor:  # weight [out, in]
+    return w_abs.reshape(-1, w_abs.shape[-1]).sum(1)
+
+
 @int_kernel("conv2d", "conv1d")
 def _conv(node, inputs):
     x, w, b = inputs
     conv = F.conv2d if node.op == "conv2d" else F.conv1d
     a = node.attrs
-    dtype = _gemm_dtype(x, w, w[0].numel())
-    acc = _acc(conv(x.to(dtype), w.to(dtype), None, a["stride"], a["padding"], a["dilation"], a["groups"]))
-    return _requant(node, _bias(acc, b, 1), 1)
+    g = _gemm_weights(node, x, w, b, _conv_sums)
+    acc = conv(x.to(g.dtype), g.weight, g.gemm_bias, a["stride"], a["padding"], a["dilation"], a["groups"])
+    return _gemm_out(node, acc, g, 1)
 
 
 @int_kernel("conv_transpose1d", "conv_transpose2d")
@@ -134,25 +297,27 @@ def _conv_transpose(node, inputs):
     x, w, b = inputs
     fn = F.conv_transpose2d if node.op == "conv_transpose2d" else F.conv_transpose1d
     a = node.attrs
-    dtype = _gemm_dtype(x, w, w.shape[0] * w[0, 0].numel())
-    acc = _acc(fn(x.to(dtype), w.to(dtype), None, a["stride"], a["padding"], a["output_padding"], a["groups"],
-                  a["dilation"]))
-    return _requant(node, _bias(acc, b, 1), 1)
+    g = _gemm_weights(node, x, w, b, _conv_transpose_sums)
+    acc = fn(x.to(g.dtype), g.weight, g.gemm_bias, a["stride"], a["padding"], a["output_padding"], a["groups"],
+             a["dilation"])
+    return _gemm_out(node, acc, g, 1)
 
 
 @int_kernel("linear")
 def _linear(node, inputs):
     x, w, b = inputs
-    dtype = _gemm_dtype(x, w, w.shape[-1])
-    acc = _acc(F.linear(x.to(dtype), w.to(dtype)))
-    return _requant(node, _bias(acc, b, acc.dim() - 1), -1)
+    g = _gemm_weights(node, x, w, b, _linear_sums)
+    acc = F.linear(x.to(g.dtype), g.weight, g.gemm_bias)
+    return _gemm_out(node, acc, g, acc.dim() - 1)
 
 
 @int_kernel("matmul")
 def _matmul(node, inputs):
     a, b = inputs
     dtype = _gemm_dtype(a, b, a.shape[-1])
-    return _requant(node, _acc(torch.matmul(a.to(dtype), b.to(dtype))))
+    acc = torch.matmul(a.to(dtype), b.to(dtype))
+    return _requant(node, acc, bound=float(a.shape[-1] * _magnitude(a) * _magnitude(b)),
+                    consume=acc.dtype == torch.float64)
 
 
 # -- elementwise --------------------------------------------------------------------------------------------
@@ -180,47 +345,64 @@ def _frac_bits(node: Node) -> int:
 def _add(node, inputs):
     (ma, mb), (sa, sb) = node.attrs["multipliers"], node.attrs["shifts"]
     sign_b = 1 if node.op == "add" else -1
-    y = rescaled_sum([(inputs[0], ma, sa, 1), (inputs[1], mb, sb, sign_b)], 0, _qdtype(node), _frac_bits(node))
-    return y.to(storage_dtype(node.attrs["out_dtype"]))
+    out = _qdtype(node)
+    return rescaled_sum([(inputs[0], ma, sa, 1), (inputs[1], mb, sb, sign_b)], 0, out, _frac_bits(node),
+                        storage=storage_dtype(out.value))
 
 
 @int_kernel("add_const")
 def _add_const(node, inputs):
     sign = -1 if node.attrs["negate"] else 1
     term = (inputs[0], node.attrs["multipliers"][0], node.attrs["shifts"][0], sign)
-    y = rescaled_sum([term], node.attrs["addend"], _qdtype(node), _frac_bits(node))
-    return y.to(storage_dtype(node.attrs["out_dtype"]))
+    out = _qdtype(node)
+    return rescaled_sum([term], node.attrs["addend"], out, _frac_bits(node), storage=storage_dtype(out.value))
+
+
+class _CatParams:
+    def __init__(self, node: Node):
+        out = _qdtype(node)
+        self.storage = storage_dtype(out.value)
+        self.parts = [requantize_params(int(m), int(s), out)
+                      for m, s in zip(node.attrs["multipliers"], node.attrs["shifts"])]
 
 
 @int_kernel("cat")
 def _cat(node, inputs):
-    parts = [
-        _rescale(q, m, s) for q, m, s in zip(inputs, node.attrs["multipliers"], node.attrs["shifts"])
-    ]
-    return _store(node, torch.cat(parts, dim=node.attrs["dim"]))
+    """§10: each input rescaled to the output scale (``rshift_rhe(q · M, shift)``, saturated to int32, then to
+    the output type: the requantize rule, whose saturation to the output type covers both), concatenated."""
+    c = _prepared(node, _CatParams)
+    if len(c.parts) != len(inputs) or any(_bound_of(q) is None or _bound_of(q) > _INT32_MAX for q in inputs):
+        parts = [_rescale(q, m, s) for q, m, s in zip(inputs, node.attrs["multipliers"], node.attrs["shifts"])]
+        return _store(node, torch.cat(parts, dim=node.attrs["dim"]))
+    parts = [apply_requantize(q, p, bound=_bound_of(q), storage=c.storage) for q, p in zip(inputs, c.parts)]
+    return torch.cat(parts, dim=node.attrs["dim"])
 
 
 @int_kernel("mul")
 def _mul(node, inputs):
     a, b = inputs
-    return _requant(node, a.to(torch.int64) * b.to(torch.int64))
+    ba, bb = _bound_of(a), _bound_of(b)
+    return _requant(node, a.to(torch.int64) * b.to(torch.int64),
+                    bound=None if ba is None or bb is None else ba * bb)
 
 
 @int_kernel("scale")
 def _scale(node, inputs):
     """Multiply by a constant real number: its sign flips the integers, its magnitude joins the multiplier."""
+    bound = _bound_of(inputs[0])
     q = inputs[0].to(torch.int64)
     if node.attrs["negative"]:
         q = -q
-    return _requant(node, q)
+    return _requant(node, q, bound=bound)
 
 
 @int_kernel("clamp")
 def _clamp(node, inputs):
+    bound = _bound_of(inputs[0])
     q = inputs[0].to(torch.int64)
     lo, hi = node.attrs["lo"], node.attrs["hi"]
     q = torch.clamp(q, min=lo, max=hi)
-    return _requant(node, q)
+    return _requant(node, q, bound=None if bound is None else min(bound, float(max(abs(lo), abs(hi)))))
 
 
 @int_kernel("masked_fill_int")
@@ -230,18 +412,29 @@ def _masked_fill(node, inputs):
 
 
 # -- reductions and pooling (exact integer sums, one requantize) ---------------------------------------------
+def _sum_dtype(q: torch.Tensor, terms: int) -> tuple[torch.dtype, float]:
+    """float32 when every partial sum of ``terms`` values of ``q`` stays below 2**24 (exact), else float64; and
+    the bound on the sum."""
+    bound = terms * _magnitude(q)
+    return (torch.float32 if bound < 2**24 else torch.float64), float(bound)
+
+
 @int_kernel("sum_int")
 def _sum(node, inputs):
-    acc = _acc(torch.sum(_exact(inputs[0]), dim=node.attrs["dim"], keepdim=node.attrs["keepdim"]))
-    return _requant(node, acc)
+    q = inputs[0]
+    dtype, bound = _sum_dtype(q, max(1, q.numel()))  # at most numel terms per sum
+    acc = torch.sum(q.to(dtype), dim=node.attrs["dim"], keepdim=node.attrs["keepdim"])
+    return _requant(node, acc, bound=bound, consume=acc.dtype == torch.float64)
 
 
 @int_kernel("avg_pool2d_int")
 def _avg_pool(node, inputs):
     a = node.attrs
-    acc = _acc(F.avg_pool2d(_exact(inputs[0]), a["kernel_size"], a["stride"], a["padding"], a["ceil_mode"],
-                            a["count_include_pad"], divisor_override=1))
-    return _requant(node, acc)
+    k = a["kernel_size"]
+    dtype, bound = _sum_dtype(inputs[0], k[0] * k[-1] if isinstance(k, (list, tuple)) else k * k)
+    acc = F.avg_pool2d(inputs[0].to(dtype), a["kernel_size"], a["stride"], a["padding"], a["ceil_mode"],
+                       a["count_include_pad"], divisor_override=1)
+    return _requant(node, acc, bound=bound, consume=acc.dtype == torch.float64)
 
 
 @int_kernel("avg_pool1d_int")
@@ -256,8 +449,9 @@ def _avg_pool1d(node, inputs):
 
 @int_kernel("abs_int", "neg_int")
 def _sign(node, inputs):
+    bound = _bound_of(inputs[0])
     q = inputs[0].to(torch.int64)
-    return _requant(node, q.abs() if node.op == "abs_int" else -q)
+    return _requant(node, q.abs() if node.op == "abs_int" else -q, bound=bound)
 
 
 @int_kernel("bilinear_int")
@@ -330,8 +524,104 @@ def _qdtype_from_range(qmin: int) -> QuantDType:
     return {-128: QuantDType.qint8, -32768: QuantDType.qint16}[qmin]
 
 
+#: the integer kernel of each table op on its codes, as its custom op (``quantlens.kernels.ops``) calls it, minus
+#: the custom op's quantize/dequantize: ``(codes, constants by schema name, attrs) -> output codes``.
+def _direct_lut(q, c, a):
+    return lut256_lookup(q, c["table"], 128).clamp(a["out_qmin"], a["out_qmax"])
+
+
+def _direct_segment_lut(q, c, a):
+    return segmented_lookup(q[0], c["bounds"], c["shifts"], c["entries"], a["frac_bits"], a["out_qmin"],
+                            a["out_qmax"], c["tails"])
+
+
+def _params(c, name="params"):
+    return [int(v) for v in c[name].tolist()]
+
+
+def _direct_reciprocal(q, c, a):
+    multiplier, shift = _params(c)
+    return int_reciprocal(q[0], multiplier, shift, dtype_from_range(a["out_qmin"], a["out_qmax"]))
+
+
+def _direct_div(q, c, a):
+    multiplier, shift = _params(c)
+    return int_div(q[0], q[1], multiplier, shift, dtype_from_range(a["out_qmin"], a["out_qmax"]))
+
+
+def _direct_softmax(q, c, a):
+    multiplier, shift = _params(c)
+    out_dtype = dtype_from_range(a["out_qmin"], a["out_qmax"])
+    x_bits = 7 + out_dtype.bits
+    if c["exp_bounds"].numel() == 0:
+        table = Table256(c["exp_entries"].to(torch.int64), 255, 0, 1 << x_bits)
+    else:
+        table = SegmentedTable(c["exp_bounds"], c["exp_shifts"], c["exp_entries"], a["exp_frac_bits"], 0,
+                               1 << x_bits, c["exp_tails"])
+    return int_softmax(q[0], a["dim"], table, multiplier, shift, out_dtype)
+
+
+def _direct_layer_norm(q, c, a):
+    eps_term, shift, frac_bits = _params(c)
+    return int_layer_norm(q[0], a["normalized_ndim"], c["gain"], c["bias"], eps_term, frac_bits, shift,
+                          dtype_from_range(a["out_qmin"], a["out_qmax"]))
+
+
+_DIRECT_TABLE = {"lut": lambda q, c, a: _direct_lut(q[0], c, a), "segment_lut": _direct_segment_lut,
+                 "int_reciprocal": _direct_reciprocal, "int_div": _direct_div, "int_softmax": _direct_softmax,
+                 "int_layer_norm": _direct_layer_norm}
+
+
+class _TableSite:
+    """A table node's schema split, prepared: data inputs (with their quantize range), the constant inputs by
+    schema name, and the output type."""
+
+    def __init__(self, node: Node):
+        op = table_torch_op(node.op)
+        io = TABLE_OP_IO[node.op]
+        self.n_data = len(node.attrs["table_inputs"])
+        schema_tensors = [a.name for a in op._schema.arguments if str(a.type).startswith("Tensor")]
+        self.const_names = [n for n in schema_tensors if n not in node.attrs["table_inputs"]]
+        self.attrs = {k: v for k, v in node.attrs.items() if k != "table_inputs"}
+        self.out = _qdtype_from_range(node.attrs["out_qmin"])
+        self.storage = storage_dtype(self.out.value)
+        ranges = {"x": ("in_qmin", "in_qmax")} if len(io.data) == 1 else {"x": ("x_qmin", "x_qmax"),
+                                                                            "y": ("y_qmin", "y_qmax")}
+        self.ranges = [(node.attrs.get(ranges.get(n, ("", ""))[0], -128), node.attrs.get(ranges.get(n, ("", ""))[1],
+                        127)) for n in node.attrs["table_inputs"]]
+        self.ok = list(node.attrs["table_inputs"]) == list(io.data)
+        self.consts: tuple | None = None  # (inputs, versions, by name)
+
+    def constants(self, rest: list) -> dict:
+        cached = self.consts
+        if cached is not None and len(cached[0]) == len(rest) and all(
+                a is b and a._version == v for a, b, v in zip(cached[0], rest, cached[1])):
+            return cached[2]
+        by_name = dict(zip(self.const_names, rest))
+        self.consts = (list(rest), [t._version for t in rest], by_name)
+        return by_name
+
+
+_STORAGE_RANGE = {torch.int8: (-128, 127), torch.int16: (-32768, 32767)}
+
+
+def _table_direct(node: Node, inputs: list) -> torch.Tensor:
+    """Table ops on their codes: the very integer kernel pre_export's custom op runs, on the codes it would
+    quantize (its dequantize-quantize round trips are exact: the values lie on the grids)."""
+    site = _prepared(node, _TableSite)
+    if not site.ok or any(not isinstance(t, torch.Tensor) for t in inputs):
+        return _table_kernel(node, inputs)
+    data = []
+    for q, (lo, hi) in zip(inputs[:site.n_data], site.ranges):
+        if _STORAGE_RANGE.get(q.dtype) != (lo, hi):  # the custom op's quantize saturates to the input range
+            q = torch.clamp(q.to(torch.int64), lo, hi)
+        data.append(q)
+    out = _DIRECT_TABLE[node.op](data, site.constants(inputs[site.n_data:]), site.attrs)
+    return torch.clamp(out, site.out.qmin, site.out.qmax).to(site.storage)
+
+
 for _op in TABLE_OP_IO:
-    INT_KERNELS[_op] = _table_kernel
+    INT_KERNELS[_op] = _table_direct if _op in _DIRECT_TABLE else _table_kernel
 
 
 def int_dispatch(node: Node, inputs: list) -> Any:

@@ -90,12 +90,16 @@ class Table256:
 
 def lut256_lookup(v: torch.Tensor, entries: torch.Tensor, offset: int = 128) -> torch.Tensor:
     """``entries[v + offset]`` (a gather); ``v`` must lie in ``[-offset, 255 - offset]`` (int8 codes do)."""
-    idx = v.to(torch.int64) + int(offset)
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) > 255):
-        raise QuantLensError(
-            f"A 256-entry table was indexed with codes outside [{-offset}, {255 - offset}]; its input is not int8."
-        )
-    return entries.to(device=idx.device, dtype=torch.int64)[idx]
+    idx = v.to(torch.int64, copy=True).add_(int(offset))
+    in_range = v.dtype in (torch.int8, torch.uint8) and (v.dtype == torch.int8) == (int(offset) == 128)
+    if not in_range and idx.numel():  # int8 codes with offset 128 (uint8 with 0) are in range by their type
+        lo, hi = (int(t) for t in torch.aminmax(idx))
+        if lo < 0 or hi > 255:
+            raise QuantLensError(
+                f"A 256-entry table was indexed with codes outside [{-offset}, {255 - offset}]; its input is not "
+                "int8."
+            )
+    return torch.take(entries.to(device=idx.device, dtype=torch.int64), idx)
 
 
 def build_table256(fn: OutputFn, out_min: int, out_max: int, offset: int = 128) -> Table256:

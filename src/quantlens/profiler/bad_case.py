@@ -33,6 +33,8 @@ class BadCaseResult:
     worst_value: dict[str, dict[str, float]]  # output -> metric -> value at that index
     overall: dict[str, tuple[int, str, float]]  # metric -> (sample index, output, value), over all outputs
     inputs: dict[int, Any] = field(default_factory=dict, repr=False)  # sample index -> its inputs
+    #: output -> metric -> the value of every searched sample, in sample order (badcase_report.html)
+    values: dict[str, dict[str, list[float]]] = field(default_factory=dict, repr=False)
 
     @property
     def bad_case_index(self) -> int:
@@ -74,6 +76,7 @@ def find_bad_case(
     worst: dict[tuple[str, str], tuple[int, float]] = {}
     outputs: list[str] = []
     inputs: dict[int, Any] = {}
+    values: dict[str, dict[str, list[float]]] = {}
     count = 0
     for index, example in enumerate(progress_iter(items, "searching bad case", total, progress)):
         count += 1
@@ -91,6 +94,7 @@ def find_bad_case(
                 outputs.append(name)
             for m in metrics:
                 value = m(base[name], analy[name])
+                values.setdefault(name, {}).setdefault(m.name, []).append(value)
                 key = (name, m.name)
                 if key not in worst or m.worse(value, worst[key][1]):
                     worst[key] = (index, value)
@@ -111,5 +115,5 @@ def find_bad_case(
         metric=primary.name, metrics=names, outputs=outputs, num_samples=count,
         worst_index={o: {m: worst[(o, m)][0] for m in names} for o in outputs},
         worst_value={o: {m: worst[(o, m)][1] for m in names} for o in outputs},
-        overall=overall, inputs=inputs,
+        overall=overall, inputs=inputs, values=values,
     )

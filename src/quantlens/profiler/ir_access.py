@@ -372,6 +372,29 @@ class IRModelAccess(ModelAccess):
         finally:
             self._ablated = None
 
+    def ablation_cache(self, analysis_type: AnalysisType, example: Any, indices):
+        """A runner of cached ablation runs (:mod:`.ablation_cache`): the reference model's cached forwards in
+        which the ablated site takes this IR's value; None where the reference is not cached."""
+        ref = self.reference
+        if isinstance(ref, IRModelAccess):
+            from quantlens.profiler.ablation_cache import IRAblationCache
+
+            cache = IRAblationCache(ref, example, indices)
+        else:
+            factory = getattr(ref, "reference_cache", None)
+            cache = factory(example, indices) if factory is not None else None
+        if cache is None:
+            return None
+        inputs = call_ir(self.module, example)
+
+        class Runner:
+            def run(_, q: Quantizer) -> Any:
+                override = SiteOverride(self, {q.op_name})
+                override.set_inputs(inputs)
+                return cache.run({q.op_name}, override)
+
+        return Runner()
+
     def _run_mixed(self, example: Any, indices) -> Any:
         """The reference model's run in which the enabled sites take this IR's value."""
         override = SiteOverride(self, set(self._ablated))

@@ -139,10 +139,14 @@ class SiteEvent:
     input_dtypes: list[str] = field(default_factory=list)  # quantization of each incoming float tensor
     weight: torch.Tensor | None = None
     weight_scale: torch.Tensor | None = None
-    quant_error: QuantErrorStats | None = None
+    #: or a callable returning it, for sinks with ``deferred_quant_error = True`` (computed off the forward)
+    quant_error: QuantErrorStats | Any | None = None
     same_input: list[torch.Tensor] | None = None  # analysis op re-run on the baseline's inputs
     same_input_pre: list[torch.Tensor] | None = None  # the same, before the site's output fake quant
     same_input_note: str = ""  # why there is no same-input output, when there is none
+    #: the same-input tensors are the event's own (computed for it, held by nothing else): a sink may keep them
+    #: without a copy
+    same_input_owned: bool = False
     index_producing: bool = False
     boundary: str = ""  # "input" (QuantStub), "output" (DeQuantStub) or ""
     fused_into: str | None = None  # the fused group's last op, for the other members

@@ -201,7 +201,8 @@ class OnnxModelAccess(ModelAccess):
         session = self._session(extra)
         fetch = self.output_names + list(extra)
         arrays = session.run(fetch, {n: feeds[n].detach().cpu().contiguous().numpy() for n in self.input_names})
-        values = {n: torch.from_numpy(a.copy()) if hasattr(a, "copy") else torch.tensor(a)
+        # (onnxruntime hands over fresh arrays: no copy unless one is read-only; the trace writer copies anyway)
+        values = {n: torch.from_numpy(a if a.flags.writeable else a.copy()) if hasattr(a, "flags") else torch.tensor(a)
                   for n, a in zip(fetch, arrays)}
         if sink is not None:
             for index, (site, names) in enumerate(sites.items()):

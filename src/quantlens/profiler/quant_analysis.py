@@ -20,6 +20,7 @@ from typing import Any, Iterable
 import torch
 
 from quantlens._io import writable_dir_problem
+from quantlens._threads import loop_threads
 from quantlens.errors import QuantLensError
 from quantlens.profiler.advisor import AdvisorContext, Finding, advise
 from quantlens.profiler.bad_case import BadCaseResult, find_bad_case
@@ -238,8 +239,9 @@ class QuantAnalysis:
         ``custom_metric_func(baseline, analysis) -> float`` gets float64 tensors; ``custom_metric_order_seq``
         is ``"descending"`` (larger is worse) or ``"ascending"`` (smaller is worse).
         """
-        result = find_bad_case(self.baseline, self.analysis, data_generator, self.post_process, num_steps, metric,
-                               custom_metric_func, custom_metric_order_seq, self.progress)
+        with loop_threads():  # quantlens._threads: few intra-op threads on small or busy machines
+            result = find_bad_case(self.baseline, self.analysis, data_generator, self.post_process, num_steps,
+                                   metric, custom_metric_func, custom_metric_order_seq, self.progress)
         write_bad_case(result, self.out_dir / "badcase.txt")
         save_pt({"worst_index": result.worst_index, "worst_value": result.worst_value,
                  "overall": result.overall, "metric": result.metric, "inputs": result.inputs},
@@ -291,21 +293,29 @@ class QuantAnalysis:
         try:
             output = access.run(example, sink=writer, same_input=same_input)
         except TypeError as exc:  # the model's own call signature refused the input's structure
+            writer.close()
             raise QuantLensError(
                 f"The {access.label} model ({access.describe()}) cannot be called with the bad case: {exc}. A torch "
                 "model takes its full input pytree (non-tensor arguments such as a task list included); an IR also "
                 "takes the deployment format. Set a bad case in a format this model accepts before running it."
             ) from exc
+        except BaseException:
+            writer.close()  # stop its writer thread; the previous complete trace stays as it was
+            raise
         if access is self.baseline:
             self._baseline_case = example  # sensitivity re-runs the baseline in the format it was traced in
-        extra = self.post_process.extra(output)
-        outputs = named_outputs(output)
-        for name, value in extra.items():  # a model output named like a post-processed one keeps its own name
-            outputs[unique_name(name, outputs)] = value
-        if extra:  # the post-processing is one more "op site", compared like the others
-            writer.on_site(SiteEvent(index=len(writer.sites), name="post_process", op_type="post_process",
-                                     module_type=None, inputs={}, outputs=list(extra.values())))
-        writer.finish(outputs, input_digest(self._require_bad_case()))
+        try:
+            extra = self.post_process.extra(output)
+            outputs = named_outputs(output)
+            for name, value in extra.items():  # a model output named like a post-processed one keeps its own name
+                outputs[unique_name(name, outputs)] = value
+            if extra:  # the post-processing is one more "op site", compared like the others
+                writer.on_site(SiteEvent(index=len(writer.sites), name="post_process", op_type="post_process",
+                                         module_type=None, inputs={}, outputs=list(extra.values())))
+            writer.finish(outputs, input_digest(self._require_bad_case()))
+        except BaseException:
+            writer.close()
+            raise
         trace = TraceReader(directory)
         write_statistic(trace, directory / "statistic.txt")
         return trace, list(outputs)
@@ -315,6 +325,10 @@ class QuantAnalysis:
         ``out_dir/baseline_model/`` and ``out_dir/analysis_model/`` (plus ``statistic.txt`` each). The analysis
         run also computes each op's same-input output from the baseline trace, so the baseline runs first (or
         was traced by an earlier call)."""
+        with loop_threads():  # quantlens._threads: few intra-op threads on small or busy machines
+            return self._run(run_baseline_model, run_analysis_model)
+
+    def _run(self, run_baseline_model: bool, run_analysis_model: bool) -> RunResult:
         base_dir, analy_dir = self.out_dir / BASELINE_DIR, self.out_dir / ANALYSIS_DIR
         base = analy = None
         outputs: list[str] = []
@@ -398,13 +412,14 @@ class QuantAnalysis:
         group = dist_rank_world()
         if shard is None:
             shard = group is not None
-        if not shard:
-            result = run_sensitivity(self.baseline, self.analysis, self.analysis_type, self._sensitivity_case(),
-                                     self.post_process, metric, reverse, self.progress)
-        else:
-            result = run_sharded_sensitivity(self.baseline, self.analysis, self.analysis_type,
-                                             self._sensitivity_case(), self.post_process, self.out_dir, metric,
-                                             reverse, self.progress)
+        with loop_threads():  # quantlens._threads: few intra-op threads on small or busy machines
+            if not shard:
+                result = run_sensitivity(self.baseline, self.analysis, self.analysis_type, self._sensitivity_case(),
+                                         self.post_process, metric, reverse, self.progress)
+            else:
+                result = run_sharded_sensitivity(self.baseline, self.analysis, self.analysis_type,
+                                                 self._sensitivity_case(), self.post_process, self.out_dir, metric,
+                                                 reverse, self.progress)
         if not (shard and group is not None and group[0] != 0):  # sharded: rank 0 writes the report files
             for table in result:
                 write_sensitivity(table, self.out_dir)

@@ -1,5 +1,8 @@
-"""Text, CSV and ``.pt`` writers. Every writer takes data returned by the analysis and writes one file
-atomically; none computes anything. Reports carry no timestamps, so the same inputs give the same files."""
+"""Text, CSV and ``.pt`` writers. Every writer takes data returned by the analysis and writes its file
+atomically; none computes anything. Reports carry no timestamps, so the same inputs give the same files.
+Text tables stay within :data:`TEXT_WIDTH` columns (:func:`wrap_table`). ``write_bad_case`` also writes
+``badcase_report.html`` and ``write_sensitivity`` refreshes ``profiler.html``'s sensitivity charts
+(:mod:`.html`)."""
 
 from __future__ import annotations
 
@@ -7,8 +10,10 @@ import csv
 import io
 import math
 import os
+import textwrap
 import urllib.parse
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -21,8 +26,66 @@ from quantlens.profiler.trace_store import TraceReader
 
 __all__ = [
     "fmt", "write_bad_case", "write_statistic", "write_compare_text", "write_compare_csv", "write_advisor",
-    "write_sensitivity", "safe_name", "save_pt",
+    "write_sensitivity", "safe_name", "save_pt", "wrap_table", "TEXT_WIDTH",
 ]
+
+#: text reports keep their lines within this many columns (wider tables are split, long cells wrapped)
+TEXT_WIDTH = 120
+
+
+def _render_table(headers: Sequence[str], rows: Sequence[Sequence[list[str]]]) -> list[str]:
+    """``format_table``'s layout for cells of one or more lines (a row takes as many lines as its tallest cell)."""
+    cells = [[[h] for h in headers]] + [list(r) for r in rows]
+    widths = [max(len(line) for r in cells for line in r[i]) for i in range(len(headers))]
+    sep = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
+    out = [sep]
+    for k, row in enumerate(cells):
+        for j in range(max(len(c) for c in row)):
+            out.append("| " + " | ".join((c[j] if j < len(c) else "").ljust(w) for c, w in zip(row, widths)) + " |")
+        if k == 0:
+            out.append(sep)
+    return out + [sep]
+
+
+def _wrap_cell(text: str, width: int) -> list[str]:
+    if len(text) <= width:
+        return [text]
+    return textwrap.wrap(text, width, break_long_words=True, break_on_hyphens=False) or [""]
+
+
+def wrap_table(headers: Sequence[str], rows: Sequence[Sequence[object]], width: int = TEXT_WIDTH,
+               keys: Sequence[int] = (0,)) -> str:
+    """``format_table``, kept within ``width`` columns: a table that fits is exactly ``format_table``'s; a
+    wider one is split into column groups printed one after another, each repeating the ``keys`` columns (the
+    ones that name a row, e.g. index and op name), and a cell too long for any group is wrapped onto more lines."""
+    text = format_table(headers, rows)
+    if max(len(line) for line in text.splitlines()) <= width:
+        return text
+    head = [str(h) for h in headers]
+    body = [["" if c is None else str(c) for c in row] for row in rows]
+    n = len(head)
+    keys = [k for k in keys if 0 <= k < n][: max(n - 1, 0)] or ([0] if n > 1 else [])
+    natural = [max(len(r[i]) for r in [head] + body) for i in range(n)]
+    col_w = list(natural)
+    while keys and sum(col_w[k] + 3 for k in keys) > width // 2 and max(col_w[k] for k in keys) > 8:
+        widest = max(keys, key=lambda k: col_w[k])  # the row names take at most half the width
+        col_w[widest] -= 1
+    key_total = sum(col_w[k] + 3 for k in keys)
+    cap = max(8, width - 1 - key_total - 3)
+    col_w = [w if i in keys else min(w, cap) for i, w in enumerate(col_w)]
+    groups: list[list[int]] = []
+    for i in (i for i in range(n) if i not in keys):
+        if groups and 1 + key_total + sum(col_w[j] + 3 for j in groups[-1]) + col_w[i] + 3 <= width:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    parts = []
+    for g, group in enumerate(groups):
+        cols = sorted(list(keys) + group)
+        title = [] if len(groups) == 1 else [f"(columns {g + 1}/{len(groups)})"]
+        parts.append("\n".join(title + _render_table(
+            [head[c] for c in cols], [[_wrap_cell(r[c], col_w[c]) for c in cols] for r in body])))
+    return "\n\n".join(parts)
 
 
 def fmt(value) -> str:
@@ -57,17 +120,21 @@ def write_bad_case(result: BadCaseResult, path: str | os.PathLike) -> Path:
         "worst: largest L1/MSE/KL/Atol, smallest Cosine/SQNR",
         "",
         "== Worst sample index per output and metric ==",
-        format_table(["output"] + metrics, [[o] + [result.worst_index[o][m] for m in metrics] for o in result.outputs]),
+        wrap_table(["output"] + metrics, [[o] + [result.worst_index[o][m] for m in metrics] for o in result.outputs]),
         "",
         "== Metric value at that sample ==",
-        format_table(["output"] + metrics,
-                     [[o] + [fmt(result.worst_value[o][m]) for m in metrics] for o in result.outputs]),
+        wrap_table(["output"] + metrics,
+                   [[o] + [fmt(result.worst_value[o][m]) for m in metrics] for o in result.outputs]),
         "",
         "== Worst sample per metric over all outputs ==",
-        format_table(["metric", "sample", "output", "value"],
-                     [[m, *result.overall[m][:2], fmt(result.overall[m][2])] for m in metrics]),
+        wrap_table(["metric", "sample", "output", "value"],
+                   [[m, *result.overall[m][:2], fmt(result.overall[m][2])] for m in metrics]),
     ]
-    return atomic_write_text(path, "\n".join(lines) + "\n")
+    written = atomic_write_text(path, "\n".join(lines) + "\n")
+    from quantlens.profiler.html import write_bad_case_html  # html imports this module
+
+    write_bad_case_html(result, Path(path).parent / "badcase_report.html")
+    return written
 
 
 def write_statistic(trace: TraceReader, path: str | os.PathLike) -> Path:
@@ -88,9 +155,9 @@ def write_statistic(trace: TraceReader, path: str | os.PathLike) -> Path:
                 bad.append([site.index, site.name, attr, flag])
     headers = ["index", "op name", "op type", "attr", "quant dtype", "scale", "min", "max", "mean", "var", "shape",
                "tensor dtype", "NaN/Inf"]
-    lines = [f"quantlens statistics: {trace.label} model", trace.description, "", format_table(headers, rows), "",
+    lines = [f"quantlens statistics: {trace.label} model", trace.description, "", wrap_table(headers, rows, keys=(0, 1, 3)), "",
              "== NaN / Inf =="]
-    lines.append(format_table(["index", "op name", "attr", "count"], bad) if bad else "(none)")
+    lines.append(wrap_table(["index", "op name", "attr", "count"], bad) if bad else "(none)")
     return atomic_write_text(path, "\n".join(lines) + "\n")
 
 
@@ -112,15 +179,16 @@ def write_compare_text(comparison: LayerComparison, path: str | os.PathLike, top
         f"baseline: {comparison.baseline}",
         f"analysis: {comparison.analysis}",
         *_consistency_lines(getattr(comparison, "consistency", None)),
-        "Accumulated error: analysis output vs baseline output. Same-input error: the analysis op re-run on the "
-        "baseline's input (what this op adds). Atol/scale: in output quantization steps.",
+        *textwrap.wrap("Accumulated error: analysis output vs baseline output. Same-input error: the analysis op "
+                       "re-run on the baseline's input (what this op adds). Atol/scale: in output quantization steps.",
+                       TEXT_WIDTH),
         "",
-        format_table([h for _, h in _TEXT_COLUMNS], rows),
+        wrap_table([h for _, h in _TEXT_COLUMNS], rows, keys=(0, 1)),
         "",
         f"== Ops that lose the most precision themselves (same-input SQNR, worst {len(ranked)}) ==",
-        format_table(["op name", "op type", "quant dtype", "same-in SQNR", "same-in Atol/scale", "error kind"],
-                     [[r.op_name, r.analy_op_type, r.quant_dtype, fmt(r.same_input_sqnr), fmt(r.same_input_in_scale),
-                       r.error_kind] for r in ranked]) if ranked else "(no same-input results)",
+        wrap_table(["op name", "op type", "quant dtype", "same-in SQNR", "same-in Atol/scale", "error kind"],
+                   [[r.op_name, r.analy_op_type, r.quant_dtype, fmt(r.same_input_sqnr), fmt(r.same_input_in_scale),
+                     r.error_kind] for r in ranked]) if ranked else "(no same-input results)",
     ]
     lines += _lsb_lines(comparison) + _one_side_lines(comparison)
     return atomic_write_text(path, "\n".join(lines) + "\n")
@@ -145,8 +213,8 @@ def _lsb_lines(comparison: LayerComparison) -> list[str]:
         f"first op that diverges (> 4 LSB): {summary['first_diverged'] or '(none)'}",
         f"first op whose own kernel is not bit-exact: {summary['first_inexact'] or '(none)'}",
         "histogram buckets: |diff| of 0, 1, 2, 3-4, 5-8 and more than 8 LSB (element counts)",
-        format_table(["op name", "op type", "quant dtype", "verdict", "histogram", "same-in verdict",
-                      "same-in histogram"], rows),
+        wrap_table(["op name", "op type", "quant dtype", "verdict", "histogram", "same-in verdict",
+                    "same-in histogram"], rows),
     ]
 
 
@@ -156,7 +224,7 @@ def _one_side_lines(comparison: LayerComparison) -> list[str]:
                          ("only in the analysis model", comparison.only_in_analysis)):
         if sites:
             lines += ["", f"== Op sites {title} ({len(sites)}) ==",
-                      format_table(["op name", "op type"], [list(s) for s in sites])]
+                      wrap_table(["op name", "op type"], [list(s) for s in sites])]
     return lines
 
 
@@ -173,8 +241,8 @@ def write_advisor(findings: list[Finding], path: str | os.PathLike, consistency=
     lines = ["quantlens abnormal layer advisor", *_consistency_lines(consistency),
              "thresholds: " + ", ".join(f"{k} = {v:g}" for k, v in THRESHOLDS.items()), ""]
     if findings:
-        lines.append(format_table(["rule", "op name", "op type", "abnormal info", "advice"],
-                                  [[f.rule, f.op_name, f.op_type, f.info, f.advice] for f in findings]))
+        lines.append(wrap_table(["rule", "op name", "op type", "abnormal info", "advice"],
+                                [[f.rule, f.op_name, f.op_type, f.info, f.advice] for f in findings], keys=(1,)))
     else:
         lines.append("(no abnormal layers found)")
     return atomic_write_text(path, "\n".join(lines) + "\n")
@@ -183,11 +251,15 @@ def write_advisor(findings: list[Finding], path: str | os.PathLike, consistency=
 def write_sensitivity(table: SensitivityTable, out_dir: str | os.PathLike) -> tuple[Path, Path]:
     """``output_<name>_<metric>_sensitive_ops.txt`` and ``.pt`` (a list of row dicts)."""
     stem = f"output_{safe_name(table.output)}_{table.metric}_sensitive_ops"  # names may contain ".": no with_suffix
-    text = format_table(["op_name", "sensitive_type", "op_type", table.metric, "quant_dtype"],
-                        [[r.op_name, r.sensitive_type, r.op_type, fmt(r.value), r.quant_dtype] for r in table])
+    text = wrap_table(["op_name", "sensitive_type", "op_type", table.metric, "quant_dtype"],
+                      [[r.op_name, r.sensitive_type, r.op_type, fmt(r.value), r.quant_dtype] for r in table])
     header = f"quantlens sensitivity: output '{table.output}', metric {table.metric} (one quantizer on at a time)\n"
     txt = atomic_write_text(Path(out_dir) / f"{stem}.txt", header + text + "\n")
-    return txt, save_pt([r.to_dict() for r in table], Path(out_dir) / f"{stem}.pt")
+    pt = save_pt([r.to_dict() for r in table], Path(out_dir) / f"{stem}.pt")
+    from quantlens.profiler.html import refresh_sensitivity  # html imports this module
+
+    refresh_sensitivity(out_dir)  # profiler.html's sensitivity charts, when the page exists
+    return txt, pt
 
 
 def save_pt(obj, path: str | os.PathLike) -> Path:

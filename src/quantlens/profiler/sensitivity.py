@@ -32,7 +32,10 @@ from quantlens.profiler.outputs import PostProcess, float_outputs
 from quantlens.profiler.progress import progress_iter
 
 __all__ = ["SensitivityRow", "SensitivityTable", "SensitivityResult", "IndexRecorder", "run_sensitivity",
-           "sensitivity_setup", "ablate_one", "build_result"]
+           "sensitivity_setup", "ablate_one", "ablation_runner", "build_result"]
+
+#: private switch: False runs every ablation as one full forward (the old path; the cache tests compare with it)
+_USE_CACHE = True
 
 
 @dataclass(frozen=True)
@@ -142,13 +145,16 @@ def run_sensitivity(
     reverse: bool = False,
     progress: bool = True,
 ) -> SensitivityResult:
-    """One forward per quantizer; see the module docstring."""
+    """One ablation forward per quantizer, from the ablation cache where the model allows (:mod:`.ablation_cache`:
+    only the op sites that depend on the quantizer are computed); see the module docstring."""
     m = get_metric(metric)
     base, recorder, quantizers = sensitivity_setup(baseline, analysis, analysis_type, example, post_process)
     values: dict[str, list[float]] = {name: [] for name in base}
     with analysis.ablation(analysis_type) as enable:
+        runner = ablation_runner(analysis, analysis_type, example, recorder)
         for q in progress_iter(quantizers, f"sensitivity ({m.name})", enabled=progress):
-            for name, value in ablate_one(analysis, enable, q, example, post_process, recorder, base, m).items():
+            for name, value in ablate_one(analysis, enable, q, example, post_process, recorder, base, m,
+                                          runner).items():
                 values[name].append(value)
     return build_result(quantizers, values, m, reverse)
 
@@ -166,12 +172,45 @@ def sensitivity_setup(baseline: ModelAccess, analysis: ModelAccess, analysis_typ
     return base, recorder, quantizers
 
 
+def ablation_runner(analysis: ModelAccess, analysis_type: AnalysisType, example: Any, recorder: IndexRecorder):
+    """The cached ablation forwards (:mod:`.ablation_cache`) of the analysis model, or None (every ablation a full
+    forward). Call it inside ``analysis.ablation(...)`` before any quantizer is switched on: it runs the reference
+    forward. A ``run`` replaced on the access instance (a wrapper that counts or interrupts forwards) keeps every
+    ablation going through it: no cache then."""
+    if not _USE_CACHE or "run" in vars(analysis):
+        return None
+    factory = getattr(analysis, "ablation_cache", None)
+    return _Runner(factory(analysis_type, example, recorder.indices)) if factory is not None else None
+
+
+class _Runner:
+    """Runs ablations from the cache until it reports a cached value changed in place (then full forwards)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def run(self, q, full):
+        if self.inner is not None:
+            from quantlens.profiler.ablation_cache import CacheUnusable
+
+            try:
+                return self.inner.run(q)
+            except CacheUnusable:
+                self.inner = None
+        return full()
+
+
 def ablate_one(analysis: ModelAccess, enable, q, example: Any, post_process: PostProcess, recorder: IndexRecorder,
-               base: dict[str, torch.Tensor], m) -> dict[str, float]:
-    """Switch quantizer ``q`` on alone, run the analysis model once, and return the metric value per output."""
+               base: dict[str, torch.Tensor], m, runner: "_Runner | None" = None) -> dict[str, float]:
+    """Switch quantizer ``q`` on alone, run the analysis model once (from ``runner``'s cache when given), and
+    return the metric value per output."""
     enable(q, True)
     try:
-        out = float_outputs(post_process.outputs(analysis.run(example, indices=recorder.indices)))
+        def full():
+            return analysis.run(example, indices=recorder.indices)
+
+        raw = runner.run(q, full) if runner is not None else full()
+        out = float_outputs(post_process.outputs(raw))
     finally:
         enable(q, False)
     values = {}

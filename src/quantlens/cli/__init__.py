@@ -1,0 +1,81 @@
+"""The ``quantlens`` command line: ``quantlens analyze | report | inspect | sensitivity | compare``.
+
+Each command is one small module of this package with ``add_parser(subparsers)`` and ``run(args) -> int``.
+Exit codes: 0 ok, 1 the analysis found problems (advisor findings, a diverged op), 2 usage or bad input.
+Errors print their message without a traceback; ``--debug`` shows it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+__all__ = ["main", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_USAGE", "UsageError"]
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """Bad command-line input (a missing file, a wrong combination of options): exit 2."""
+
+
+def _quiet_torch() -> None:
+    # torch.export deep-copies pytree specs, which trips torch's own deprecation shim (not ours to fix here)
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*", category=FutureWarning)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own usage errors exit 2 as well, with the usage line
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from quantlens import __version__
+    from quantlens.cli import analyze, compare, inspect_ir, report, sensitivity
+
+    parser = _Parser(prog="quantlens", description="PyTorch to integer NPU (int8/int16): run the stages, find "
+                     "where precision is lost, inspect deployed IR files.",
+                     epilog="Exit codes: 0 ok, 1 the analysis found problems, 2 usage or bad input. "
+                     "Run 'quantlens COMMAND --help' for a command's options.")
+    parser.add_argument("--version", action="version", version=f"quantlens {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for module in (analyze, report, inspect_ir, sensitivity, compare):
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
+    from quantlens.errors import QuantLensError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    debug = args.debug or getattr(args, "sub_debug", False)
+    err = Console(stderr=True, highlight=False)
+    _quiet_torch()
+    try:
+        return int(args.func(args) or 0)
+    except (UsageError, QuantLensError) as exc:
+        if debug:
+            err.print_exception()
+        err.print(f"[bold red]error:[/] {escape(str(exc))}")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+    except Exception as exc:  # noqa: BLE001 - a bug or an environment problem: no traceback unless asked
+        if debug:
+            err.print_exception()
+        else:
+            err.print(f"[bold red]error:[/] {type(exc).__name__}: {escape(str(exc))}\n"
+                      "(an unexpected error: run with --debug for the traceback)")
+        return EXIT_USAGE

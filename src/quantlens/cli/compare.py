@@ -1,0 +1,81 @@
+"""``quantlens compare A.qlir B.qlir|model.onnx``: compare two deployed artefacts op site by op site.
+
+A qat IR vs its quantized IR is analysis type ``convert``; a qat IR vs its ONNX file is ``onnxruntime``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from quantlens.cli import EXIT_OK, EXIT_PROBLEMS, UsageError
+from quantlens.cli._common import console, esc, existing_file, parent
+from quantlens.cli._inputs import add_input_options, samples_for
+
+__all__ = ["add_parser", "run", "pair_type"]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "compare", parents=[parent()], help="compare a qat IR with its quantized IR or its ONNX file",
+        description="Compare two deployed stages of one model with QuantAnalysis: a qat IR (export) with the "
+        "quantized IR convert made from it (analysis type 'convert'), or with the ONNX file to_onnx wrote from it, "
+        "run by onnxruntime ('onnxruntime'). Prints the LSB verdicts, the first diverged and first inexact op, and "
+        "writes the reports into --out.",
+        epilog="Exit codes: 0 no op diverged and no advisor finding, 1 an op diverged (more than 4 LSB) or the "
+        "advisor reported abnormal layers, 2 usage or bad input (files missing, not a qat IR first, ...).")
+    p.add_argument("a", metavar="A.qlir", help="the qat IR (quantlens.compiler.export, saved with save)")
+    p.add_argument("b", metavar="B.qlir|model.onnx", help="its quantized IR (convert) or its ONNX file (to_onnx)")
+    p.add_argument("--out", default="quantlens_compare", help="report folder (default ./quantlens_compare)")
+    add_input_options(p)
+    p.set_defaults(func=run)
+
+
+def pair_type(a, b_path: Path) -> str:
+    if a.kind != "qat":
+        raise UsageError(f"A must be a qat IR (export's output); it is a {a.kind} IR. Usage: quantlens compare "
+                         "QAT_IR.qlir QUANTIZED_IR.qlir|MODEL.onnx")
+    if b_path.suffix == ".onnx":
+        from quantlens.cli.pipeline import onnxruntime_available
+
+        if not onnxruntime_available():
+            raise UsageError("comparing with an ONNX file needs onnx and onnxruntime: pip install 'quantlens[onnx]'.")
+        return "onnxruntime"
+    return "convert"
+
+
+def run(args) -> int:
+    from rich.table import Table
+
+    from quantlens.compiler import load
+    from quantlens.profiler import QuantAnalysis
+
+    out = console()
+    a_path = existing_file(args.a, "A", (".qlir",))
+    b_path = existing_file(args.b, "B", (".qlir", ".onnx"))
+    a = load(a_path)
+    kind = pair_type(a, b_path)
+    b = str(b_path) if kind == "onnxruntime" else load(b_path)
+    if kind == "convert" and b.kind != "quantized":
+        raise UsageError(f"B must be the quantized IR (convert(qat_ir)) or an .onnx file; {args.b} is a {b.kind} IR.")
+    qa = QuantAnalysis(a, b, kind, out_dir=args.out)
+    qa.auto_find_bad_case(samples_for(a, args))
+    qa.run()
+    table = qa.compare_per_layer()
+    findings = qa.advise(table)
+    summary = table.lsb_summary() or {}
+    t = Table(title=f"{kind}: {a_path.name} vs {b_path.name}")
+    for col in ("verdict", "accumulated", "same input"):
+        t.add_column(col, justify="left" if col == "verdict" else "right")
+    acc, same = Counter(summary.get("accumulated") or {}), Counter(summary.get("same_input") or {})
+    for verdict in ("bit-exact", "within 1 LSB", "within 4 LSB", "diverged"):
+        t.add_row(verdict, str(acc.get(verdict, 0)), str(same.get(verdict, 0)))
+    out.print(t)
+    out.print(f"first diverged (> 4 LSB): {esc(summary.get('first_diverged'))}")
+    out.print(f"first inexact (own kernel not bit-exact): {esc(summary.get('first_inexact'))}")
+    if table.only_in_baseline:
+        out.print(f"only in A: {esc(', '.join(n for n, _ in table.only_in_baseline))}")
+    for f in findings:
+        out.print(f"[yellow]{esc(f.rule)}[/] {esc(f.op_name)}: {esc(f.info)}")
+    out.print(f"reports in {args.out}/ (profiler.html, compare_per_layer_out.txt/.csv, abnormal_layer_advisor.txt)")
+    return EXIT_PROBLEMS if findings or summary.get("first_diverged") else EXIT_OK

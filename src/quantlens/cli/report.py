@@ -1,0 +1,115 @@
+"""``quantlens report OUT_DIR``: re-render the text, CSV and HTML reports from saved traces, without models.
+
+QuantAnalysis keeps both traces on disk (``baseline_model/``, ``analysis_model/``) and ``compare_per_layer``
+only reads them, so the reports can be rebuilt from the folder alone: :func:`render_pair` does what
+``compare_per_layer`` + ``advise`` do, from the traces and ``quantlens_pair.json`` (written by
+``quantlens analyze``; for a folder written by your own QuantAnalysis, pass ``--type``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from quantlens.cli import EXIT_OK, EXIT_PROBLEMS, UsageError
+from quantlens.cli._common import console, existing_dir, parent
+from quantlens.cli.pipeline import PAIR_FILE, PAIRS, SUMMARY_FILE, PairResult, _finite, worst_row
+
+__all__ = ["add_parser", "run", "render_pair", "pair_dirs"]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "report", parents=[parent()], help="re-render the reports of an earlier analyze run from its traces",
+        description="Re-render compare_per_layer_out.txt/.csv, profiler.html and abnormal_layer_advisor.txt of "
+        "every stage pair in OUT_DIR (a 'quantlens analyze' output folder, or one QuantAnalysis out_dir) from the "
+        "saved traces, and index.html / summary.json: no model is run.",
+        epilog="Exit codes: 0 no problem, 1 advisor findings or a diverged op, 2 no traces / bad input.")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="the folder written by 'quantlens analyze' (or a QuantAnalysis "
+                   "out_dir with baseline_model/ and analysis_model/)")
+    p.add_argument("--type", choices=list(PAIRS), default=None,
+                   help="the analysis type of a folder without quantlens_pair.json (a QuantAnalysis out_dir)")
+    p.add_argument("--prefix", action="append", default=None, help="keep op sites whose name starts with this "
+                   "(repeatable)")
+    p.set_defaults(func=run)
+
+
+def _is_pair(folder: Path) -> bool:
+    return (folder / "baseline_model" / "trace.json").is_file() and (folder / "analysis_model" / "trace.json").is_file()
+
+
+def pair_dirs(root: Path) -> list[Path]:
+    """``root`` itself when it holds both traces, else its subfolders that do (pipeline order first)."""
+    if _is_pair(root):
+        return [root]
+    order = {k: i for i, k in enumerate(PAIRS)}
+    found = [d for d in root.iterdir() if d.is_dir() and _is_pair(d)]
+    return sorted(found, key=lambda d: (order.get(d.name, len(order)), d.name))
+
+
+def render_pair(folder: Path, analysis_type: str | None = None, prefixes=None) -> PairResult:
+    """Rebuild one pair's per-layer comparison, advisor and HTML from its traces; returns its summary."""
+    from quantlens.profiler.advisor import AdvisorContext, advise
+    from quantlens.profiler.compare import compare_traces
+    from quantlens.profiler.html import write_html
+    from quantlens.profiler.model_access import ConsistencyInfo, parse_analysis_type
+    from quantlens.profiler.report import write_advisor, write_compare_csv, write_compare_text
+    from quantlens.profiler.trace_store import TraceReader
+
+    meta_path = folder / PAIR_FILE
+    meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
+    kind = analysis_type or meta.get("analysis_type")
+    if kind is None:
+        raise UsageError(f"{folder} has no {PAIR_FILE} (it was not written by 'quantlens analyze'): pass --type "
+                         f"({', '.join(PAIRS)}).")
+    atype = parse_analysis_type(kind)
+    comparison = compare_traces(TraceReader(folder / "baseline_model"), TraceReader(folder / "analysis_model"),
+                                prefixes, None, deployed=atype.deployed)
+    consistency = ConsistencyInfo(**meta["consistency"]) if meta.get("consistency") else None
+    comparison.consistency = consistency
+    findings = advise(AdvisorContext(comparison, atype.value, meta.get("fake_quant_state"), consistency))
+    write_advisor(findings, folder / "abnormal_layer_advisor.txt", consistency)
+    write_compare_text(comparison, folder / "compare_per_layer_out.txt")
+    write_compare_csv(comparison, folder / "compare_per_layer_out.csv")
+    write_html(comparison, findings, folder / "profiler.html")
+    base, analy = PAIRS[atype.value]
+    result = PairResult(atype.value, meta.get("baseline", base), meta.get("analysis", analy), folder.name,
+                        findings=[asdict(f) for f in findings],
+                        lsb=comparison.lsb_summary())
+    row = worst_row(comparison)
+    if row is not None:
+        result.worst_op, result.worst_op_type = row.op_name, row.analy_op_type or row.base_op_type
+        result.worst_sqnr, result.worst_error_kind = _finite(row.same_input_sqnr), row.error_kind or ""
+    return result
+
+
+def run(args) -> int:
+    from quantlens.cli.pipeline import print_losses, write_index, write_summary
+
+    out = console()
+    root = existing_dir(args.out_dir, "OUT_DIR")
+    folders = pair_dirs(root)
+    if not folders:
+        raise UsageError(f"{root} holds no traces (baseline_model/trace.json and analysis_model/trace.json, in it "
+                         "or in its subfolders). Run 'quantlens analyze CONFIG.py --out DIR' first.")
+    if args.type and len(folders) > 1:
+        raise UsageError("--type applies to one QuantAnalysis folder; this folder holds several pairs.")
+    results = []
+    for folder in folders:
+        results.append(render_pair(folder, args.type, args.prefix))
+        out.print(f"re-rendered {folder}: compare_per_layer_out.txt/.csv, profiler.html, abnormal_layer_advisor.txt")
+    if folders != [root]:  # an analyze folder: its index and summary too
+        extra = {}
+        old = root / SUMMARY_FILE
+        if old.is_file():
+            try:
+                extra = {k: v for k, v in json.loads(old.read_text(encoding="utf-8")).items()
+                         if k not in ("pairs", "culprit")}
+            except ValueError:
+                extra = {}
+        write_index(results, root, f"quantlens report {root.name}")
+        write_summary(results, root, extra)
+        out.print(f"wrote {root / 'index.html'} and {root / SUMMARY_FILE}")
+    print_losses(out, results)
+    return EXIT_PROBLEMS if any(r.problems for r in results) else EXIT_OK

@@ -1,0 +1,167 @@
+"""The `quantlens` command line: each command on the bundled digits model, exit codes, errors without tracebacks."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quantlens.cli.pipeline import PAIRS, onnxruntime_available
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ql_process(*args, cwd=None):
+    """``python -m quantlens ...`` in a fresh process (the entry point itself)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning")
+    return subprocess.run([sys.executable, "-m", "quantlens", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=600)
+
+
+def ql(*args, cwd=None):
+    """``quantlens ...`` run in this process (``quantlens.cli.main``, what the console script calls): the same exit
+    code and output as a subprocess, without starting torch again for every command."""
+    import contextlib
+    import io
+
+    from quantlens.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    old = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as exc:  # argparse: usage errors and --help
+                code = exc.code if isinstance(exc.code, int) else 2
+    finally:
+        os.chdir(old)
+    return subprocess.CompletedProcess(["quantlens", *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture(scope="module")
+def analyzed(tmp_path_factory):
+    """`analyze --gen` then `analyze` on the template, as written: every stage pair."""
+    root = tmp_path_factory.mktemp("cli")
+    config = root / "config.py"
+    gen = ql("analyze", "--gen", config)
+    assert gen.returncode == 0, gen.stderr
+    out = root / "out"
+    run = ql("analyze", config, "--stage", "all", "--out", out, "--no-sensitivity")
+    return config, out, run
+
+
+def test_help_on_every_command():
+    top = ql_process("--help")
+    assert top.returncode == 0 and "analyze" in top.stdout and "Exit codes" in top.stdout
+    for cmd in ("analyze", "report", "inspect", "sensitivity", "compare"):
+        res = ql(cmd, "--help")
+        assert res.returncode == 0, (cmd, res.stderr)
+        assert "usage: quantlens " + cmd in res.stdout
+
+
+def test_gen_template_runs_through_analyze(analyzed):
+    config, out, run = analyzed
+    assert run.returncode in (0, 1), run.stderr  # 1: the advisor reported findings
+    assert "Traceback" not in run.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    kinds = [p["analysis_type"] for p in summary["pairs"]]
+    assert kinds == list(PAIRS)
+    expected = [k for k in PAIRS if k != "onnxruntime" or onnxruntime_available()]
+    index = (out / "index.html").read_text()
+    for kind in expected:
+        assert (out / kind / "profiler.html").is_file()
+        assert (out / kind / "compare_per_layer_out.csv").is_file()
+        assert f'href="{kind}/profiler.html"' in index
+    assert (out / "qat_ir.qlir").is_file() and (out / "quantized_ir.qlir").is_file()
+    assert summary["culprit"]["op"]
+    assert "precision is lost first at" in run.stdout
+    problems = any(p["findings"] or (p["lsb"] or {}).get("first_diverged") for p in summary["pairs"])
+    assert run.returncode == (1 if problems else 0)
+
+
+def test_gen_refuses_to_overwrite(analyzed):
+    config, _, _ = analyzed
+    res = ql("analyze", "--gen", config)
+    assert res.returncode == 2 and "--force" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_report_rerenders_from_traces(analyzed):
+    _, out, run = analyzed
+    html = out / "fake_quant" / "profiler.html"
+    before = html.read_text()
+    html.unlink()
+    (out / "index.html").unlink()
+    res = ql("report", out)
+    assert res.returncode == run.returncode, res.stderr
+    assert html.read_text() == before  # same traces, same page
+    assert (out / "index.html").is_file()
+    # one QuantAnalysis folder works as well
+    single = ql("report", out / "convert")
+    assert single.returncode in (0, 1), single.stderr
+
+
+def test_inspect_quantized_ir(analyzed):
+    _, out, _ = analyzed
+    res = ql("inspect", out / "quantized_ir.qlir")
+    assert res.returncode == 0, res.stderr
+    for text in ("quantized IR", "input contract", "module(", "conv2d[qint8]", "relu2", "latency estimate",
+                 "estimated_cycles"):
+        assert text in res.stdout, text
+    qat = ql("inspect", out / "qat_ir.qlir", "--no-graph")
+    assert qat.returncode == 0 and "qat IR" in qat.stdout
+
+
+def test_compare_and_sensitivity_on_saved_irs(analyzed, tmp_path):
+    _, out, _ = analyzed
+    res = ql("compare", out / "qat_ir.qlir", out / "quantized_ir.qlir", "--out", tmp_path / "cmp", "--samples", "2")
+    assert res.returncode in (0, 1), res.stderr
+    assert "bit-exact" in res.stdout and "first diverged" in res.stdout
+    assert (tmp_path / "cmp" / "profiler.html").is_file()
+    sens = ql("sensitivity", out / "qat_ir.qlir", out / "quantized_ir.qlir", "--out", tmp_path / "sens",
+              "--samples", "2", "--top", "3")
+    assert sens.returncode == 0, sens.stderr
+    assert (tmp_path / "sens" / "output_0_L1_sensitive_ops.txt").is_file()
+    if onnxruntime_available():
+        ort = ql("compare", out / "qat_ir.qlir", out / "qat_ir.onnx", "--out", tmp_path / "ort", "--samples", "1")
+        assert ort.returncode in (0, 1), ort.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("analyze", "missing_config.py"), "does not exist"),
+    (("analyze", "x.py", "--stage", "bogus"), "invalid choice"),
+    (("inspect", "missing.qlir"), "does not exist"),
+    (("report", "."), "holds no traces"),
+    (("sensitivity", "x.py", "--stage", "onnxruntime"), "no sensitivity"),
+    ((), "usage"),
+])
+def test_errors_exit_2_without_traceback(args, needle, tmp_path):
+    res = ql(*args, cwd=tmp_path)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert needle in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_bad_files_exit_2_and_debug_shows_traceback(tmp_path, analyzed):
+    bad_ir = tmp_path / "bad.qlir"
+    bad_ir.write_text("not an IR")
+    res = ql("inspect", bad_ir)
+    assert res.returncode == 2 and "error:" in res.stderr and "Traceback" not in res.stderr
+    broken = tmp_path / "broken.py"
+    broken.write_text("def float_model():\n    return None\nraise RuntimeError('boom in config')\n")
+    res = ql("analyze", broken)
+    assert res.returncode == 2 and "boom in config" in res.stderr and "line 3" in res.stderr
+    assert "Traceback" not in res.stderr
+    dbg = ql("--debug", "analyze", broken)
+    assert dbg.returncode == 2 and "Traceback" in dbg.stderr
+    incomplete = tmp_path / "incomplete.py"
+    incomplete.write_text("x = 1\n")
+    res = ql("analyze", incomplete)
+    assert res.returncode == 2 and "does not define float_model" in res.stderr
+    _, out, _ = analyzed
+    wrong = ql("compare", out / "quantized_ir.qlir", out / "qat_ir.qlir")
+    assert wrong.returncode == 2 and "must be a qat IR" in wrong.stderr

@@ -1,0 +1,204 @@
+"""search_mixed_precision on quantlens.zoo's tiny_transformer (docs/mixed_precision.md)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import warnings
+
+import pytest
+import torch
+
+from quantlens import zoo
+from quantlens.quantization import calibrate, prepare
+from quantlens.quantization.mixed_precision import (
+    PROGRESS_FILE,
+    MixedPrecisionQconfigSetter,
+    Promotion,
+    int16_conflicts,
+    mixed_precision_candidates,
+    search_mixed_precision,
+)
+from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+
+TARGET = 0.9999  # int8 calibration gives 0.99971 on this model and data
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = zoo.get_model("tiny_transformer")
+    example = zoo.example_inputs("tiny_transformer", batch_size=2)
+    calib = zoo.sample_batches("tiny_transformer", num_batches=4, batch_size=8)
+    held_out = zoo.sample_batches("tiny_transformer", num_batches=6, batch_size=16)[-1]
+    with torch.no_grad():
+        ref = model(*held_out)
+    calls = {"n": 0}
+
+    def evaluate(prepared) -> float:
+        calls["n"] += 1
+        out = prepared(*held_out)
+        return torch.nn.functional.cosine_similarity(out.flatten().double(), ref.flatten().double(), dim=0).item()
+
+    return model, example, calib, evaluate, calls
+
+
+def _build(model, example, calib, setter):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return calibrate(prepare(model, example, setter, check_result_dir=None), calib)
+
+
+@pytest.fixture(scope="module")
+def searched(setup, tmp_path_factory):
+    model, example, calib, evaluate, _ = setup
+    out = tmp_path_factory.mktemp("search")
+    return search_mixed_precision(model, example, calib, evaluate, TARGET, out_dir=out, progress=False), out
+
+
+def test_reaches_a_target_int8_misses_with_few_promotions(setup, searched):
+    model, example, calib, evaluate, _ = setup
+    result, _ = searched
+    base = evaluate(_build(model, example, calib, default_calibration_qconfig_setter))
+    assert base < TARGET
+    assert result.base_metric == base
+    assert result.reached and result.metric >= TARGET
+    assert 0 < result.num_int16 < len(result.candidates) // 2
+    # the curve starts at int8 and has one point per promotion
+    assert [p.num_int16 for p in result.curve] == list(range(result.num_int16 + 1))
+    assert tuple(p.added for p in result.curve[1:]) == result.chosen
+    assert result.curve[-1].metric == result.metric
+
+
+def test_setter_reproduces_the_metric_through_prepare(setup, searched):
+    model, example, calib, evaluate, _ = setup
+    result, _ = searched
+    prepared = _build(model, example, calib, result.setter())
+    assert evaluate(prepared) == result.metric
+    plans = prepared._quantlens_state.plans
+    for p in result.chosen:
+        plan = plans[p.site]
+        if p.kind == "activation":
+            assert plan.output_dtype == "qint16", p
+        else:
+            assert plan.qconfig.weight.dtype.value == "qint16", p
+    int16_outputs = {n for n, plan in plans.items() if plan.output_dtype == "qint16"}
+    assert int16_outputs == {p.site for p in result.chosen if p.kind == "activation"} | \
+        {p.site for p in result.chosen if p.kind == "weight" and plans[p.site].output.value == "weight"}
+
+
+def test_int16x16_rule_matches_prepare_and_is_respected(setup, tmp_path):
+    model, example, calib, evaluate, _ = setup
+    base = _build(model, example, calib, default_calibration_qconfig_setter)
+    # a GEMM's int16 weight with an int16 producer: our rule and prepare's resolution agree
+    pair = [Promotion("norm1", "activation"), Promotion("attn.q_proj", "weight")]
+    assert int16_conflicts(base, pair)
+    both = _build(model, example, calib, MixedPrecisionQconfigSetter(pair))
+    assert "attn.q_proj" in [n for n, p in both._quantlens_state.plans.items()
+                             if any("no int16 x int16" in s for s in p.notes)]
+    qk = [Promotion("attn.q_proj", "activation"), Promotion("attn.k_proj", "activation")]
+    assert int16_conflicts(base, qk)  # both operands of q @ k^T
+    assert not int16_conflicts(base, pair[:1] + qk[:1])
+    # a search over exactly such pairs, with an unreachable target, never forms one
+    cands = pair + qk + [Promotion("attn.k_proj", "weight"), Promotion("attn.v_proj", "weight")]
+    result = search_mixed_precision(model, example, calib, evaluate, 2.0, candidates=cands, ranking=cands,
+                                    out_dir=tmp_path, progress=False, tries=6)
+    assert not result.reached
+    assert not int16_conflicts(base, result.chosen)
+    assert result.int16x16_resolutions == ()
+    assert not set(pair) <= set(result.chosen) and not set(qk) <= set(result.chosen)
+    assert Promotion("norm1", "activation") in result.chosen or Promotion("attn.q_proj", "weight") in result.chosen
+    # 6 candidates, two of them excluded by the rule once their partner is chosen
+    assert result.num_int16 <= 4
+
+
+def test_budget_limits_promotions(setup, searched, tmp_path):
+    model, example, calib, evaluate, _ = setup
+    full, _ = searched
+    result = search_mixed_precision(model, example, calib, evaluate, TARGET, budget=2, out_dir=tmp_path,
+                                    progress=False)
+    assert result.num_int16 == 2 and not result.reached
+    assert result.chosen == full.chosen[:2]  # same greedy path, stopped by the budget
+
+
+def test_resume_from_partial_progress_gives_the_same_result(setup, searched, tmp_path):
+    model, example, calib, evaluate, calls = setup
+    full, _ = searched
+
+    class Stop(Exception):
+        pass
+
+    def flaky(prepared):
+        if calls["n"] >= stop_at:
+            raise Stop
+        return evaluate(prepared)
+
+    calls["n"] = 0
+    stop_at = 6  # the base and one step of 4 tries, then part of the second step
+    with pytest.raises(Stop):
+        search_mixed_precision(model, example, calib, flaky, TARGET, out_dir=tmp_path, progress=False)
+    saved = json.loads((tmp_path / PROGRESS_FILE).read_text())
+    assert len(saved["measurements"]) == 6 and len(saved["steps"]) == 1 and not saved["done"]
+    calls["n"] = 0
+    stop_at = 10 ** 9
+    resumed = search_mixed_precision(model, example, calib, flaky, TARGET, out_dir=tmp_path, progress=False)
+    assert resumed.chosen == full.chosen and resumed.curve == full.curve and resumed.metric == full.metric
+    assert calls["n"] == full.measurements - 6  # only what was not measured before
+    # without resume: everything again
+    calls["n"] = 0
+    again = search_mixed_precision(model, example, calib, evaluate, TARGET, out_dir=tmp_path, progress=False,
+                                   resume=False)
+    assert again == full and calls["n"] == full.measurements
+    # a progress file of other inputs (another target) is not reused
+    calls["n"] = 0
+    with pytest.warns(UserWarning, match="other inputs"):
+        other = search_mixed_precision(model, example, calib, evaluate, 0.99985, out_dir=tmp_path, progress=False)
+    assert calls["n"] == other.measurements
+
+
+def test_curve_csv_and_html_are_written(searched):
+    result, out = searched
+    with open(result.csv_path) as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["num_int16"]) for r in rows] == [p.num_int16 for p in result.curve]
+    assert [float(r["metric"]) for r in rows] == [p.metric for p in result.curve]
+    assert [r["added_site"] for r in rows[1:]] == [p.site for p in result.chosen]
+    page = open(result.html_path).read()
+    assert page.count("<svg") == 1 and "<path d='M" in page  # no latency: one plot
+    assert len(re.findall(r"<circle", page)) == len(result.curve)
+    assert not re.search(r"(src|href)=['\"]?https?:", page)  # self-contained
+    assert f"target {TARGET}" in page
+
+
+def test_candidates_and_errors(setup, tmp_path):
+    model, example, calib, evaluate, _ = setup
+    base = _build(model, example, calib, default_calibration_qconfig_setter)
+    cands = mixed_precision_candidates(base)
+    assert Promotion("attn.q_proj", "weight") in cands and Promotion("attn.softmax_0", "activation") in cands
+    assert Promotion("classifier", "activation") not in cands  # int32 high-precision output: nothing to promote
+    from quantlens.errors import QuantLensError
+
+    with pytest.raises(QuantLensError, match="cannot be promoted"):
+        search_mixed_precision(model, example, calib, evaluate, TARGET, candidates=["classifier"],
+                               out_dir=tmp_path, progress=False)
+
+
+def test_latency_curve_and_latency_budget(setup, searched, tmp_path):
+    from quantlens.compiler import convert, export
+    from quantlens.quantization.mixed_precision import MaxLatency
+
+    model, example, calib, evaluate, _ = setup
+    full, _ = searched
+    q_ir = convert(export(_build(model, example, calib, default_calibration_qconfig_setter), example))
+    int8_cycles = q_ir.latency_estimate().cycles
+    result = search_mixed_precision(model, example, calib, evaluate, TARGET, latency=True, out_dir=tmp_path,
+                                    progress=False)
+    assert result.chosen == full.chosen  # the latency estimates only annotate the curve
+    assert result.curve[0].latency_cycles == int8_cycles
+    assert all(isinstance(p.latency_cycles, int) and p.latency_cycles > 0 for p in result.curve)
+    page = open(result.html_path).read()
+    assert page.count("<svg") == 2 and "latency estimate (cycles)" in page
+    # a budget below the int8 model's latency admits no promotion at all
+    tight = search_mixed_precision(model, example, calib, evaluate, TARGET, budget=MaxLatency(int8_cycles - 1),
+                                   out_dir=tmp_path / "tight", progress=False)
+    assert tight.chosen == () and not tight.reached

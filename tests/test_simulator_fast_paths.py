@@ -1,0 +1,219 @@
+"""The integer simulator's speed paths (issue #11 item 4) against exact integer references, on values just inside
+and just outside each bound where a fast path is taken; and the quantized IR of every zoo model against the
+level-4 consistency model (bit-equal)."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import quantlens.zoo as zoo
+from quantlens.compiler import convert, export
+from quantlens.compiler.ir import Node
+from quantlens.compiler.kernels_int import INT_KERNELS, _table_kernel, int_dispatch
+from quantlens.errors import QuantLensError
+from quantlens.kernels import TABLE_OP_IO, bit_length, lut256_lookup, rshift_rhe_var
+from quantlens.march import QuantDType
+from quantlens.numerics import (
+    apply_requantize,
+    requantize,
+    requantize_params,
+    rescaled_sum,
+    rshift_round_half_to_even,
+)
+from quantlens.quantization import ConsistencyStrategy, calibrate, prepare
+from quantlens.quantization.qconfig_template import (
+    calibration_8bit_weight_16bit_act_qconfig_setter,
+    default_calibration_qconfig_setter,
+)
+
+
+# -- exact references (Python integers) ----------------------------------------------------------------------
+def _rhe(x: int, k: int) -> int:
+    if k == 0:
+        return x
+    f, r = x >> k, x & ((1 << k) - 1)
+    h = 1 << (k - 1)
+    return f + (1 if r > h or (r == h and f & 1) else 0)
+
+
+def _sat(v: int, dtype: QuantDType) -> int:
+    return min(max(v, dtype.qmin), dtype.qmax)
+
+
+def _near(limit: int) -> list[int]:
+    """Values around ``limit``: just inside and just outside, both signs, plus ties of small shifts."""
+    out = []
+    for base in (limit - 1, limit, limit + 1, limit - 2**10 - 2**9, limit // 2 + 2**20 + 1):
+        out += [base, -base]
+    return out
+
+
+# -- rshift: float path and short formula --------------------------------------------------------------------
+@pytest.mark.parametrize("shift", [1, 2, 7, 15, 31, 45, 61, 62])
+def test_rshift_with_a_bound_matches_integer_rounding(shift):
+    values = _near(2**53) + _near(2**62 - 2**40) + [(2 * j + 1) << (shift - 1) for j in range(-4, 4)] + [0, 1, -1]
+    values = [v for v in values if abs(v) <= 2**62]
+    x = torch.tensor(values, dtype=torch.int64)
+    want = [_rhe(v, shift) for v in values]
+    assert rshift_round_half_to_even(x, shift).tolist() == want  # no bound: the reference path
+    assert rshift_round_half_to_even(x, shift, bound=2**62).tolist() == want  # short formula
+    small = [v for v in values if abs(v) < 2**53]
+    xs = torch.tensor(small, dtype=torch.int64)
+    assert rshift_round_half_to_even(xs, shift, bound=2**53 - 1).tolist() == [_rhe(v, shift) for v in small]
+    per_elem = torch.full_like(xs, shift)
+    assert rshift_rhe_var(xs, per_elem, bound=2**53 - 1).tolist() == [_rhe(v, shift) for v in small]
+
+
+# -- requantize: static bound, data bound, saturation --------------------------------------------------------
+@pytest.mark.parametrize("mult,shift", [(46341, 16), (65535, 30), (2**30 + 12345, 31), (2**31 - 1, 53)])
+@pytest.mark.parametrize("dtype", [QuantDType.qint8, QuantDType.qint16])
+def test_requantize_fast_path_at_its_bound(mult, shift, dtype):
+    limit = 2 ** (53 - mult.bit_length())  # the fast path needs |acc| < limit
+    values = [v for v in _near(limit) + _near(2**31) if abs(v) <= 2**31] + list(range(-5, 6))
+    values += [(2 * j + 1) * (1 << (shift - 1)) // mult for j in range(-3, 3)]  # near ties
+    acc = torch.tensor(values, dtype=torch.int64)
+    want = [_sat(_rhe(v * mult, shift), dtype) for v in values]
+    assert requantize(acc, mult, shift, dtype).tolist() == want
+    assert requantize(acc.to(torch.float64), mult, shift, dtype).tolist() == want
+    p = requantize_params(mult, shift, dtype)
+    assert apply_requantize(acc, p, bound=float(2**31), storage=dtype_storage(dtype)).tolist() == want
+    inside = torch.tensor([v for v in values if abs(v) < limit], dtype=torch.int64)
+    want_in = [_sat(_rhe(v * mult, shift), dtype) for v in inside.tolist()]
+    assert apply_requantize(inside.to(torch.float64), p, bound=float(limit - 1), consume=True).tolist() == want_in
+
+
+def dtype_storage(dtype: QuantDType) -> torch.dtype:
+    return {QuantDType.qint8: torch.int8, QuantDType.qint16: torch.int16}[dtype]
+
+
+def test_per_channel_requantize_matches_integer_rounding():
+    mult = torch.tensor([46341, 2**30 + 7, 33000]).reshape(1, 3, 1)
+    shift = torch.tensor([17, 37, 16]).reshape(1, 3, 1)
+    rng = random.Random(0)
+    vals = [[[rng.choice([-1, 1]) * rng.randrange(2**31) for _ in range(5)] for _ in range(3)] for _ in range(2)]
+    acc = torch.tensor(vals, dtype=torch.int64)
+    got = requantize(acc, mult, shift, QuantDType.qint16)
+    want = [[[_sat(_rhe(v * int(mult[0, c, 0]), int(shift[0, c, 0])), QuantDType.qint16) for v in row]
+              for c, row in enumerate(b)] for b in vals]
+    assert got.tolist() == want
+
+
+# -- rescaled_sum: the storage-type bound ---------------------------------------------------------------------
+@pytest.mark.parametrize("frac", [0, 8])
+@pytest.mark.parametrize("storage", [torch.int8, torch.int16, torch.int32, torch.int64])
+def test_rescaled_sum_fast_path_matches_integer_rule(frac, storage):
+    info = {torch.int8: (-128, 127), torch.int16: (-32768, 32767), torch.int32: (-(2**31), 2**31 - 1),
+            torch.int64: (-(2**31), 2**31 - 1)}[storage]
+    values = [info[0], info[0] + 1, -1, 0, 1, info[1] - 1, info[1]]
+    if storage == torch.int64:
+        values += [2**22 - 1, 2**22, -(2**22), 2**22 + 1]  # around _exact_bound of a 31-bit multiplier
+    for mult in (45989, 2**30 + 3):
+        for shift in (frac + 1, 20, 36):
+            qa = torch.tensor(values, dtype=storage)
+            qb = torch.tensor(list(reversed(values)), dtype=storage)
+            got = rescaled_sum([(qa, mult, shift, 1), (qb, 34730, 16, -1)], 5 << frac, QuantDType.qint16, frac)
+            want = []
+            for a, b in zip(values, reversed(values)):
+                ta = max(min(_rhe(a * mult, shift - frac), 2**31 - 1), -(2**31))
+                tb = max(min(_rhe(b * 34730, 16 - frac), 2**31 - 1), -(2**31))
+                want.append(_sat(_rhe(ta - tb + (5 << frac), frac), QuantDType.qint16))
+            assert got.tolist() == want, (mult, shift)
+
+
+def test_rescaled_sum_broadcasts_like_before():
+    a = torch.randint(-128, 128, (4, 3), dtype=torch.int8)
+    b = torch.randint(-128, 128, (3,), dtype=torch.int8)
+    y1 = rescaled_sum([(a, 40000, 16, 1), (b, 50000, 16, 1)], 0, QuantDType.qint8, 0)
+    y2 = rescaled_sum([(b, 50000, 16, 1), (a, 40000, 16, 1)], 0, QuantDType.qint8, 0)
+    assert y1.shape == (4, 3) and torch.equal(y1, y2)
+
+
+# -- bit_length: frexp below 2**53 ----------------------------------------------------------------------------
+def test_bit_length_around_two_to_the_53():
+    values = [0, 1, 2, 3, 2**23 - 1, 2**23, 2**52, 2**53 - 1, 2**53, 2**53 + 1, 2**62 - 1, 2**62]
+    assert bit_length(torch.tensor(values)).tolist() == [v.bit_length() for v in values]
+    below = [v for v in values if v < 2**53]
+    assert bit_length(torch.tensor(below)).tolist() == [v.bit_length() for v in below]
+
+
+# -- GEMMs: float32 only while every partial sum stays below 2**24 --------------------------------------------
+def _linear_node(mult, shift, qdtype="qint8"):
+    return Node("linear", ["x", "w", "b"], ["y"], {"multiplier": mult, "shift": shift, "out_dtype": qdtype})
+
+
+@pytest.mark.parametrize("bias_value", [2**24 - 16 * 127 * 128 - 1, 2**24 - 16 * 127 * 128, 2**24 + 3, 2**30])
+def test_linear_float32_choice_at_the_two_to_the_24_bound(bias_value):
+    w = torch.full((2, 16), 127, dtype=torch.int8)
+    w[1] = -128
+    x = torch.tensor([[127] * 16, [-128] * 16, [-128, 127] * 8], dtype=torch.int8)
+    b = torch.tensor([bias_value, -bias_value + 1], dtype=torch.int32)
+    node = _linear_node([40000, 50001], [31, 30], "qint16")
+    y = int_dispatch(node, [x, w, b])
+    acc = x.to(torch.int64) @ w.to(torch.int64).t() + b.to(torch.int64)
+    want = [[_sat(_rhe(max(min(int(a), 2**31 - 1), -(2**31)) * m, s), QuantDType.qint16)
+             for a, m, s in zip(row, (40000, 50001), (31, 30))] for row in acc.tolist()]
+    assert y.tolist() == want and y.dtype == torch.int16
+    # the cache follows the node's attrs and its weight tensors
+    node.attrs["multiplier"] = [40000, 40000]
+    want2 = [[_sat(_rhe(max(min(int(a), 2**31 - 1), -(2**31)) * 40000, s), QuantDType.qint16)
+              for a, s in zip(row, (31, 30))] for row in acc.tolist()]
+    assert int_dispatch(node, [x, w, b]).tolist() == want2
+    w.mul_(0)
+    assert int_dispatch(node, [x, w, b]).tolist() == [
+        [_sat(_rhe(int(v) * 40000, s), QuantDType.qint16) for v, s in zip(b.tolist(), (31, 30))]] * 3
+
+
+# -- lut: the storage-type range check ------------------------------------------------------------------------
+def test_lut_range_check_is_kept_for_wider_codes():
+    entries = torch.arange(256) * 3
+    q = torch.tensor([-128, -1, 0, 127], dtype=torch.int8)
+    assert lut256_lookup(q, entries).tolist() == [0, 381, 384, 765]
+    assert lut256_lookup(q.to(torch.int64), entries).tolist() == [0, 381, 384, 765]
+    with pytest.raises(QuantLensError):
+        lut256_lookup(torch.tensor([128]), entries)
+    with pytest.raises(QuantLensError):
+        lut256_lookup(torch.tensor([-1]), entries, offset=0)
+
+
+# -- zoo models -------------------------------------------------------------------------------------------------
+SETTERS = {"int8": default_calibration_qconfig_setter, "w8a16": calibration_8bit_weight_16bit_act_qconfig_setter}
+
+
+def _build(name, setter, level):
+    batches = zoo.sample_batches(name, 5, 16)
+    ConsistencyStrategy.set_consistency_level(level)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = calibrate(prepare(zoo.get_model(name), batches[0], SETTERS[setter], check_result_dir=None),
+                              batches[:3])
+            qir = convert(export(model, batches[0]))
+    finally:
+        ConsistencyStrategy.disable()
+    return model, qir, batches[3:]
+
+
+@pytest.mark.parametrize("setter", ["int8", "w8a16"])
+@pytest.mark.parametrize("name", zoo.list_models())
+def test_zoo_quantized_ir_equals_the_level_4_model_and_the_reference_table_path(name, setter):
+    model, qir, held_out = _build(name, setter, 4)
+    for args in held_out:
+        with torch.no_grad():
+            ref = pytree.tree_leaves(model(*args))
+        out = pytree.tree_leaves(qir(*args))
+        assert all(torch.equal(r, o) for r, o in zip(ref, out) if isinstance(r, torch.Tensor))
+        out_again = pytree.tree_leaves(qir(*args))  # the prepared caches give the same result on a second run
+        assert all(torch.equal(a, b) for a, b in zip(out, out_again) if isinstance(a, torch.Tensor))
+    # every table node: the direct integer kernel equals the custom-op path (quantize, kernel, dequantize)
+    seen = []
+    qir.run(qir.feeds(*held_out[0]), lambda node, inputs, outs: seen.append((node, list(inputs), outs)))
+    for node, inputs, outs in seen:
+        if node.op in TABLE_OP_IO:
+            assert INT_KERNELS[node.op] is not _table_kernel
+            reference = _table_kernel(node, inputs)
+            assert torch.equal(reference, outs[0]) and reference.dtype == outs[0].dtype, node.op
