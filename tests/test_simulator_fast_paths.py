@@ -217,3 +217,82 @@ def test_zoo_quantized_ir_equals_the_level_4_model_and_the_reference_table_path(
             assert INT_KERNELS[node.op] is not _table_kernel
             reference = _table_kernel(node, inputs)
             assert torch.equal(reference, outs[0]) and reference.dtype == outs[0].dtype, node.op
+
+
+# -- int_softmax / int_layer_norm float64 paths (issue #11 item 4) -------------------------------------------
+def test_mantissa_lookup_matches_the_segmented_lookup():
+    from quantlens.kernels.int_ops import _mantissa_lookup
+    from quantlens.kernels.tables import recip_mantissa_table, rsqrt_mantissa_table
+
+    for table in (recip_mantissa_table(), rsqrt_mantissa_table()):
+        lo, hi = table.domain
+        edges = [int(b) for b in table.bounds] + [lo + (j << 13) for j in range(0, 2048, 7)]
+        m = torch.tensor(sorted({min(max(e + d, lo), hi) for e in edges for d in range(-3, 4)}
+                                | {lo + (j << 12) for j in range(0, (hi - lo) >> 12)}), dtype=torch.int64)
+        m = torch.cat([m, torch.randint(lo, hi + 1, (20000,), generator=torch.Generator().manual_seed(3))])
+        assert torch.equal(_mantissa_lookup(table, m), table.lookup(m))
+
+
+@pytest.mark.parametrize("shift", [1, 31, 53, 62])
+def test_softmax_requantize_at_its_bound(shift):
+    from quantlens.kernels.int_ops import _SOFTMAX_T_BOUND, _softmax_requantize
+
+    values = [v for v in _near(_SOFTMAX_T_BOUND - 1) + _near(2**31) + list(range(0, 6)) if 0 <= v < _SOFTMAX_T_BOUND]
+    for mult in (2**31 - 1, 2**30, 1141488430):
+        ties = [((2 * j + 1) << (shift - 1)) // mult for j in range(0, 4)]  # near ties
+        values_ties = values + [v + d for v in ties for d in (0, 1) if v + d < _SOFTMAX_T_BOUND]
+        t = torch.tensor(values_ties, dtype=torch.int64)
+        for dtype in (QuantDType.qint8, QuantDType.qint16):
+            want = [_sat(_rhe(v * mult, shift), dtype) for v in values_ties]
+            assert _softmax_requantize(t.clone(), mult, shift, dtype).tolist() == want
+
+
+@pytest.mark.parametrize("in_dtype", [QuantDType.qint8, QuantDType.qint16])
+def test_int_softmax_float_path_matches_int64_codes(in_dtype):
+    from quantlens.kernels.int_ops import int_softmax, softmax_exp_table, softmax_multiplier
+
+    g = torch.Generator().manual_seed(5)
+    lo, hi = in_dtype.qmin, in_dtype.qmax
+    q = torch.randint(lo, hi + 1, (6, 3, 40), generator=g)
+    q[0, 0] = lo
+    q[0, 0, 7] = hi  # one dominant element: t close to 2**31
+    q[0, 1] = hi  # uniform row
+    q[0, 2, :20] = hi  # half and half
+    storage = torch.int8 if in_dtype is QuantDType.qint8 else torch.int16
+    for out_dtype in (QuantDType.qint8, QuantDType.qint16):
+        table = softmax_exp_table(0.05 if in_dtype is QuantDType.qint8 else 0.0005, in_dtype, out_dtype)
+        for s_out in (1 / 255, 1 / 32767, 2.0**-7):
+            mult, shift = softmax_multiplier(s_out)
+            fast = int_softmax(q.to(storage), -1, table, mult, shift, out_dtype)
+            ref = int_softmax(q.to(torch.int64), -1, table, mult, shift, out_dtype)
+            assert torch.equal(fast, ref)
+
+
+@pytest.mark.parametrize("in_dtype,n", [(QuantDType.qint8, 32), (QuantDType.qint8, 1 << 10),
+                                        (QuantDType.qint16, 16), (QuantDType.qint16, 32), (QuantDType.qint16, 64)])
+def test_int_layer_norm_float_path_at_its_bound(in_dtype, n):
+    """int8/int16 codes take the float64 path when n * 2**(2 * (bits + P)) + eps_term < 2**53; int64 codes always
+    take the int64 path: both agree on both sides of the bound (eps_term chosen just inside and just outside)."""
+    from quantlens.kernels.int_ops import int_layer_norm, layer_norm_constants
+
+    g = torch.Generator().manual_seed(n)
+    lo, hi = in_dtype.qmin, in_dtype.qmax
+    q = torch.randint(lo, hi + 1, (5, n), generator=g)
+    q[0] = lo
+    q[1, ::2], q[1, 1::2] = lo, hi  # the largest |c| and sum(c**2)
+    q[2] = hi
+    q[3, 0] = hi
+    q[3, 1:] = lo
+    storage = torch.int8 if in_dtype is QuantDType.qint8 else torch.int16
+    gamma = torch.randn(n, generator=g)
+    beta = torch.randn(n, generator=g)
+    for out_dtype in (QuantDType.qint8, QuantDType.qint16):
+        c = layer_norm_constants(0.02, 0.05, in_dtype, n, gamma, beta, 1e-5)
+        limit = (1 << 53) - n * (1 << (2 * (in_dtype.bits + c.frac_bits)))
+        for eps_term in (c.eps_term, 0, 1, limit - 1, limit, limit + 1, 2**61):
+            if eps_term < 0:
+                continue
+            args = (1, c.gain, c.bias, eps_term, c.frac_bits, c.shift, out_dtype)
+            fast = int_layer_norm(q.to(storage), *args)
+            ref = int_layer_norm(q.to(torch.int64), *args)
+            assert torch.equal(fast, ref), eps_term

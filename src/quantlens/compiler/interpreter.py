@@ -163,16 +163,9 @@ def run_graph(module: Module, feeds: dict[str, torch.Tensor], observer: Callable
         if name not in feeds:
             raise QuantLensError(f"IR input '{name}' was not given; inputs are {graph.inputs}.")
         env[name] = feeds[name]
-    check_ops(module)
-    dispatch = dispatch_for(module)
-    # Free each value after its last use: memory stays bounded by the live set, not the whole network.
-    last_use: dict[str, int] = {}
-    for i, node in enumerate(graph.nodes):
-        for name in node.inputs:
-            last_use[name] = i
-    keep = set(graph.outputs) | set(graph.constants)
+    dispatch, free_after = _run_plan(module)
     with torch.no_grad():
-        for i, node in enumerate(graph.nodes):
+        for node, free in zip(graph.nodes, free_after):
             inputs = [env[name] if name else None for name in node.inputs]
             result = hooks.override(node, inputs) if hooks.override is not None else None
             outs = _outputs(node, dispatch(node, inputs) if result is None else result)
@@ -184,10 +177,39 @@ def run_graph(module: Module, feeds: dict[str, torch.Tensor], observer: Callable
                 env[name] = value
             if hooks.observer is not None:
                 hooks.observer(node, inputs, outs)
-            for name in node.inputs:
-                if name and last_use.get(name) == i and name not in keep:
-                    env.pop(name, None)
+            for name in free:
+                env.pop(name, None)
     return [env[name] for name in graph.outputs]
+
+
+def _graph_signature(module: Module) -> tuple:
+    """What a run plan depends on: the kind, the graph object, each node (identity, op, host flag, inputs and
+    outputs), the graph outputs and the constants' names. Any edit of those makes a new plan."""
+    graph = module.graph
+    return (module.kind, id(graph), id(graph.nodes),
+            [(id(n), n.op, n.attrs.get("host"), tuple(n.inputs), tuple(n.outputs)) for n in graph.nodes],
+            tuple(graph.outputs), tuple(graph.constants))
+
+
+def _run_plan(module: Module) -> tuple[Callable, list[list[str]]]:
+    """The module's run plan, cached on it: the op check done, its dispatch, and per node the values to free after
+    it (their last use: memory stays bounded by the live set, not the whole network)."""
+    signature = _graph_signature(module)
+    cached = module.__dict__.get("_run_plan_cache")
+    if cached is not None and cached[0] == signature:
+        return cached[1], cached[2]
+    check_ops(module)
+    graph = module.graph
+    last_use: dict[str, int] = {}
+    for i, node in enumerate(graph.nodes):
+        for name in node.inputs:
+            last_use[name] = i
+    keep = set(graph.outputs) | set(graph.constants)
+    free_after = [[name for name in dict.fromkeys(node.inputs) if name and last_use.get(name) == i and name not in keep]
+                  for i, node in enumerate(graph.nodes)]
+    dispatch = dispatch_for(module)
+    module.__dict__["_run_plan_cache"] = (signature, dispatch, free_after)
+    return dispatch, free_after
 
 
 @qat_kernel("pad")

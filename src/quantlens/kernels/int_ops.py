@@ -75,6 +75,46 @@ def _shift_left_or_right(v: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return torch.where(k > 0, down, up)
 
 
+def _pow2(n: torch.Tensor) -> torch.Tensor:
+    """``2.0**n`` (float64, exact) for int64 ``n`` in ``[-1022, 1023]``: the IEEE bits ``(n + 1023) << 52``."""
+    return torch.bitwise_left_shift(n.to(torch.int64) + 1023, 52).view(torch.float64)
+
+
+_MANTISSA_PLANS: dict[int, tuple] = {}
+
+
+def _mantissa_lookup(table: SegmentedTable, m: torch.Tensor) -> torch.Tensor:
+    """``table.lookup(m)`` for the one- or two-segment mantissa tables (no tails, no fractional bits), in fewer
+    passes, same result: each segment's offset is scaled to the largest step ``2**P`` (``o << (P - p)``), so
+    ``j`` and ``r * 2**(P - p)`` come from one shift and mask, and ``rhe(acc * 2**(P - p), P) = rhe(acc, p)``;
+    ``acc = (E[j] << P) + (E[j + 1] - E[j]) * r`` (below 2**40: entries <= 2**23, P <= 14)."""
+    plan = _MANTISSA_PLANS.get(id(table))
+    if plan is None or plan[0] is not table:
+        if table.tails is not None or table.frac_bits != 0 or table.num_segments > 2:
+            return table.lookup(m)
+        big = int(table.shifts.max())
+        e = table.entries.to(torch.int64)
+        base = torch.bitwise_left_shift(e[:, :-1], big).reshape(-1)
+        diff = (e[:, 1:] - e[:, :-1]).reshape(-1)
+        plan = (table, big, base, diff, [int(b) for b in table.bounds], [big - int(p) for p in table.shifts],
+                e.shape[1] - 1)
+        _MANTISSA_PLANS[id(table)] = plan
+    _, big, base, diff, bounds, ups, width = plan
+    x = m.to(torch.int64).clamp(bounds[0], bounds[-1] - 1)
+    if len(ups) == 1:
+        o = torch.bitwise_left_shift(x - bounds[0], ups[0])
+        j = torch.bitwise_right_shift(o, big)
+    else:
+        seg = (x >= bounds[1]).to(torch.int64)
+        o = torch.bitwise_left_shift(x - (bounds[0] + seg * (bounds[1] - bounds[0])), ups[0] + seg * (ups[1] - ups[0]))
+        j = torch.bitwise_right_shift(o, big)
+        o = o - torch.bitwise_left_shift(j, big)
+        j = j + seg * width
+    r = torch.bitwise_and(o, (1 << big) - 1) if len(ups) == 1 else o
+    acc = torch.addcmul(base.to(m.device)[j], diff.to(m.device)[j], r)
+    return rshift_rhe_var(acc, big, bound=float(1 << 40)).clamp_(table.out_min, table.out_max)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # elementwise
 
@@ -157,7 +197,8 @@ def int_softmax(
     ``r = R(m) ~ 2**46 / m``; ``t = rshift_rhe(e * r, 15 + k)`` (``~ e / S * 2**31``);
     ``y = requantize(t, M, shift)``.
     """
-    q = q.to(torch.int64)
+    if q.dtype != torch.int8:
+        q = q.to(torch.int64)
     if q.dim() == 0:
         q = q.reshape(1)
         dim = 0
@@ -165,15 +206,51 @@ def int_softmax(
         raise QuantLensError(
             f"Integer softmax supports at most {MAX_SOFTMAX_LENGTH} elements along its dim, got {q.shape[dim]}."
         )
-    d = q - q.amax(dim=dim, keepdim=True)
-    e = exp_table.lookup(d)
+    amax = q.amax(dim=dim, keepdim=True)
+    if isinstance(exp_table, Table256) and q.dtype == torch.int8 and exp_table.offset == 255:
+        # d + 255 = q - (max - 255) lies in [0, 255] by the int8 type: the gather needs no range check.
+        e = torch.take(exp_table.entries.to(q.device, torch.float64), q.to(torch.int64).sub_(amax - 255))
+    else:
+        q = q.to(torch.int64)
+        e = exp_table.lookup(q - amax).to(torch.float64)
+    # Exact in float64: 0 <= e <= 2**X <= 2**23 and at most 2**16 elements, so every partial sum of S is an
+    # integer below 2**39 (any summation order gives the same S).
     s = e.sum(dim=dim, keepdim=True)
-    k = bit_length(s) - _MANT
-    mant, over = _normalize(s, k, 1 << (_MANT - 1))
+    # bitlen(S) is frexp's exponent b (S = f * 2**b, f in [0.5, 1)); m = rhe(S * 2**-k) with k = b - 24 is
+    # rhe(f * 2**24) (a power-of-two scaling, exact; a left shift when k <= 0).
+    frac, b = torch.frexp(s)
+    mant = torch.round(frac * float(1 << _MANT)).to(torch.int64)
+    k = b.to(torch.int64) - _MANT
+    over = mant == (1 << _MANT)
+    mant = torch.where(over, 1 << (_MANT - 1), mant)
     k = k + over.to(torch.int64)
-    r = recip_mantissa_table().lookup(mant)
-    t = rshift_rhe_var(e * r, k + (_RECIP_BITS - SOFTMAX_PROB_BITS))
-    return requantize(t, multiplier, shift, out_dtype)
+    r = _mantissa_lookup(recip_mantissa_table(), mant)
+    # t = rhe(e * r, k + 15), exact in float64: e <= 2**23 and r <= 2**23 (the table's range), so e * r < 2**46
+    # and e * (r * 2**-(k + 15)) is that integer times a power of two (k + 15 >= 7: S >= E(0) = 2**X >= 2**15);
+    # torch.round is half to even.
+    scale = r.to(torch.float64) * _pow2(-(k + (_RECIP_BITS - SOFTMAX_PROB_BITS)))
+    t = e.mul_(scale).round_().to(torch.int64)
+    return _softmax_requantize(t, int(multiplier), int(shift), out_dtype)
+
+
+#: a bound on the softmax's t: with m in [2**23, 2**24], S <= (m + 1/2) * 2**k, e <= S and R(m) <= 2**46 / m + 9
+#: (node rounding 1/2, interpolation of the convex 2**46 / x over steps of 2**14 at most 2**28 * 2**-22 / 8 = 8,
+#: final rounding 1/2): t <= (m + 1/2) * R(m) / 2**15 + 1/2 < (2**46 + 2**28) / 2**15 + 1 < 2**31 + 2**14.
+_SOFTMAX_T_BOUND = (1 << 31) + (1 << 14)
+
+
+def _softmax_requantize(t: torch.Tensor, multiplier: int, shift: int, out_dtype: QuantDType) -> torch.Tensor:
+    """``requantize(t, M, shift)`` for the softmax's ``0 <= t < 2**31 + 2**14`` (same result, fewer passes).
+
+    With ``M < 2**31`` and ``0 < shift <= 62``: ``x = t * M < 2**62 + 2**45`` and ``x + 2**(shift - 1) < 2**63``,
+    so ``(x + 2**(shift - 1) - 1 + ((x >> shift) & 1)) >> shift`` (rounding half to even, ``numerics``'s short
+    formula) cannot overflow. Other constants take ``requantize``.
+    """
+    if not (0 < multiplier < (1 << 31) and 0 < shift <= 62):
+        return requantize(t, multiplier, shift, out_dtype)
+    x = t.mul_(multiplier)
+    y = torch.bitwise_right_shift(x, shift).bitwise_and_(1).add_(x).add_((1 << (shift - 1)) - 1)
+    return y.bitwise_right_shift_(shift).clamp_(out_dtype.qmin, out_dtype.qmax)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -245,26 +322,67 @@ def int_layer_norm(
     exact left shift; ``m = 2**24`` becomes ``2**22`` with ``k + 1``); ``r = S(m) ~ 2**34 / sqrt(m)``;
     ``u = rshift_rhe(c * r, 11 + k)`` (``~ c / sqrt(V) * 2**23``); ``y = sat(rshift_rhe(u * gain + bias, T))``.
     """
-    q = q.to(torch.int64)
     shape = q.shape
     lead = len(shape) - normalized_ndim
     n = 1
     for size in shape[lead:]:
         n *= size
-    x = q.reshape(*shape[:lead], n)
-    total = x.sum(dim=-1, keepdim=True)
-    mu = div_round_half_even(total * (1 << frac_bits), n)
-    c = x * (1 << frac_bits) - mu
-    v = ((c * c).sum(dim=-1, keepdim=True) + int(eps_term)).clamp(min=1)
-    k = torch.div(bit_length(v) - (_MANT - 1), 2, rounding_mode="floor")
-    mant, over = _normalize(v, 2 * k, 1 << (_MANT - 2))
+    p = int(frac_bits)
+    bits = _code_bits(q)
+    # float64 path, exact: |q| <= 2**(bits - 1), so |sum(q)| <= n * 2**15 and |c| <= (2**bits - 1) * 2**P (mu is a
+    # rounded mean of codes, inside their range); with n * 2**(2 * (bits + P)) + eps_term < 2**53 every partial sum
+    # of sum(c**2) + eps_term is an integer below 2**53. n < 2**28 keeps the rounded division exact (below).
+    if n < (1 << 28) and n * (1 << (2 * (bits + p))) + int(eps_term) < (1 << 53):
+        x = q.reshape(*shape[:lead], n).to(torch.float64)
+        # mu = rhe(sum * 2**P / n): the float64 quotient is the exact one correctly rounded; an exact tie k + 1/2 is
+        # representable, and a non-tie is at least 1 / (2n) > 2**-30 from one while |quotient| < 2**23 errs by at
+        # most 2**-30, so torch.round (half to even) rounds both the same.
+        mu = torch.round(x.sum(dim=-1, keepdim=True).mul_(float(1 << p)).div_(n))
+        c = x.mul_(float(1 << p)).sub_(mu)
+        v = torch.linalg.vecdot(c, c).unsqueeze(-1).add_(int(eps_term)).clamp_(min=1)
+        # bitlen(V) is frexp's exponent b; V * 2**-2k is a power-of-two scaling (exact), torch.round half to even.
+        frac, b = torch.frexp(v)
+        k = torch.div(b.to(torch.int64) - (_MANT - 1), 2, rounding_mode="floor")
+        mant = torch.round(v * _pow2(-2 * k)).to(torch.int64)
+        over = mant == (1 << _MANT)
+        mant = torch.where(over, 1 << (_MANT - 2), mant)
+    else:
+        q64 = q.to(torch.int64)
+        x = q64.reshape(*shape[:lead], n)
+        mu = div_round_half_even(x.sum(dim=-1, keepdim=True) * (1 << p), n)
+        c = x * (1 << p) - mu
+        v = ((c * c).sum(dim=-1, keepdim=True) + int(eps_term)).clamp(min=1)
+        k = torch.div(bit_length(v) - (_MANT - 1), 2, rounding_mode="floor")
+        mant, over = _normalize(v, 2 * k, 1 << (_MANT - 2))
+        k = k + over.to(torch.int64)
+        u = rshift_rhe_var(c * rsqrt_mantissa_table().lookup(mant), k + (_RSQRT_BITS - LN_NORM_BITS))
+        return _layer_norm_output(u, gain, bias, shift, out_dtype).reshape(shape)
     k = k + over.to(torch.int64)
-    r = rsqrt_mantissa_table().lookup(mant)
-    u = rshift_rhe_var(c * r, k + (_RSQRT_BITS - LN_NORM_BITS))
-    dev = q.device
-    acc = u * gain.to(dev, torch.int64).reshape(-1) + bias.to(dev, torch.int64).reshape(-1)
-    y = saturate(rshift_rhe_var(acc, int(shift)), out_dtype)
-    return y.reshape(shape)
+    r = _mantissa_lookup(rsqrt_mantissa_table(), mant)
+    # u = rhe(c * r, 11 + k), exact in float64: |c| <= 2**(bits + P) <= 2**24 and r <= 2**23, so |c * r| < 2**47,
+    # and c * (r * 2**-(11 + k)) is that integer times a power of two (11 + k >= 0: V >= 1).
+    scale = r.to(torch.float64) * _pow2(-(k + (_RSQRT_BITS - LN_NORM_BITS)))
+    u = c.mul_(scale).round_().to(torch.int64)
+    return _layer_norm_output(u, gain, bias, shift, out_dtype).reshape(shape)
+
+
+def _layer_norm_output(u: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor, shift: int,
+                       out_dtype: QuantDType) -> torch.Tensor:
+    """``sat(rshift_rhe(u * gain + bias, T))``."""
+    dev = u.device
+    # |u| <= 2**24 (|c| <= sqrt(V), r <= 2**34 / sqrt(m) + 9), |gain| < 2**31, |bias| <= 2**60: |acc| < 2**61, so
+    # the rounded shift takes numerics' short formula (bound 2**62).
+    acc = torch.addcmul(bias.to(dev, torch.int64).reshape(-1), u, gain.to(dev, torch.int64).reshape(-1))
+    return rshift_rhe_var(acc, int(shift), bound=float(1 << 62)).clamp_(out_dtype.qmin, out_dtype.qmax)
+
+
+def _code_bits(q: torch.Tensor) -> int:
+    """Bits of the input codes' type: 8 for int8 storage, else 16 (int16 codes; wider data takes the int path)."""
+    if q.dtype in (torch.int8, torch.uint8):
+        return 8
+    if q.dtype == torch.int16:
+        return 16
+    return 64
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ Each method returns its result as data and writes its report files into ``out_di
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 from dataclasses import dataclass
@@ -111,6 +112,77 @@ def _check_weights_correspond(baseline, analysis, kind: AnalysisType) -> None:
     )
 
 
+def _attr_owner(access, path: str):
+    """``(object holding the attribute, attribute name)`` for a dotted ``path`` such as ``"decoder.memory"`` in
+    the torch model of ``access``; a QuantLensError naming the attribute and the model when it is missing."""
+    model = getattr(access, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        raise QuantLensError(
+            f"cached_attrs=[{path!r}, ...]: the {access.label} model ({access.describe()}) is not a torch module; "
+            "cached attributes are copied between torch models (float, calibration/QAT, pre_export).")
+    parts = path.split(".")
+    owner = model
+    for i, part in enumerate(parts):
+        if not part or not hasattr(owner, part):
+            where = ".".join(parts[:i]) or type(model).__name__
+            raise QuantLensError(
+                f"cached_attrs: the {access.label} model ({access.describe()}) has no attribute '{path}' ('{where}' "
+                f"has no '{part}'). Both models must hold every cached attribute (a module's state kept between "
+                "calls, e.g. 'decoder.memory'); check the name against both models.")
+        if i < len(parts) - 1:
+            owner = getattr(owner, part)
+    return owner, parts[-1]
+
+
+def _copy_value(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return copy.deepcopy(value)
+
+
+def _install_cached_attrs(baseline, analysis, cached_attrs) -> tuple[str, ...]:
+    """``cached_attrs``: before each call of the analysis model, its cached attributes are set to copies of the
+    baseline's values at the start of the baseline's latest call (its current values when the baseline has
+    not run yet), so that both models of a sequence (stateful) model start each call from the same state.
+    Wraps the two accesses' ``run`` (which also makes sensitivity run full forwards, not the ablation cache:
+    the state enters every op)."""
+    if cached_attrs is None:
+        return ()
+    paths = (cached_attrs,) if isinstance(cached_attrs, str) else tuple(cached_attrs)
+    for path in paths:
+        if not isinstance(path, str):
+            raise QuantLensError(f"cached_attrs must be attribute names such as 'decoder.memory', got {path!r}.")
+    if not paths:
+        return ()
+    for path in paths:  # both models hold every attribute: checked now, not at the first call
+        _attr_owner(baseline, path), _attr_owner(analysis, path)
+    state: dict[str, Any] = {}
+
+    def snapshot() -> dict[str, Any]:
+        out = {}
+        for path in paths:
+            owner, name = _attr_owner(baseline, path)
+            out[path] = _copy_value(getattr(owner, name))
+        return out
+
+    base_run, analy_run = baseline.run, analysis.run
+
+    def run_baseline(example, *args, **kwargs):
+        state.clear()
+        state.update(snapshot())
+        return base_run(example, *args, **kwargs)
+
+    def run_analysis(example, *args, **kwargs):
+        values = state if state else snapshot()
+        for path in paths:
+            owner, name = _attr_owner(analysis, path)
+            setattr(owner, name, _copy_value(values[path]))
+        return analy_run(example, *args, **kwargs)
+
+    baseline.run, analysis.run = run_baseline, run_analysis
+    return paths
+
+
 @dataclass(frozen=True)
 class RunResult:
     """What :meth:`QuantAnalysis.run` traced: the folders and the number of op sites per model."""
@@ -142,16 +214,21 @@ class QuantAnalysis:
         post_process: optional callable or module applied to both models' outputs (host-side float code); its
             results are compared like model outputs (named ``post_process[.<name>]``).
         progress: show rich progress bars for the long loops. Defaults to True.
+        cached_attrs: attribute paths (``"decoder.memory"``) of state the torch modules keep between calls (a
+            sequence model's memory): before each analysis call they are set to copies of the baseline's values at
+            the start of its latest call, so both models start from the same state.
 
     Profiling never changes the models: forwards run in eval mode, without gradients, with observers paused,
     and every flag is restored afterwards.
     """
 
     def __init__(self, baseline_model: Any, analysis_model: Any, analysis_model_type: str,
-                 out_dir: str | os.PathLike = "./quant_analysis", post_process: Any = None, *, progress: bool = True):
+                 out_dir: str | os.PathLike = "./quant_analysis", post_process: Any = None, *, progress: bool = True,
+                 cached_attrs: Iterable[str] | str | None = None):
         self.analysis_type = parse_analysis_type(analysis_model_type)
         self.baseline = make_access(baseline_model, "baseline")
         self.analysis = make_access(analysis_model, "analysis")
+        self.cached_attrs = _install_cached_attrs(self.baseline, self.analysis, cached_attrs)
         self._check_deployed_pair()
         if not self.analysis.quantized:
             raise QuantLensError(
@@ -177,6 +254,8 @@ class QuantAnalysis:
         self._bad_case: Any = None
         self._baseline_case: Any = None
         self.bad_case_result: BadCaseResult | None = None
+        #: the traces compare_per_layer() reads: run()'s folders, or set_model_profiler_dir()'s
+        self._base_dir, self._analy_dir = self.out_dir / BASELINE_DIR, self.out_dir / ANALYSIS_DIR
 
     def _check_deployed_pair(self) -> None:
         """export: the analysis model is the qat IR; convert: the quantized IR. Their baseline is the stage
@@ -230,7 +309,8 @@ class QuantAnalysis:
 
     # -- bad case ---------------------------------------------------------------------------------------------
     def auto_find_bad_case(self, data_generator: Iterable[Any], num_steps: int | None = None, metric: str = "L1",
-                           custom_metric_func=None, custom_metric_order_seq: str | None = None) -> BadCaseResult:
+                           custom_metric_func=None, custom_metric_order_seq: str | None = None, *,
+                           topk: int = 1) -> BadCaseResult:
         """Run both models over ``data_generator`` (each item: one call's inputs, like ``prepare``'s
         example_inputs) and keep the worst sample per output and metric. Writes ``badcase.txt``,
         ``all_badcase_info.pt`` and ``badcase.pt``; the worst sample under ``metric`` (or under the custom
@@ -238,21 +318,44 @@ class QuantAnalysis:
 
         ``custom_metric_func(baseline, analysis) -> float`` gets float64 tensors; ``custom_metric_order_seq``
         is ``"descending"`` (larger is worse) or ``"ascending"`` (smaller is worse).
+
+        ``topk=k`` keeps the k worst samples per output and metric (``BadCaseResult.topk``/``overall_topk``, also
+        in ``badcase.txt`` and ``all_badcase_info.pt``); ``set_bad_case(rank=r)`` then picks the r-th worst.
         """
         with loop_threads():  # quantlens._threads: few intra-op threads on small or busy machines
             result = find_bad_case(self.baseline, self.analysis, data_generator, self.post_process, num_steps,
-                                   metric, custom_metric_func, custom_metric_order_seq, self.progress)
+                                   metric, custom_metric_func, custom_metric_order_seq, self.progress, topk)
         write_bad_case(result, self.out_dir / "badcase.txt")
         save_pt({"worst_index": result.worst_index, "worst_value": result.worst_value,
-                 "overall": result.overall, "metric": result.metric, "inputs": result.inputs},
+                 "overall": result.overall, "metric": result.metric, "inputs": result.inputs, "topk": result.k,
+                 "topk_index": result.topk, "overall_topk": result.overall_topk},
                 self.out_dir / ALL_BAD_CASE_FILE)
         self.bad_case_result = result
         self.set_bad_case(result.bad_case)
         return result
 
-    def set_bad_case(self, data: Any) -> None:
+    _NO_DATA = object()
+
+    def set_bad_case(self, data: Any = _NO_DATA, *, rank: int | None = None, metric: str | None = None,
+                     output: str | None = None) -> None:
         """Use ``data`` (one call's inputs: a tuple is positional arguments) for :meth:`run` and
-        :meth:`sensitivity`; also saved to ``out_dir/badcase.pt``."""
+        :meth:`sensitivity`; also saved to ``out_dir/badcase.pt``.
+
+        Or, after ``auto_find_bad_case(..., topk=k)``, ``rank=r`` (1 = the worst) picks the r-th worst sample
+        under ``metric`` (default: the search's metric), over all outputs or for one ``output``."""
+        if rank is None:
+            if data is self._NO_DATA:
+                raise QuantLensError("set_bad_case(): pass the inputs (set_bad_case(example_inputs)) or, after "
+                                     "auto_find_bad_case(data, topk=k), a rank (set_bad_case(rank=2)).")
+            if metric is not None or output is not None:
+                raise QuantLensError("set_bad_case(): metric= and output= choose a ranked sample; pass rank= too.")
+        else:
+            if data is not self._NO_DATA:
+                raise QuantLensError("set_bad_case(): pass either the inputs or rank=, not both.")
+            if self.bad_case_result is None:
+                raise QuantLensError("set_bad_case(rank=...): no bad case search in this QuantAnalysis yet; call "
+                                     "auto_find_bad_case(data, topk=k) first (or pass the inputs).")
+            data = self.bad_case_result.inputs[self.bad_case_result.ranked(rank, metric, output)]
         self._bad_case, self._has_bad_case = data, True
         self.save_bad_case()
 
@@ -285,6 +388,52 @@ class QuantAnalysis:
                 "load_bad_case() before run() and sensitivity()."
             )
         return self._bad_case
+
+    # -- traces made earlier -------------------------------------------------------------------------------------
+    def set_model_profiler_dir(self, baseline_model_profiler_dir: str | os.PathLike,
+                               analysis_model_profiler_dir: str | os.PathLike) -> None:
+        """Compare traces made earlier by :meth:`run` (possibly by another QuantAnalysis, in another process)
+        without running the models: :meth:`compare_per_layer` and :meth:`advise` read the baseline trace from
+        ``baseline_model_profiler_dir`` and the analysis trace from ``analysis_model_profiler_dir`` (the
+        ``baseline_model/`` and ``analysis_model/`` folders of that run's ``out_dir``). Both are checked now:
+        a folder without a complete trace, a trace of the other model, or two traces of different bad cases raise
+        a ``QuantLensError`` naming the folder. A later :meth:`run` writes to this ``out_dir`` again and reads
+        from there."""
+        base_dir, analy_dir = Path(baseline_model_profiler_dir), Path(analysis_model_profiler_dir)
+        self._open_traces(base_dir, analy_dir)
+        self._base_dir, self._analy_dir = base_dir, analy_dir
+
+    def _open_traces(self, base_dir: Path | None = None, analy_dir: Path | None = None
+                     ) -> tuple[TraceReader, TraceReader]:
+        """The baseline and analysis traces compare_per_layer() reads, checked to belong together."""
+        base_dir = self._base_dir if base_dir is None else base_dir
+        analy_dir = self._analy_dir if analy_dir is None else analy_dir
+        traces = []
+        for label, folder in (("baseline", base_dir), ("analysis", analy_dir)):
+            try:
+                trace = TraceReader(folder)
+            except QuantLensError as exc:  # names the folder (missing folder, no trace.json, old format)
+                raise QuantLensError(
+                    f"{exc} (the {label} trace{'' if folder.is_dir() else '; the folder does not exist'}: "
+                    f"set_model_profiler_dir() takes the '{label}_model' folder of a run()'s out_dir)") from None
+            if trace.label != label:
+                raise QuantLensError(
+                    f"The {label} trace folder {folder} holds the trace of the {trace.label} model "
+                    f"({trace.description}), not of the {label} model. set_model_profiler_dir(baseline_dir, "
+                    "analysis_dir) takes the baseline folder first.")
+            traces.append(trace)
+        base, analy = traces
+        if base.input_digest != analy.input_digest:
+            raise QuantLensError(
+                f"The traces were made on different bad cases: the baseline trace in {base_dir} and the analysis "
+                f"trace in {analy_dir} hold different model inputs, so their op sites cannot be compared. Trace "
+                "both models on one bad case (qa.run()) and compare those folders.")
+        if self._has_bad_case and base.input_digest != input_digest(self._bad_case):
+            raise QuantLensError(
+                f"The traces in {base_dir} and {analy_dir} were made on another bad case than this QuantAnalysis's "
+                "current one. Re-run qa.run() on the current bad case, or compare them from a QuantAnalysis without "
+                "a bad case (or after load_bad_case() from that run's out_dir).")
+        return base, analy
 
     # -- run -------------------------------------------------------------------------------------------------
     def _trace(self, access, directory: Path, same_input=None) -> tuple[TraceReader, list[str]]:
@@ -329,11 +478,13 @@ class QuantAnalysis:
             return self._run(run_baseline_model, run_analysis_model)
 
     def _run(self, run_baseline_model: bool, run_analysis_model: bool) -> RunResult:
-        base_dir, analy_dir = self.out_dir / BASELINE_DIR, self.out_dir / ANALYSIS_DIR
+        base_dir = self.out_dir / BASELINE_DIR if run_baseline_model else self._base_dir
+        analy_dir = self.out_dir / ANALYSIS_DIR
         base = analy = None
         outputs: list[str] = []
         if run_baseline_model:
             base, outputs = self._trace(self.baseline, base_dir)
+            self._base_dir = base_dir
         if run_analysis_model:
             source = base if base is not None else TraceReader(base_dir)
             if source.input_digest != input_digest(self._require_bad_case()):
@@ -342,6 +493,7 @@ class QuantAnalysis:
                     "cannot feed the analysis model's same-input run. Run both models: qa.run()."
                 )
             analy, outputs = self._trace(self.analysis, analy_dir, same_input=source)
+            self._analy_dir = analy_dir
             check_site_match(source, analy, strict=not self.analysis_type.deployed)
         return RunResult(base_dir if base else None, analy_dir if analy else None,
                          len(base.sites) if base else None, len(analy.sites) if analy else None, outputs,
@@ -363,8 +515,7 @@ class QuantAnalysis:
         or module classes (``"Conv2d"`` or ``nn.Conv2d``). Writes ``compare_per_layer_out.txt``/``.csv``,
         ``profiler.html`` and ``abnormal_layer_advisor.txt``; returns the rows.
         """
-        comparison = compare_traces(TraceReader(self.out_dir / BASELINE_DIR), TraceReader(self.out_dir / ANALYSIS_DIR),
-                                    prefixes, types, deployed=self.analysis_type.deployed)
+        comparison = compare_traces(*self._open_traces(), prefixes, types, deployed=self.analysis_type.deployed)
         comparison.consistency = self.consistency
         findings = self.advise(comparison)
         write_compare_text(comparison, self.out_dir / "compare_per_layer_out.txt")
@@ -376,8 +527,7 @@ class QuantAnalysis:
         """Run the abnormal-layer rules on ``comparison`` (default: a fresh comparison of the traces) and
         write ``abnormal_layer_advisor.txt``."""
         if comparison is None:
-            comparison = compare_traces(TraceReader(self.out_dir / BASELINE_DIR),
-                                        TraceReader(self.out_dir / ANALYSIS_DIR), deployed=self.analysis_type.deployed)
+            comparison = compare_traces(*self._open_traces(), deployed=self.analysis_type.deployed)
             comparison.consistency = self.consistency
         ctx = AdvisorContext(comparison, self.analysis_type.value, self.analysis.fake_quant_state,
                              self.consistency)

@@ -130,6 +130,19 @@ def write_bad_case(result: BadCaseResult, path: str | os.PathLike) -> Path:
         wrap_table(["metric", "sample", "output", "value"],
                    [[m, *result.overall[m][:2], fmt(result.overall[m][2])] for m in metrics]),
     ]
+    k = getattr(result, "k", 1)
+    if k > 1:  # auto_find_bad_case(..., topk=k): the k worst samples, rank 1 = the worst (set_bad_case(rank=r))
+        lines += [
+            "",
+            f"== Top {k} worst samples per output and metric (rank: sample, value) ==",
+            wrap_table(["output", "metric", "rank", "sample", "value"],
+                       [[o, m, r, i, fmt(v)] for o in result.outputs for m in metrics
+                        for r, (i, v) in enumerate(result.topk[o][m], 1)]),
+            "",
+            f"== Top {k} worst samples per metric over all outputs ==",
+            wrap_table(["metric", "rank", "sample", "output", "value"],
+                       [[m, r, i, o, fmt(v)] for m in metrics for r, (i, o, v) in enumerate(result.overall_topk[m], 1)]),
+        ]
     written = atomic_write_text(path, "\n".join(lines) + "\n")
     from quantlens.profiler.html import write_bad_case_html  # html imports this module
 
@@ -251,8 +264,14 @@ def write_advisor(findings: list[Finding], path: str | os.PathLike, consistency=
 def write_sensitivity(table: SensitivityTable, out_dir: str | os.PathLike) -> tuple[Path, Path]:
     """``output_<name>_<metric>_sensitive_ops.txt`` and ``.pt`` (a list of row dicts)."""
     stem = f"output_{safe_name(table.output)}_{table.metric}_sensitive_ops"  # names may contain ".": no with_suffix
-    text = wrap_table(["op_name", "sensitive_type", "op_type", table.metric, "quant_dtype"],
-                      [[r.op_name, r.sensitive_type, r.op_type, fmt(r.value), r.quant_dtype] for r in table])
+    if any(r.sensitive_type == "lut" for r in table):  # pre_export: each table's own error on the bad case
+        text = wrap_table(["op_name", "sensitive_type", "op_type", table.metric, "quant_dtype",
+                           "table err max (steps)", "table err hist (steps)"],
+                          [[r.op_name, r.sensitive_type, r.op_type, fmt(r.value), r.quant_dtype,
+                            fmt(r.table_error_max_steps), r.table_error_hist or "-"] for r in table])
+    else:
+        text = wrap_table(["op_name", "sensitive_type", "op_type", table.metric, "quant_dtype"],
+                          [[r.op_name, r.sensitive_type, r.op_type, fmt(r.value), r.quant_dtype] for r in table])
     header = f"quantlens sensitivity: output '{table.output}', metric {table.metric} (one quantizer on at a time)\n"
     txt = atomic_write_text(Path(out_dir) / f"{stem}.txt", header + text + "\n")
     pt = save_pt([r.to_dict() for r in table], Path(out_dir) / f"{stem}.pt")

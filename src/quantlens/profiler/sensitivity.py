@@ -3,7 +3,10 @@
 * ``fake_quant``: every fake quant of the analysis model is switched off (it computes the float model), then
   each op site's activation quantization (its input and output fake quants), and separately its weight
   quantization, is switched on alone; the outputs are compared with the baseline's.
-* ``pre_export``: every lookup table is switched off, then one at a time on.
+* ``pre_export``: every lookup table is switched off, then one at a time on. Each table's row also carries its
+  own error: the table run on the baseline's inputs to that table on the bad case, against the baseline's output
+  there, in output quantization steps (``table_error_max_steps``, ``table_error_hist``:
+  ``0:n|1:n|2:n|3-4:n|5-8:n|>8:n``).
 
 During the ablation, index-producing ops (``topk``, ``sort``, ``max``/``min`` with a dim, ``argmax``...) take the
 baseline's indices (:mod:`.index_ops`), so that an index flip does not swamp the metric.
@@ -20,6 +23,7 @@ sensitivity-table format of ``docs/quantization.md``: pass it (or one table of i
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
@@ -48,9 +52,18 @@ class SensitivityRow:
     metric: str
     value: float
     quant_dtype: str
+    #: ``pre_export`` (``lut`` rows): the table's own error on the bad case's inputs to it, ``|baseline output -
+    #: table output| / output scale`` rounded to whole steps: its maximum and its histogram
+    #: ``0:n|1:n|2:n|3-4:n|5-8:n|>8:n`` (None / "" where not measured: other types, a table without a
+    #: per-tensor output scale)
+    table_error_max_steps: float | None = None
+    table_error_hist: str = ""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if self.sensitive_type != "lut":  # the sensitivity-table format of the other types is unchanged
+            del out["table_error_max_steps"], out["table_error_hist"]
+        return out
 
 
 class SensitivityTable(Sequence[SensitivityRow]):
@@ -106,9 +119,18 @@ class IndexRecorder:
 
     wants_index_ops = True
 
-    def __init__(self):
+    def __init__(self, keep_inputs: frozenset[str] = frozenset()):
         self.indices: dict[str, list[torch.Tensor]] = {}
         self.nonfinite: list[str] = []
+        #: the sites whose incoming float tensors and outputs are kept (``pre_export``'s tables)
+        self.keep_inputs = keep_inputs
+        self.site_inputs: dict[str, dict[int, torch.Tensor]] = {}
+        self.site_outputs: dict[str, list[torch.Tensor]] = {}
+        #: op site -> (max steps, histogram) of a table's own error (filled by :func:`sensitivity_setup`)
+        self.table_errors: dict[str, tuple[float | None, str]] = {}
+
+    def inputs(self, site: str) -> dict[int, torch.Tensor] | None:  # a SameInputSource for the kept sites
+        return self.site_inputs.get(site)
 
     def on_site(self, event: SiteEvent) -> None:
         if event.name not in self.nonfinite and any(
@@ -116,6 +138,40 @@ class IndexRecorder:
             self.nonfinite.append(event.name)
         if event.index_producing:
             self.indices[event.name] = [t.detach().clone() for t in event.outputs if not t.is_floating_point()]
+        if event.name in self.keep_inputs and event.name not in self.site_inputs:
+            self.site_inputs[event.name] = {k: t.detach().clone() for k, t in event.inputs.items()}
+            self.site_outputs[event.name] = [t.detach().clone() for t in event.outputs]
+
+
+class _TableErrors:
+    """Sink of the analysis (pre_export) forward whose tables run on the baseline's inputs: each table's own
+    error in output steps."""
+
+    def __init__(self, recorder: IndexRecorder):
+        self.recorder = recorder
+
+    def on_site(self, event: SiteEvent) -> None:
+        rec = self.recorder
+        if event.name not in rec.keep_inputs or event.name in rec.table_errors:
+            return
+        base = [t for t in rec.site_outputs.get(event.name, []) if t.is_floating_point()]
+        same = [t for t in (event.same_input or []) if t.is_floating_point()]
+        scale = event.scale
+        if not base or len(base) != len(same) or scale is None or scale.numel() != 1 or float(scale) <= 0 or \
+                any(x.shape != y.shape for x, y in zip(base, same)):
+            rec.table_errors[event.name] = (None, "")
+            return
+        from quantlens.profiler.compare import LSB_BUCKETS  # compare imports this module's users
+
+        x = torch.cat([t.detach().double().reshape(-1) for t in base])
+        y = torch.cat([t.detach().double().reshape(-1) for t in same])
+        if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
+            rec.table_errors[event.name] = (math.nan, "")
+            return
+        steps = torch.round((x - y).abs() / float(scale))
+        counts = [int(((steps >= lo) & (steps <= hi)).sum()) for _, lo, hi in LSB_BUCKETS]
+        rec.table_errors[event.name] = (float(steps.max()) if steps.numel() else 0.0,
+                                        "|".join(f"{label}:{n}" for (label, _, _), n in zip(LSB_BUCKETS, counts)))
 
 
 def _refuse_nonfinite_baseline(base: dict[str, torch.Tensor], sites: list[str]) -> None:
@@ -156,19 +212,34 @@ def run_sensitivity(
             for name, value in ablate_one(analysis, enable, q, example, post_process, recorder, base, m,
                                           runner).items():
                 values[name].append(value)
-    return build_result(quantizers, values, m, reverse)
+    return build_result(quantizers, values, m, reverse, recorder.table_errors)
 
 
 def sensitivity_setup(baseline: ModelAccess, analysis: ModelAccess, analysis_type: AnalysisType, example: Any,
                       post_process: PostProcess) -> tuple[dict[str, torch.Tensor], IndexRecorder, list]:
-    """The baseline's outputs (refused when non-finite), its index recorder and the analysis quantizers."""
-    recorder = IndexRecorder()
-    base = float_outputs(post_process.outputs(baseline.run(example, sink=recorder)))
-    _refuse_nonfinite_baseline(base, recorder.nonfinite)
+    """The baseline's outputs (refused when non-finite), its index recorder and the analysis quantizers. For
+    ``pre_export`` the recorder also holds each table's own error (``table_errors``): one more analysis forward,
+    every table on (as in its ablation), in which every table site runs on the baseline's inputs to it."""
     quantizers = analysis.quantizers(analysis_type)
     if not quantizers:
         what = "lookup tables" if analysis_type is AnalysisType.PRE_EXPORT else "fake quants"
         raise QuantLensError(f"sensitivity(): the analysis model has no {what} to rank.")
+    tables = frozenset(q.op_name for q in quantizers if q.sensitive_type == "lut")
+    recorder = IndexRecorder(tables if analysis_type is AnalysisType.PRE_EXPORT else frozenset())
+    base = float_outputs(post_process.outputs(baseline.run(example, sink=recorder)))
+    _refuse_nonfinite_baseline(base, recorder.nonfinite)
+    if recorder.keep_inputs:
+        # every table on, as each is in its ablation (one the user switched off too); restored on exit
+        with analysis.ablation(analysis_type) as enable:
+            for q in quantizers:
+                enable(q, True)
+            try:
+                analysis.run(example, sink=_TableErrors(recorder), same_input=recorder)
+            finally:
+                for q in quantizers:
+                    enable(q, False)
+        recorder.site_inputs.clear()  # only the small histograms stay
+        recorder.site_outputs.clear()
     return base, recorder, quantizers
 
 
@@ -224,8 +295,11 @@ def ablate_one(analysis: ModelAccess, enable, q, example: Any, post_process: Pos
     return values
 
 
-def build_result(quantizers: list, values: dict[str, list[float]], m, reverse: bool) -> SensitivityResult:
-    """One table per output from the values in quantizer (execution) order."""
+def build_result(quantizers: list, values: dict[str, list[float]], m, reverse: bool,
+                 table_errors: dict[str, tuple[float | None, str]] | None = None) -> SensitivityResult:
+    """One table per output from the values in quantizer (execution) order; ``table_errors`` (op site ->
+    (max steps, histogram)) fills the ``lut`` rows' table error columns."""
+    table_errors = table_errors or {}
     tables = []
     for name, vals in values.items():
         # Stable sort: ties keep execution order, so the table is deterministic.
@@ -233,6 +307,8 @@ def build_result(quantizers: list, values: dict[str, list[float]], m, reverse: b
         if reverse:
             order.reverse()
         rows = [SensitivityRow(quantizers[i].op_name, quantizers[i].sensitive_type, quantizers[i].op_type,
-                               m.name, vals[i], quantizers[i].quant_dtype) for i in order]
+                               m.name, vals[i], quantizers[i].quant_dtype,
+                               *(table_errors.get(quantizers[i].op_name, (None, ""))
+                                 if quantizers[i].sensitive_type == "lut" else (None, ""))) for i in order]
         tables.append(SensitivityTable(name, m.name, rows))
     return SensitivityResult(tables)

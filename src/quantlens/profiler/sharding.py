@@ -166,4 +166,4 @@ def run_sharded_sensitivity(
         raise QuantLensError(f"sharded sensitivity(): no value for {len(missing)} quantizer(s) (first "
                              f"'{quantizers[missing[0]].op_name}'); rank {rank} of {world_size} got a partial gather.")
     values = {name: [merged[i][name] for i in range(len(quantizers))] for name in base}
-    return build_result(quantizers, values, m, reverse)
+    return build_result(quantizers, values, m, reverse, recorder.table_errors)
