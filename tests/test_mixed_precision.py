@@ -202,3 +202,31 @@ def test_latency_curve_and_latency_budget(setup, searched, tmp_path):
     tight = search_mixed_precision(model, example, calib, evaluate, TARGET, budget=MaxLatency(int8_cycles - 1),
                                    out_dir=tmp_path / "tight", progress=False)
     assert tight.chosen == () and not tight.reached
+
+
+def test_each_step_tries_the_first_rankings_best_remaining_candidate(setup, searched):
+    # the re-ranked candidates (those that helped, the promoted site's neighbours) must not crowd out the ranking
+    model, example, calib, _, _ = setup
+    result, out = searched
+    saved = json.loads((out / "mixed_precision_progress.json").read_text())
+    ranked0 = [Promotion(**p) for p in saved["ranking"]]
+    base = _build(model, example, calib, default_calibration_qconfig_setter)
+    for k, step in enumerate(saved["steps"]):
+        selected = list(result.chosen[:k])
+        tried = [Promotion(**p) for p in step["tried"]]
+        first = next(c for c in ranked0 if c not in selected and not int16_conflicts(base, selected + [c]))
+        assert first in tried, (k, first, tried)
+
+
+def test_graph_neighbours_are_producers_and_consumers(setup):
+    from quantlens.quantization.mixed_precision import _graph
+
+    model, example, calib, _, _ = setup
+    base = _build(model, example, calib, default_calibration_qconfig_setter)
+    g = _graph(base)
+    record = base._quantlens_state.record
+    for a, near in g.neighbours.items():
+        assert a not in near and all(a in g.neighbours[b] for b in near)  # symmetric, no self-loop
+    site = record.sites["attn.q_proj"]
+    producers = {record.origin(i.producer) for i in site.inputs if i.producer and not i.is_parameter}
+    assert producers and producers <= g.neighbours["attn.q_proj"]

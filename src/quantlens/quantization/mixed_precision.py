@@ -5,8 +5,9 @@ the base setter (int8 everywhere by default), each step tries the ``tries`` best
 promoted on top of the current set, re-measures the metric for each (``prepare`` -> ``calibrate`` ->
 ``evaluate``), and keeps the best. The first ranking is the profiler's one-quantizer-at-a-time sensitivity
 (``QuantAnalysis.sensitivity``) or a table you pass; after every step the candidates just measured are re-ranked
-by what they measured (those that improved the metric first, by gain; those that did not, after the unmeasured
-ones). It stops when the metric reaches ``target``, the budget is spent, or no candidate is left.
+by what they measured (those that improved the metric first, by gain; then the graph neighbours of the site just
+promoted, its producers and consumers, whose earlier "no gain" is stale because their gain depends on it; those
+that did not improve it, after the unmeasured ones). It stops when the metric reaches ``target``, the budget is spent, or no candidate is left.
 
 A candidate is an op site's output (``"activation"``) or its weight (``"weight"``). The march has no int16 x int16
 GEMM, so the search never forms a set that needs prepare's resolution: an int16 weight is not combined with an
@@ -177,6 +178,8 @@ class _Graph:
     group: dict[str, tuple[str, ...]]
     #: weight sites whose output is the (int16) weight itself (embeddings)
     output_from_weight: set[str]
+    #: site -> the computing sites (fused groups named by their last op) it reads from or feeds
+    neighbours: dict[str, set[str]] = field(default_factory=dict)
 
 
 def _graph(prepared: nn.Module) -> _Graph:
@@ -210,7 +213,18 @@ def _graph(prepared: nn.Module) -> _Graph:
             if has_weight:
                 weighted.add(site.name)
     order = {name: k for k, name in enumerate(record.sites)}
-    return _Graph(activations, weights, order, gemm_inputs, weighted, group, ofw)
+    rep = lambda n: group[n][-1] if n in group else n  # noqa: E731
+    neighbours: dict[str, set[str]] = {}
+    for site in record.sites.values():
+        for i in site.inputs:
+            if i.is_parameter or i.producer is None:
+                continue
+            src = record.origin(i.producer)
+            if src is None or rep(src) == rep(site.name):
+                continue
+            neighbours.setdefault(rep(site.name), set()).add(rep(src))
+            neighbours.setdefault(rep(src), set()).add(rep(site.name))
+    return _Graph(activations, weights, order, gemm_inputs, weighted, group, ofw, neighbours)
 
 
 def _int16_outputs(selection: Iterable[Promotion], g: _Graph) -> set[str]:
@@ -522,7 +536,13 @@ def search_mixed_precision(
                     if latency_of(selected + [c]) <= budget.cycles:
                         allowed_lat.append(c)
                 allowed = allowed_lat
-            pool = allowed[:tries]
+            # Half the pool (rounded down) follows the first ranking: the re-ranked candidates (those that helped,
+            # the neighbours) would otherwise fill every slot and push back sites the ranking puts ahead (on
+            # MiniLM the search then needed more promotions than the ranking's top-k).
+            first = [c for c in ranked0 if c in allowed]
+            pool = allowed[:tries - tries // 2]
+            pool += [c for c in first if c not in pool][:tries - len(pool)]
+            pool += [c for c in allowed if c not in pool][:tries - len(pool)]
             if not pool:
                 break
             results = {}
@@ -537,9 +557,15 @@ def search_mixed_precision(
             helped = sorted((c for c in gains if gains[c] > 0), key=lambda c: (-gains[c], order.get(c.site, 0)))
             idle = [c for c in pool if c != best and c not in helped]
             rest = [c for c in ranking_now if c not in pool and c not in selected]
+            # The promoted site's graph neighbours (its producers and consumers, and its own other kind) are
+            # measured next: their gain depends on it (an int16 add gains little while the linear feeding it
+            # stays int8, and the other way round), so a "no gain" measured before this step is stale.
+            near = graph.neighbours.get(graph.group.get(best.site, (best.site,))[-1], set()) | {best.site}
+            is_near = lambda c: graph.group.get(c.site, (c.site,))[-1] in near  # noqa: E731
+            fresh = [c for c in rest + idle if is_near(c)]
             selected.append(best)
             metric = results[best]
-            ranking_now = helped + rest + idle
+            ranking_now = helped + fresh + [c for c in rest if c not in fresh] + [c for c in idle if c not in fresh]
             curve.append(CurvePoint(step, len(selected), best, metric, latency_of(selected), len(pool)))
             record = {"step": step, "added": asdict(best), "metric": metric, "tried": [asdict(c) for c in pool]}
             if len(steps_done) < step:
