@@ -58,7 +58,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -67,6 +66,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_profiler import PeakRSS  # noqa: E402  (the same resident-set sampler as the profiler benchmark)
 REQUIREMENTS = HERE / "requirements-peers.txt"
 BATCH = 64
 TOOLS = ("quantlens", "torchao", "nsfx", "ort")
@@ -81,11 +82,6 @@ TOOL_LABEL = {
 # ---------------------------------------------------------------------------------------------------- memory
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 try:
     _LIBC = ctypes.CDLL("libc.so.6")
 except OSError:  # not glibc
@@ -98,29 +94,6 @@ def _release_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
-class PeakRSS:
-    """Samples the resident set size every millisecond while the block runs."""
-
-    def __enter__(self):
-        self.start = self.peak = _rss_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_bytes())
-            time.sleep(0.001)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_bytes())
-
-    @property
-    def extra(self) -> int:
-        return self.peak - self.start
 
 
 def measure(fn, repeats: int):
