@@ -53,7 +53,8 @@ def _build(model, example, calib, setter):
 def searched(setup, tmp_path_factory):
     model, example, calib, evaluate, _ = setup
     out = tmp_path_factory.mktemp("search")
-    return search_mixed_precision(model, example, calib, evaluate, TARGET, out_dir=out, progress=False), out
+    return search_mixed_precision(model, example, calib, evaluate, TARGET, out_dir=out, prune=False,
+                                  progress=False), out
 
 
 def test_reaches_a_target_int8_misses_with_few_promotions(setup, searched):
@@ -136,23 +137,25 @@ def test_resume_from_partial_progress_gives_the_same_result(setup, searched, tmp
     calls["n"] = 0
     stop_at = 6  # the base and one step of 4 tries, then part of the second step
     with pytest.raises(Stop):
-        search_mixed_precision(model, example, calib, flaky, TARGET, out_dir=tmp_path, progress=False)
+        search_mixed_precision(model, example, calib, flaky, TARGET, out_dir=tmp_path, prune=False, progress=False)
     saved = json.loads((tmp_path / PROGRESS_FILE).read_text())
     assert len(saved["measurements"]) == 6 and len(saved["steps"]) == 1 and not saved["done"]
     calls["n"] = 0
     stop_at = 10 ** 9
-    resumed = search_mixed_precision(model, example, calib, flaky, TARGET, out_dir=tmp_path, progress=False)
+    resumed = search_mixed_precision(model, example, calib, flaky, TARGET, out_dir=tmp_path, prune=False,
+                                     progress=False)
     assert resumed.chosen == full.chosen and resumed.curve == full.curve and resumed.metric == full.metric
     assert calls["n"] == full.measurements - 6  # only what was not measured before
     # without resume: everything again
     calls["n"] = 0
-    again = search_mixed_precision(model, example, calib, evaluate, TARGET, out_dir=tmp_path, progress=False,
-                                   resume=False)
+    again = search_mixed_precision(model, example, calib, evaluate, TARGET, out_dir=tmp_path, prune=False,
+                                   progress=False, resume=False)
     assert again == full and calls["n"] == full.measurements
     # a progress file of other inputs (another target) is not reused
     calls["n"] = 0
     with pytest.warns(UserWarning, match="other inputs"):
-        other = search_mixed_precision(model, example, calib, evaluate, 0.99985, out_dir=tmp_path, progress=False)
+        other = search_mixed_precision(model, example, calib, evaluate, 0.99985, out_dir=tmp_path, prune=False,
+                                       progress=False)
     assert calls["n"] == other.measurements
 
 
@@ -230,3 +233,36 @@ def test_graph_neighbours_are_producers_and_consumers(setup):
     site = record.sites["attn.q_proj"]
     producers = {record.origin(i.producer) for i in site.inputs if i.producer and not i.is_parameter}
     assert producers and producers <= g.neighbours["attn.q_proj"]
+
+
+def test_pruning_takes_back_a_promotion_that_later_ones_made_redundant(setup, tmp_path):
+    """A metric built so that greedy picks A first (alone the best), then needs B and C together, which make A
+    useless: the forward pass ends with {A, B, C}, the pruning pass takes A back."""
+    model, example, calib, _, _ = setup
+    a, b, c = (Promotion(site) for site in ("norm1", "attn.v_proj", "norm2"))
+
+    def int16(prepared):
+        plans = prepared._quantlens_state.plans
+        return {p for p in (a, b, c) if plans[p.site].output_dtype == "qint16"}
+
+    def metric(prepared) -> float:
+        on = int16(prepared)
+        if b in on and c in on:
+            return 1.0
+        return 0.5 * (a in on) + 0.1 * (b in on) + 0.1 * (c in on)
+
+    kwargs = dict(candidates=[a, b, c], ranking=[a, b, c], tries=3, progress=False)
+    forward = search_mixed_precision(model, example, calib, metric, 0.95, out_dir=tmp_path / "f", prune=False,
+                                     **kwargs)
+    assert forward.chosen == (a, b, c) and forward.metric == 1.0
+    pruned = search_mixed_precision(model, example, calib, metric, 0.95, out_dir=tmp_path / "p", **kwargs)
+    assert set(pruned.chosen) == {b, c} and pruned.reached and pruned.metric == 1.0
+    last = pruned.curve[-1]
+    assert last.removed == a and last.added is None and last.num_int16 == 2
+    with open(pruned.csv_path) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["added_site"] for r in rows if r["added_site"]] == ["norm1", "attn.v_proj", "norm2"]
+    assert [r["removed_site"] for r in rows if r["removed_site"]] == ["norm1"]
+    assert "(pruned)" in open(pruned.html_path).read()
+    # the setter is the pruned set
+    assert set(pruned.setter().promotions) == {b, c}

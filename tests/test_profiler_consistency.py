@@ -86,8 +86,8 @@ def test_convert_reports_the_level_recorded_in_the_ir_meta(stages, tmp_path):
     _, result, _, _ = _convert_analysis(qat_path, quantized_path, example, tmp_path / "level2")
     assert result.consistency.level == 2
     text, _, page = _reported(tmp_path / "level2")
-    assert text.startswith("consistency level 2 (qpp default; emulate integer rules, pow2 activation scales, "
-                           "shared elementwise scales)") and page == text
+    assert text.startswith("consistency level 2 (qpp default; emulate integer rules, exact validation, "
+                           "pow2 activation scales, shared elementwise scales)") and page == text
 
 
 def test_prepared_model_state_is_read_and_onnx_is_unknown(stages):

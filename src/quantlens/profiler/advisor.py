@@ -441,12 +441,15 @@ _CAUSES = {
     "table": _Cause(3, "lookup-table ops (softmax, gelu, layer_norm, sigmoid, ...), whose tables round "
                        "differently from the float op + fake quant",
                     "level 3 computes the same lookup tables in the QAT forward (straight-through gradients)"),
-    "gemm": _Cause(4, "GEMMs (conv/linear/matmul) within 1 LSB on the same input: the QAT model accumulates in "
+    "gemm": _Cause(1, "GEMMs (conv/linear/matmul) within 1 LSB on the same input: the QAT model accumulates in "
                       "float, the kernel exactly in int32",
-                   "level 4 makes the QAT model in VALIDATION accumulate exactly too (bit-exact)"),
-    "other": _Cause(4, "integer rules the QAT model computes in float",
-                    "level 4 makes the QAT model in VALIDATION compute every integer rule exactly (bit-exact)"),
+                   "from level 1 the QAT model in VALIDATION accumulates exactly on the integers too"),
+    "other": _Cause(1, "integer rules the QAT model computes in float",
+                    "from level 1 the QAT model computes the integer rules (pools, clamp, mul, ...) like the kernels"),
 }
+#: why the top level is suggested for a mismatch the model's own level should already remove
+_BIT_EXACT_WHY = (f"level {MAX_CONSISTENCY_LEVEL} computes every integer rule exactly, in training as in VALIDATION "
+                  "(bit-exact)")
 
 
 def _op_category(name: str):
@@ -519,7 +522,7 @@ def consistency_level(ctx: AdvisorContext) -> list[Finding]:
             if key == "requant16":
                 continue
             level, why = MAX_CONSISTENCY_LEVEL, (f"consistency {built} should already remove this; "
-                                                 f"{_CAUSES['other'].why}")
+                                                 f"{_BIT_EXACT_WHY}")
         retrain = ("needs retraining: levels 1-4 change what the QAT forward computes, so prepare and QAT-train "
                    "(fine-tune) the model again with it, then export and convert") if level >= 1 else \
             ("no retraining needed: prepare again with it, load the trained weights (or calibrate), export and "

@@ -205,9 +205,7 @@ class ConsistencyInfo:
             config = ConsistencyConfig.for_level(self.level)
         except QuantLensError:  # a level this version does not know: show it as it is
             return f"consistency level {self.level} (qpp {self.qpp})"
-        switches = [name.replace("_", " ") for name in ("emulate_integer_rules", "pow2_activation_scales",
-                                                        "shared_elementwise_scales", "tables_in_qat",
-                                                        "exact_validation") if getattr(config, name)]
+        switches = config.switches_on()
         rest = f"; {', '.join(switches)}" if switches else ""
         return f"consistency level {self.level} (qpp {self.qpp}{rest})"
 

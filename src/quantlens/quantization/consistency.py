@@ -10,10 +10,11 @@ level adds                                                             needs ret
 ===== ================================================================ ===================== =================
 off   nothing: the QAT forward is float math + fake quant              no                    default (cheap)
 0     the high-precision requantize ("qpp") everywhere                 no                    high precision
-1     the QAT forward rounds like the cheap kernels (multiplier, add)  yes                   default
+1     the QAT forward rounds like the cheap kernels (multiplier, add); yes                   default
+      VALIDATION sums GEMMs exactly on the integers, as the NPU does
 2     1 + power-of-two activation scales, one scale per add/cat        yes                   default
 3     2 + the lookup tables computed in the QAT forward (STE)          yes                   default
-4     3 + VALIDATION computes every integer rule exactly (bit-exact)   yes                   default
+4     3 + the training forward sums GEMMs exactly too (bit-exact QAT)  yes                   default
 ===== ================================================================ ===================== =================
 """
 
@@ -27,6 +28,9 @@ from quantlens.march import Qpp
 __all__ = ["ConsistencyStrategy", "ConsistencyConfig", "MAX_LEVEL"]
 
 MAX_LEVEL = 4
+#: the boolean switches of :class:`ConsistencyConfig`, in the order the levels add them
+SWITCHES = ("emulate_integer_rules", "exact_validation", "pow2_activation_scales", "shared_elementwise_scales",
+            "tables_in_qat", "exact_training")
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,7 @@ class ConsistencyConfig:
     #: the requantize precision profile convert uses everywhere (level 0: high precision)
     qpp: Qpp = Qpp.DEFAULT
     #: the QAT/VALIDATION forward rounds requantize, add/sub/cat and the other integer rules like the kernels
-    #: (values from the integer rule, straight-through gradients); GEMMs accumulate in float (levels 1-3)
+    #: (values from the integer rule, straight-through gradients)
     emulate_integer_rules: bool = False
     #: activation scales are powers of two (requantize between activations becomes a shift)
     pow2_activation_scales: bool = False
@@ -45,8 +49,13 @@ class ConsistencyConfig:
     shared_elementwise_scales: bool = False
     #: the lookup tables of ``docs/march.md`` §13 run in the QAT forward (straight-through gradients)
     tables_in_qat: bool = False
-    #: in VALIDATION, GEMMs accumulate exactly too, so the quantized IR equals the model bit for bit (level 4)
+    #: in VALIDATION, GEMMs accumulate exactly on the integers (float64) as the NPU does, so the quantized IR
+    #: equals the model wherever the QAT forward computes the same integer rules (levels 1-4; no backward runs
+    #: there, so exactness costs only the float64 GEMM)
     exact_validation: bool = False
+    #: the training (QAT) forward accumulates exactly too: training sees the deployed values (level 4; a float64
+    #: GEMM next to the float32 one that carries the gradient)
+    exact_training: bool = False
 
     @property
     def high_precision_qpp(self) -> bool:
@@ -57,13 +66,15 @@ class ConsistencyConfig:
         """Levels 1-4 change what the QAT forward computes, so the model must be (re)trained with them."""
         return self.level is not None and self.level >= 1
 
+    def switches_on(self) -> list[str]:
+        """The boolean switches this level turns on, in words (``"tables in qat"``)."""
+        return [name.replace("_", " ") for name in SWITCHES if getattr(self, name)]
+
     def describe(self) -> str:
         if self.level is None:
             return "consistency strategy off (default qpp)"
         parts = [f"qpp {self.qpp.value}"]
-        parts += [name.replace("_", " ") for name in ("emulate_integer_rules", "pow2_activation_scales",
-                                                      "shared_elementwise_scales", "tables_in_qat",
-                                                      "exact_validation") if getattr(self, name)]
+        parts += self.switches_on()
         return f"consistency level {self.level}: " + ", ".join(parts)
 
     @classmethod
@@ -83,7 +94,8 @@ class ConsistencyConfig:
             pow2_activation_scales=level >= 2,
             shared_elementwise_scales=level >= 2,
             tables_in_qat=level >= 3,
-            exact_validation=level >= 4,
+            exact_validation=True,
+            exact_training=level >= 4,
         )
 
 

@@ -8,9 +8,9 @@ QAT) the gradient is the fake quant's straight-through gradient (``float + (inte
 
 It calls the very kernels of the quantized IR (``compiler.kernels_int``) with the parameters convert derives
 (``compiler.convert.requant_attrs`` / ``rescale_attrs`` and the ``numerics`` helpers), so there is one
-implementation of each rule. GEMMs accumulate in float32 and are rounded to integers (levels 1-3), or exactly
-on the integers in float64 (``exact``: level 4 in VALIDATION), which makes the model equal to the quantized IR
-bit for bit.
+implementation of each rule. GEMMs accumulate exactly on the integers in float64 (``exact``: VALIDATION at
+levels 1-4, the training forward at level 4), which makes the model equal to the quantized IR wherever it computes
+the same rules; otherwise (training below level 4) their float32 result is rounded to the accumulator's integers.
 
 An op whose output is not quantized at once (a conv whose BatchNorm and ReLU are fused after it, an add with a
 fused ReLU) leaves a :class:`Deferred` value: the integer computation waits for the fake quant that ends the

@@ -8,6 +8,8 @@ promoted on top of the current set, re-measures the metric for each (``prepare``
 by what they measured (those that improved the metric first, by gain; then the graph neighbours of the site just
 promoted, its producers and consumers, whose earlier "no gain" is stale because their gain depends on it; those
 that did not improve it, after the unmeasured ones). It stops when the metric reaches ``target``, the budget is spent, or no candidate is left.
+A pruning pass then takes back every promotion the target no longer needs (backward elimination, smallest gain
+first).
 
 A candidate is an op site's output (``"activation"``) or its weight (``"weight"``). The march has no int16 x int16
 GEMM, so the search never forms a set that needs prepare's resolution: an int16 weight is not combined with an
@@ -93,7 +95,9 @@ class MaxLatency:
 
 @dataclass(frozen=True)
 class CurvePoint:
-    """The search after ``step`` promotions (step 0: the base setter alone)."""
+    """The search after ``step`` steps (step 0: the base setter alone). A step adds one promotion (``added``) or,
+    in the pruning pass after the target is reached, takes one back that the target no longer needs
+    (``removed``)."""
 
     step: int
     num_int16: int
@@ -101,6 +105,7 @@ class CurvePoint:
     metric: float
     latency_cycles: int | None
     tried: int
+    removed: Promotion | None = None
 
 
 def _as_promotion(item: Any) -> Promotion:
@@ -405,6 +410,7 @@ def search_mixed_precision(
     tries: int = 4,
     higher_is_better: bool = True,
     latency: bool = False,
+    prune: bool = True,
     progress: bool = True,
 ) -> MixedPrecisionResult:
     """Greedy int16 promotion with re-measurement until ``evaluate`` reaches ``target``.
@@ -427,6 +433,8 @@ def search_mixed_precision(
             profiler's sensitivity of the base model.
         tries: candidates measured per step.
         latency: also export -> convert every accepted configuration and record its latency estimate.
+        prune: once the target is reached, take back each promotion the target no longer needs (smallest gain
+            first, one measurement each): a promotion that helped early may be redundant once later ones are in.
         progress: show a rich progress bar.
     """
     out = Path(out_dir)
@@ -571,6 +579,10 @@ def search_mixed_precision(
             if len(steps_done) < step:
                 steps_done.append(record)
                 prog.save()
+        if prune and reached(metric) and len(selected) > 1:
+            step = _prune(selected, curve, step, metric, reached, measure, latency_of, steps_done, prog,
+                          lambda c: bar.update(task, description=f"pruning: without {c.label()}"))
+            metric = curve[-1].metric
         bar.update(task, completed=len(selected), description=f"done: {len(selected)} int16, metric {metric:.4f}")
     final = build(selected) if selected else base_prepared
     resolutions = tuple(_resolutions(final))
@@ -585,6 +597,32 @@ def search_mixed_precision(
     return result
 
 
+def _prune(selected: list[Promotion], curve: list[CurvePoint], step: int, metric: float, reached, measure,
+           latency_of, steps_done: list, prog, show) -> int:
+    """Backward elimination after a greedy forward pass: try each chosen promotion without it, smallest gain at
+    the time it was added first; drop it when the rest still reaches the target. Changes ``selected`` and
+    ``curve`` in place and returns the last step number."""
+    gain = {}
+    for before, point in zip(curve, curve[1:]):
+        if point.added is not None:
+            gain[point.added] = point.metric - before.metric
+    for candidate in sorted(selected, key=lambda c: (abs(gain.get(c, 0.0)), selected.index(c))):
+        if len(selected) <= 1:
+            break
+        show(candidate)
+        trial = [c for c in selected if c != candidate]  # fewer int16 sites: no new int16 x int16 pair
+        value = measure(trial)
+        if not reached(value):
+            continue
+        step += 1
+        selected.remove(candidate)
+        curve.append(CurvePoint(step, len(selected), None, value, latency_of(selected), 1, removed=candidate))
+        if len(steps_done) < step:
+            steps_done.append({"step": step, "removed": asdict(candidate), "metric": value})
+            prog.save()
+    return step
+
+
 # -- the curve files -------------------------------------------------------------------------------------------
 
 
@@ -594,16 +632,18 @@ def write_curve(result: MixedPrecisionResult, out_dir: str | os.PathLike) -> tup
     csv_path, html_path = out / CSV_FILE, out / HTML_FILE
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["step", "num_int16", "added_site", "added_kind", "metric", "latency_cycles", "tried"])
+        w.writerow(["step", "num_int16", "added_site", "added_kind", "removed_site", "removed_kind", "metric",
+                    "latency_cycles", "tried"])
         for p in result.curve:
             w.writerow([p.step, p.num_int16, p.added.site if p.added else "", p.added.kind if p.added else "",
+                        p.removed.site if p.removed else "", p.removed.kind if p.removed else "",
                         repr(p.metric), "" if p.latency_cycles is None else p.latency_cycles, p.tried])
     plots = [_svg_plot([(p.num_int16, p.metric) for p in result.curve], "int16 op sites", result.target)]
     if all(p.latency_cycles is not None for p in result.curve):
         plots.append(_svg_plot([(p.latency_cycles, p.metric) for p in result.curve], "latency estimate (cycles)",
                                result.target))
     rows = "".join(
-        f"<tr><td>{p.step}</td><td>{p.num_int16}</td><td>{html.escape(p.added.label()) if p.added else 'base'}</td>"
+        f"<tr><td>{p.step}</td><td>{p.num_int16}</td><td>{_change(p)}</td>"
         f"<td>{p.metric:.6f}</td><td>{'' if p.latency_cycles is None else p.latency_cycles}</td><td>{p.tried}</td></tr>"
         for p in result.curve)
     page = (
@@ -614,10 +654,18 @@ def write_curve(result: MixedPrecisionResult, out_dir: str | os.PathLike) -> tup
         f"int16 promotion(s); base metric {result.base_metric:.6f}, final {result.metric:.6f}; "
         f"{result.measurements} configurations measured; {len(result.candidates)} candidates.</p>"
         + "".join(plots)
-        + "<table><tr><th>step</th><th>int16 sites</th><th>added</th><th>metric</th><th>latency (cycles)</th>"
+        + "<table><tr><th>step</th><th>int16 sites</th><th>change</th><th>metric</th><th>latency (cycles)</th>"
           f"<th>tried</th></tr>{rows}</table></body></html>")
     html_path.write_text(page)
     return csv_path, html_path
+
+
+def _change(point: CurvePoint) -> str:
+    if point.added is not None:
+        return "+ " + html.escape(point.added.label())
+    if point.removed is not None:
+        return "&minus; " + html.escape(point.removed.label()) + " (pruned)"
+    return "base"
 
 
 def _svg_plot(points: list[tuple[float, float]], xlabel: str, target: float) -> str:

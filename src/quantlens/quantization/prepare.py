@@ -354,7 +354,8 @@ def _emulator_for(state: QuantState) -> IntegerEmulator | None:
         return None
     if torch.compiler.is_compiling():
         return None
-    exact = config.exact_validation and state.fake_quant_state is FakeQuantState.VALIDATION
+    validation = state.fake_quant_state is FakeQuantState.VALIDATION
+    exact = config.exact_validation if validation else config.exact_training
     return IntegerEmulator(config.qpp, exact)
 
 
