@@ -22,7 +22,7 @@ import torch
 
 from quantlens.compiler import convert, export, to_onnx
 from quantlens.profiler import QuantAnalysis
-from quantlens.quantization import calibrate, prepare
+from quantlens.quantization import ConsistencyStrategy, calibrate, prepare
 from quantlens.quantization.mixed_precision import search_mixed_precision
 from quantlens.quantization.qconfig_template import (
     default_calibration_qconfig_setter,
@@ -42,12 +42,13 @@ def main() -> None:
     ap.add_argument("--out", default="bench_mixed_precision_out")
     ap.add_argument("--target", type=float, default=0.99)
     ap.add_argument("--tries", type=int, default=4)
+    ap.add_argument("--method", choices=("greedy", "descend"), default="descend")
     ap.add_argument("--no-latency", action="store_true", help="skip the latency estimate per curve point")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    summary: dict = {"threads": torch.get_num_threads(), "target": args.target}
+    summary: dict = {"threads": torch.get_num_threads(), "target": args.target, "method": args.method}
     t0 = time.time()
     model = all_minilm_l6_v2()
     example, calib, evaluation = minilm_data(length=16, calib_batches=4, batch_size=8, eval_size=16)
@@ -76,7 +77,8 @@ def main() -> None:
     t1 = time.time()
     result = search_mixed_precision(model, example, calib, evaluate, args.target,
                                     base_setter=default_calibration_qconfig_setter, ranking=sens,
-                                    out_dir=out / "search", tries=args.tries, latency=not args.no_latency)
+                                    out_dir=out / "search", tries=args.tries, method=args.method,
+                                    latency=not args.no_latency)
     summary.update(search_promotions=result.num_int16, search_reached=result.reached,
                    search_cosine=result.metric, search_measurements=result.measurements,
                    search_candidates=len(result.candidates), search_chosen=[p.label() for p in result.chosen],
@@ -112,15 +114,33 @@ def main() -> None:
     summary["qat_ir_cosine_mean"], summary["qat_ir_cosine_min"] = cosine(qat_out, ref)
     summary["quantized_ir_cosine_mean"], summary["quantized_ir_cosine_min"] = cosine(q_out, ref)
     summary["quantized_ir_latency_cycles"] = int(q_ir.latency_estimate().cycles)
+    # the same promoted model converted with the high-precision requantize (consistency level 0: no retraining,
+    # set before prepare/export): the cheap default's 16-bit multiplier costs int16 outputs about one step
+    ConsistencyStrategy.set_consistency_level(0)
+    try:
+        promoted_hp = build(result.setter())
+        q_ir_hp = convert(export(promoted_hp, example))
+    finally:
+        ConsistencyStrategy.disable()
+    with torch.no_grad():
+        q_out_hp = torch.cat([q_ir_hp(*c) for c in chunks])
+    summary["quantized_ir_level0_cosine_mean"], summary["quantized_ir_level0_cosine_min"] = cosine(q_out_hp, ref)
+    summary["quantized_ir_level0_latency_cycles"] = int(q_ir_hp.latency_estimate().cycles)
     import onnxruntime as ort
 
     path = to_onnx(qat_ir, out / "promoted_qat.onnx")
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    ort_out = torch.cat([torch.from_numpy(sess.run(None, {i.name: t.numpy() for i, t in zip(sess.get_inputs(), c)})[0])
-                         for c in chunks])
-    summary["onnxruntime_vs_qat_ir_max_abs"] = float((ort_out - qat_out).abs().max())
-    summary["onnxruntime_vs_qat_ir_cosine_min"] = cosine(ort_out, qat_out)[1]
-    summary["onnxruntime_cosine_vs_float_mean"] = cosine(ort_out, ref)[0]
+    for optimize in (False, True):
+        options = ort.SessionOptions()
+        options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
+                                            else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+        sess = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        names = [i.name for i in sess.get_inputs()]
+        ort_out = torch.cat([torch.from_numpy(sess.run(None, {n: qat_ir.feeds(*c)[n].numpy() for n in names})[0])
+                             for c in chunks])
+        tag = "onnxruntime" + ("_optimized" if optimize else "")
+        summary[f"{tag}_vs_qat_ir_max_abs"] = float((ort_out - qat_out).abs().max())
+        summary[f"{tag}_vs_qat_ir_cosine_min"] = cosine(ort_out, qat_out)[1]
+        summary[f"{tag}_cosine_vs_float_mean"] = cosine(ort_out, ref)[0]
     summary["time_deploy_s"] = round(time.time() - t3, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))

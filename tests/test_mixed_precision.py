@@ -266,3 +266,41 @@ def test_pruning_takes_back_a_promotion_that_later_ones_made_redundant(setup, tm
     assert "(pruned)" in open(pruned.html_path).read()
     # the setter is the pruned set
     assert set(pruned.setter().promotions) == {b, c}
+
+
+def test_descend_finds_the_pair_that_helps_only_together(setup, tmp_path):
+    """method="descend": every activation int16, the cost of sending each back to int8 alone, the fewest
+    most-needed sites by bisection: it lands on {B, C} at once, where greedy needs A first."""
+    model, example, calib, _, _ = setup
+    a, b, c = (Promotion(site) for site in ("norm1", "attn.v_proj", "norm2"))
+    measured = []
+
+    def metric(prepared) -> float:
+        plans = prepared._quantlens_state.plans
+        on = {p for p in (a, b, c) if plans[p.site].output_dtype == "qint16"}
+        measured.append(frozenset(on))
+        if b in on and c in on:
+            return 1.0
+        return 0.5 * (a in on) + 0.1 * (b in on) + 0.1 * (c in on)
+
+    result = search_mixed_precision(model, example, calib, metric, 0.95, candidates=[a, b, c], ranking=[a, b, c],
+                                    method="descend", out_dir=tmp_path, progress=False)
+    assert set(result.chosen) == {b, c} and result.reached and result.metric == 1.0
+    assert frozenset({a, b, c}) in measured and frozenset({a, c}) in measured  # every site back to int8 alone
+    assert all(p.added is None and p.kept == p.num_int16 for p in result.curve[1:])
+    assert result.curve[-1].num_int16 == 2 and result.curve[-1].metric == 1.0
+    assert "most needed sites (descend)" in open(result.html_path).read()
+    with pytest.raises(Exception, match="method must be"):
+        search_mixed_precision(model, example, calib, metric, 0.95, candidates=[a], method="best",
+                               out_dir=tmp_path / "x", progress=False)
+
+
+def test_descend_reaches_the_target_on_tiny_transformer(setup, tmp_path):
+    model, example, calib, evaluate, _ = setup
+    result = search_mixed_precision(model, example, calib, evaluate, TARGET, method="descend", out_dir=tmp_path,
+                                    progress=False)
+    assert result.reached and result.metric >= TARGET
+    assert 0 < result.num_int16 < len([c for c in result.candidates if c.kind == "activation"])
+    assert not result.int16x16_resolutions
+    prepared = _build(model, example, calib, result.setter())
+    assert evaluate(prepared) == result.metric

@@ -7,7 +7,8 @@ promoted on top of the current set, re-measures the metric for each (``prepare``
 (``QuantAnalysis.sensitivity``) or a table you pass; after every step the candidates just measured are re-ranked
 by what they measured (those that improved the metric first, by gain; then the graph neighbours of the site just
 promoted, its producers and consumers, whose earlier "no gain" is stale because their gain depends on it; those
-that did not improve it, after the unmeasured ones). It stops when the metric reaches ``target``, the budget is spent, or no candidate is left.
+that did not improve it, after the unmeasured ones). It stops when the metric reaches ``target``, the budget is
+spent, or no candidate is left.
 A pruning pass then takes back every promotion the target no longer needs (backward elimination, smallest gain
 first).
 
@@ -106,6 +107,8 @@ class CurvePoint:
     latency_cycles: int | None
     tried: int
     removed: Promotion | None = None
+    #: ``method="descend"``: the point keeps the ``kept`` most-needed op sites (no single promotion added)
+    kept: int | None = None
 
 
 def _as_promotion(item: Any) -> Promotion:
@@ -324,7 +327,7 @@ def _hash_tree(h, obj: Any) -> None:
 
 
 def _fingerprint(model: nn.Module, example_inputs, batches, candidates, ranking, target, budget, tries,
-                 base_name: str, higher_is_better: bool) -> str:
+                 base_name: str, higher_is_better: bool, method: str = "greedy", prune: bool = True) -> str:
     """What the chosen promotions depend on (not ``latency``: the latency estimates only annotate the curve)."""
     h = hashlib.sha256()
     _hash_tree(h, dict(model.state_dict()))
@@ -332,7 +335,7 @@ def _fingerprint(model: nn.Module, example_inputs, batches, candidates, ranking,
     _hash_tree(h, list(batches))
     h.update(json.dumps({"candidates": [asdict(c) for c in candidates], "ranking": [asdict(c) for c in ranking],
                          "target": float(target), "budget": repr(budget), "tries": tries, "base": base_name,
-                         "higher": higher_is_better}, sort_keys=True).encode())
+                         "higher": higher_is_better, "method": method, "prune": prune}, sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -408,6 +411,7 @@ def search_mixed_precision(
     resume: bool = True,
     ranking: Any = None,
     tries: int = 4,
+    method: str = "greedy",
     higher_is_better: bool = True,
     latency: bool = False,
     prune: bool = True,
@@ -432,6 +436,11 @@ def search_mixed_precision(
         ranking: first ranking (a sensitivity table/result, or promotions most promising first); default the
             profiler's sensitivity of the base model.
         tries: candidates measured per step.
+        method: ``"greedy"`` (from the base up, one promotion per step) or ``"descend"``: first measure what
+            each op site's output costs when it alone goes back to int8 from "every activation int16" (one
+            measurement per site), keep the fewest most-needed sites that reach the target (bisection on that
+            order), then continue greedily if needed; it sees interactions the one-at-a-time ranking misses (two
+            sites that help only together are each needed once the other is int16). Both end with ``prune``.
         latency: also export -> convert every accepted configuration and record its latency estimate.
         prune: once the target is reached, take back each promotion the target no longer needs (smallest gain
             first, one measurement each): a promotion that helped early may be redundant once later ones are in.
@@ -440,6 +449,8 @@ def search_mixed_precision(
     out = Path(out_dir)
     if tries < 1:
         raise QuantLensError(f"search_mixed_precision: tries must be >= 1, got {tries}.")
+    if method not in ("greedy", "descend"):
+        raise QuantLensError(f"search_mixed_precision: method must be 'greedy' or 'descend', got {method!r}.")
     if isinstance(budget, MaxLatency):
         latency = True
     elif budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
@@ -477,7 +488,7 @@ def search_mixed_precision(
     given = None if ranking is None else _initial_ranking(model, base_prepared, example_inputs, cands, ranking, out)
     base_name = getattr(base_setter, "name", repr(base_setter))
     fp = _fingerprint(model, example_inputs, batches, cands, given or [], target, budget, tries, base_name,
-                      higher_is_better)
+                      higher_is_better, method, prune)
     prog = _Progress(out / PROGRESS_FILE, fp, resume)
     meas, lat = prog.data["measurements"], prog.data["latency"]
     if given is not None:
@@ -529,6 +540,20 @@ def search_mixed_precision(
     with bar:
         task = bar.add_task("step 1", total=max_steps)
         step = 0
+        if method == "descend" and not reached(metric):
+            found = _descend(ranked0, graph, measure, reached, higher_is_better, max_steps,
+                             lambda text: bar.update(task, description=text))
+            if found is not None:
+                # the bisection's measurements by size, then the chosen prefix (the curve ends at the result)
+                for k, value in found.points:
+                    if k != found.size:
+                        step += 1
+                        curve.append(CurvePoint(step, k, None, value, latency_of(found.order[:k]), 1, kept=k))
+                selected = list(found.order[:found.size])
+                metric = measure(selected)
+                step += 1
+                curve.append(CurvePoint(step, len(selected), None, metric, latency_of(selected), 1, kept=found.size))
+                ranking_now = [c for c in ranking_now if c not in selected]
         while not reached(metric) and len(selected) < max_steps:
             step += 1
             bar.update(task, description=f"step {step}: metric {metric:.4f} -> {target}", completed=step - 1)
@@ -597,6 +622,49 @@ def search_mixed_precision(
     return result
 
 
+@dataclass(frozen=True)
+class _Descent:
+    order: tuple[Promotion, ...]  # every activation, most needed first
+    size: int  # the chosen prefix
+    points: tuple[tuple[int, float], ...]  # (sites kept, metric) of each bisection measurement, by size
+
+
+def _descend(ranked: Sequence[Promotion], graph: _Graph, measure, reached, higher_is_better: bool, max_sites: int,
+             show) -> _Descent | None:
+    """``method="descend"``: every activation int16 (conflict-free, in ranking order), the cost of sending each
+    one back to int8 alone, then the fewest most-needed sites that reach the target (bisection). ``None`` when
+    even every activation int16 misses the target (the greedy search then starts from the base)."""
+    top: list[Promotion] = []
+    for c in ranked:
+        if c.kind == "activation" and not _conflicts(top + [c], graph):
+            top.append(c)
+    show(f"descend: every activation int16 ({len(top)} sites)")
+    if not top or not reached(measure(top)):
+        return None
+    full = measure(top)
+    cost = {}
+    for i, c in enumerate(top):
+        show(f"descend: {c.label()} back to int8 ({i + 1}/{len(top)})")
+        without = measure([x for x in top if x != c])
+        cost[c] = (full - without) if higher_is_better else (without - full)
+    order = sorted(top, key=lambda c: (-cost[c], top.index(c)))  # most needed first
+    points: dict[int, float] = {len(order): full}
+    lo, hi = 0, min(len(order), max_sites)  # the smallest k with a reaching prefix lies in (lo, hi]
+    if not reached(measure(order[:hi])):
+        return None
+    points[hi] = measure(order[:hi])
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        show(f"descend: the {mid} most needed sites")
+        value = measure(order[:mid])
+        points[mid] = value
+        if reached(value):
+            hi = mid
+        else:
+            lo = mid
+    return _Descent(tuple(order), hi, tuple(sorted(points.items())))
+
+
 def _prune(selected: list[Promotion], curve: list[CurvePoint], step: int, metric: float, reached, measure,
            latency_of, steps_done: list, prog, show) -> int:
     """Backward elimination after a greedy forward pass: try each chosen promotion without it, smallest gain at
@@ -606,7 +674,8 @@ def _prune(selected: list[Promotion], curve: list[CurvePoint], step: int, metric
     for before, point in zip(curve, curve[1:]):
         if point.added is not None:
             gain[point.added] = point.metric - before.metric
-    for candidate in sorted(selected, key=lambda c: (abs(gain.get(c, 0.0)), selected.index(c))):
+    # ties (``method="descend"`` adds no single promotion: no gains) go last-added first, the least needed
+    for candidate in sorted(selected, key=lambda c: (abs(gain.get(c, 0.0)), -selected.index(c))):
         if len(selected) <= 1:
             break
         show(candidate)
@@ -665,6 +734,8 @@ def _change(point: CurvePoint) -> str:
         return "+ " + html.escape(point.added.label())
     if point.removed is not None:
         return "&minus; " + html.escape(point.removed.label()) + " (pruned)"
+    if point.kept is not None:
+        return f"the {point.kept} most needed sites (descend)"
     return "base"
 
 
