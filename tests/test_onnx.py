@@ -430,3 +430,35 @@ def test_qat_ir_with_tables_exports_to_onnx(setter_name, tmp_path):
     got = session.run(None, {qat_ir.graph.inputs[0]: ex[0].numpy()})[0]
     ref = qat_ir(*ex)
     assert float((ref - torch.from_numpy(got)).abs().max()) <= 1e-3 * float(ref.abs().max())
+
+
+@pytest.mark.parametrize("setter_name", ["default_calibration_qconfig_setter",
+                                         "calibration_8bit_weight_16bit_act_qconfig_setter"])
+def test_elementwise_tables_run_in_onnxruntime_bit_for_bit(setter_name, tmp_path):
+    """lut (int8) and segment_lut (int16) become Gather over the table's output at every input code: onnxruntime
+    computes what the qat IR computes, bit for bit, where the float references (Sigmoid, Gelu) round apart."""
+    from quantlens.quantization import qconfig_template
+
+    class Net(torch.nn.Module):
+        def forward(self, x):
+            return torch.sigmoid(x), torch.nn.functional.gelu(x * 0.5)
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(256, 16, generator=g) * 3,) for _ in range(4)]
+    prepared = _calibrated(Net(), batches[0], batches[:3], getattr(qconfig_template, setter_name))
+    qat_ir = export(prepared, batches[0])
+    assert len([n for n in qat_ir.graph.nodes if n.op in ("lut", "segment_lut")]) == 2
+    path = to_onnx(qat_ir, tmp_path / "tables.onnx")
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model, full_check=True)
+    ops = [node.op_type for node in model.graph.node]
+    assert "Sigmoid" not in ops and "Gelu" not in ops and "Erf" not in ops and ops.count("Gather") == 2
+    sizes = {tuple(i.dims) for i in model.graph.initializer if "/table/" in i.name}
+    assert sizes == ({(256,)} if setter_name.startswith("default") else {(65536,)})
+    for level in LEVELS:
+        session = _session(path, level)
+        for (x,) in batches[3:]:
+            got = session.run(None, {qat_ir.graph.inputs[0]: x.numpy()})
+            ref = qat_ir(x)
+            for r, o in zip(ref, got):
+                assert np.array_equal(r.numpy(), o), level
