@@ -541,18 +541,19 @@ def search_mixed_precision(
         task = bar.add_task("step 1", total=max_steps)
         step = 0
         if method == "descend" and not reached(metric):
-            found = _descend(ranked0, graph, measure, reached, higher_is_better, max_steps,
+            found = _descend(ranked0, graph, measure, reached, better, higher_is_better, max_steps,
                              lambda text: bar.update(task, description=text))
             if found is not None:
-                # the bisection's measurements by size, then the chosen prefix (the curve ends at the result)
-                for k, value in found.points:
-                    if k != found.size:
-                        step += 1
-                        curve.append(CurvePoint(step, k, None, value, latency_of(found.order[:k]), 1, kept=k))
-                selected = list(found.order[:found.size])
+                # the configurations measured on the way, by size, then the chosen one (the curve ends there)
+                for selection, value in found.points:
+                    step += 1
+                    curve.append(CurvePoint(step, len(selection), None, value, latency_of(selection), 1,
+                                            kept=len(selection)))
+                selected = list(found.chosen)
                 metric = measure(selected)
                 step += 1
-                curve.append(CurvePoint(step, len(selected), None, metric, latency_of(selected), 1, kept=found.size))
+                curve.append(CurvePoint(step, len(selected), None, metric, latency_of(selected), 1,
+                                        kept=len(selected)))
                 ranking_now = [c for c in ranking_now if c not in selected]
         while not reached(metric) and len(selected) < max_steps:
             step += 1
@@ -624,16 +625,18 @@ def search_mixed_precision(
 
 @dataclass(frozen=True)
 class _Descent:
-    order: tuple[Promotion, ...]  # every activation, most needed first
-    size: int  # the chosen prefix
-    points: tuple[tuple[int, float], ...]  # (sites kept, metric) of each bisection measurement, by size
+    chosen: tuple[Promotion, ...]
+    points: tuple[tuple[tuple[Promotion, ...], float], ...]  # every configuration measured on the way, by size
 
 
-def _descend(ranked: Sequence[Promotion], graph: _Graph, measure, reached, higher_is_better: bool, max_sites: int,
-             show) -> _Descent | None:
-    """``method="descend"``: every activation int16 (conflict-free, in ranking order), the cost of sending each
-    one back to int8 alone, then the fewest most-needed sites that reach the target (bisection). ``None`` when
-    even every activation int16 misses the target (the greedy search then starts from the base)."""
+def _descend(ranked: Sequence[Promotion], graph: _Graph, measure, reached, better, higher_is_better: bool,
+             max_sites: int, show) -> _Descent | None:
+    """``method="descend"``: (1) every activation int16 (conflict-free, in ranking order) and the cost of
+    sending each one back to int8 alone; (2) the fewest most-needed sites that reach the target (bisection on
+    that order); (3) backward elimination with re-measurement from a few sites above (2)'s answer: each round
+    measures every site's removal and drops the one that costs least while the target holds (the costs of (1)
+    were measured with every other activation int16; near the answer the sites interact differently).
+    ``None`` when even every activation int16 misses the target (the greedy search then starts from the base)."""
     top: list[Promotion] = []
     for c in ranked:
         if c.kind == "activation" and not _conflicts(top + [c], graph):
@@ -648,21 +651,42 @@ def _descend(ranked: Sequence[Promotion], graph: _Graph, measure, reached, highe
         without = measure([x for x in top if x != c])
         cost[c] = (full - without) if higher_is_better else (without - full)
     order = sorted(top, key=lambda c: (-cost[c], top.index(c)))  # most needed first
-    points: dict[int, float] = {len(order): full}
+    points: dict[int, tuple[tuple[Promotion, ...], float]] = {len(order): (tuple(order), full)}
     lo, hi = 0, min(len(order), max_sites)  # the smallest k with a reaching prefix lies in (lo, hi]
     if not reached(measure(order[:hi])):
         return None
-    points[hi] = measure(order[:hi])
+    points[hi] = (tuple(order[:hi]), measure(order[:hi]))
     while hi - lo > 1:
         mid = (lo + hi) // 2
         show(f"descend: the {mid} most needed sites")
         value = measure(order[:mid])
-        points[mid] = value
+        points[mid] = (tuple(order[:mid]), value)
         if reached(value):
             hi = mid
         else:
             lo = mid
-    return _Descent(tuple(order), hi, tuple(sorted(points.items())))
+    chosen = list(order[:hi])
+    start = min(len(order), hi + max(2, hi // 8))
+    current = list(order[:start])
+    if start > hi and reached(measure(current)):
+        path = [(tuple(current), measure(current))]
+        while len(current) > 1:
+            best = None
+            for k, c in enumerate(current):
+                show(f"descend: {len(current)} sites, without {c.label()} ({k + 1}/{len(current)})")
+                value = measure([x for x in current if x != c])
+                if best is None or better(value, best[0]):
+                    best = (value, c)
+            if not reached(best[0]):
+                break
+            current.remove(best[1])
+            path.append((tuple(current), best[0]))
+        if len(current) < len(chosen):
+            chosen = current
+            for selection, value in path:
+                points[len(selection)] = (selection, value)
+    ordered = [points[k] for k in sorted(points) if points[k][0] != tuple(chosen)]
+    return _Descent(tuple(chosen), tuple(ordered))
 
 
 def _prune(selected: list[Promotion], curve: list[CurvePoint], step: int, metric: float, reached, measure,
