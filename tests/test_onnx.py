@@ -32,6 +32,7 @@ from quantlens.quantization.qconfig_template import (  # noqa: E402
 from quantlens.zoo import example_inputs, get_model, list_models, sample_batches  # noqa: E402
 
 LEVELS = {"disable_all": "ORT_DISABLE_ALL", "default": "ORT_ENABLE_ALL"}
+TABLE_OPS_EXPORTED = ("lut", "segment_lut", "int_reciprocal", "int_softmax", "int_layer_norm", "int_div")
 HIGH_PRECISION_RTOL = 1e-4
 #: ops that move values without changing them: an output behind them keeps its fake quant's grid
 _MOVES = {"reshape", "permute", "expand", "slice", "select", "split", "index", "gather", "index_select", "relu",
@@ -434,31 +435,44 @@ def test_qat_ir_with_tables_exports_to_onnx(setter_name, tmp_path):
 
 @pytest.mark.parametrize("setter_name", ["default_calibration_qconfig_setter",
                                          "calibration_8bit_weight_16bit_act_qconfig_setter"])
-def test_elementwise_tables_run_in_onnxruntime_bit_for_bit(setter_name, tmp_path):
-    """lut (int8) and segment_lut (int16) become Gather over the table's output at every input code: onnxruntime
-    computes what the qat IR computes, bit for bit, where the float references (Sigmoid, Gelu) round apart."""
+def test_table_ops_run_in_onnxruntime_bit_for_bit(setter_name, tmp_path):
+    """lut (int8) and segment_lut (int16) become Gather over the table's output at every input code, int_softmax
+    and int_layer_norm their integer arithmetic (``compiler.onnx_tables``): onnxruntime computes what the qat IR
+    computes, bit for bit, where the float references (Sigmoid, Gelu, Softmax, LayerNormalization) round apart."""
     from quantlens.quantization import qconfig_template
 
     class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(16)
+            with torch.no_grad():
+                self.norm.weight.copy_(torch.linspace(0.5, 2.0, 16))
+                self.norm.bias.copy_(torch.linspace(-0.3, 0.3, 16))
+
         def forward(self, x):
-            return torch.sigmoid(x), torch.nn.functional.gelu(x * 0.5)
+            return (torch.sigmoid(x), torch.nn.functional.gelu(x * 0.5), torch.softmax(x * 0.7, dim=-1),
+                    self.norm(x * 1.3))
 
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(256, 16, generator=g) * 3,) for _ in range(4)]
+    batches[3] = (torch.cat([batches[3][0], torch.zeros(1, 16), torch.full((1, 16), 50.0)]),)  # ties, saturation
     prepared = _calibrated(Net(), batches[0], batches[:3], getattr(qconfig_template, setter_name))
-    qat_ir = export(prepared, batches[0])
-    assert len([n for n in qat_ir.graph.nodes if n.op in ("lut", "segment_lut")]) == 2
+    qat_ir = export(prepared, batches[0], dynamic_batch=True)
+    table_ops = sorted(n.op for n in qat_ir.graph.nodes if n.op in TABLE_OPS_EXPORTED)
+    assert table_ops == sorted(["int_layer_norm", "int_softmax"] + ["lut" if setter_name.startswith("default")
+                                                                     else "segment_lut"] * 2), table_ops
     path = to_onnx(qat_ir, tmp_path / "tables.onnx")
     model = onnx.load(str(path))
     onnx.checker.check_model(model, full_check=True)
     ops = [node.op_type for node in model.graph.node]
-    assert "Sigmoid" not in ops and "Gelu" not in ops and "Erf" not in ops and ops.count("Gather") == 2
+    for float_op in ("Sigmoid", "Gelu", "Erf", "Softmax", "LayerNormalization", "Exp"):
+        assert float_op not in ops
     sizes = {tuple(i.dims) for i in model.graph.initializer if "/table/" in i.name}
-    assert sizes == ({(256,)} if setter_name.startswith("default") else {(65536,)})
+    assert ((256,) if setter_name.startswith("default") else (65536,)) in sizes
     for level in LEVELS:
         session = _session(path, level)
         for (x,) in batches[3:]:
             got = session.run(None, {qat_ir.graph.inputs[0]: x.numpy()})
             ref = qat_ir(x)
             for r, o in zip(ref, got):
-                assert np.array_equal(r.numpy(), o), level
+                assert np.array_equal(r.numpy(), o), (level, float(np.abs(r.numpy() - o).max()))

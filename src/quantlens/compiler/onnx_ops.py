@@ -15,6 +15,7 @@ import torch
 
 from quantlens.compiler.ir import Node
 from quantlens.compiler.onnx_builder import _Builder, _onnx_dtype
+from quantlens.compiler.onnx_tables import EXACT_TABLE_EXPORTS
 from quantlens.kernels import TABLE_OP_IO
 from quantlens.opset import IR_OPS, Category
 
@@ -712,53 +713,13 @@ def _index(b: _Builder, node: Node) -> None:
         b.add("GatherND", [xv, stacked], out)
 
 
-# -- pre_export's table ops. The elementwise ones (one data input of at most 2^16 codes) become an exact lookup:
-#    their output for every input code, computed once by the op itself, gathered by the input's code; so ONNX
-#    computes what the qat IR computes, bit for bit. The others (softmax, layer_norm, div: ONNX has no integer
-#    form of them) run the float op they emulate; the fake quants around them (QDQ pairs) keep the grid, so
-#    ONNX agrees with those tables to within rounding.
-_EXACT_TABLE_OPS = ("lut", "segment_lut", "int_reciprocal")
-
-
-def _input_code_range(node: Node) -> tuple[int, int]:
-    if node.op == "lut":
-        return -128, 127  # Table256: an int8 input (``quantlens::lut``)
-    return int(node.attrs["in_qmin"]), int(node.attrs["in_qmax"])
-
-
-def _exact_table(b: _Builder, node: Node) -> bool:
-    """The elementwise table op as ``Gather(outputs of every code, code of x)``; False when its constants are not
-    all known (then the float reference runs)."""
-    from quantlens.compiler.interpreter import call_torch_op
-    from quantlens.kernels import table_torch_op
-
-    constants = b.graph.constants
-    if any(name not in constants for name in node.inputs[1:]):
-        return False
-    scale_in = constants[node.inputs[1]]
-    if scale_in.numel() != 1:
-        return False
-    qmin, qmax = _input_code_range(node)
-    codes = torch.arange(qmin, qmax + 1, dtype=torch.float32)
-    x_all = codes * scale_in.reshape(()).to(torch.float32)  # every input value, as its fake quant produces it
-    table = call_torch_op(table_torch_op(node.op), node, [x_all] + [constants[n] for n in node.inputs[1:]])
-    out = node.outputs[0]
-    x = b.value(node.inputs[0])
-    dtype = b.dtype(node.inputs[0]) or "float32"
-    code = b.add("Round", [b.add("Div", [x, b.value(node.inputs[1])], f"{out}/scaled", dtype=dtype)], f"{out}/code",
-                 dtype=dtype)
-    code = b.add("Clip", [code, b.scalar(float(qmin), dtype, f"{out}/qmin"), b.scalar(float(qmax), dtype,
-                                                                                    f"{out}/qmax")],
-                 f"{out}/clipped", dtype=dtype)
-    index = b.add("Cast", [b.add("Sub", [code, b.scalar(float(qmin), dtype, f"{out}/offset")], f"{out}/from0",
-                                 dtype=dtype)], f"{out}/index", to=_onnx_dtype("int64"), dtype="int64")
-    b.add("Gather", [b.init(table.to(getattr(torch, dtype)).contiguous(), f"{out}/table"), index], out, axis=0)
-    return True
-
-
+# -- pre_export's table ops: exact where ``onnx_tables`` can write their integer arithmetic (the elementwise tables,
+#    softmax, layer_norm); otherwise the float op they emulate runs, and the fake quants around them (QDQ pairs)
+#    keep the grid, so ONNX agrees with those tables to within rounding.
 @onnx_converter(*TABLE_OP_IO)
 def _table_reference(b: _Builder, node: Node) -> None:
-    if node.op in _EXACT_TABLE_OPS and _exact_table(b, node):
+    exact = EXACT_TABLE_EXPORTS.get(node.op)
+    if exact is not None and exact(b, node):
         return
     io = TABLE_OP_IO[node.op]
     if io.float_op:  # softmax, div, reciprocal: the float op is fixed
