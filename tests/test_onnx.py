@@ -445,13 +445,14 @@ def test_table_ops_run_in_onnxruntime_bit_for_bit(setter_name, tmp_path):
         def __init__(self):
             super().__init__()
             self.norm = torch.nn.LayerNorm(16)
+            self.wide = torch.nn.LayerNorm(96)  # int16: past the kernel's float64 bound, its int64 path
             with torch.no_grad():
                 self.norm.weight.copy_(torch.linspace(0.5, 2.0, 16))
                 self.norm.bias.copy_(torch.linspace(-0.3, 0.3, 16))
 
         def forward(self, x):
             return (torch.sigmoid(x), torch.nn.functional.gelu(x * 0.5), torch.softmax(x * 0.7, dim=-1),
-                    self.norm(x * 1.3))
+                    self.norm(x * 1.3), self.wide(torch.cat([x, x * 0.5, -x, x * 2, x - 1, x * x], dim=-1)))
 
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(256, 16, generator=g) * 3,) for _ in range(4)]
@@ -459,8 +460,8 @@ def test_table_ops_run_in_onnxruntime_bit_for_bit(setter_name, tmp_path):
     prepared = _calibrated(Net(), batches[0], batches[:3], getattr(qconfig_template, setter_name))
     qat_ir = export(prepared, batches[0], dynamic_batch=True)
     table_ops = sorted(n.op for n in qat_ir.graph.nodes if n.op in TABLE_OPS_EXPORTED)
-    assert table_ops == sorted(["int_layer_norm", "int_softmax"] + ["lut" if setter_name.startswith("default")
-                                                                     else "segment_lut"] * 2), table_ops
+    assert table_ops == sorted(["int_layer_norm"] * 2 + ["int_softmax"] + [
+        "lut" if setter_name.startswith("default") else "segment_lut"] * 2), table_ops
     path = to_onnx(qat_ir, tmp_path / "tables.onnx")
     model = onnx.load(str(path))
     onnx.checker.check_model(model, full_check=True)
@@ -476,3 +477,42 @@ def test_table_ops_run_in_onnxruntime_bit_for_bit(setter_name, tmp_path):
             ref = qat_ir(x)
             for r, o in zip(ref, got):
                 assert np.array_equal(r.numpy(), o), (level, float(np.abs(r.numpy() - o).max()))
+
+
+def test_onnx_table_helpers_round_like_the_kernels_at_ties_and_bounds():
+    """The integer helpers of ``compiler.onnx_tables`` against ``kernels._int`` on the values where rounding
+    rules differ: exact halves (odd and even floors, both signs), divisor 1, large magnitudes; bit lengths at
+    every power of two and one below; the mantissa tables at their segment bounds."""
+    from quantlens.compiler.ir import Graph, Module
+    from quantlens.compiler.onnx_builder import _Builder
+    from quantlens.compiler.onnx_tables import _F64
+    from quantlens.kernels._int import bit_length, div_round_half_even
+    from quantlens.kernels.tables import recip_mantissa_table, rsqrt_mantissa_table
+
+    b = _Builder(Module("qat", Graph(nodes=[], inputs=[], outputs=[], constants={}, values={}), [], "", ""), 21)
+    f = _F64(b, Node("t", [], ["t"], {}, "t"))
+    nums = [7, 5, 6, -5, -7, -6, 3, -3, 1, 0, -1, 2**61 - 1, -(2**61) + 3, 2**40 + 2**39, -(2**40 + 2**39), 12, 13]
+    dens = [2, 2, 4, 2, 2, 4, 1, 1, 2, 3, 3, 2**20, 2**20, 2**40, 2**40, 8, 3]
+    a = b.init(torch.tensor(nums, dtype=torch.int64), "a")
+    d = b.init(torch.tensor(dens, dtype=torch.int64), "d")
+    powers = [1 << i for i in range(62)]
+    values = sorted(set(powers + [p - 1 for p in powers[1:]] + [p + 1 for p in powers[1:]]))
+    v = b.init(torch.tensor(values, dtype=torch.int64), "v")
+    recip_m = [2**23, 2**23 + 1, 2**23 + 2**13, 2**23 + 2**14, 2**24 - 1, 2**23 + 3 * 2**13 + 1]
+    rsqrt_m = [2**22, 2**22 + 2**12, 2**23 - 1, 2**23, 2**23 + 2**13, 2**24 - 1]
+    outs = [f.rhe_div_int64(a, d), f.bitlen_int64(v),
+            f.mantissa_lookup(recip_mantissa_table(), b.init(torch.tensor(recip_m, dtype=torch.float64), "m1")),
+            f.mantissa_lookup(rsqrt_mantissa_table(), b.init(torch.tensor(rsqrt_m, dtype=torch.float64), "m2"))]
+    types = [onnx.TensorProto.INT64] + [onnx.TensorProto.DOUBLE] * 3
+    graph = onnx.helper.make_graph(b.nodes, "helpers", [], [onnx.helper.make_tensor_value_info(o, t, None)
+                                                            for o, t in zip(outs, types)],
+                                   list(b.initializers.values()))
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {})
+    expected_div = [int(div_round_half_even(torch.tensor([n]), dd)[0]) for n, dd in zip(nums, dens)]
+    assert got[0].tolist() == expected_div
+    assert expected_div[:6] == [4, 2, 2, -2, -4, -2]  # halves to even, both signs
+    assert got[1].tolist() == bit_length(torch.tensor(values, dtype=torch.int64)).tolist()
+    assert got[2].tolist() == recip_mantissa_table().lookup(torch.tensor(recip_m)).tolist()
+    assert got[3].tolist() == rsqrt_mantissa_table().lookup(torch.tensor(rsqrt_m)).tolist()

@@ -4,17 +4,17 @@ ONNX has no integer tables, but each table op of ``quantlens.kernels.ops`` is in
 codes, and ONNX has what that arithmetic needs: ``Gather`` for tables, float64 for integers below ``2**53``
 (``quantlens.kernels.int_ops`` proves where its own float64 paths are exact, and the same operations in the same
 order give the same IEEE results in onnxruntime), int64 for the one step beyond ``2**53`` (layer_norm's gain and
-bias). One converter per op, registered in :data:`EXACT_TABLE_EXPORTS`; each returns ``False`` when the site is
-outside the range its proof covers (a per-channel input scale, a constant it cannot read, a layer_norm whose
-variance sum could pass ``2**53``), and then ``onnx_ops`` writes the float op the table emulates instead.
+bias, the layer norm's sums). One converter per op, registered in :data:`EXACT_TABLE_EXPORTS`; each returns ``False`` when the site is
+outside the range its proof covers (a per-channel input scale, a constant it cannot read, a softmax requantize outside its short
+formula's range), and then ``onnx_ops`` writes the float op the table emulates instead.
 
 * elementwise (``lut``, ``segment_lut``, ``int_reciprocal``): a function of one input code, so a ``Gather`` over
   the op's own output at every input code (256 or 65536 values, computed at export by the op itself);
 * ``int_softmax``: max, ``d = q - max``, the exp table as a ``Gather`` over every ``d``, the exact sum, its
   mantissa and exponent, the reciprocal mantissa table by its integer interpolation, ``t``, and the output
   requantize in int64;
-* ``int_layer_norm``: mean, centred values, variance (exact float64 sums), the rsqrt mantissa table, ``u``, then
-  ``rhe(u * gain + bias, T)`` in int64.
+* ``int_layer_norm``: the mean, centred values, variance and the mantissa normalisation in int64 (as the kernel's
+  int64 path), the rsqrt mantissa table and ``u`` in float64, then ``rhe(u * gain + bias, T)`` in int64.
 """
 
 from __future__ import annotations
@@ -67,10 +67,11 @@ class _F64:
         return self.op("Cast", q, to=_onnx_dtype("float64"))
 
     def gather(self, values: torch.Tensor, index: str, dtype: str = "float64") -> str:
-        """``values[index]`` (``index``: integer-valued float64)."""
+        """``values[index]`` (``index``: integer-valued float64, or int64)."""
         table = self.b.init(values.to(getattr(torch, dtype)).contiguous(), f"{self.out}/table")
-        return self.op("Gather", table, self.op("Cast", index, to=_onnx_dtype("int64"), dtype="int64"), axis=0,
-                       dtype=dtype)
+        if self.b.dtype(index) != "int64":
+            index = self.op("Cast", index, to=_onnx_dtype("int64"), dtype="int64")
+        return self.op("Gather", table, index, axis=0, dtype=dtype)
 
     def pow2(self, exponent: str) -> str:
         """``2.0**e`` for integer-valued float64 ``e``, exact (a gather from the powers of two)."""
@@ -120,18 +121,31 @@ class _F64:
     def to_int64(self, v: str) -> str:
         return self.op("Cast", v, to=_onnx_dtype("int64"), dtype="int64")
 
-    def rshift_rhe_int64(self, acc: str, shift: int) -> str:
-        """``rhe(acc * 2**-shift)`` for int64 ``acc`` (any sign, ``|acc| < 2**62``), ``shift >= 1``: the floor
-        by a non-negative remainder (``Mod``, fmod 0), then up when above half or at half with an odd floor."""
-        d = self.const(1 << shift, "int64")
-        rem = self.op("Mod", acc, d, dtype="int64", fmod=0)
-        floor = self.op("Div", self.op("Sub", acc, rem, dtype="int64"), d, dtype="int64")
-        half = self.const(1 << (shift - 1), "int64")
+    def rhe_div_int64(self, a: str, d: str) -> str:
+        """``numerics``' ``div_round_half_even(a, d)`` for int64 ``a`` (any sign) and positive int64 ``d``: the
+        floor by a non-negative remainder (``Mod``, fmod 0), then up when ``2 * rem`` passes ``d`` or equals it
+        with an odd floor (``d = 1`` never rounds)."""
+        rem = self.op("Mod", a, d, dtype="int64", fmod=0)
+        floor = self.op("Div", self.op("Sub", a, rem, dtype="int64"), d, dtype="int64")
+        twice = self.op("Mul", rem, self.const(2, "int64"), dtype="int64")
         odd = self.op("Equal", self.op("Mod", floor, self.const(2, "int64"), dtype="int64", fmod=0),
                       self.const(1, "int64"), dtype="bool")
-        up = self.op("Or", self.op("Greater", rem, half, dtype="bool"),
-                     self.op("And", self.op("Equal", rem, half, dtype="bool"), odd, dtype="bool"), dtype="bool")
+        up = self.op("Or", self.op("Greater", twice, d, dtype="bool"),
+                     self.op("And", self.op("Equal", twice, d, dtype="bool"), odd, dtype="bool"), dtype="bool")
         return self.op("Add", floor, self.op("Cast", up, to=_onnx_dtype("int64"), dtype="int64"), dtype="int64")
+
+    def pow2_int64(self, exponent: str) -> str:
+        """``2**e`` as int64 for int64 ``e`` in ``[0, 62]`` (a gather)."""
+        powers = torch.tensor([1 << e for e in range(63)], dtype=torch.int64)
+        return self.gather(powers, exponent, dtype="int64")
+
+    def bitlen_int64(self, v: str) -> str:
+        """``bit_length(v)`` for int64 ``0 <= v < 2**62``, as float64: the count of ``2**i <= v``."""
+        thresholds = self.b.init(torch.tensor([1 << i for i in range(63)], dtype=torch.int64), f"{self.out}/pow2")
+        above = self.op("GreaterOrEqual", self.op("Unsqueeze", v, self.b.ints([-1], f"{self.out}/ax"),
+                                                  dtype="int64"), thresholds, dtype="bool")
+        count = self.op("Cast", above, to=_onnx_dtype("float64"))
+        return self.op("ReduceSum", count, self.b.ints([-1], f"{self.out}/ax"), keepdims=0)
 
     def dequantize(self, codes: str, scale: str, out_min: int, out_max: int) -> None:
         """Saturate the int64 codes, then ``numerics.dequantize`` (float32 codes times the float32 scale) into the
@@ -221,9 +235,11 @@ def _softmax(b: _Builder, node: Node) -> bool:
 # -- layer norm ---------------------------------------------------------------------------------------------------
 @_exact("int_layer_norm")
 def _layer_norm(b: _Builder, node: Node) -> bool:
+    """The kernel's int64 path (``int_ops.int_layer_norm``), valid for every site it accepts (its ``P`` keeps
+    ``sum(c**2) < 2**61``); ``u`` in float64, exact as the kernel proves (``|c * r| < 2**47``)."""
     constants = _constants(b, node)
     shape = b.shape(node.inputs[0])
-    if constants is None or shape is None or any(not isinstance(s, int) or s < 0 for s in shape[1:]):
+    if constants is None or shape is None or any(not isinstance(v, int) or v < 0 for v in shape[1:]):
         return False
     _, _, gain, bias, params = constants
     eps_term, shift, p = (int(v) for v in params.tolist())
@@ -232,32 +248,36 @@ def _layer_norm(b: _Builder, node: Node) -> bool:
     n = 1
     for size in shape[lead:]:
         n *= int(size)
-    bits = 8 if int(a["in_qmin"]) == -128 else 16
-    # the kernel's float64 path and its bound (``int_ops.int_layer_norm``); beyond it the float reference runs
-    if not (n < (1 << 28) and n * (1 << (2 * (bits + p))) + eps_term < (1 << 53)):
-        return False
     f = _F64(b, node)
     x = b.value(node.inputs[0])
-    q = f.codes(x, node.inputs[1], int(a["in_qmin"]), int(a["in_qmax"]))
-    flat = f.op("Reshape", q, b.ints([0] * lead + [-1], f"{f.out}/rows"))
+    q = f.to_int64(f.codes(x, node.inputs[1], int(a["in_qmin"]), int(a["in_qmax"])))
+    rows = f.op("Reshape", q, b.ints([0] * lead + [-1], f"{f.out}/rows"), dtype="int64")
     last = b.ints([-1], f"{f.out}/last")
-    mu = f.op("Round", f.op("Div", f.op("Mul", f.op("ReduceSum", flat, last, keepdims=1), f.const(float(1 << p))),
-                            f.const(float(n))))
-    c = f.op("Sub", f.op("Mul", flat, f.const(float(1 << p))), mu)
-    v = f.op("Add", f.op("ReduceSum", f.op("Mul", c, c), last, keepdims=1), f.const(float(eps_term)))
-    v = f.op("Max", v, f.const(1.0))
-    bits_v = f.bitlen(v)
-    k = f.op("Floor", f.op("Div", f.op("Sub", bits_v, f.const(float(_MANT - 1))), f.const(2.0)))
-    mant = f.op("Round", f.op("Mul", v, f.pow2(f.op("Mul", k, f.const(-2.0)))))
+    scaled = f.op("Mul", rows, f.const(1 << p, "int64"), dtype="int64")
+    mu = f.rhe_div_int64(f.op("ReduceSum", scaled, last, keepdims=1, dtype="int64"), f.const(n, "int64"))
+    c = f.op("Sub", scaled, mu, dtype="int64")
+    v = f.op("Add", f.op("ReduceSum", f.op("Mul", c, c, dtype="int64"), last, keepdims=1, dtype="int64"),
+             f.const(eps_term, "int64"), dtype="int64")
+    v = f.op("Max", v, f.const(1, "int64"), dtype="int64")
+    # k = floor((bitlen(V) - 23) / 2), small: float64 is exact
+    k = f.op("Floor", f.op("Div", f.op("Sub", f.bitlen_int64(v), f.const(float(_MANT - 1))), f.const(2.0)))
+    two_k = f.to_int64(f.op("Mul", k, f.const(2.0)))
+    zero = f.const(0, "int64")
+    down = f.rhe_div_int64(v, f.pow2_int64(f.op("Max", two_k, zero, dtype="int64")))
+    up = f.op("Mul", v, f.pow2_int64(f.op("Max", f.op("Neg", two_k, dtype="int64"), zero, dtype="int64")),
+              dtype="int64")
+    mant = f.op("Where", f.op("Greater", two_k, zero, dtype="bool"), down, up, dtype="int64")
+    mant = f.op("Cast", mant, to=_onnx_dtype("float64"))  # below 2**24 + 1
     over = f.op("Equal", mant, f.const(float(1 << _MANT)), dtype="bool")
     mant = f.op("Where", over, f.const(float(1 << (_MANT - 2))), mant)
     k = f.op("Add", k, f.op("Cast", over, to=_onnx_dtype("float64")))
     r = f.mantissa_lookup(rsqrt_mantissa_table(), mant)
     scale = f.op("Mul", r, f.pow2(f.op("Neg", f.op("Add", k, f.const(float(_RSQRT_BITS - LN_NORM_BITS))))))
-    u = f.to_int64(f.op("Round", f.op("Mul", c, scale)))
+    c64 = f.op("Cast", c, to=_onnx_dtype("float64"))  # |c| <= 2**24: exact
+    u = f.to_int64(f.op("Round", f.op("Mul", c64, scale)))
     acc = f.op("Add", f.op("Mul", u, b.init(gain.to(torch.int64).reshape(-1), f"{f.out}/gain"), dtype="int64"),
                b.init(bias.to(torch.int64).reshape(-1), f"{f.out}/bias"), dtype="int64")
-    y = f.rshift_rhe_int64(acc, shift)
+    y = f.rhe_div_int64(acc, f.const(1 << shift, "int64"))  # |acc| < 2**61
     y = f.op("Reshape", y, f.op("Shape", x, dtype="int64"), dtype="int64")
     f.dequantize(y, node.inputs[2], int(a["out_qmin"]), int(a["out_qmax"]))
     return True
