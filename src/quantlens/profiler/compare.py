@@ -20,7 +20,7 @@ import torch
 
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType
-from quantlens.profiler.metrics import METRICS, in_scale_units
+from quantlens.profiler.metrics import METRICS, compute_all, in_scale_units
 from quantlens.profiler.trace_store import TraceReader, TracedSite
 
 __all__ = ["LayerRow", "LayerComparison", "compare_traces", "check_site_match", "COLUMNS"]
@@ -196,8 +196,7 @@ def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
 def _metrics(base: list[torch.Tensor], analy: list[torch.Tensor]) -> dict[str, float] | None:
     if len(base) != len(analy) or any(x.shape != y.shape for x, y in zip(base, analy)) or not base:
         return None
-    x, y = _flat(base), _flat(analy)
-    return {name: metric(x, y) for name, metric in METRICS.items()}
+    return compute_all(_flat(base), _flat(analy))
 
 
 #: relative error (||x - y|| / ||x||, i.e. SQNR > 120 dB) below which a difference is float32 rounding noise

@@ -12,6 +12,8 @@ the ``output_*_sensitive_ops.pt`` files of the folder are read when the page is 
 
 from __future__ import annotations
 
+import functools
+
 import html as _html
 import math
 import os
@@ -425,7 +427,10 @@ def refresh_sensitivity(out_dir: str | os.PathLike) -> Path | None:
 
 
 # -- pages ------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
 def _env() -> jinja2.Environment:
+    # one environment per process: jinja2 keeps the compiled templates in it (compiling them is most of a small
+    # net's report time)
     return jinja2.Environment(loader=jinja2.FileSystemLoader(str(_TEMPLATES)), autoescape=True,
                               undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
 

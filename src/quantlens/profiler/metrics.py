@@ -32,7 +32,8 @@ import torch
 
 from quantlens.errors import QuantLensError
 
-__all__ = ["Metric", "METRICS", "register_metric", "get_metric", "metric_names", "in_scale_units", "custom_metric"]
+__all__ = ["Metric", "METRICS", "register_metric", "get_metric", "metric_names", "compute_all", "in_scale_units",
+           "custom_metric"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,17 @@ register_metric(Metric("L1", _l1, higher_is_worse=True, description="mean absolu
 register_metric(Metric("KL", _kl, higher_is_worse=True, description="KL(softmax(baseline) || softmax(analysis))"))
 register_metric(Metric("SQNR", _sqnr, higher_is_worse=False, description="signal-to-quantization-noise ratio, dB"))
 register_metric(Metric("Atol", _atol, higher_is_worse=True, description="max absolute difference"))
+
+
+def compute_all(baseline: torch.Tensor, analysis: torch.Tensor) -> dict[str, float]:
+    """Every registered metric of one pair, the float64 copies and the NaN/Inf check made once (the same values
+    as calling each :class:`Metric`)."""
+    x, y = _prepare(baseline), _prepare(analysis)
+    if x.shape != y.shape:
+        return {name: metric(baseline, analysis) for name, metric in METRICS.items()}  # raises, naming it
+    if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
+        return {name: math.nan for name in METRICS}
+    return {name: float(metric.func(x, y)) for name, metric in METRICS.items()}
 
 
 def metric_names() -> list[str]:
