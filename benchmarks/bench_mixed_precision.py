@@ -141,6 +141,16 @@ def main() -> None:
         summary[f"{tag}_vs_qat_ir_max_abs"] = float((ort_out - qat_out).abs().max())
         summary[f"{tag}_vs_qat_ir_cosine_min"] = cosine(ort_out, qat_out)[1]
         summary[f"{tag}_cosine_vs_float_mean"] = cosine(ort_out, ref)[0]
+    # where onnxruntime first differs from the qat IR, per op site (two sentences)
+    qa_ort = QuantAnalysis(qat_ir, str(path), "onnxruntime", out_dir=str(out / "onnxruntime"), progress=False)
+    qa_ort.set_bad_case(chunks[0])
+    qa_ort.run()
+    rows = qa_ort.compare_per_layer()
+    first = next((r for r in rows if r.lsb_verdict not in ("", "bit-exact")), None)  # accumulated (no same-input)
+    summary["onnxruntime_first_inexact_site"] = None if first is None else first.op_name
+    summary["onnxruntime_first_inexact_hist"] = None if first is None else first.lsb_hist
+    summary["onnxruntime_bit_exact_rows_before_it"] = sum(
+        1 for r in rows if r.lsb_verdict == "bit-exact" and (first is None or r.index < first.index))
     summary["time_deploy_s"] = round(time.time() - t3, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
