@@ -296,3 +296,16 @@ def test_int_layer_norm_float_path_at_its_bound(in_dtype, n):
             fast = int_layer_norm(q.to(storage), *args)
             ref = int_layer_norm(q.to(torch.int64), *args)
             assert torch.equal(fast, ref), eps_term
+
+
+def test_broadcast_shape_helper_matches_torch():
+    """numerics' shape helper (the requantize and add fast paths choose in-place updates by it) agrees with
+    torch.broadcast_shapes, and refuses what torch refuses."""
+    from quantlens.numerics import _broadcast_shape
+
+    pairs = [((2, 3), (2, 3)), ((2, 1, 4), (3, 1)), ((1,), (5, 4)), ((), (2, 2)), ((4, 1), ()),
+             ((1, 32, 1, 1), (8, 32, 5, 5)), ((8, 32, 5, 5), (32, 1, 1))]
+    for a, b in pairs:
+        assert _broadcast_shape(torch.Size(a), torch.Size(b)) == tuple(torch.broadcast_shapes(a, b)), (a, b)
+    with pytest.raises(RuntimeError):
+        _broadcast_shape(torch.Size((2, 3)), torch.Size((4, 3)))

@@ -226,7 +226,7 @@ def apply_requantize(acc: torch.Tensor, p: RequantizeParams, *, bound: "float | 
         if amax < p.exact_bound:
             real = p.real
             y = acc if consume and acc.dtype == torch.float64 else acc.to(torch.float64, copy=True)
-            if isinstance(real, torch.Tensor) and torch.broadcast_shapes(y.shape, real.shape) != y.shape:
+            if isinstance(real, torch.Tensor) and _broadcast_shape(y.shape, real.shape) != y.shape:
                 y = y * real
             else:
                 y.mul_(real)
@@ -244,6 +244,23 @@ def apply_requantize(acc: torch.Tensor, p: RequantizeParams, *, bound: "float | 
     exact = (int(amax) + (int(amax) >> 50) + 1) * int(mmax)
     y = rshift_round_half_to_even(prod, p.shift, bound=exact if exact <= 2**62 else None)
     return saturate(y, p.dtype).to(storage)
+
+
+def _broadcast_shape(a: "torch.Size", b: "torch.Size") -> tuple:
+    """``torch.broadcast_shapes(a, b)`` for two concrete shapes, without its symbolic-shape machinery (which costs
+    more than a small kernel); raises like it when they do not broadcast."""
+    if a == b:
+        return tuple(a)
+    n = max(len(a), len(b))
+    out = []
+    for x, y in zip((1,) * (n - len(a)) + tuple(a), (1,) * (n - len(b)) + tuple(b)):
+        if x == y or y == 1:
+            out.append(x)
+        elif x == 1:
+            out.append(y)
+        else:
+            raise RuntimeError(f"shapes {tuple(a)} and {tuple(b)} do not broadcast")
+    return tuple(out)
 
 
 def _exact_bound(multiplier: "int | torch.Tensor") -> int:
@@ -289,10 +306,12 @@ def rescaled_sum(
                 t.neg_()
             if total is None:
                 total = t
-            elif torch.broadcast_shapes(total.shape, t.shape) == total.shape:
-                total.add_(t)
             else:
-                total = t.add_(total) if torch.broadcast_shapes(total.shape, t.shape) == t.shape else total + t
+                shape = _broadcast_shape(total.shape, t.shape)
+                if shape == total.shape:
+                    total.add_(t)
+                else:
+                    total = t.add_(total) if shape == t.shape else total + t
         if total is None:
             total = torch.zeros((), dtype=torch.float64)
         if float(addend) != 0.0:
