@@ -67,10 +67,11 @@ class TorchModelAccess(ModelAccess):
     # -- running ------------------------------------------------------------------------------------------
     @contextmanager
     def _profiling(self) -> Iterator[None]:
-        modes = [(m, m.training) for m in self.model.modules()]
-        paused = [m for m in self.model.modules()
-                  if isinstance(m, FakeQuantize) and not m.is_weight and m.observe_enabled]
-        self.model.eval()
+        modules = list(self.model.modules())  # one traversal (this runs once per sensitivity ablation)
+        modes = [(m, m.training) for m in modules]
+        paused = [m for m in modules if isinstance(m, FakeQuantize) and not m.is_weight and m.observe_enabled]
+        for m in modules:  # self.model.eval(), without its second traversal
+            m.training = False
         for m in paused:
             m.observe_enabled = False
         try:
@@ -89,7 +90,8 @@ class TorchModelAccess(ModelAccess):
                 return call_model(self.model, example)
             probe = Probe(sink, same_input if self.prepared else None, indices, override)
             wants_index_ops = getattr(sink, "wants_index_ops", False)
-            mode = IndexOpMode(indices, probe.index_op) if indices is not None or wants_index_ops else nullcontext()
+            # an empty replacement table changes nothing: no mode (every torch call would pass through it)
+            mode = IndexOpMode(indices, probe.index_op) if indices or wants_index_ops else nullcontext()
             if not self.prepared:
                 with mode, OpSiteTracer(self.model, FloatProbe(probe)):
                     return call_model(self.model, example)
