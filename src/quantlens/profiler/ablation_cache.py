@@ -170,6 +170,15 @@ class TorchAblationCache:
                     module.__dict__.pop("forward", None)
 
 
+def _flatten(args: tuple, kwargs: dict) -> tuple[list, Any]:
+    """``pytree.tree_flatten((args, kwargs))``, with a cheap spec for the common call of flat positional leaves
+    (most op calls; tree_flatten costs more than the check of a cached op): ``("flat", n)``. The two kinds of
+    spec never compare equal, so a call is only matched against a reference flattened the same way."""
+    if not kwargs and type(args) is tuple and not any(isinstance(a, (list, tuple, dict)) for a in args):
+        return list(args), ("flat", len(args))
+    return pytree.tree_flatten((args, kwargs))
+
+
 class _Null:
     def __enter__(self):
         return self
@@ -270,7 +279,7 @@ class _CachingRuntime(_Runtime):
         if sig is None:
             return False
         spec, items = sig
-        leaves, s = pytree.tree_flatten((args, kwargs))
+        leaves, s = _flatten(args, kwargs)
         if len(leaves) != len(items) or s != spec:
             return False
         for leaf, (kind, ref) in zip(leaves, items):
@@ -316,7 +325,7 @@ class _CachingRuntime(_Runtime):
             self.clean.set(leaf, (key[0], key[1], i))
 
     def _signature(self, args, kwargs) -> tuple | None:
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = _flatten(args, kwargs)
         items = []
         for leaf in leaves:
             if isinstance(leaf, nn.Parameter):

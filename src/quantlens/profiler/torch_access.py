@@ -67,21 +67,23 @@ class TorchModelAccess(ModelAccess):
     # -- running ------------------------------------------------------------------------------------------
     @contextmanager
     def _profiling(self) -> Iterator[None]:
-        modules = list(self.model.modules())  # one traversal (this runs once per sensitivity ablation)
-        modes = [(m, m.training) for m in modules]
+        # This runs once per sensitivity ablation: one traversal, and only the modules that change are touched,
+        # through object.__setattr__ (nn.Module.__setattr__'s checks cost more than a small op; plain flags).
+        modules = list(self.model.modules())
+        training = [m for m in modules if m.training]
         paused = [m for m in modules if isinstance(m, FakeQuantize) and not m.is_weight and m.observe_enabled]
-        for m in modules:  # self.model.eval(), without its second traversal
-            m.training = False
+        for m in training:  # self.model.eval()
+            object.__setattr__(m, "training", False)
         for m in paused:
-            m.observe_enabled = False
+            object.__setattr__(m, "observe_enabled", False)
         try:
             with torch.no_grad():
                 yield
         finally:
             for m in paused:
-                m.observe_enabled = True
-            for m, training in modes:
-                m.training = training
+                object.__setattr__(m, "observe_enabled", True)
+            for m in training:
+                object.__setattr__(m, "training", True)
 
     def run(self, example: Any, sink: TraceSink | None = None, same_input: SameInputSource | None = None,
             indices: dict[str, list[torch.Tensor]] | None = None, override: Any = None) -> Any:
