@@ -41,6 +41,7 @@ class TorchModelAccess(ModelAccess):
         self.label = label
         self.prepared = is_prepared(model)
         self.state = model._quantlens_state if self.prepared else None
+        self._frozen_modules: list[nn.Module] | None = None  # set while :meth:`ablation` runs
 
     def describe(self) -> str:
         name = type(self.model).__name__
@@ -69,7 +70,7 @@ class TorchModelAccess(ModelAccess):
     def _profiling(self) -> Iterator[None]:
         # This runs once per sensitivity ablation: one traversal, and only the modules that change are touched,
         # through object.__setattr__ (nn.Module.__setattr__'s checks cost more than a small op; plain flags).
-        modules = list(self.model.modules())
+        modules = self._frozen_modules or list(self.model.modules())
         training = [m for m in modules if m.training]
         paused = [m for m in modules if isinstance(m, FakeQuantize) and not m.is_weight and m.observe_enabled]
         for m in training:  # self.model.eval()
@@ -206,7 +207,8 @@ class TorchModelAccess(ModelAccess):
                 api.set_lut_enabled(self.model, sites, False)
                 api.set_lut_enabled(self.model, was_on, True)
             return
-        all_fq = [m for m in self.model.modules() if isinstance(m, FakeQuantize)]
+        modules = list(self.model.modules())
+        all_fq = [m for m in modules if isinstance(m, FakeQuantize)]
         saved = [(m, m.fake_quant_enabled) for m in all_fq]
         for m in all_fq:
             m.fake_quant_enabled = False
@@ -215,9 +217,12 @@ class TorchModelAccess(ModelAccess):
             for m in units[q]:
                 m.fake_quant_enabled = on
 
+        # the ablation forwards run on a model nobody restructures meanwhile: one module list for all of them
+        self._frozen_modules = modules
         try:
             yield enable
         finally:
+            self._frozen_modules = None
             for m, flag in saved:
                 m.fake_quant_enabled = flag
 
