@@ -334,6 +334,21 @@ def test_uneven_and_varying_windows_are_refused():
     # excluded padding divides windows by varying counts
     with pytest.raises(QuantLensError, match="avg_pool1d.*varying"):
         _pipeline(_Fn(lambda s, x: F.avg_pool1d(x, 3, 2, 1, count_include_pad=False)), (1, 2, 8))
+    # 2-d ceil_mode: the last window overhangs 6x6 (3x3 windows where the floor gives 2x2), with and without padding
+    for pad in (0, 1):
+        with pytest.raises(QuantLensError, match="avg_pool2d at op site .*ceil_mode=True.*overhang"):
+            _pipeline(_Fn(lambda s, x, pad=pad: F.avg_pool2d(x, 3, 2, pad, ceil_mode=True)), (1, 2, 6, 6))
+
+
+def test_avg_pool2d_ceil_mode_without_overhang_converts():
+    """7x7, kernel 3, stride 2: the windows tile the input, ceil_mode changes nothing, and convert keeps the op
+    (within the one requantize of an average, as without ceil_mode)."""
+    prepared, fq_model, qat_ir, q_ir, x = _pipeline(_Fn(lambda s, x: F.avg_pool2d(x, 3, 2, ceil_mode=True)),
+                                                    (1, 2, 7, 7))
+    assert tuple(q_ir(x)[0].shape) == (1, 2, 3, 3)
+    assert q_ir.statistics().get("avg_pool2d_int") == 1
+    errors = _compare(fq_model, qat_ir, q_ir, x)
+    assert max(errors) <= ONE_STEP, errors
 
 
 # -- nearest resize: 1-d and 2-d, scale factor or size (docs/march.md §11) --------------------------------------------

@@ -469,6 +469,19 @@ def _pool_attrs(c, node) -> tuple[dict, int]:
             )
         kernel = a["kernel_size"]
         stride = a["stride"] or kernel
+        # ceil_mode adds a last window that overhangs the padded input where the floor formula has none; torch
+        # divides that window by the elements it covers, the march by the kernel area
+        in_hw = c.src.values[node.inputs[0]].shape[-2:]
+        out_hw = c.src.values[node.outputs[0]].shape[-2:]
+        floor_hw = [(int(n) + 2 * int(p) - int(k)) // int(st) + 1
+                    for n, p, k, st in zip(in_hw, a["padding"], kernel, stride)]
+        if [int(o) for o in out_hw] != floor_hw:
+            raise QuantLensError(
+                f"convert: avg_pool2d at op site '{node.site}' with ceil_mode=True has windows that overhang the "
+                f"input ({tuple(int(n) for n in in_hw)} -> {tuple(int(o) for o in out_hw)}, {tuple(floor_hw)} "
+                "without ceil_mode): they average fewer elements than the kernel, and the march averages fixed "
+                "windows. Use ceil_mode=False, or pad the input so that the windows tile it."
+            )
         return {"kernel_size": kernel, "stride": stride, "padding": a["padding"], "ceil_mode": a["ceil_mode"],
                 "count_include_pad": True}, kernel[0] * kernel[1]
     in_h, in_w = c.src.values[node.inputs[0]].shape[-2:]
