@@ -283,3 +283,27 @@ def test_level_4_trains_on_the_exact_sums_and_level_3_on_float32():
         assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
     assert exact[4] == 1.0
     assert exact[3] < 1.0  # float32 sums of int16 x int8 products flip a step now and then
+
+
+def test_level_3_warns_when_its_tables_cannot_be_built():
+    """A level-3 model switched to VALIDATION with uncalibrated activations has no tables (they need the scales):
+    a warning names the fake quants and the fix; a fresh prepare (nothing calibrated, QAT) does not warn, nor does
+    a model without table ops, and calibrate installs the tables."""
+    from quantlens.quantization.pre_export import lut_sites
+
+    ConsistencyStrategy.set_consistency_level(3)
+    try:
+        example = zoo.sample_batches("tiny_transformer", 1, 4)[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            model = prepare(zoo.get_model("tiny_transformer"), example, SETTERS["int8"], check_result_dir=None)
+            cnn = prepare(zoo.get_model("tiny_resnet"), zoo.sample_batches("tiny_resnet", 1, 2)[0], SETTERS["int8"],
+                          check_result_dir=None)
+            set_fake_quantize(cnn, FakeQuantState.VALIDATION)  # no table op: nothing to warn about
+        with pytest.warns(UserWarning, match=r"consistency level 3 .* not calibrated .*calibrate\(model, batches\)"):
+            set_fake_quantize(model, FakeQuantState.VALIDATION)
+        assert lut_sites(model) == []
+        calibrate(model, zoo.sample_batches("tiny_transformer", 2, 4))
+        assert lut_sites(model)
+    finally:
+        ConsistencyStrategy.disable()

@@ -225,11 +225,27 @@ def set_fake_quantize(model: nn.Module, state: FakeQuantState | str) -> nn.Modul
         if state in (FakeQuantState.QAT, FakeQuantState.VALIDATION):
             sync_groups(state_holder)  # shared add/sub/cat scales: every member's buffer bit-identical
     if (state_holder is not None and state in (FakeQuantState.QAT, FakeQuantState.VALIDATION)
-            and getattr(getattr(state_holder, "consistency", None), "tables_in_qat", False)
-            and all(bool(m.calibrated) for m in model.modules() if isinstance(m, FakeQuantize) and not m.is_weight)):
-        from quantlens.quantization.pre_export import install_tables  # consistency level 3+: tables in QAT
+            and getattr(getattr(state_holder, "consistency", None), "tables_in_qat", False)):
+        from quantlens.quantization.pre_export import _table_sites, install_tables, lut_sites  # level 3+
 
-        install_tables(model)
+        acts = [m for m in model.modules() if isinstance(m, FakeQuantize) and not m.is_weight]
+        uncalibrated = [m for m in acts if not bool(m.calibrated)]
+        fresh = len(uncalibrated) == len(acts) and state is FakeQuantState.QAT  # prepare, or QAT from scratch
+        if not uncalibrated:
+            install_tables(model)
+        elif not fresh and not lut_sites(model) and _table_sites(state_holder):
+            # the tables are built from the calibrated scales: without them this forward runs the float ops, and
+            # consistency level 3 would silently not be in effect
+            names = ", ".join(getattr(m, "name", "?") for m in uncalibrated[:4])
+            more = f" and {len(uncalibrated) - 4} more" if len(uncalibrated) > 4 else ""
+            warnings.warn(
+                f"set_fake_quantize({state.value}): consistency level {state_holder.consistency.level} computes the "
+                f"lookup tables in the QAT forward, but {len(uncalibrated)} activation fake quant(s) are not "
+                f"calibrated yet ({names}{more}), so the tables cannot be built and this model runs the float "
+                "nonlinear ops. Calibrate first (quantlens.quantization.calibrate(model, batches)): it installs the "
+                "tables, and QAT then trains through them.",
+                stacklevel=2,
+            )
     return model
 
 
