@@ -94,3 +94,42 @@ def test_sensitivity_table_restores_accuracy_of_digits_cnn(tmp_path):
     rows = torch.load(tmp_path / "output_0_L1_sensitive_ops.pt", weights_only=True)
     again = _calibrate(model, example, batches, sensitive_op_calibration_8bit_weight_16bit_act_qconfig_setter(rows, topk=1))
     assert evaluate_accuracy(again, data.x_test, data.y_test) == fixed_acc
+
+
+def test_in_place_op_same_input_reads_the_value_before_the_op(tmp_path):
+    """``y.mul_(3)`` and ``y += 1`` in the float model: the baseline trace keeps the value each op read, so the
+    same-input run of the quantized op is a small error (it read the result, 3x its input, before: -3 dB)."""
+    import warnings
+
+    from quantlens.profiler import QuantAnalysis
+    from quantlens.quantization import calibrate, prepare
+    from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+
+    class InPlace(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3)
+            self.conv2 = torch.nn.Conv2d(4, 4, 1)
+
+        def forward(self, x):
+            y = self.conv(x)
+            y.mul_(3.0)
+            y += 1.0
+            return self.conv2(torch.relu_(y))
+
+    torch.manual_seed(0)
+    model = InPlace().eval()
+    x = torch.randn(2, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calib = calibrate(prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None),
+                          [(torch.randn(2, 3, 8, 8),) for _ in range(3)])
+    qa = QuantAnalysis(model, calib, "fake_quant", out_dir=tmp_path, progress=False)
+    qa.set_bad_case((x,))
+    qa.run()
+    table = qa.compare_per_layer()
+    rows = {r.analy_op_type: r for r in table if r.analy_op_type in ("mul", "add", "relu")}
+    assert set(rows) == {"mul", "add", "relu"} and rows["add"].fused_into == rows["relu"].op_name
+    for op in ("mul", "relu"):  # the add's error shows at the end of its fused add-ReLU group
+        row = rows[op]
+        assert row.same_input_sqnr is not None and row.same_input_sqnr > 30, (row.op_name, row.same_input_sqnr)

@@ -160,6 +160,16 @@ class Probe:
                                         inputs={}, outputs=[result], index_producing=True))
 
 
+#: in-place ops for which reading the result again gives the same result (f(f(x)) = f(x)): no copy needed
+_IDEMPOTENT_INPLACE = {"relu_", "relu6_", "clamp_", "clamp_min_", "clamp_max_", "hardtanh_", "clip_"}
+
+
+def _mutates_input(func) -> bool:
+    from quantlens.quantization.prepare import _is_inplace
+
+    return _is_inplace(func) and getattr(func, "__name__", "") not in _IDEMPOTENT_INPLACE
+
+
 class FloatProbe(SiteHandler):
     """Runs every op unchanged and reports it."""
 
@@ -173,6 +183,11 @@ class FloatProbe(SiteHandler):
         return output
 
     def function_op(self, site, func, args, kwargs):
+        if self.probe.sink is not None and args and isinstance(args[0], torch.Tensor) and _mutates_input(func):
+            # an in-place op (x.mul_(3), x += y) changes its input: report the value it read, which the
+            # same-input run of the other model takes as this op's input (not the result, read twice)
+            before = (args[0].clone(), *args[1:])
+            return self._report(site, before, kwargs, func(*args, **kwargs))
         return self._report(site, args, kwargs, func(*args, **kwargs))
 
     def module_exit(self, site, args, output):
