@@ -133,3 +133,12 @@ def test_in_place_op_same_input_reads_the_value_before_the_op(tmp_path):
     for op in ("mul", "relu"):  # the add's error shows at the end of its fused add-ReLU group
         row = rows[op]
         assert row.same_input_sqnr is not None and row.same_input_sqnr > 30, (row.op_name, row.same_input_sqnr)
+    # a prepared baseline too (pre_export: the same fake quants, no table here): every row identical, same-input too
+    from quantlens.quantization.pre_export import pre_export
+
+    qa = QuantAnalysis(calib, pre_export(calib), "pre_export", out_dir=tmp_path / "pe", progress=False)
+    qa.set_bad_case((x,))
+    qa.run()
+    for row in qa.compare_per_layer():
+        if row.same_input_sqnr is not None:
+            assert row.same_input_sqnr == float("inf"), (row.op_name, row.same_input_sqnr)

@@ -217,7 +217,16 @@ class RuntimeProbe(_Runtime):
 
     def function_op(self, site, func, args, kwargs):
         self._qerr = None
+        reported = args
+        if self.probe.sink is not None and args and isinstance(args[0], torch.Tensor) and _mutates_input(func):
+            # an in-place op: report (and re-run the other model's op on) the value it read, with its grid
+            before = args[0].clone()
+            mark = self._mark(args[0])
+            if mark is not None:
+                self.marks.set(before, mark)
+            reported = (before, *args[1:])
         out = super().function_op(site, func, args, kwargs)
+        args = reported
         plan = self.plans.get(site.name)
 
         def run(a, k):
