@@ -279,3 +279,39 @@ def test_qat_value_is_the_tables_where_the_float_op_is_infinite(level3):
         codes = table.integer(torch.round(x / s_in).long()).to(torch.float32)
     assert torch.equal(out.detach(), codes * s_out)
     assert torch.isfinite(out).all()
+
+
+class _Exp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.dq = QuantStub(), DeQuantStub()
+
+    def forward(self, x):
+        return self.dq(torch.exp(self.q(x)))
+
+
+def test_qat_observes_a_table_site_by_its_float_op(level3):
+    """In QAT a table site's output observer sees the float op, as a plain site's does: calibrated on inputs
+    below 1, QAT steps on inputs up to 3 move exp's output scale from pow2(e / 127) to pow2(e**3 / 127) (level 3 has
+    level 2's power-of-two scales; the table's own output saturates at 127 steps, so observing it kept the
+    scale); the tables follow the new scale, and the result is on its grid."""
+    torch.manual_seed(0)
+    model = prepare(_Exp(), (torch.rand(64, 8),), check_result_dir=None)
+    calibrate(model, [(torch.rand(64, 8),) for _ in range(2)])  # inputs in [0, 1): exp below e
+    out_fq = model._quantlens_state.fq[model._quantlens_state.plans["exp_0"].output_fq]
+    assert lut_sites(model) == ["exp_0"]
+    before = float(out_fq.scale)
+    assert before == 2.0 ** -5  # e / 127 = 0.0214 -> 1/32
+    set_fake_quantize(model, FakeQuantState.QAT)
+    x = torch.linspace(0, 3, 64 * 8).reshape(64, 8).requires_grad_()
+    with torch.no_grad():
+        for _ in range(300):  # the default observers average (constant 0.01): let them settle
+            model(x)
+    y = model(x)
+    after = float(out_fq.scale)
+    assert after == 2.0 ** -2  # e**3 / 127 = 0.158 -> 1/4
+    codes = y.detach() / after
+    assert torch.equal(codes, codes.round())  # the table was rebuilt for the scale the observer gave
+    assert float(y.max()) == pytest.approx(float(torch.exp(torch.tensor(3.0))), abs=after)  # not 127 / 32 = 3.97
+    y.sum().backward()
+    assert x.grad is not None and float(x.grad.abs().sum()) > 0  # straight-through gradient of exp

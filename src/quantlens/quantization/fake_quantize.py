@@ -143,31 +143,48 @@ class FakeQuantize(nn.Module):
         if weight_refresh:
             self._refresh_weight_scale(x)
         elif self.observe_enabled:
-            if self.is_weight:
-                self.observer.reset()
-            self.observer(x)
-            try:
-                scale = self.observer.calculate_scale().to(self.scale.device)
-            except QuantLensError as exc:
-                label = getattr(self, "name", None)
-                if not label:
-                    raise
-                raise QuantLensError(f"The fake quant of {label}: {exc}") from None
-            if self.scale_group is not None:  # one scale for the whole group (scale_policy)
-                scale = group_scale(self, scale)
-            elif self.pow2_scale:
-                scale = pow2_ceil(scale)
-            if scale.shape != self.scale.shape:
-                self.scale = scale
-            else:
-                self.scale.copy_(scale)
-            self.calibrated.fill_(True)
+            self._observe(x)
         if self.fake_quant_enabled:
             # While observing, the next call updates self.scale in place; autograd must keep this call's value
             # (a quantizer used at every time step of an LSTM runs several times in one forward).
             scale = self.scale.clone() if (self.observe_enabled or weight_refresh) else self.scale
             return fake_quant(x, scale, self.dtype, self.ch_axis)
         return x
+
+    def _observe(self, x: torch.Tensor) -> None:
+        if self.is_weight:
+            self.observer.reset()
+        self.observer(x)
+        try:
+            scale = self.observer.calculate_scale().to(self.scale.device)
+        except QuantLensError as exc:
+            label = getattr(self, "name", None)
+            if not label:
+                raise
+            raise QuantLensError(f"The fake quant of {label}: {exc}") from None
+        if self.scale_group is not None:  # one scale for the whole group (scale_policy)
+            scale = group_scale(self, scale)
+        elif self.pow2_scale:
+            scale = pow2_ceil(scale)
+        if scale.shape != self.scale.shape:
+            self.scale = scale
+        else:
+            self.scale.copy_(scale)
+        self.calibrated.fill_(True)
+
+    def observe(self, x: torch.Tensor) -> None:
+        """Feed ``x`` to the observer (where observing is on) and update the scale; no fake quantization. A
+        lookup-table site in QAT observes its float op's value this way: its table's output saturates at the
+        current range, so observing that would keep the scale from ever growing."""
+        if self.observe_enabled and x.numel() and not self._learning():
+            with torch.no_grad():
+                self._observe(x.detach())
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """The fake quant with the current scale (where fake-quantizing is on), without observing ``x``."""
+        if not self.fake_quant_enabled or x.numel() == 0:
+            return x
+        return fake_quant(x, self.scale.clone() if self.observe_enabled else self.scale, self.dtype, self.ch_axis)
 
     def _refresh_weight_scale(self, w: torch.Tensor) -> None:
         """The scale of the current weight where a tool paused the observers (no statistics are kept for a weight).

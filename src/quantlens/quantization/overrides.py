@@ -36,5 +36,10 @@ class SiteOverride(nn.Module):
     def compute(self, call: OverrideCall) -> Any:
         raise NotImplementedError
 
+    def observes_output(self) -> bool:
+        """Whether :meth:`compute` has already fed the output fake quant's observer (QAT), so the runtime only
+        fake-quantizes the result (default: the runtime's output fake quant observes it, as at any site)."""
+        return False
+
     def forward(self, call: OverrideCall) -> Any:  # pragma: no cover - compute() is the entry point
         return self.compute(call)

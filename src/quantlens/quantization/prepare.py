@@ -188,7 +188,9 @@ class _Runtime(SiteHandler):
         if plan.output is OutputMode.QUANTIZED:
             fq = self.fq[plan.output_fq]
             if is_float_tensor(output):
-                quantized = fq(output)
+                observed = (plan.override is not None and self.state.overrides[plan.override].observes_output()
+                            and not fq._learning())  # a learned (LSQ) scale takes the fake quant's own path
+                quantized = fq.quantize(output) if observed else fq(output)
                 if self.emulator is not None:
                     exact = self.emulator.resolve(output, fq, quantized, call)
                     quantized = quantized if exact is None else exact

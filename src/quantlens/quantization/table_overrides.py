@@ -214,6 +214,10 @@ class TableOverride(SiteOverride):
         fqs, out_fq = self._fqs(call)
         if not out_fq.fake_quant_enabled:  # FLOAT / CALIBRATION: the float op, like the prepared model
             return self.float_op(call)
+        if self.observes_output() and out_fq.observe_enabled:
+            # QAT with the tables (level 3+): the observer follows the float op, as at a plain site (the table's
+            # output saturates at the current range), and the table is then built for the scale it gives
+            out_fq.observe(self.float_op(call))
         if self.rebuild_on_change and not _exporting():
             self._refresh(call, fqs, out_fq)
         self._check(fqs, out_fq)
@@ -233,6 +237,9 @@ class TableOverride(SiteOverride):
 
     def float_op(self, call: OverrideCall) -> Any:
         return _spec(self.op_type).float_op(call, self.site)
+
+    def observes_output(self) -> bool:
+        return self.rebuild_on_change and not _exporting()
 
     def int_op(self, call: OverrideCall, fqs: list[FakeQuantize], out_fq: FakeQuantize) -> Any:
         raise NotImplementedError
