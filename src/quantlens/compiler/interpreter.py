@@ -35,19 +35,39 @@ def qat_kernel(*ops: str):
 _ATTR_ALIASES = {"size": "shape"}
 
 
+#: torch op -> its schema's arguments as (name, "list" | "tensor" | "attr"), read once (str(arg.type) costs more
+#: than many small kernels)
+_ARG_PLANS: dict[Any, list[tuple[str, str]]] = {}
+
+
+def _arg_plan(torch_op) -> list[tuple[str, str]]:
+    plan = _ARG_PLANS.get(torch_op)
+    if plan is None:
+        plan = []
+        for arg in torch_op._schema.arguments:
+            type_text = str(arg.type)
+            if type_text.startswith("List[Tensor]") or type_text == "Tensor[]":
+                plan.append((arg.name, "list"))
+            elif type_text.startswith("Tensor") or type_text.startswith("Optional[Tensor]"):
+                plan.append((arg.name, "tensor"))
+            else:
+                plan.append((arg.name, "attr"))
+        _ARG_PLANS[torch_op] = plan
+    return plan
+
+
 def call_torch_op(torch_op, node: Node, inputs: list) -> Any:
     """Call an aten/custom op with the node's inputs (tensor schema args, in order) and attrs (the rest)."""
-    schema = torch_op._schema
     pending = list(inputs)
     kwargs = {}
-    for arg in schema.arguments:
-        type_text = str(arg.type)
-        if type_text.startswith("List[Tensor]") or type_text == "Tensor[]":
-            kwargs[arg.name], pending = pending, []
-        elif type_text.startswith("Tensor") or type_text.startswith("Optional[Tensor]"):
-            kwargs[arg.name] = pending.pop(0) if pending else None
-        elif arg.name in node.attrs or _ATTR_ALIASES.get(arg.name) in node.attrs:
-            kwargs[arg.name] = node.attrs.get(arg.name, node.attrs.get(_ATTR_ALIASES.get(arg.name)))
+    attrs = node.attrs
+    for name, kind in _arg_plan(torch_op):
+        if kind == "list":
+            kwargs[name], pending = pending, []
+        elif kind == "tensor":
+            kwargs[name] = pending.pop(0) if pending else None
+        elif name in attrs or _ATTR_ALIASES.get(name) in attrs:
+            kwargs[name] = attrs.get(name, attrs.get(_ATTR_ALIASES.get(name)))
     return torch_op(**kwargs)
 
 
