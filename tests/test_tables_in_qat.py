@@ -315,3 +315,36 @@ def test_qat_observes_a_table_site_by_its_float_op(level3):
     assert float(y.max()) == pytest.approx(float(torch.exp(torch.tensor(3.0))), abs=after)  # not 127 / 32 = 3.97
     y.sum().backward()
     assert x.grad is not None and float(x.grad.abs().sum()) > 0  # straight-through gradient of exp
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.dq = QuantStub(), DeQuantStub()
+        self.proj = nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = self.proj(self.q(x)).chunk(3, dim=-1)
+        return self.dq(torch.nn.functional.scaled_dot_product_attention(q, k, v))
+
+
+def test_qat_sdpa_softmax_table_observes_once_per_forward(level3):
+    """sdpa's decomposition at level 3: its softmax table observes the float probabilities, and the probabilities'
+    fake quant then only rounds (one observation per forward, as at a plain site: not also the table's output)."""
+    from quantlens.quantization.decompositions import SdpaDecomposition
+
+    torch.manual_seed(0)
+    model = prepare(_Attention(), (torch.randn(2, 5, 8),), check_result_dir=None)
+    calibrate(model, [(torch.randn(2, 5, 8),) for _ in range(2)])
+    sdpa = [o for o in model._quantlens_state.overrides.values() if isinstance(o, SdpaDecomposition)]
+    assert len(sdpa) == 1 and sdpa[0].softmax_table is not None and sdpa[0].softmax_table.observes_output()
+    observer = sdpa[0].probs_fq.observer
+    seen = []
+    original = observer.forward
+    observer.forward = lambda x: (seen.append(x.detach().clone()), original(x))[1]
+    set_fake_quantize(model, FakeQuantState.QAT)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    model(x).sum().backward()
+    assert len(seen) == 1  # once, on the float softmax (not on grid)
+    assert not torch.equal(seen[0] / sdpa[0].probs_fq.scale, (seen[0] / sdpa[0].probs_fq.scale).round())
+    assert x.grad is not None and float(x.grad.abs().sum()) > 0

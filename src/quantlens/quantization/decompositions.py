@@ -80,7 +80,10 @@ class SdpaDecomposition(SiteOverride):
             probs = self.softmax_table.compute(table_call)
         else:
             probs = torch.softmax(scores, dim=-1)
-        probs = self.probs_fq(probs)
+        if self.softmax_table is not None and self.softmax_table.observes_output() and not self.probs_fq._learning():
+            probs = self.probs_fq.quantize(probs)  # the table has observed the float softmax (QAT, level 3+)
+        else:
+            probs = self.probs_fq(probs)
         if a["dropout_p"] and self.training:
             probs = F.dropout(probs, a["dropout_p"])
         if emulator is not None and not (a["dropout_p"] and self.training):
