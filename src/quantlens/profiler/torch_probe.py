@@ -161,13 +161,34 @@ class Probe:
 
 
 #: in-place ops for which reading the result again gives the same result (f(f(x)) = f(x)): no copy needed
-_IDEMPOTENT_INPLACE = {"relu_", "relu6_", "clamp_", "clamp_min_", "clamp_max_", "hardtanh_", "clip_"}
+_IDEMPOTENT_INPLACE = {"relu_", "relu6_", "clamp_", "clamp_min_", "clamp_max_", "hardtanh_", "clip_", "relu",
+                       "relu6", "hardtanh"}
+#: functional activations with an ``inplace`` argument: its position (``F.leaky_relu(x, 0.1, True)``)
+_INPLACE_POSITION = {"leaky_relu": 2, "elu": 2, "celu": 2, "selu": 1, "silu": 1, "hardswish": 1, "hardsigmoid": 1,
+                     "mish": 1, "threshold": 3, "rrelu": 4, "relu": 1, "relu6": 1, "hardtanh": 3}
+#: module types whose ``inplace=True`` changes their input, unless reading the result again gives the result
+_IDEMPOTENT_MODULES = (nn.ReLU, nn.ReLU6, nn.Hardtanh)
 
 
-def _mutates_input(func) -> bool:
+def _mutates_input(func, args: tuple = (), kwargs: dict | None = None) -> bool:
+    """Whether the call changes its first argument in place (``x.mul_(3)``, ``x += y``, ``F.silu(x, inplace=True)``)
+    in a way that reading the result again would not undo (not ``relu_``)."""
     from quantlens.quantization.prepare import _is_inplace
 
-    return _is_inplace(func) and getattr(func, "__name__", "") not in _IDEMPOTENT_INPLACE
+    name = getattr(func, "__name__", "")
+    if name in _IDEMPOTENT_INPLACE:
+        return False
+    if _is_inplace(func):
+        return True
+    if kwargs and kwargs.get("inplace") is True:
+        return True
+    position = _INPLACE_POSITION.get(name)
+    return position is not None and len(args) > position and args[position] is True
+
+
+def _mutates_module_input(module: nn.Module | None) -> bool:
+    return module is not None and getattr(module, "inplace", False) is True and \
+        not isinstance(module, _IDEMPOTENT_MODULES)
 
 
 class FloatProbe(SiteHandler):
@@ -175,6 +196,7 @@ class FloatProbe(SiteHandler):
 
     def __init__(self, probe: Probe):
         self.probe = probe
+        self._before: dict[str, tuple] = {}  # in-place module sites: their input as it was read
 
     def _report(self, site, args, kwargs, output):
         output = self.probe.substitute(site, args, kwargs, output)
@@ -183,15 +205,22 @@ class FloatProbe(SiteHandler):
         return output
 
     def function_op(self, site, func, args, kwargs):
-        if self.probe.sink is not None and args and isinstance(args[0], torch.Tensor) and _mutates_input(func):
+        if self.probe.sink is not None and args and isinstance(args[0], torch.Tensor) and \
+                _mutates_input(func, args, kwargs):
             # an in-place op (x.mul_(3), x += y) changes its input: report the value it read, which the
             # same-input run of the other model takes as this op's input (not the result, read twice)
             before = (args[0].clone(), *args[1:])
             return self._report(site, before, kwargs, func(*args, **kwargs))
         return self._report(site, args, kwargs, func(*args, **kwargs))
 
+    def module_enter(self, site, args):
+        if self.probe.sink is not None and args and isinstance(args[0], torch.Tensor) and \
+                _mutates_module_input(site.module):
+            self._before[site.name] = (args[0].clone(), *args[1:])  # nn.SiLU(inplace=True) and the like
+        return None
+
     def module_exit(self, site, args, output):
-        new = self._report(site, args, {}, output)
+        new = self._report(site, self._before.pop(site.name, args), {}, output)
         return None if new is output else new
 
 
@@ -218,13 +247,10 @@ class RuntimeProbe(_Runtime):
     def function_op(self, site, func, args, kwargs):
         self._qerr = None
         reported = args
-        if self.probe.sink is not None and args and isinstance(args[0], torch.Tensor) and _mutates_input(func):
+        if self.probe.sink is not None and args and isinstance(args[0], torch.Tensor) and \
+                _mutates_input(func, args, kwargs):
             # an in-place op: report (and re-run the other model's op on) the value it read, with its grid
-            before = args[0].clone()
-            mark = self._mark(args[0])
-            if mark is not None:
-                self.marks.set(before, mark)
-            reported = (before, *args[1:])
+            reported = (self._snapshot(args[0]), *args[1:])
         out = super().function_op(site, func, args, kwargs)
         args = reported
         plan = self.plans.get(site.name)
@@ -237,8 +263,20 @@ class RuntimeProbe(_Runtime):
         return self._after(site, plan, args, kwargs, out, run)
 
     def module_enter(self, site, args):
-        self._entered[site.name] = args  # the incoming inputs, before any input fake quant
+        if self.probe.sink is not None and args and isinstance(args[0], torch.Tensor) and \
+                _mutates_module_input(site.module):
+            self._entered[site.name] = (self._snapshot(args[0]), *args[1:])  # nn.SiLU(inplace=True) ...
+        else:
+            self._entered[site.name] = args  # the incoming inputs, before any input fake quant
         return super().module_enter(site, args)
+
+    def _snapshot(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of an in-place op's input as it was read, carrying its grid mark."""
+        copy = t.clone()
+        mark = self._mark(t)
+        if mark is not None:
+            self.marks.set(copy, mark)
+        return copy
 
     def module_exit(self, site, args, output):
         self._qerr = None
