@@ -29,7 +29,7 @@ from quantlens.profiler.index_ops import substitute_indices
 from quantlens.profiler.model_access import QuantErrorStats, SameInputSource, SiteEvent, TraceSink
 from quantlens.quantization.fake_quantize import FakeQuantize
 from quantlens.quantization.plan import OutputMode, SitePlan
-from quantlens.quantization.prepare import _Runtime, _leaves
+from quantlens.quantization.prepare import _is_inplace, _Runtime, _leaves
 from quantlens.quantization.tracer import SiteCall, SiteHandler, float_tensor_leaves, is_float_tensor
 
 __all__ = ["Probe", "FloatProbe", "RuntimeProbe", "quant_error_stats", "deferred_quant_error_stats",
@@ -173,8 +173,6 @@ _IDEMPOTENT_MODULES = (nn.ReLU, nn.ReLU6, nn.Hardtanh)
 def _mutates_input(func, args: tuple = (), kwargs: dict | None = None) -> bool:
     """Whether the call changes its first argument in place (``x.mul_(3)``, ``x += y``, ``F.silu(x, inplace=True)``)
     in a way that reading the result again would not undo (not ``relu_``)."""
-    from quantlens.quantization.prepare import _is_inplace
-
     name = getattr(func, "__name__", "")
     if name in _IDEMPOTENT_INPLACE:
         return False
