@@ -1,0 +1,80 @@
+"""What a trace keeps: tensor statistics against float64 references, and a fused member's statistics without its values."""
+
+import pytest
+import torch
+
+from quantlens.profiler.trace_store import tensor_stat
+
+
+@pytest.mark.parametrize("n", [7, 8191, 4096 * 64, 4096 * 64 + 123])
+def test_float32_statistics_match_float64_references(n):
+    g = torch.Generator().manual_seed(n)
+    # a large offset makes a float32 running sum lose the mean's digits; the tail past the last full row counts
+    x = torch.randn(n, generator=g) * 3 + 1000.0
+    x[-1] = 5000.0
+    st = tensor_stat(x.reshape(-1, 1) if n % 2 else x)
+    ref = x.double()
+    assert st.min == float(ref.min()) and st.max == float(ref.max())
+    assert st.mean == pytest.approx(float(ref.mean()), rel=1e-7)  # float32 precision
+    assert st.var == pytest.approx(float(ref.var(correction=0)), rel=1e-5)
+    assert st.shape == ((n, 1) if n % 2 else (n,))
+
+
+def test_nonfinite_values_are_counted_and_left_out():
+    x = torch.arange(10000, dtype=torch.float32)
+    x[3], x[5], x[9000] = float("nan"), float("inf"), -float("inf")
+    st = tensor_stat(x)
+    finite = torch.cat([x[:3], x[4:5], x[6:9000], x[9001:]]).double()
+    assert (st.nan, st.inf) == (1, 2)
+    assert st.min == 0.0 and st.max == 9999.0
+    assert st.mean == pytest.approx(float(finite.mean()), rel=1e-12)
+
+
+def test_integer_codes_are_summed_exactly():
+    x = torch.full((3 * 4096 + 1,), 127, dtype=torch.int8)
+    x[0] = -128
+    st = tensor_stat(x)
+    assert st.dtype == "int8" and (st.min, st.max) == (-128.0, 127.0)
+    assert st.mean == (127 * (x.numel() - 1) - 128) / x.numel()
+
+
+def test_an_analysis_trace_keeps_a_fused_members_statistics_not_its_values(tmp_path):
+    import warnings
+
+    from safetensors import safe_open
+    from torch import nn
+
+    from quantlens.errors import QuantLensError
+    from quantlens.profiler import QuantAnalysis
+    from quantlens.profiler.trace_store import TraceReader
+    from quantlens.quantization import DeQuantStub, QuantStub, calibrate, prepare
+    from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+
+    torch.manual_seed(0)
+    model = nn.Sequential(QuantStub(), nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 4, 1), DeQuantStub()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calib = calibrate(prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None),
+                          [(torch.randn(2, 3, 8, 8),) for _ in range(3)])
+    qa = QuantAnalysis(model, calib, "fake_quant", out_dir=tmp_path, progress=False)
+    qa.set_bad_case((x,))
+    qa.run()
+    rows = {r.op_name: r for r in qa.compare_per_layer()}
+    analysis, baseline = TraceReader(tmp_path / "analysis_model"), TraceReader(tmp_path / "baseline_model")
+    conv = analysis.by_name["1"]
+    assert conv.fused_into and conv.stats_only == ["out0"]
+    with safe_open(str(analysis.dir / conv.file), framework="pt") as f:
+        assert "out0" not in f.keys() and "weight" in f.keys()
+    # the statistics are the fused conv's (BN folded in): its range is the BN output's, not the bare conv's
+    with torch.no_grad():
+        bn_out = model[2](model[1](model[0](x)))
+    assert conv.stats["out0"].min == pytest.approx(float(bn_out.min()), abs=0.05)
+    assert rows["1"].note.startswith("fused into") and rows["1"].analy_min == conv.stats["out0"].min
+    with pytest.raises(QuantLensError, match="fused into '3'.*Read that site's tensors"):
+        analysis.tensors("1")["out0"]
+    # the group's last op and every baseline tensor keep their values
+    assert analysis.tensors("3")["out0"].shape == (2, 8, 8, 8)
+    assert baseline.tensors("1")["out0"].shape == (2, 8, 8, 8) and not baseline.by_name["1"].stats_only
+    assert rows["3"].same_input_sqnr > 20
