@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from quantlens.numerics import fake_quant
+from quantlens.profiler._sums import sum64
 from quantlens.profiler.index_ops import substitute_indices
 from quantlens.profiler.model_access import QuantErrorStats, SameInputSource, SiteEvent, TraceSink
 from quantlens.quantization.fake_quantize import FakeQuantize
@@ -102,8 +103,8 @@ def _quant_error_stats(x: torch.Tensor, scale: torch.Tensor, dtype,
         masked = torch.mul(err, clipped, out=scratch(err.numel() * 4).view(torch.float32)[:err.numel()])
     else:
         masked = err * clipped
-    clip_sq = float(masked.sum(dtype=torch.float64))
-    total = float(err.sum(dtype=torch.float64))
+    clip_sq = sum64(masked.reshape(-1))
+    total = sum64(err.reshape(-1))
     return QuantErrorStats(
         raw_min=float(lo), raw_max=float(hi), numel=int(x.numel()), clipped=int(clipped.sum()),
         clip_sq_err=clip_sq, round_sq_err=max(total - clip_sq, 0.0), qmin=qmin, qmax=qmax,
