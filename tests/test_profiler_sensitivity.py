@@ -201,3 +201,26 @@ def test_pre_export_sensitivity_matches_one_table_alone(int16_transformer, tmp_p
         expected = float((qat(*example) - pre(*example)).abs().mean())
     set_lut_enabled(pre, None, True)
     assert row.value == pytest.approx(expected, rel=1e-6, abs=1e-12)
+
+
+def test_sensitivity_moves_no_scale_and_restores_every_switch(tmp_path):
+    """The ablation forwards measure the model as it is: a model left in CALIBRATION (observers on) keeps its
+    scales through sensitivity() on a bad case wider than its calibration data, gets the same table as in
+    VALIDATION, and every fake quant's switches come back as they were."""
+    from quantlens.quantization import FakeQuantState, set_fake_quantize
+
+    float_model, calib = calibrated("digits_cnn")
+    example = tuple(t * 3 for t in example_inputs("digits_cnn", 8))  # beyond the calibrated ranges
+    fqs = [m for m in calib.modules() if hasattr(m, "fake_quant_enabled")]
+    qa = QuantAnalysis(float_model, calib, "fake_quant", out_dir=tmp_path, progress=False)
+    qa.set_bad_case(example)
+    set_fake_quantize(calib, FakeQuantState.VALIDATION)
+    validation = [(r.op_name, r.sensitive_type, r.value) for r in qa.sensitivity()[0]]
+    set_fake_quantize(calib, FakeQuantState.CALIBRATION)
+    switches = [(m.fake_quant_enabled, m.observe_enabled) for m in fqs]
+    scales = [m.scale.clone() for m in fqs]
+    table = [(r.op_name, r.sensitive_type, r.value) for r in qa.sensitivity()[0]]
+    assert [(m.fake_quant_enabled, m.observe_enabled) for m in fqs] == switches
+    assert any(on for _, on in switches)
+    assert all(torch.equal(m.scale, s) for m, s in zip(fqs, scales))
+    assert table == validation
