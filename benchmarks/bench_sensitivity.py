@@ -3,7 +3,8 @@
 For each model it prints ``time(sensitivity) / (N x time(one forward))`` for the cached path (the default: each
 ablation recomputes only from the op site of its quantizer on, the rest comes from one reference forward) and
 for the old path (one full forward per quantizer), measured in one run. "One forward" is a plain forward of the
-analysis model (``TorchModelAccess.run``: eval, no grad), the median of several. Models: a ResNet-like net
+analysis model (``TorchModelAccess.run``: eval, no grad), the best of the forwards timed before and between the
+sensitivity() calls (each path's time is its best call too). Models: a ResNet-like net
 (residual blocks of conv-BN-ReLU, conv-BN, add, ReLU) and the zoo's ``tiny_transformer``, both
 ``fake_quant`` (float vs calibration).
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
 import time
 
@@ -92,12 +92,16 @@ def measure(name: str, model, calib, example, repeat: int) -> list:
     for _ in range(3):
         access.run(example)  # warm-up
     times = []
-    for _ in range(max(repeat, 5)):
-        t0 = time.perf_counter()
-        access.run(example)
-        times.append(time.perf_counter() - t0)
-    fwd = statistics.median(times)
-    row = [name, n, f"{fwd * 1e3:.2f}"]
+
+    def forwards():
+        # timed again between the sensitivity calls: on a shared machine the load drifts, and a ratio of two
+        # bests measured side by side is what stays put
+        for _ in range(5):
+            t0 = time.perf_counter()
+            access.run(example)
+            times.append(time.perf_counter() - t0)
+
+    forwards()
     results = {}
     with tempfile.TemporaryDirectory() as out:
         qa = QuantAnalysis(model, calib, "fake_quant", out_dir=out, progress=False)
@@ -111,9 +115,12 @@ def measure(name: str, model, calib, example, repeat: int) -> list:
                     tables = qa.sensitivity(shard=False)
                     seconds = time.perf_counter() - t0
                     best = seconds if best is None else min(best, seconds)
+                    forwards()
                 results[label] = ([(r.op_name, r.sensitive_type, r.value) for t in tables for r in t], best)
             finally:
                 sensitivity_module._USE_CACHE = True
+    fwd = min(times)
+    row = [name, n, f"{fwd * 1e3:.2f}"]
     for label in ("cached", "full"):
         seconds = results[label][1]
         row += [f"{seconds:.3f}", f"{seconds / (n * fwd):.3f}"]
