@@ -4,9 +4,10 @@ For each model it prints ``time(sensitivity) / (N x time(one forward))`` for the
 ablation recomputes only from the op site of its quantizer on, the rest comes from one reference forward) and
 for the old path (one full forward per quantizer), measured in one run. "One forward" is a plain forward of the
 analysis model (``TorchModelAccess.run``: eval, no grad), the best of the forwards timed before and between the
-sensitivity() calls (each path's time is its best call too). Models: a ResNet-like net
-(residual blocks of conv-BN-ReLU, conv-BN, add, ReLU) and the zoo's ``tiny_transformer``, both
-``fake_quant`` (float vs calibration).
+sensitivity() calls (each path's time is its best call too). Models, all ``fake_quant`` (float vs
+calibration): a ResNet-like net (residual blocks of conv-BN-ReLU, conv-BN, add, ReLU), the zoo's
+``tiny_transformer``, and a 4-head net (two of those blocks, then four heads with one output each: there the
+quantizers of different heads share ablation forwards, see ``profiler/sensitivity.py``).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_sensitivity.py [--blocks 6] [--channels 32] [--size 64] [--batch 2]
 
@@ -53,12 +54,32 @@ class ResNetLike(nn.Module):
         return self.dequant(self.head(self.blocks(self.stem(self.quant(x)))))
 
 
-def _resnet(args):
+class MultiHead(nn.Module):
+    """A detector-like net: a trunk of residual blocks and four heads (conv-BN-ReLU twice, a 1x1 conv), one
+    output each."""
+
+    def __init__(self, blocks: int, channels: int, heads: int = 4):
+        super().__init__()
+        from quantlens.quantization import DeQuantStub, QuantStub
+
+        self.quant = QuantStub(scale=1 / 128)
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.blocks = nn.Sequential(*[ResidualBlock(channels) for _ in range(blocks)])
+        self.heads = nn.ModuleList([nn.Sequential(
+            nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(),
+            nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(),
+            nn.Conv2d(channels, 4, 1)) for _ in range(heads)])
+        self.dequant = nn.ModuleList([DeQuantStub() for _ in range(heads)])
+
+    def forward(self, x):
+        y = self.blocks(self.stem(self.quant(x)))
+        return tuple(dq(head(y)) for head, dq in zip(self.heads, self.dequant))
+
+
+def _prepared_conv_net(model, args):
     from quantlens.quantization import FakeQuantState, prepare, set_fake_quantize
     from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 
-    torch.manual_seed(0)
-    model = ResNetLike(args.blocks, args.channels).eval()
     x = torch.rand(args.batch, 3, args.size, args.size) * 2 - 1
     calib = prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None)
     calib.eval()
@@ -67,6 +88,16 @@ def _resnet(args):
         calib(x)
     set_fake_quantize(calib, FakeQuantState.VALIDATION)
     return model, calib, (x,)
+
+
+def _multihead(args):
+    torch.manual_seed(0)
+    return _prepared_conv_net(MultiHead(2, args.channels).eval(), args)
+
+
+def _resnet(args):
+    torch.manual_seed(0)
+    return _prepared_conv_net(ResNetLike(args.blocks, args.channels).eval(), args)
 
 
 def _transformer(args):
@@ -142,7 +173,7 @@ def main() -> None:
     header = ["model", "N", "fwd ms", "cached s", "cached ratio", "full s", "full ratio", "same tables"]
     widths = [18, 5, 8, 9, 13, 8, 11, 12]
     print("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(header, widths))))
-    for name, build in (("ResNet-like", _resnet), ("tiny_transformer", _transformer)):
+    for name, build in (("ResNet-like", _resnet), ("tiny_transformer", _transformer), ("4-head net", _multihead)):
         row = measure(name, *build(args), repeat=args.repeat)
         print("  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths))),
               flush=True)

@@ -116,7 +116,11 @@ class TorchAblationCache:
         self.site_modules = {id(m): m for s in records.values() if s.is_module
                              for m in [modules.get(s.module_name)] if isinstance(m, nn.Module)}
         self.active: _CachingRuntime | None = None
-        self._forward(set(), None, recording=True)
+        #: the runtime of the latest forward: its marks answer :meth:`producer` (reference) and :meth:`taint`
+        self._last: _CachingRuntime | None = None
+        #: the reference forward's output (its tensors are the cached values; kept for :meth:`producer`)
+        self.reference = self._forward(set(), None, recording=True)
+        self._reference_marks = self._last.clean
         for key, entry in list(self.entries.items()):  # changed in place later in the forward: not its output
             if [t._version for t in entry.leaves] != entry.versions:
                 del self.entries[key]
@@ -133,19 +137,59 @@ class TorchAblationCache:
             out |= self.groups.get(s, set())
         return out
 
-    def run(self, affected: set[str], override: Any = None) -> Any:
-        """One ablation forward in which ``affected`` op sites (and everything depending on them) compute."""
-        out = self._forward(self.widen(affected), override, recording=False)
+    def run(self, affected: set[str], override: Any = None, taint: dict[str, frozenset[int]] | None = None) -> Any:
+        """One ablation forward in which ``affected`` op sites (and everything depending on them) compute.
+
+        ``taint`` (shared ablations: several quantizers on in one forward) maps op sites to the ids of the
+        quantizers acting there; every computed tensor then carries the ids that reached it (see :meth:`taint`)."""
+        out = self._forward(self.widen(affected), override, recording=False, taint=taint)
         for entry in self.entries.values():
             if [t._version for t in entry.leaves] != entry.versions:
                 raise CacheUnusable("a cached op site output was changed in place")
         return out
 
-    def _forward(self, affected: set[str], override: Any, recording: bool) -> Any:
+    # -- shared ablations ----------------------------------------------------------------------------------
+    def producer(self, tensor: Any) -> tuple[str, int] | None:
+        """The op site occurrence whose output ``tensor`` is in the reference forward (None: made elsewhere)."""
+        mark = self._reference_marks.get(tensor)
+        return None if mark is None else (mark[0], mark[1])
+
+    def reached(self, sites: set[str]) -> set[tuple[str, int]]:
+        """The op site occurrences of the reference forward that depend on ``sites`` (widened to their fused
+        groups): theirs, and every one taking a value of a reached one. An occurrence whose inputs were not
+        recorded counts as depending on everything before it. (A plan: shared ablations check their result.)"""
+        sites = self.widen(sites)
+        out: set[tuple[str, int]] = set()
+        for key, sig in self.sigs.items():  # in execution order: a value's producer comes before its users
+            if key[0] in sites:
+                hit = True
+            elif sig is None:
+                hit = bool(out)
+            else:
+                hit = any(kind == "s" and (ref[0], ref[1]) in out for kind, ref in sig[1])
+            if hit:
+                out.add(key)
+        return out
+
+    def taint(self, tensor: Any) -> frozenset[int] | None:
+        """After a forward with ``taint``: the ids of the quantizers whose values reached ``tensor`` (empty for a
+        cached reference value); None where that cannot be told (a tensor made outside op sites from changed
+        values, or a site whose inputs cannot be matched with the reference's)."""
+        runtime = self._last
+        if runtime is None:
+            return None
+        found = runtime.taint.get(tensor)
+        if found is not None:
+            return found
+        return frozenset() if runtime.clean.get(tensor) is not None else None
+
+    def _forward(self, affected: set[str], override: Any, recording: bool,
+                 taint: dict[str, frozenset[int]] | None = None) -> Any:
         from quantlens.profiler.torch_probe import Probe
 
         probe = Probe(None, None, self.indices, override)
-        runtime = _CachingRuntime(self.state, self, probe, affected, recording)
+        runtime = _CachingRuntime(self.state, self, probe, affected, recording, taint)
+        self._last = runtime
         installed = []
         for module in self.site_modules.values():
             installed.append((module, "forward" in module.__dict__, module.__dict__.get("forward")))
@@ -207,7 +251,8 @@ class _CachingRuntime(_Runtime):
     """The prepared model's runtime for one reference or ablation forward (index substitution and the deployed
     stages' site override as in the profiler's runtime probe, no trace)."""
 
-    def __init__(self, state, cache: TorchAblationCache, probe, affected: set[str], recording: bool):
+    def __init__(self, state, cache: TorchAblationCache, probe, affected: set[str], recording: bool,
+                 taint: dict[str, frozenset[int]] | None = None):
         super().__init__(state)
         self.cache = cache
         self.probe = probe
@@ -217,6 +262,8 @@ class _CachingRuntime(_Runtime):
         self.clean = TensorMarks()  # tensor -> (site occurrence key, leaf index): same as in the reference
         self.skip: dict[int, Any] = {}  # id(module) -> the cached output its forward returns
         self._pending: dict[str, tuple] = {}
+        self.taint_sites = taint  # op site -> ids of the quantizers acting there (shared ablations)
+        self.taint = TensorMarks()  # computed tensor -> the quantizer ids that reached it; absent: unknown
 
     def _key(self, site) -> tuple[str, int]:
         n = self.occurrence[site.name]
@@ -297,6 +344,36 @@ class _CachingRuntime(_Runtime):
                 return False
         return True
 
+    def _reached_by(self, key, site, args, kwargs) -> frozenset[int] | None:
+        """The quantizer ids reaching a computed site's output: those acting at the site and those reaching its
+        inputs. An input that is neither a cached reference value, nor a tracked computed one, nor equal to the
+        reference forward's input there makes it unknown (None)."""
+        found = set(self.taint_sites.get(site.name, ()))
+        sig = self.cache.sigs.get(key)
+        leaves, spec = _flatten(args, kwargs)
+        items = sig[1] if sig is not None and sig[0] == spec and len(sig[1]) == len(leaves) else None
+        for j, leaf in enumerate(leaves):
+            if isinstance(leaf, nn.Parameter):
+                continue
+            if isinstance(leaf, torch.Tensor):
+                upstream = self.taint.get(leaf)
+                if upstream is not None:
+                    found |= upstream
+                    continue
+                if self.clean.get(leaf) is not None:
+                    continue
+            if items is None:
+                return None
+            kind, ref = items[j]
+            if kind == "v" and isinstance(leaf, torch.Tensor):
+                if leaf.dtype == ref.dtype and leaf.shape == ref.shape and torch.equal(leaf, ref):
+                    continue
+                return None
+            if kind == "c" and type(leaf) is type(ref) and leaf == ref:
+                continue
+            return None
+        return frozenset(found)
+
     def _hand_out(self, site, entry: _Entry) -> Any:
         self.visited.append(site.name)
         for i, (leaf, fq) in enumerate(zip(entry.leaves, entry.marks)):
@@ -320,6 +397,11 @@ class _CachingRuntime(_Runtime):
                 marks = [self._mark(t) if t.is_floating_point() else None for t in leaves]
                 self.cache.entries[key] = _Entry(out, leaves, marks)
         elif not clean_in:
+            if self.taint_sites is not None:
+                reached = self._reached_by(key, site, args, kwargs)
+                if reached is not None:
+                    for leaf in leaves:
+                        self.taint.set(leaf, reached)
             return
         for i, leaf in enumerate(leaves):
             self.clean.set(leaf, (key[0], key[1], i))

@@ -16,6 +16,15 @@ the outputs and the first op sites whose baseline output is non-finite). A quant
 analysis outputs non-finite keeps its row, with the metric's NaN/Inf value, sorted first (NaN sorts as most
 sensitive); the sensitive-op qconfig setters skip such rows with a warning.
 
+**Shared ablations.** On a model with several outputs (multi-task heads, detection branches), quantizers whose
+effects reach disjoint sets of outputs are switched on together in one cached forward: each output is reached by
+at most one of them, so it takes that quantizer's value and the other quantizers of the forward get the all-off
+value there, exactly what their own forwards would give. The grouping is planned from the reference forward's
+data flow (:meth:`.ablation_cache.TorchAblationCache.reached`); every shared forward then tracks which
+quantizers actually reached each output (:meth:`~.ablation_cache.TorchAblationCache.taint`), and where one was
+reached by two of them, or by what cannot be told, its quantizers run one by one. The tables are those of one
+forward per quantizer.
+
 The result is a sequence of tables, one per (output, metric), most sensitive first. It is exactly the
 sensitivity-table format of ``docs/quantization.md``: pass it (or one table of it) unchanged to
 ``sensitive_op_calibration_8bit_weight_16bit_act_qconfig_setter(table, topk=k)``.
@@ -32,7 +41,7 @@ import torch
 from quantlens.errors import QuantLensError
 from quantlens.profiler.metrics import get_metric
 from quantlens.profiler.model_access import AnalysisType, ModelAccess, SiteEvent
-from quantlens.profiler.outputs import PostProcess, float_outputs
+from quantlens.profiler.outputs import PostProcess, float_outputs, named_outputs
 from quantlens.profiler.progress import progress_iter
 
 __all__ = ["SensitivityRow", "SensitivityTable", "SensitivityResult", "IndexRecorder", "run_sensitivity",
@@ -205,14 +214,99 @@ def run_sensitivity(
     only the op sites that depend on the quantizer are computed); see the module docstring."""
     m = get_metric(metric)
     base, recorder, quantizers = sensitivity_setup(baseline, analysis, analysis_type, example, post_process)
-    values: dict[str, list[float]] = {name: [] for name in base}
+    per_quantizer: dict[int, dict[str, float]] = {}
     with analysis.ablation(analysis_type) as enable:
         runner = ablation_runner(analysis, analysis_type, example, recorder)
-        for q in progress_iter(quantizers, f"sensitivity ({m.name})", enabled=progress):
-            for name, value in ablate_one(analysis, enable, q, example, post_process, recorder, base, m,
-                                          runner).items():
-                values[name].append(value)
+        shared = _Shared.plan(runner, quantizers, post_process, base, m)
+        groups = shared.groups if shared is not None else [[i] for i in range(len(quantizers))]
+        for group in progress_iter(groups, f"sensitivity ({m.name})", enabled=progress):
+            done = shared.ablate(enable, group, post_process, base) if len(group) > 1 else None
+            if done is None:
+                done = {i: ablate_one(analysis, enable, quantizers[i], example, post_process, recorder, base, m,
+                                      runner) for i in group}
+            per_quantizer.update(done)
+    values = {name: [per_quantizer[i][name] for i in range(len(quantizers))] for name in base}
     return build_result(quantizers, values, m, reverse, recorder.table_errors)
+
+
+#: at most this many quantizers share one ablation forward
+MAX_SHARED = 8
+
+
+class _Shared:
+    """Shared ablation forwards (see the module docstring): the plan, and one group's forward with its check."""
+
+    def __init__(self, runner, quantizers: list, groups: list[list[int]], reference: dict[str, float], m):
+        self.runner, self.quantizers, self.groups, self.reference, self.m = runner, quantizers, groups, reference, m
+
+    @classmethod
+    def plan(cls, runner, quantizers: list, post_process: PostProcess, base: dict[str, torch.Tensor], m):
+        """Groups of quantizer indices whose planned output sets are disjoint (execution order kept within a
+        group), or None where the ablations cannot share (no cached runner, one output)."""
+        inner = getattr(runner, "inner", None)
+        if inner is None or not hasattr(inner, "run_shared") or len(base) < 2:
+            return None
+        named = float_outputs(post_process.outputs(inner.reference))
+        model_named = named_outputs(inner.reference)
+        producers = {name: (inner.producer(t) if model_named.get(name) is t else None) for name, t in named.items()}
+        if set(named) != set(base):
+            return None
+        every = frozenset(named)
+        reach = []
+        for q in quantizers:
+            keys = inner.reached(q)
+            reach.append(frozenset(n for n, p in producers.items() if p is None or p in keys) if keys else every)
+        groups: list[list[int]] = []
+        used: list[set[str]] = []
+        for i, outs in enumerate(reach):
+            slot = next((g for g, u in enumerate(used) if len(groups[g]) < MAX_SHARED and not (u & outs)), None) \
+                if outs != every else None
+            if slot is None:
+                groups.append([i])
+                used.append(set(outs))
+            else:
+                groups[slot].append(i)
+                used[slot] |= outs
+        if all(len(g) == 1 for g in groups):
+            return None
+        with torch.no_grad():
+            reference = {name: m(base[name], t) for name, t in named.items()}
+        return cls(runner, quantizers, groups, reference, m)
+
+    def ablate(self, enable, group: list[int], post_process: PostProcess,
+               base: dict[str, torch.Tensor]) -> dict[int, dict[str, float]] | None:
+        """The group's values per quantizer from one forward, or None (run them one by one): the cache gave
+        up, or an output was reached by two of them or by what cannot be told."""
+        from quantlens.profiler.ablation_cache import CacheUnusable
+
+        inner = self.runner.inner
+        if inner is None:
+            return None
+        qs = [self.quantizers[i] for i in group]
+        for q in qs:
+            enable(q, True)
+        try:
+            try:
+                raw = inner.run_shared(qs)
+            except CacheUnusable:
+                self.runner.inner = None  # as _Runner does: full forwards from now on
+                return None
+            named = float_outputs(post_process.outputs(raw))
+            model_named = named_outputs(raw)
+            leaves = [inner.taint(t) for t in model_named.values()]
+            everything = None if any(t is None for t in leaves) else frozenset().union(*leaves)
+            taints = {name: inner.taint(t) if model_named.get(name) is t else everything
+                      for name, t in named.items()}
+        finally:
+            for q in qs:
+                enable(q, False)
+        if set(named) != set(base) or any(t is None or len(t) > 1 for t in taints.values()):
+            return None
+        out = {}
+        for pos, i in enumerate(group):
+            out[i] = {name: (self.m(base[name], named[name]) if taints[name] == {pos} else self.reference[name])
+                      for name in base}
+        return out
 
 
 def sensitivity_setup(baseline: ModelAccess, analysis: ModelAccess, analysis_type: AnalysisType, example: Any,

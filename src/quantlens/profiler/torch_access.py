@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
@@ -240,3 +241,27 @@ class _TorchAblationRunner:
 
     def run(self, q: Quantizer) -> Any:
         return self.cache.run(self.acting[q])
+
+    # shared ablations (see sensitivity._shared_groups)
+    @property
+    def reference(self) -> Any:
+        return self.cache.reference
+
+    def producer(self, tensor: Any) -> tuple[str, int] | None:
+        return self.cache.producer(tensor)
+
+    def reached(self, q: Quantizer) -> set[tuple[str, int]]:
+        return self.cache.reached(self.acting[q])
+
+    def run_shared(self, qs: list[Quantizer]) -> Any:
+        """One forward with every quantizer of ``qs`` on (already switched); :meth:`taint` then names, by
+        position in ``qs``, the quantizers that reached a tensor."""
+        taint: dict[str, set[int]] = defaultdict(set)
+        for i, q in enumerate(qs):
+            for site in self.cache.widen(self.acting[q]):
+                taint[site].add(i)
+        return self.cache.run(set().union(*(self.acting[q] for q in qs)),
+                              taint={k: frozenset(v) for k, v in taint.items()})
+
+    def taint(self, tensor: Any) -> frozenset[int] | None:
+        return self.cache.taint(tensor)
