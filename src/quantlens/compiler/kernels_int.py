@@ -525,12 +525,22 @@ def _qdtype_from_range(qmin: int) -> QuantDType:
 
 
 #: the integer kernel of each table op on its codes, as its custom op (``quantlens.kernels.ops``) calls it, minus
-#: the custom op's quantize/dequantize: ``(codes, constants by schema name, attrs) -> output codes``.
-def _direct_lut(q, c, a):
-    return lut256_lookup(q, c["table"], 128).clamp(a["out_qmin"], a["out_qmax"])
+#: the custom op's quantize/dequantize: ``(codes, constants by schema name, attrs, derived) -> output codes``;
+#: ``derived`` is a per-node dict for values made from the constants (kept while they are unchanged).
+def _direct_lut(q, c, a, derived):
+    entries = derived.get("entries")
+    if entries is None:
+        # the output range applied to the 256 entries once instead of to every output (same values), stored in
+        # the output's storage type: the gather is the whole kernel
+        out = _qdtype_from_range(a["out_qmin"])
+        entries = derived["entries"] = c["table"].to(torch.int64).clamp(a["out_qmin"], a["out_qmax"]).clamp(
+            out.qmin, out.qmax).to(storage_dtype(out.value))
+    if q.dtype != torch.int8:
+        return lut256_lookup(q, entries.to(torch.int64), 128)
+    return torch.take(entries, q.to(torch.int64).add_(128))
 
 
-def _direct_segment_lut(q, c, a):
+def _direct_segment_lut(q, c, a, derived):
     return segmented_lookup(q[0], c["bounds"], c["shifts"], c["entries"], a["frac_bits"], a["out_qmin"],
                             a["out_qmax"], c["tails"])
 
@@ -539,35 +549,42 @@ def _params(c, name="params"):
     return [int(v) for v in c[name].tolist()]
 
 
-def _direct_reciprocal(q, c, a):
+def _direct_reciprocal(q, c, a, derived):
     multiplier, shift = _params(c)
     return int_reciprocal(q[0], multiplier, shift, dtype_from_range(a["out_qmin"], a["out_qmax"]))
 
 
-def _direct_div(q, c, a):
+def _direct_div(q, c, a, derived):
     multiplier, shift = _params(c)
     return int_div(q[0], q[1], multiplier, shift, dtype_from_range(a["out_qmin"], a["out_qmax"]))
 
 
-def _direct_softmax(q, c, a):
-    multiplier, shift = _params(c)
-    out_dtype = dtype_from_range(a["out_qmin"], a["out_qmax"])
-    x_bits = 7 + out_dtype.bits
-    if c["exp_bounds"].numel() == 0:
-        table = Table256(c["exp_entries"].to(torch.int64), 255, 0, 1 << x_bits)
-    else:
-        table = SegmentedTable(c["exp_bounds"], c["exp_shifts"], c["exp_entries"], a["exp_frac_bits"], 0,
-                               1 << x_bits, c["exp_tails"])
+def _direct_softmax(q, c, a, derived):
+    prepared = derived.get("softmax")
+    if prepared is None:
+        multiplier, shift = _params(c)
+        out_dtype = dtype_from_range(a["out_qmin"], a["out_qmax"])
+        x_bits = 7 + out_dtype.bits
+        if c["exp_bounds"].numel() == 0:
+            table = Table256(c["exp_entries"].to(torch.int64), 255, 0, 1 << x_bits)
+        else:
+            table = SegmentedTable(c["exp_bounds"], c["exp_shifts"], c["exp_entries"], a["exp_frac_bits"], 0,
+                                   1 << x_bits, c["exp_tails"])
+        prepared = derived["softmax"] = (table, multiplier, shift, out_dtype)
+    table, multiplier, shift, out_dtype = prepared
     return int_softmax(q[0], a["dim"], table, multiplier, shift, out_dtype)
 
 
-def _direct_layer_norm(q, c, a):
-    eps_term, shift, frac_bits = _params(c)
+def _direct_layer_norm(q, c, a, derived):
+    params = derived.get("params")
+    if params is None:
+        params = derived["params"] = _params(c)
+    eps_term, shift, frac_bits = params
     return int_layer_norm(q[0], a["normalized_ndim"], c["gain"], c["bias"], eps_term, frac_bits, shift,
                           dtype_from_range(a["out_qmin"], a["out_qmax"]))
 
 
-_DIRECT_TABLE = {"lut": lambda q, c, a: _direct_lut(q[0], c, a), "segment_lut": _direct_segment_lut,
+_DIRECT_TABLE = {"lut": lambda q, c, a, d: _direct_lut(q[0], c, a, d), "segment_lut": _direct_segment_lut,
                  "int_reciprocal": _direct_reciprocal, "int_div": _direct_div, "int_softmax": _direct_softmax,
                  "int_layer_norm": _direct_layer_norm}
 
@@ -591,6 +608,7 @@ class _TableSite:
                         127)) for n in node.attrs["table_inputs"]]
         self.ok = list(node.attrs["table_inputs"]) == list(io.data)
         self.consts: tuple | None = None  # (inputs, versions, by name)
+        self.derived: dict = {}  # what a kernel made from the constants (reset when they change)
 
     def constants(self, rest: list) -> dict:
         cached = self.consts
@@ -599,6 +617,7 @@ class _TableSite:
             return cached[2]
         by_name = dict(zip(self.const_names, rest))
         self.consts = (list(rest), [t._version for t in rest], by_name)
+        self.derived = {}
         return by_name
 
 
@@ -616,7 +635,10 @@ def _table_direct(node: Node, inputs: list) -> torch.Tensor:
         if _STORAGE_RANGE.get(q.dtype) != (lo, hi):  # the custom op's quantize saturates to the input range
             q = torch.clamp(q.to(torch.int64), lo, hi)
         data.append(q)
-    out = _DIRECT_TABLE[node.op](data, site.constants(inputs[site.n_data:]), site.attrs)
+    consts = site.constants(inputs[site.n_data:])
+    out = _DIRECT_TABLE[node.op](data, consts, site.attrs, site.derived)
+    if out.dtype == site.storage and node.op == "lut":  # (its entries carry the output range already)
+        return out
     return torch.clamp(out, site.out.qmin, site.out.qmax).to(site.storage)
 
 
