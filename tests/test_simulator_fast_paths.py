@@ -87,6 +87,26 @@ def test_requantize_fast_path_at_its_bound(mult, shift, dtype):
     assert apply_requantize(inside.to(torch.float64), p, bound=float(limit - 1), consume=True).tolist() == want_in
 
 
+def test_requantize_of_a_large_accumulator_reuses_its_scratch_but_not_its_results():
+    """A float32 GEMM output of 2 MB and more is requantized in a reused float64 buffer: each result is its own
+    tensor (the buffer is written again by the next call) and equals the integer path near the fast path's
+    bound and at ties."""
+    mult, shift, dtype = 2**30 + 12345, 31, QuantDType.qint8
+    limit = 2 ** (53 - mult.bit_length())
+    p = requantize_params(mult, shift, dtype)
+    g = torch.Generator().manual_seed(0)
+    accs = [torch.randint(-(limit - 1), limit, (4, 64, 32, 32), generator=g).to(torch.float32) for _ in range(2)]
+    accs[0].view(-1)[:8] = torch.tensor([limit - 1, -(limit - 1), 0, 1, -1, 2**20, 2**21 - 3, -(2**21)],
+                                        dtype=torch.float32)
+    accs[0].view(-1)[8:14] = torch.tensor([(2 * j + 1) * (1 << (shift - 1)) // mult for j in range(-3, 3)],
+                                          dtype=torch.float32)  # near ties
+    outs = [apply_requantize(a, p, bound=float(limit - 1), storage=torch.int8) for a in accs]
+    for a, out in zip(accs, outs):  # against Python integers (the int64 library path takes the same fast path)
+        want = [_sat(_rhe(v * mult, shift), dtype) for v in a.to(torch.int64).view(-1).tolist()]
+        assert out.dtype == torch.int8 and out.view(-1).tolist() == want
+    assert outs[0].data_ptr() != outs[1].data_ptr()
+
+
 def dtype_storage(dtype: QuantDType) -> torch.dtype:
     return {QuantDType.qint8: torch.int8, QuantDType.qint16: torch.int16}[dtype]
 

@@ -15,6 +15,7 @@ one implementation of each rule:
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -225,7 +226,12 @@ def apply_requantize(acc: torch.Tensor, p: RequantizeParams, *, bound: "float | 
             amax = data if amax is None else min(amax, data)
         if amax < p.exact_bound:
             real = p.real
-            y = acc if consume and acc.dtype == torch.float64 else acc.to(torch.float64, copy=True)
+            if consume and acc.dtype == torch.float64:
+                y = acc
+            elif storage.is_floating_point:
+                y = acc.to(torch.float64, copy=True)
+            else:  # (the result is copied out into the integer storage type below)
+                y = _float64_scratch(acc)
             if isinstance(real, torch.Tensor) and _broadcast_shape(y.shape, real.shape) != y.shape:
                 y = y * real
             else:
@@ -244,6 +250,26 @@ def apply_requantize(acc: torch.Tensor, p: RequantizeParams, *, bound: "float | 
     exact = (int(amax) + (int(amax) >> 50) + 1) * int(mmax)
     y = rshift_round_half_to_even(prod, p.shift, bound=exact if exact <= 2**62 else None)
     return saturate(y, p.dtype).to(storage)
+
+
+_SCRATCH = threading.local()
+#: float64 temporaries of this many bytes come from a reused per-thread buffer (the buffer stays as large as the
+#: largest such temporary seen: one activation's worth)
+_SCRATCH_MIN_BYTES, _SCRATCH_MAX_BYTES = 1 << 20, 1 << 28
+
+
+def _float64_scratch(t: torch.Tensor) -> torch.Tensor:
+    """A float64 copy of ``t`` (contiguous), in a buffer this thread reuses while the copy is needed only until the
+    caller's next call. glibc gives allocations above 32 MB fresh pages every time (its mmap threshold stops
+    growing there), and on a large GEMM output the page faults of that temporary cost more than the requantize's
+    arithmetic: the simulator's conv at batch 128 spent half its time there."""
+    n = t.numel()
+    if not _SCRATCH_MIN_BYTES <= n * 8 <= _SCRATCH_MAX_BYTES or t.device.type != "cpu":
+        return t.to(torch.float64, copy=True)
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = _SCRATCH.buf = torch.empty(n, dtype=torch.float64)
+    return buf[:n].view(t.shape).copy_(t)
 
 
 def _broadcast_shape(a: "torch.Size", b: "torch.Size") -> tuple:
