@@ -119,3 +119,19 @@ def test_a_post_process_over_every_output_keeps_one_forward_per_quantizer(monkey
     monkeypatch.undo()
     _, full = _unshared_and_full(qa, monkeypatch)
     assert shared == full
+
+
+def test_the_progress_bar_counts_quantizers_not_forwards(monkeypatch, tmp_path):
+    import rich.progress
+
+    advanced, totals = [], []
+    add_task, advance = rich.progress.Progress.add_task, rich.progress.Progress.advance
+    monkeypatch.setattr(rich.progress.Progress, "add_task",
+                        lambda self, description, total=None, **k: totals.append(total) or add_task(
+                            self, description, total=total, **k))
+    monkeypatch.setattr(rich.progress.Progress, "advance",
+                        lambda self, task, steps=1: advanced.append(steps) or advance(self, task, steps))
+    qa = _setup(False, tmp_path)
+    qa.progress = True
+    qa.sensitivity(shard=False)
+    assert totals[-1] == 12 and sum(advanced[-6:]) == 12 and sorted(advanced[-6:]) == [1, 1, 1, 3, 3, 3]

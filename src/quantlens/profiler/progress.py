@@ -6,18 +6,20 @@ off with ``progress=False`` (tests, scripts that parse stdout).
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
 
 __all__ = ["progress_iter"]
 
 
-def progress_iter(items: Iterable[T], description: str, total: int | None = None, enabled: bool = True) -> Iterator[T]:
+def progress_iter(items: Iterable[T], description: str, total: int | None = None, enabled: bool = True,
+                  steps: Callable[[T], int] | None = None) -> Iterator[T]:
     """Yield ``items``, showing a rich progress bar on stderr when ``enabled``.
 
     ``total`` defaults to ``len(items)`` when the iterable has a length; unknown totals show a spinner-style
-    bar that counts steps.
+    bar that counts steps. ``steps(item)``: how many steps one item counts for (default 1), e.g. the quantizers
+    of a shared ablation forward.
     """
     if not enabled:
         yield from items
@@ -33,4 +35,4 @@ def progress_iter(items: Iterable[T], description: str, total: int | None = None
         task = bar.add_task(description, total=total)
         for item in items:
             yield item
-            bar.advance(task)
+            bar.advance(task, 1 if steps is None else steps(item))

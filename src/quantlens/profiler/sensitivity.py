@@ -219,7 +219,8 @@ def run_sensitivity(
         runner = ablation_runner(analysis, analysis_type, example, recorder)
         shared = _Shared.plan(runner, quantizers, post_process, base, m)
         groups = shared.groups if shared is not None else [[i] for i in range(len(quantizers))]
-        for group in progress_iter(groups, f"sensitivity ({m.name})", enabled=progress):
+        for group in progress_iter(groups, f"sensitivity ({m.name})", total=len(quantizers), enabled=progress,
+                                   steps=len):
             done = shared.ablate(enable, group, post_process, base) if len(group) > 1 else None
             if done is None:
                 done = {i: ablate_one(analysis, enable, quantizers[i], example, post_process, recorder, base, m,
