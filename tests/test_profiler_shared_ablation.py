@@ -135,3 +135,24 @@ def test_the_progress_bar_counts_quantizers_not_forwards(monkeypatch, tmp_path):
     qa.progress = True
     qa.sensitivity(shard=False)
     assert totals[-1] == 12 and sum(advanced[-6:]) == 12 and sorted(advanced[-6:]) == [1, 1, 1, 3, 3, 3]
+
+
+def test_export_analysis_shares_forwards_of_its_torch_reference(monkeypatch, tmp_path):
+    """export: the qat IR's value of each op site replaces the pre_export model's (the torch reference's cached
+    forwards); the heads' sites share those forwards too, with the tables of one forward per site."""
+    from quantlens.compiler import export
+    from quantlens.quantization.pre_export import pre_export
+
+    qa = _setup(False, tmp_path / "calib")
+    calib, x = qa.analysis.model, qa._require_bad_case()[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qat_ir = export(calib, (x,))
+    qa = QuantAnalysis(pre_export(calib), qat_ir, "export", out_dir=tmp_path / "export", progress=False)
+    qa.set_bad_case((x,))
+    counts = _counted(monkeypatch)
+    shared = _tables(qa.sensitivity(shard=False))
+    assert counts["fallbacks"] == 0 and counts["forwards"] < len(shared[0][1])
+    monkeypatch.undo()
+    unshared, full = _unshared_and_full(qa, monkeypatch)
+    assert shared == unshared == full

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -42,7 +42,7 @@ from quantlens.quantization.prepare import _emulator_for, _leaves, _Runtime
 from quantlens.quantization.record import call_model
 from quantlens.quantization.tracer import TensorMarks, is_float_tensor
 
-__all__ = ["CacheUnusable", "TorchAblationCache", "IRAblationCache", "default_max_bytes"]
+__all__ = ["CacheUnusable", "TorchAblationCache", "IRAblationCache", "CachedAblations", "default_max_bytes"]
 
 
 def default_max_bytes() -> int:
@@ -425,6 +425,51 @@ class _CachingRuntime(_Runtime):
             else:
                 return None
         return spec, items
+
+
+class CachedAblations:
+    """The ablation forwards of ``sensitivity()`` from a :class:`TorchAblationCache`: ``run(q)`` with one
+    quantizer on, ``run_shared(qs)`` with several (already switched on by the caller), and what the shared
+    forwards' plan and check need (the reference output, producers, reached sites, taint).
+
+    ``acting(q)``: the op sites quantizer ``q`` acts at; ``override(sites)`` (the deployed stages): the reference
+    run's value replacement at those sites (``ir_access.SiteOverride``), or None."""
+
+    def __init__(self, cache: TorchAblationCache, acting: Callable[[Any], set[str]],
+                 override: Callable[[set[str]], Any] | None = None):
+        self.cache = cache
+        self.acting = acting
+        self.override = override
+
+    def run(self, q) -> Any:
+        sites = self.acting(q)
+        return self.cache.run(sites, self.override(sites) if self.override is not None else None)
+
+    @property
+    def reference(self) -> Any:
+        return self.cache.reference
+
+    def producer(self, tensor: Any) -> tuple[str, int] | None:
+        return self.cache.producer(tensor)
+
+    def reached(self, q) -> set[tuple[str, int]]:
+        return self.cache.reached(self.acting(q))
+
+    def run_shared(self, qs: list) -> Any:
+        """One forward with every quantizer of ``qs`` on; :meth:`taint` then names, by position in ``qs``, the
+        quantizers that reached a tensor."""
+        taint: dict[str, set[int]] = defaultdict(set)
+        sites: set[str] = set()
+        for i, q in enumerate(qs):
+            acting = self.acting(q)
+            sites |= acting
+            for site in self.cache.widen(acting):
+                taint[site].add(i)
+        return self.cache.run(sites, self.override(sites) if self.override is not None else None,
+                              taint={k: frozenset(v) for k, v in taint.items()})
+
+    def taint(self, tensor: Any) -> frozenset[int] | None:
+        return self.cache.taint(tensor)
 
 
 class IRAblationCache:

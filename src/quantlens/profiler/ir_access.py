@@ -387,13 +387,20 @@ class IRModelAccess(ModelAccess):
             return None
         inputs = call_ir(self.module, example)
 
-        class Runner:
-            def run(_, q: Quantizer) -> Any:
-                override = SiteOverride(self, {q.op_name})
-                override.set_inputs(inputs)
-                return cache.run({q.op_name}, override)
+        def override(sites: set[str]) -> SiteOverride:
+            replace = SiteOverride(self, set(sites))
+            replace.set_inputs(inputs)
+            return replace
 
-        return Runner()
+        if isinstance(ref, IRModelAccess):  # (explicit data flow, no tracked forwards: one quantizer at a time)
+            class Runner:
+                def run(_, q: Quantizer) -> Any:
+                    return cache.run({q.op_name}, override({q.op_name}))
+
+            return Runner()
+        from quantlens.profiler.ablation_cache import CachedAblations
+
+        return CachedAblations(cache, lambda q: {q.op_name}, override)
 
     def _run_mixed(self, example: Any, indices) -> Any:
         """The reference model's run in which the enabled sites take this IR's value."""

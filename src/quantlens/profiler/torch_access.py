@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
@@ -177,8 +176,10 @@ class TorchModelAccess(ModelAccess):
         cache = self.reference_cache(example, indices)
         if cache is None:
             return None
+        from quantlens.profiler.ablation_cache import CachedAblations
+
         acting = self._acting_sites(analysis_type)
-        return _TorchAblationRunner(cache, acting)
+        return CachedAblations(cache, acting.__getitem__)
 
     def reference_cache(self, example: Any, indices: dict[str, list[torch.Tensor]] | None):
         """The cached forwards of this model in its current state (None: not supported, see
@@ -230,38 +231,3 @@ class TorchModelAccess(ModelAccess):
             self._frozen_modules = None
             for m, flag, observing in saved:
                 m.fake_quant_enabled, m.observe_enabled = flag, observing
-
-
-class _TorchAblationRunner:
-    """``run(q)``: the analysis model's forward with quantizer ``q`` on (already switched), from the cache."""
-
-    def __init__(self, cache, acting: dict[Quantizer, set[str]]):
-        self.cache = cache
-        self.acting = acting
-
-    def run(self, q: Quantizer) -> Any:
-        return self.cache.run(self.acting[q])
-
-    # shared ablations (see sensitivity._shared_groups)
-    @property
-    def reference(self) -> Any:
-        return self.cache.reference
-
-    def producer(self, tensor: Any) -> tuple[str, int] | None:
-        return self.cache.producer(tensor)
-
-    def reached(self, q: Quantizer) -> set[tuple[str, int]]:
-        return self.cache.reached(self.acting[q])
-
-    def run_shared(self, qs: list[Quantizer]) -> Any:
-        """One forward with every quantizer of ``qs`` on (already switched); :meth:`taint` then names, by
-        position in ``qs``, the quantizers that reached a tensor."""
-        taint: dict[str, set[int]] = defaultdict(set)
-        for i, q in enumerate(qs):
-            for site in self.cache.widen(self.acting[q]):
-                taint[site].add(i)
-        return self.cache.run(set().union(*(self.acting[q] for q in qs)),
-                              taint={k: frozenset(v) for k, v in taint.items()})
-
-    def taint(self, tensor: Any) -> frozenset[int] | None:
-        return self.cache.taint(tensor)
