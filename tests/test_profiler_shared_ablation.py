@@ -52,20 +52,24 @@ def _tables(result):
 
 
 def _counted(monkeypatch):
-    """Counts the cached forwards and the shared forwards that had to be run one by one."""
+    """Counts the cached forwards (torch or IR reference) and the shared forwards that had to be run one by
+    one."""
     counts = {"forwards": 0, "fallbacks": 0}
-    run, ablate = ablation_cache.TorchAblationCache.run, sensitivity_module._Shared.ablate
+    ablate = sensitivity_module._Shared.ablate
 
-    def counting_run(self, *a, **k):
-        counts["forwards"] += 1
-        return run(self, *a, **k)
+    def counting(run):
+        def counting_run(self, *a, **k):
+            counts["forwards"] += 1
+            return run(self, *a, **k)
+        return counting_run
 
     def counting_ablate(self, *a, **k):
         out = ablate(self, *a, **k)
         counts["fallbacks"] += out is None
         return out
 
-    monkeypatch.setattr(ablation_cache.TorchAblationCache, "run", counting_run)
+    for cache in (ablation_cache.TorchAblationCache, ablation_cache.IRAblationCache):
+        monkeypatch.setattr(cache, "run", counting(cache.run))
     monkeypatch.setattr(sensitivity_module._Shared, "ablate", counting_ablate)
     return counts
 
@@ -137,10 +141,13 @@ def test_the_progress_bar_counts_quantizers_not_forwards(monkeypatch, tmp_path):
     assert totals[-1] == 12 and sum(advanced[-6:]) == 12 and sorted(advanced[-6:]) == [1, 1, 1, 3, 3, 3]
 
 
-def test_export_analysis_shares_forwards_of_its_torch_reference(monkeypatch, tmp_path):
+@pytest.mark.parametrize("kind", ["export", "convert"])
+def test_deployed_analyses_share_forwards_of_their_reference(kind, monkeypatch, tmp_path):
     """export: the qat IR's value of each op site replaces the pre_export model's (the torch reference's cached
-    forwards); the heads' sites share those forwards too, with the tables of one forward per site."""
-    from quantlens.compiler import export
+    forwards, shared forwards checked by tracking); convert: the quantized IR's replaces the qat IR's (an IR
+    reference: the outputs each site reaches come from the IR's data flow). The heads' sites share forwards, with
+    the tables of one forward per site."""
+    from quantlens.compiler import convert, export
     from quantlens.quantization.pre_export import pre_export
 
     qa = _setup(False, tmp_path / "calib")
@@ -148,11 +155,12 @@ def test_export_analysis_shares_forwards_of_its_torch_reference(monkeypatch, tmp
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         qat_ir = export(calib, (x,))
-    qa = QuantAnalysis(pre_export(calib), qat_ir, "export", out_dir=tmp_path / "export", progress=False)
+    pair = (pre_export(calib), qat_ir) if kind == "export" else (qat_ir, convert(qat_ir))
+    qa = QuantAnalysis(*pair, kind, out_dir=tmp_path / kind, progress=False)
     qa.set_bad_case((x,))
     counts = _counted(monkeypatch)
     shared = _tables(qa.sensitivity(shard=False))
-    assert counts["fallbacks"] == 0 and counts["forwards"] < len(shared[0][1])
+    assert counts["fallbacks"] == 0 and 0 < counts["forwards"] < len(shared[0][1])
     monkeypatch.undo()
     unshared, full = _unshared_and_full(qa, monkeypatch)
     assert shared == unshared == full

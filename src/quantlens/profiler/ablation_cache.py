@@ -472,6 +472,49 @@ class CachedAblations:
         return self.cache.taint(tensor)
 
 
+class IRCachedAblations:
+    """:class:`CachedAblations` for an IR reference (:class:`IRAblationCache`): a quantizer is one op site whose
+    value the analysis IR hands the reference run (``override(sites)``). The IR's data flow is explicit, so the
+    outputs each site reaches are known exactly: a shared run's outputs are attributed from that, by position."""
+
+    def __init__(self, cache: "IRAblationCache", override: Callable[[set[str]], Any]):
+        self.cache = cache
+        self.override = override
+        self._positions: dict[int, int] = {}  # id(output tensor) -> graph output position, of the latest run
+        self._owner: dict[int, int] = {}  # graph output position -> position in qs of the site reaching it
+
+    def run(self, q) -> Any:
+        return self.cache.run({q.op_name}, self.override({q.op_name}))
+
+    @property
+    def reference(self) -> Any:
+        return self.cache.reference
+
+    def producer(self, tensor: Any) -> int | None:
+        leaves = pytree.tree_leaves(self.cache.reference)
+        return next((i for i, t in enumerate(leaves) if t is tensor), None)
+
+    def reached(self, q) -> set[int]:
+        return self.cache.reached({q.op_name})
+
+    def run_shared(self, qs: list) -> Any:
+        sites = {q.op_name for q in qs}
+        out = self.cache.run(sites, self.override(sites))
+        self._positions = {id(t): i for i, t in enumerate(pytree.tree_leaves(out))}
+        self._owner = {}
+        for pos, q in enumerate(qs):
+            for i in self.cache.reached({q.op_name}):
+                self._owner[i] = -1 if i in self._owner else pos  # -1: two of them (the plan never does that)
+        return out
+
+    def taint(self, tensor: Any) -> frozenset[int] | None:
+        i = self._positions.get(id(tensor))
+        if i is None:
+            return None
+        owner = self._owner.get(i)
+        return frozenset() if owner is None else (None if owner < 0 else frozenset({owner}))
+
+
 class IRAblationCache:
     """The cached ablation runs of an IR reference model: only the nodes downstream of the replaced site run."""
 
@@ -490,7 +533,20 @@ class IRAblationCache:
                 if name:
                     self.consumers[name].append(i)
         self._downstream: dict[str, frozenset[int]] = {}
-        self._run(frozenset(), None, recording=True)
+        #: the reference run's output; each graph output's producing node (None: an input or a constant)
+        self.reference = self._run(frozenset(), None, recording=True)
+        made_by = {name: i for i, node in enumerate(nodes) for name in node.outputs}
+        self.output_nodes = [made_by.get(name) for name in access.module.graph.outputs]
+
+    def reached(self, sites: set[str]) -> set[int]:
+        """The graph outputs (by position) that take a value of ``sites``: exact, the IR's data flow is
+        explicit."""
+        nodes = set()
+        for site in sites:
+            nodes |= self.downstream(site)
+            if site in self.access.last:
+                nodes.add(self.access.last[site])
+        return {i for i, n in enumerate(self.output_nodes) if n is not None and n in nodes}
 
     def downstream(self, site: str) -> frozenset[int]:
         """The nodes that take (transitively) a value of the site's last node."""

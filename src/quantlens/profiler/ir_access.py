@@ -392,14 +392,10 @@ class IRModelAccess(ModelAccess):
             replace.set_inputs(inputs)
             return replace
 
-        if isinstance(ref, IRModelAccess):  # (explicit data flow, no tracked forwards: one quantizer at a time)
-            class Runner:
-                def run(_, q: Quantizer) -> Any:
-                    return cache.run({q.op_name}, override({q.op_name}))
+        from quantlens.profiler.ablation_cache import CachedAblations, IRCachedAblations
 
-            return Runner()
-        from quantlens.profiler.ablation_cache import CachedAblations
-
+        if isinstance(ref, IRModelAccess):
+            return IRCachedAblations(cache, override)
         return CachedAblations(cache, lambda q: {q.op_name}, override)
 
     def _run_mixed(self, example: Any, indices) -> Any:
