@@ -78,3 +78,45 @@ def test_an_analysis_trace_keeps_a_fused_members_statistics_not_its_values(tmp_p
     assert analysis.tensors("3")["out0"].shape == (2, 8, 8, 8)
     assert baseline.tensors("1")["out0"].shape == (2, 8, 8, 8) and not baseline.by_name["1"].stats_only
     assert rows["3"].same_input_sqnr > 20
+
+
+def test_integer_codes_are_checked_in_every_chunk():
+    from quantlens.profiler._sums import CHUNK
+    from quantlens.profiler.trace_store import _encode
+
+    scale = 0.03125
+    g = torch.Generator().manual_seed(1)
+    n = 5 * (2 * CHUNK // 5 + 3)  # a short last chunk
+    codes = torch.randint(-128, 128, (n,), generator=g)
+    x = (codes.float() * scale).reshape(-1, 5)
+    bufs: dict[str, torch.Tensor] = {}
+
+    def buf(name):
+        return lambda nbytes: bufs.setdefault((name, nbytes), torch.empty(nbytes, dtype=torch.uint8))
+
+    got = _encode(x, scale, -128, 127, torch.int8, buf("scratch"), buf("codes"))
+    assert got is not None and got.shape == x.shape and torch.equal(got.reshape(-1).long(), codes)
+    for where, value in ((n - 1, 0.5 * scale), (CHUNK + 7, 200 * scale), (CHUNK - 1, float("nan"))):
+        bad = x.clone().reshape(-1)
+        bad[where] = value  # off the grid in the last chunk, out of range in the second, NaN at a chunk's end
+        assert _encode(bad.reshape(x.shape), scale, -128, 127, torch.int8, buf("scratch"), buf("codes")) is None
+
+
+def test_output_quantization_split_over_chunks_matches_a_float64_reference():
+    from quantlens.march import QuantDType
+    from quantlens.profiler._sums import CHUNK
+    from quantlens.profiler.torch_probe import _quant_error_stats
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2 * CHUNK + 333, generator=g) * 3
+    scale = torch.tensor(0.02)
+    st = _quant_error_stats(x, scale, QuantDType.qint8)
+    xd, s = x.double(), 0.02
+    q = torch.clamp(torch.round(xd / float(scale)), -128, 127) * float(scale)
+    err = (q - xd) ** 2
+    clipped = (xd > 127.5 * s) | (xd < -128.5 * s)
+    assert st.clipped == int(clipped.sum()) > 0 and st.numel == x.numel()
+    assert st.clip_sq_err == pytest.approx(float(err[clipped].sum()), rel=1e-5)
+    # (the rounding part is a hundred-thousandth of the clipping part here: summed apart, not as the difference)
+    assert st.round_sq_err == pytest.approx(float(err[~clipped].sum()), rel=1e-5)
+    assert (st.raw_min, st.raw_max) == (float(x.min()), float(x.max()))

@@ -1,10 +1,22 @@
-"""Sums of large float32 tensors for statistics, fast and accurate to float32 precision."""
+"""Sums of large float32 tensors for statistics, fast and accurate to float32 precision, and the chunks the trace
+writer's passes over an activation go through."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["sum64"]
+__all__ = ["sum64", "chunks", "CHUNK"]
+
+#: elements per chunk of the writer thread's passes over an activation (a multiple of the row of :func:`sum64`):
+#: its temporaries are a chunk, not an activation, large
+CHUNK = 1 << 18
+
+
+def chunks(x: torch.Tensor):
+    """Consecutive flat chunks of :data:`CHUNK` elements of the contiguous tensor ``x``."""
+    flat = x.reshape(-1)
+    for start in range(0, flat.numel(), CHUNK):
+        yield flat[start:start + CHUNK]
 
 #: float32 values are summed in rows of this many (float32, torch's vectorised cascade sum), the row sums in
 #: float64

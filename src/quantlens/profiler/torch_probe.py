@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from quantlens.numerics import fake_quant
-from quantlens.profiler._sums import sum64
+from quantlens.profiler._sums import chunks, sum64
 from quantlens.profiler.index_ops import substitute_indices
 from quantlens.profiler.model_access import QuantErrorStats, SameInputSource, SiteEvent, TraceSink
 from quantlens.quantization.fake_quantize import FakeQuantize
@@ -65,9 +65,8 @@ class DeferredQuantError:
     def __init__(self, tensor: torch.Tensor, scale: torch.Tensor, dtype):
         self.tensor, self.scale, self.dtype = tensor, scale, dtype
 
-    def __call__(self, scratch: Callable[[int], torch.Tensor] | None = None) -> QuantErrorStats:
-        """``scratch(nbytes)``: a reusable byte buffer for one activation-sized temporary."""
-        return _quant_error_stats(self.tensor, self.scale, self.dtype, scratch)
+    def __call__(self) -> QuantErrorStats:
+        return _quant_error_stats(self.tensor, self.scale, self.dtype)
 
 
 def deferred_quant_error_stats(output: Any, fq: FakeQuantize, copy: bool = False) -> DeferredQuantError | None:
@@ -85,8 +84,7 @@ def deferred_quant_error_stats(output: Any, fq: FakeQuantize, copy: bool = False
     return DeferredQuantError(x, fq.scale.detach().float().clone(), fq.dtype)
 
 
-def _quant_error_stats(x: torch.Tensor, scale: torch.Tensor, dtype,
-                       scratch: Callable[[int], torch.Tensor] | None = None) -> QuantErrorStats:
+def _quant_error_stats(x: torch.Tensor, scale: torch.Tensor, dtype) -> QuantErrorStats:
     lo, hi = torch.aminmax(x) if x.numel() else (None, None)
     if lo is not None and not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):  # NaN propagates, Inf is an extreme
         x = x[torch.isfinite(x)]
@@ -95,19 +93,26 @@ def _quant_error_stats(x: torch.Tensor, scale: torch.Tensor, dtype,
     qmin, qmax = dtype.qmin, dtype.qmax
     if x.numel() == 0:
         return QuantErrorStats(float("nan"), float("nan"), 0, 0, 0.0, 0.0, qmin, qmax)
-    err = fake_quant(x, scale, dtype).sub_(x)  # -(x - fq(x)), exactly: only its square is used
-    err.mul_(err)
-    # Beyond half a step past the last level the value saturates: that is clipping, not rounding.
-    clipped = (x > (qmax + 0.5) * s) | (x < (qmin - 0.5) * s)
-    if scratch is not None and err.dtype == torch.float32:
-        masked = torch.mul(err, clipped, out=scratch(err.numel() * 4).view(torch.float32)[:err.numel()])
-    else:
-        masked = err * clipped
-    clip_sq = sum64(masked.reshape(-1))
-    total = sum64(err.reshape(-1))
+    clip_sq = round_sq = 0.0
+    clipped_n = 0
+    # chunk by chunk (the writer thread's temporaries are a chunk's, not an activation's)
+    for c in chunks(x.contiguous()):
+        err = fake_quant(c, scale, dtype).sub_(c)  # -(x - fq(x)), exactly: only its square is used
+        err.mul_(err)
+        # Beyond half a step past the last level the value saturates: that is clipping, not rounding.
+        clipped = (c > (qmax + 0.5) * s) | (c < (qmin - 0.5) * s)
+        n = int(clipped.sum())
+        if n:
+            clip_sq += sum64(err[clipped])
+            # each part summed on its own: as total - clipping, a small rounding part next to a large clipping
+            # one would be lost to cancellation
+            round_sq += sum64(err.masked_fill_(clipped, 0.0))
+        else:
+            round_sq += sum64(err)
+        clipped_n += n
     return QuantErrorStats(
-        raw_min=float(lo), raw_max=float(hi), numel=int(x.numel()), clipped=int(clipped.sum()),
-        clip_sq_err=clip_sq, round_sq_err=max(total - clip_sq, 0.0), qmin=qmin, qmax=qmax,
+        raw_min=float(lo), raw_max=float(hi), numel=int(x.numel()), clipped=clipped_n,
+        clip_sq_err=clip_sq, round_sq_err=round_sq, qmin=qmin, qmax=qmax,
     )
 
 

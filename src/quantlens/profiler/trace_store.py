@@ -47,7 +47,7 @@ from torch.utils import _pytree as pytree
 
 from quantlens._io import atomic_write, atomic_write_text
 from quantlens.errors import QuantLensError
-from quantlens.profiler._sums import sum64
+from quantlens.profiler._sums import CHUNK, chunks, sum64
 from quantlens.profiler.model_access import IntegerStats, QuantErrorStats, SiteEvent
 
 __all__ = ["TensorStat", "TracedSite", "TraceWriter", "TraceReader", "tensor_stat", "input_digest", "TRACE_FILE",
@@ -111,10 +111,12 @@ def tensor_stat(t: torch.Tensor, scratch: Callable[[int], torch.Tensor] | None =
         lo, hi = torch.aminmax(x)
     mean = sum64(x) / x.numel()
     if scratch is not None and x.is_contiguous():
-        dev = torch.sub(x, mean, out=scratch(x.numel() * x.element_size()).view(x.dtype)[:x.numel()])
+        # chunk by chunk: the writer thread's temporary is one chunk (a few activations' temporaries would be
+        # a tenth of a traced run's memory)
+        buf = scratch(min(x.numel(), CHUNK) * x.element_size()).view(x.dtype)
+        var = sum(sum64(torch.sub(c, mean, out=buf[:c.numel()]).square_()) for c in chunks(x)) / x.numel()
     else:
-        dev = x - mean
-    var = sum64(dev.square_()) / x.numel()
+        var = sum64((x - mean).square_()) / x.numel()
     return TensorStat(shape, dtype, float(lo), float(hi), mean, var, nan, inf)
 
 
@@ -335,17 +337,20 @@ def _encode(x: torch.Tensor, scale: float, qmin: int, qmax: int, dtype: torch.dt
     if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() == 0:
         return None
     s = torch.tensor(scale, dtype=torch.float32)
-    q = torch.div(x, s, out=scratch(x.numel() * 4).view(torch.float32)[:x.numel()].view(x.shape))
-    q.round_()
-    lo, hi = torch.aminmax(q)
-    if not (bool(lo >= qmin) and bool(hi <= qmax)):  # NaN fails both
-        return None
     size = torch.empty((), dtype=dtype).element_size()
-    codes = codes_buf(x.numel() * size).view(dtype)[:x.numel()].view(x.shape)
-    codes.copy_(q)
-    if not torch.equal(q.mul_(s), x):
-        return None
-    return codes
+    codes = codes_buf(x.numel() * size).view(dtype)[:x.numel()]
+    buf = scratch(min(x.numel(), CHUNK) * 4).view(torch.float32)
+    done = 0
+    for c in chunks(x):  # (a chunk's temporary, not an activation's)
+        q = torch.div(c, s, out=buf[:c.numel()]).round_()
+        lo, hi = torch.aminmax(q)
+        if not (bool(lo >= qmin) and bool(hi <= qmax)):  # NaN fails both
+            return None
+        codes[done:done + c.numel()].copy_(q)
+        if not torch.equal(q.mul_(s), c):
+            return None
+        done += c.numel()
+    return codes.view(x.shape)
 
 
 class TraceWriter:
@@ -526,8 +531,7 @@ class TraceWriter:
                 job.site.codes[key] = scale
         _write_safetensors(self.dir / job.site.file, payload)
         if job.quant_error is not None:
-            job.site.quant_error = job.quant_error(stat_scratch) if hasattr(job.quant_error, "tensor") else \
-                job.quant_error()
+            job.site.quant_error = job.quant_error()
 
     def _drain(self) -> None:
         if self._thread is not None:
