@@ -358,8 +358,10 @@ def _row(base: TraceReader, analy: TraceReader, b: TracedSite, a: TracedSite, de
         return LayerRow(**row, note=f"fused into {a.fused_into}")
     bt, at = base.tensors(b.name), analy.tensors(a.name)
     keys = b.float_outputs()
-    base_out = [bt[k] for k in keys]
-    values = _metrics(base_out, [at[k] for k in a.float_outputs()])
+    # every tensor of the row in float64 once (the metrics, the split and the LSB reports all read float64)
+    base_out = [bt[k].double() for k in keys]
+    analy_out = [at[k].double() for k in a.float_outputs()]
+    values = _metrics(base_out, analy_out)
     if values is None:
         return LayerRow(**row, note="mismatch shape" if keys or a.float_outputs() else "no float output")
     row.update(values)
@@ -367,16 +369,17 @@ def _row(base: TraceReader, analy: TraceReader, b: TracedSite, a: TracedSite, de
     if deployed and a.quant_dtype != "qint32":
         # (an int32 high-precision output's LSB is the accumulator's: one input step upstream is thousands of them,
         # so only its same-input verdict below says something)
-        lsb = lsb_report(base_out, [at[k] for k in a.float_outputs()], a.scale, a.scale_axis)
+        lsb = lsb_report(base_out, analy_out, a.scale, a.scale_axis)
         row.update(lsb_verdict=lsb.get("verdict", ""), lsb_hist=lsb.get("hist", ""))
-    same = [at[f"same{i}"] for i in range(len(keys)) if f"same{i}" in at]
+    del analy_out
+    same = [at[f"same{i}"].double() for i in range(len(keys)) if f"same{i}" in at]
     same_values = _metrics(base_out, same) if len(same) == len(keys) else None
     note = a.same_input_note
     if same_values is not None:
         row.update(same_input_cosine=same_values["Cosine"], same_input_sqnr=same_values["SQNR"],
                    same_input_atol=same_values["Atol"],
                    same_input_in_scale=in_scale_units(same_values["Atol"], scale))
-        pre = [at[f"samepre{i}"] for i in range(len(keys)) if f"samepre{i}" in at]
+        pre = [at[f"samepre{i}"].double() for i in range(len(keys)) if f"samepre{i}" in at]
         row.update(_split(base_out, pre if len(pre) == len(keys) else same, same, a.quant_dtype, scale))
         if deployed:
             lsb = lsb_report(base_out, same, a.scale, a.scale_axis)
