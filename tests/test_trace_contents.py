@@ -74,10 +74,22 @@ def test_an_analysis_trace_keeps_a_fused_members_statistics_not_its_values(tmp_p
     assert rows["1"].note.startswith("fused into") and rows["1"].analy_min == conv.stats["out0"].min
     with pytest.raises(QuantLensError, match="fused into '3'.*Read that site's tensors"):
         analysis.tensors("1")["out0"]
-    # the group's last op and every baseline tensor keep their values
-    assert analysis.tensors("3")["out0"].shape == (2, 8, 8, 8)
-    assert baseline.tensors("1")["out0"].shape == (2, 8, 8, 8) and not baseline.by_name["1"].stats_only
+    # the group's last op keeps its values in both traces
+    assert analysis.tensors("3")["out0"].shape == baseline.tensors("3")["out0"].shape == (2, 8, 8, 8)
     assert rows["3"].same_input_sqnr > 20
+    # traced for this comparison, the baseline keeps the conv's and BN's statistics only: nothing reads them
+    # (the analysis fuses them; its same-input run of the BN and ReLU takes the group's own values)
+    assert [baseline.by_name[k].stats_only for k in ("1", "2", "3", "4")] == [["out0"], ["out0"], [], []]
+    assert baseline.by_name["1"].stats["out0"].shape == (2, 8, 8, 8)
+    with pytest.raises(QuantLensError, match="fuses this op site.*Trace this model again"):
+        baseline.tensors("2")["out0"]
+    # a baseline traced on its own keeps every value (it may serve other comparisons)
+    qa.run(run_analysis_model=False)
+    baseline = TraceReader(tmp_path / "baseline_model")
+    assert not any(s.stats_only for s in baseline.sites) and baseline.tensors("1")["out0"].shape == (2, 8, 8, 8)
+    qa.run(run_baseline_model=False)
+    assert [(r.op_name, r.same_input_sqnr) for r in qa.compare_per_layer()] == \
+        [(op, r.same_input_sqnr) for op, r in rows.items()]
 
 
 def test_integer_codes_are_checked_in_every_chunk():

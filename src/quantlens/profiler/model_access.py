@@ -280,6 +280,13 @@ class ModelAccess(ABC):
         """One line for report headers (model class, stage)."""
         return self.label
 
+    def group_internal_sites(self) -> frozenset[str]:
+        """Op sites whose values exist only inside one of this model's fused ops and that feed nothing outside it
+        (a conv and a BatchNorm before their ReLU): the other model's trace need not keep their values for a
+        comparison with this one (the comparison reads the group's last op, the same-input run the group's own
+        values)."""
+        return frozenset()
+
     @property
     def quantized(self) -> bool:
         """Whether the model carries quantizers (a calibration/QAT/pre_export model, a quantized IR)."""

@@ -436,8 +436,10 @@ class QuantAnalysis:
         return base, analy
 
     # -- run -------------------------------------------------------------------------------------------------
-    def _trace(self, access, directory: Path, same_input=None) -> tuple[TraceReader, list[str]]:
-        writer = TraceWriter(directory, access.label, access.describe(), save_inputs=same_input is None)
+    def _trace(self, access, directory: Path, same_input=None,
+               values_not_needed: frozenset[str] = frozenset()) -> tuple[TraceReader, list[str]]:
+        writer = TraceWriter(directory, access.label, access.describe(), save_inputs=same_input is None,
+                             values_not_needed=values_not_needed)
         example = self._require_bad_case()
         try:
             output = access.run(example, sink=writer, same_input=same_input)
@@ -483,7 +485,9 @@ class QuantAnalysis:
         base = analy = None
         outputs: list[str] = []
         if run_baseline_model:
-            base, outputs = self._trace(self.baseline, base_dir)
+            # traced together with the analysis: the values only the analysis model's fused ops hold are not kept
+            internal = self.analysis.group_internal_sites() if run_analysis_model else frozenset()
+            base, outputs = self._trace(self.baseline, base_dir, values_not_needed=internal)
             self._base_dir = base_dir
         if run_analysis_model:
             source = base if base is not None else TraceReader(base_dir)

@@ -54,6 +54,21 @@ class TorchModelAccess(ModelAccess):
     def quantized(self) -> bool:
         return self.prepared
 
+    def group_internal_sites(self) -> frozenset[str]:
+        if not self.prepared:
+            return frozenset()
+        sites = self.state.record.sites
+        consumers: dict[str, set[str]] = {}
+        for site in sites.values():
+            for inp in site.inputs:
+                if inp.producer is not None:
+                    consumers.setdefault(inp.producer, set()).add(site.name)
+        out = set()
+        for group in self.state.groups:
+            members = set(group.members)
+            out.update(m for m in group.members[:-1] if consumers.get(m, set()) <= members)
+        return frozenset(out)
+
     @property
     def fake_quant_state(self) -> str | None:
         return self.state.fake_quant_state.value if self.prepared else None

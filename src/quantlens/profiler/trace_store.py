@@ -367,7 +367,7 @@ class TraceWriter:
     deferred_quant_error = True
 
     def __init__(self, directory: str | os.PathLike, label: str, description: str, save_inputs: bool = True,
-                 queue_bytes: int = QUEUE_BYTES):
+                 queue_bytes: int = QUEUE_BYTES, values_not_needed: frozenset[str] = frozenset()):
         #: where the trace ends up; it is written to the sibling staging folder :attr:`dir` and moved here by
         #: :meth:`finish`, so until then ``target`` keeps the previous complete trace (an interrupted run
         #: changes nothing there)
@@ -376,6 +376,9 @@ class TraceWriter:
         #: inputs are what the same-input run of the *other* model needs; without it only model inputs
         #: (QuantStub inputs) are kept, the rest are the previous ops' outputs anyway
         self.save_inputs = save_inputs
+        #: op sites whose outputs are kept as statistics only: the other model's fused-group internals
+        #: (``ModelAccess.group_internal_sites``), which its comparison and same-input run never read
+        self.values_not_needed = values_not_needed
         self.label = label
         self.description = description
         self.sites: list[TracedSite] = []
@@ -462,11 +465,15 @@ class TraceWriter:
             quant_error.tensor = copies.pop("\0qerr")
             del stored["\0qerr"]
         # (a fused member's value is not needed by the comparison, and nothing reads an analysis trace's inputs)
+        fused_member = bool(event.fused_into) and not self.save_inputs
         stats_only = frozenset(k for k in stored if k.startswith(("out", "same"))) \
-            if event.fused_into and not self.save_inputs else frozenset()
+            if fused_member or event.name in self.values_not_needed else frozenset()
         site.stats_only = sorted(stats_only)
         for key, t in stored.items():
-            if key not in stats_only:  # (a later site holding the same tensor stores it itself)
+            # An analysis trace's fused member: a later site holding the same tensor stores it itself (that site
+            # may be compared). A value only the other model's fused ops hold is read by nothing, and neither is
+            # a later key holding it (a group member's input): that key refers to these statistics.
+            if key not in stats_only or not fused_member:
                 self._remember(t, file, key)
         job = _Job(site, copies, list(tensors), nbytes, quant_error if callable(quant_error) else None,
                    buffer=buffer, stats_only=stats_only)
@@ -691,10 +698,13 @@ class TraceReader:
             codes = owner.codes if owner is not None else {}
             missing = [stored for _, stored in items if owner is not None and stored in owner.stats_only]
             if missing:
-                raise QuantLensError(
-                    f"The trace in {self.dir} keeps only the statistics of '{missing[0]}' at op site '{owner.name}': "
-                    f"the site is fused into '{owner.fused_into}', whose output is the group's value. Read that "
-                    "site's tensors instead.")
+                where = (f"the site is fused into '{owner.fused_into}', whose output is the group's value. Read that "
+                         "site's tensors instead." if owner.fused_into else
+                         "the trace was made for a comparison with a model that fuses this op site into a larger "
+                         "op, where nothing reads its value. Trace this model again for this comparison: "
+                         "QuantAnalysis.run() (with run_baseline_model=True).")
+                raise QuantLensError(f"The trace in {self.dir} keeps only the statistics of '{missing[0]}' at op site "
+                                     f"'{owner.name}': {where}")
             with safe_open(str(self.dir / file), framework="pt") as f:
                 for i, stored in items:
                     t = f.get_tensor(stored)
@@ -712,8 +722,15 @@ class TraceReader:
         if site not in self.by_name:
             return None
         s = self.by_name[site]
-        keys = [k for k in s.stats if k.startswith("in")]
+        keys = [k for k in s.stats if k.startswith("in") and not self._stats_only(s, k)]
         return {int(k[2:]): t for k, t in zip(keys, self._load(s, keys))}
+
+    def _stats_only(self, site: TracedSite, key: str) -> bool:
+        """Whether only the statistics of ``key`` are kept (references followed): an input a fused group's member
+        takes from another member, in a baseline traced for a model that fuses them (see ``TracedSite``)."""
+        file, stored = site.refs.get(key, (site.file, key))
+        owner = self._by_file.get(file)
+        return owner is not None and stored in owner.stats_only
 
     def outputs(self) -> dict[str, torch.Tensor]:
         return load_file(str(self.dir / OUTPUTS_FILE))
