@@ -86,10 +86,12 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor, dtype: QuantDType, axis: in
     return torch.ops.quantlens.fake_quant(x, scale, dtype.qmin, dtype.qmax, -1 if axis is None else axis)
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: QuantDType, axis: int | None = None) -> torch.Tensor:
-    """Real values to integers (returned as int64 holding values in the dtype's range)."""
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: QuantDType, axis: int | None = None,
+             storage: torch.dtype = torch.int64) -> torch.Tensor:
+    """Real values to integers in the dtype's range, held in ``storage`` (int64 by default; the simulator asks for
+    int8/int16: the same values, without an int64 intermediate)."""
     s = _broadcast_scale(scale.to(torch.float32), x, -1 if axis is None else axis)
-    return torch.clamp(torch.round(x.to(torch.float32) / s), dtype.qmin, dtype.qmax).to(torch.int64)
+    return torch.div(x.to(torch.float32), s).round_().clamp_(dtype.qmin, dtype.qmax).to(storage)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, axis: int | None = None) -> torch.Tensor:

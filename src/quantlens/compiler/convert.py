@@ -291,7 +291,7 @@ def _fake_quant(c: _Converter, node: Node) -> None:
     axis = node.attrs["axis"] if node.attrs["axis"] >= 0 else None
     out = node.outputs[0]
     if c.is_const(x):  # weights and biases become integer constants
-        q = quantize(c.src.constants[x], scale, qdtype, axis).to(storage_dtype(qdtype.value))
+        q = quantize(c.src.constants[x], scale, qdtype, axis, storage_dtype(qdtype.value))
         name = c.const(q, out)
         c.out.values[name].qdtype = qdtype.value
         c.q[out] = QInfo(name, qdtype, scale, axis)

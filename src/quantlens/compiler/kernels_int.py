@@ -179,7 +179,7 @@ def _acc(t: torch.Tensor) -> torch.Tensor:
 @int_kernel("quantize")
 def _quantize(node, inputs):
     x, scale = inputs
-    return quantize(x, scale, _qdtype(node), node.attrs.get("axis")).to(storage_dtype(node.attrs["out_dtype"]))
+    return quantize(x, scale, _qdtype(node), node.attrs.get("axis"), storage_dtype(node.attrs["out_dtype"]))
 
 
 @int_kernel("dequantize")
@@ -517,7 +517,7 @@ def _table_kernel(node: Node, inputs: list) -> torch.Tensor:
     attrs = {k: v for k, v in node.attrs.items() if k != "table_inputs"}
     out = call_torch_op(op, Node(node.op, [], [], attrs, node.site), [by_name[n] for n in schema_tensors])
     out_dtype = _qdtype_from_range(node.attrs["out_qmin"])
-    return quantize(out, by_name["scale_out"], out_dtype).to(storage_dtype(out_dtype.value))
+    return quantize(out, by_name["scale_out"], out_dtype, storage=storage_dtype(out_dtype.value))
 
 
 def _qdtype_from_range(qmin: int) -> QuantDType:

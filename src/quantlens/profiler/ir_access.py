@@ -138,7 +138,7 @@ class IRModelAccess(ModelAccess):
         info = self.value_info(name)
         if info is not None and info.qdtype and value.is_floating_point():
             qdtype = QuantDType.parse(info.qdtype)
-            return quantize(value, self._scale(name), qdtype, info.axis).to(storage_dtype(qdtype.value))
+            return quantize(value, self._scale(name), qdtype, info.axis, storage_dtype(qdtype.value))
         if info is not None and info.dtype not in ("unknown", "") and hasattr(torch, info.dtype):
             return value.to(getattr(torch, info.dtype))
         return value
