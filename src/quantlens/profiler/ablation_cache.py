@@ -40,7 +40,7 @@ from torch.utils import _pytree as pytree
 from quantlens.profiler.index_ops import IndexOpMode
 from quantlens.quantization.prepare import _emulator_for, _leaves, _Runtime
 from quantlens.quantization.record import call_model
-from quantlens.quantization.tracer import TensorMarks, is_float_tensor
+from quantlens.quantization.tracer import TensorMarks, is_float_tensor, module_qualnames
 
 __all__ = ["CacheUnusable", "TorchAblationCache", "IRAblationCache", "CachedAblations", "default_max_bytes"]
 
@@ -113,6 +113,9 @@ class TorchAblationCache:
         self.kwarg_modules: set[int] = set()  # module sites called with tensor keyword arguments: never cached
         records = self.state.record.sites
         modules = dict(self.model.named_modules())
+        #: the module names, made once: nobody restructures the model during the ablations (the op-site tracer
+        #: would walk it again in every forward)
+        self.qualnames = module_qualnames(self.model)
         self.site_modules = {id(m): m for s in records.values() if s.is_module
                              for m in [modules.get(s.module_name)] if isinstance(m, nn.Module)}
         self.active: _CachingRuntime | None = None
@@ -263,6 +266,7 @@ class _CachingRuntime(_Runtime):
         self.skip: dict[int, Any] = {}  # id(module) -> the cached output its forward returns
         self._pending: dict[str, tuple] = {}
         self.taint_sites = taint  # op site -> ids of the quantizers acting there (shared ablations)
+        self.qualnames = cache.qualnames  # (read by the prepared model's forward: its tracer's module names)
         self.taint = TensorMarks()  # computed tensor -> the quantizer ids that reached it; absent: unknown
 
     def _key(self, site) -> tuple[str, int]:

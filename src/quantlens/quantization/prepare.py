@@ -376,7 +376,8 @@ class _QuantizedForward:
             from quantlens.quantization.scale_policy import forward_scope
 
             emulation = runtime.emulator.active() if runtime.emulator is not None else contextlib.nullcontext()
-            with OpSiteTracer(model, runtime), forward_scope(state), emulation:  # grouped fake quants resolve through state
+            tracer = OpSiteTracer(model, runtime, getattr(runtime, "qualnames", None))
+            with tracer, forward_scope(state), emulation:  # grouped fake quants resolve through state
                 return type(model).forward(model, *args, **kwargs)
         finally:
             runtime.marks.clear()  # the marks belong to this forward only

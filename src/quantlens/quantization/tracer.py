@@ -37,7 +37,7 @@ from quantlens.quantization.op_rules import (
 )
 from quantlens.quantization.rnn import DECOMPOSED_FUNCTIONS
 
-__all__ = ["SiteCall", "SiteHandler", "OpSiteTracer", "float_tensor_leaves", "user_source_location", "is_within",
+__all__ = ["SiteCall", "SiteHandler", "OpSiteTracer", "module_qualnames", "float_tensor_leaves", "user_source_location", "is_within",
            "TORCH_DIR", "TensorMarks"]
 
 _QUANTLENS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -157,6 +157,14 @@ class _Frame:
     recurrent: bool = False  # a recurrent module's container frame
 
 
+def module_qualnames(root: nn.Module) -> dict[int, str]:
+    """``id(module) -> qualified name`` of every module of ``root`` (its first name where one is shared)."""
+    names: dict[int, str] = {}
+    for name, mod in root.named_modules(remove_duplicate=True):
+        names.setdefault(id(mod), name)
+    return names
+
+
 class OpSiteTracer(TorchFunctionMode):
     """Names op sites of ``root`` during one forward and dispatches them to ``handler``.
 
@@ -170,13 +178,13 @@ class OpSiteTracer(TorchFunctionMode):
 
     annotate_sites = False
 
-    def __init__(self, root: nn.Module, handler: SiteHandler):
+    def __init__(self, root: nn.Module, handler: SiteHandler, qualnames: dict[int, str] | None = None):
+        """``qualnames`` (``id(module) -> name``, as :func:`module_qualnames` gives it): for a caller that runs many
+        forwards of a model nobody restructures meanwhile (sensitivity's ablations); made here otherwise."""
         super().__init__()
         self.root = root
         self.handler = handler
-        self.qualnames: dict[int, str] = {}
-        for name, mod in root.named_modules(remove_duplicate=True):
-            self.qualnames.setdefault(id(mod), name)
+        self.qualnames = qualnames if qualnames is not None else module_qualnames(root)
         self._reset()
 
     def _reset(self) -> None:
