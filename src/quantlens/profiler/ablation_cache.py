@@ -5,7 +5,8 @@ baseline's indices); it keeps each op site's output (the value the forward went 
 ablation ``k`` then runs as usual, but at every op site that does not depend on quantizer ``k`` it hands out the
 cached value instead of computing the op (a module site's ``forward`` does not run, a function op is not called).
 An op site is taken from the cache when it is not one of the sites quantizer ``k`` acts at (the sites whose plan
-uses its fake quants, widened to their fused groups; for the deployed stages the one site the IR replaces) and
+uses its fake quants; for the deployed stages the one site the IR replaces; a fused group's members before such a
+site compute what they computed in the reference, so a ReLU's output fake quant reuses its conv's cached value) and
 every input leaf is what it was in the reference forward: a tensor produced by the same op site occurrence and
 itself clean in this forward, the same parameter, a bitwise-equal tensor (model inputs, buffers, values made
 outside op sites: a copy is kept), or an equal Python value. So the outputs are the same tensors the full
@@ -134,7 +135,8 @@ class TorchAblationCache:
         return _emulator_for(state) is None and not getattr(state, "scale_groups", None)
 
     def widen(self, sites: set[str]) -> set[str]:
-        """The sites plus the other members of their fused groups."""
+        """The sites plus the other members of their fused groups (the shared forwards' plan and taint: a
+        quantizer counts as reaching its whole group, which over-approximates and never misses)."""
         out = set(sites)
         for s in sites:
             out |= self.groups.get(s, set())
@@ -145,7 +147,7 @@ class TorchAblationCache:
 
         ``taint`` (shared ablations: several quantizers on in one forward) maps op sites to the ids of the
         quantizers acting there; every computed tensor then carries the ids that reached it (see :meth:`taint`)."""
-        out = self._forward(self.widen(affected), override, recording=False, taint=taint)
+        out = self._forward(set(affected), override, recording=False, taint=taint)
         for entry in self.entries.values():
             if [t._version for t in entry.leaves] != entry.versions:
                 raise CacheUnusable("a cached op site output was changed in place")
