@@ -20,7 +20,7 @@ import torch
 
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType
-from quantlens.profiler.metrics import METRICS, compute_all, in_scale_units
+from quantlens.profiler.metrics import compute_all, in_scale_units
 from quantlens.profiler.trace_store import TraceReader, TracedSite
 
 __all__ = ["LayerRow", "LayerComparison", "compare_traces", "check_site_match", "COLUMNS"]
