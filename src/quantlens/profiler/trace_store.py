@@ -16,7 +16,9 @@ is written last: a trace without it is incomplete and is refused by :class:`Trac
 trace already stored (an op's input that is its producer's output, an identity op's output, a shared weight),
 unchanged since, is not stored again: the site's ``refs`` maps its key to ``[file, key]`` of the stored copy,
 and :class:`TraceReader` resolves it (``tensors``, ``inputs``, ``site_outputs``; the statistics are the stored
-copy's). The tensor files are plain safetensors files. Traces of format 1 (before references) are refused with
+copy's). A fused group's member may keep its statistics only (``TracedSite.stats_only``: in the analysis trace,
+and in a baseline traced for an analysis model that fuses it, see ``docs/profiler.md``). The tensor files are
+plain safetensors files. Traces of format 1 (before references) are refused with
 a message to re-run ``run()``.
 
 A new trace is written into the sibling folder ``.<name>.partial/`` and moved into place when complete, so an
