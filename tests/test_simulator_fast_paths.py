@@ -329,3 +329,17 @@ def test_broadcast_shape_helper_matches_torch():
         assert _broadcast_shape(torch.Size(a), torch.Size(b)) == tuple(torch.broadcast_shapes(a, b)), (a, b)
     with pytest.raises(RuntimeError):
         _broadcast_shape(torch.Size((2, 3)), torch.Size((4, 3)))
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (7,), (2, 3, 4)])
+@pytest.mark.parametrize("acc_dtype", [torch.float32, torch.int64, torch.float64])
+def test_requantize_fast_path_keeps_shape_and_dtype_rules(shape, acc_dtype):
+    """The float64 fast path (float32 / int64 / float64 accumulators, small and through the reused buffer) gives the
+    shape and values of the integer rule, 0-dim accumulators included."""
+    mult, shift, dtype = 46341, 16, QuantDType.qint8
+    g = torch.Generator().manual_seed(len(shape))
+    acc = torch.randint(-3000, 3000, shape, generator=g).to(acc_dtype)
+    p = requantize_params(mult, shift, dtype)
+    out = apply_requantize(acc, p, bound=3000.0, storage=torch.int8)
+    want = [_sat(_rhe(int(v) * mult, shift), dtype) for v in acc.reshape(-1).tolist()]
+    assert out.shape == acc.shape and out.dtype == torch.int8 and out.reshape(-1).tolist() == want
