@@ -96,26 +96,7 @@ def test_sensitivity_table_restores_accuracy_of_digits_cnn(tmp_path):
     assert evaluate_accuracy(again, data.x_test, data.y_test) == fixed_acc
 
 
-def _small_conv_analysis(model, tmp_path):
-    """Calibrate a small (2, 3, 8, 8)-input conv model at int8 and run the fake_quant analysis on one bad case:
-    (calibration model, bad case, comparison table)."""
-    import warnings
-
-    from quantlens.quantization import calibrate, prepare
-    from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
-
-    x = torch.randn(2, 3, 8, 8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        calib = calibrate(prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None),
-                          [(torch.randn(2, 3, 8, 8),) for _ in range(3)])
-    qa = QuantAnalysis(model, calib, "fake_quant", out_dir=tmp_path, progress=False)
-    qa.set_bad_case((x,))
-    qa.run()
-    return calib, x, qa.compare_per_layer()
-
-
-def test_in_place_op_same_input_reads_the_value_before_the_op(tmp_path):
+def test_in_place_op_same_input_reads_the_value_before_the_op(small_conv_analysis, tmp_path):
     """``y.mul_(3)`` and ``y += 1`` in the float model: the baseline trace keeps the value each op read, so the
     same-input run of the quantized op is a small error (it read the result, 3x its input, before: -3 dB)."""
 
@@ -133,7 +114,8 @@ def test_in_place_op_same_input_reads_the_value_before_the_op(tmp_path):
 
     torch.manual_seed(0)
     model = InPlace().eval()
-    calib, x, table = _small_conv_analysis(model, tmp_path)
+    calib, x, qa = small_conv_analysis(model)
+    table = qa.compare_per_layer()
     rows = {r.analy_op_type: r for r in table if r.analy_op_type in ("mul", "add", "relu")}
     assert set(rows) == {"mul", "add", "relu"} and rows["add"].fused_into == rows["relu"].op_name
     for op in ("mul", "relu"):  # the add's error shows at the end of its fused add-ReLU group
@@ -151,7 +133,7 @@ def test_in_place_op_same_input_reads_the_value_before_the_op(tmp_path):
 
 
 @pytest.mark.parametrize("act", ["silu_module", "hardswish_module", "leaky_relu_function", "elu_positional"])
-def test_in_place_activations_same_input(act, tmp_path):
+def test_in_place_activations_same_input(act, small_conv_analysis):
     """nn.SiLU(inplace=True), nn.Hardswish(inplace=True) (MobileNetV3, EfficientNet), F.leaky_relu(..., inplace=True)
     and F.elu(x, 1.0, True): the same-input run reads the activation's input, not its result (which gave 7-20 dB
     at a fine layer, pointing the user at it)."""
@@ -176,7 +158,7 @@ def test_in_place_activations_same_input(act, tmp_path):
             return self.conv2(y)
 
     torch.manual_seed(0)
-    _, _, table = _small_conv_analysis(Net().eval(), tmp_path)
+    table = small_conv_analysis(Net().eval())[2].compare_per_layer()
     rows = [r for r in table if r.op_name not in ("conv", "conv2") and r.same_input_sqnr is not None]
     assert rows, "the activation has a row"
     for row in rows:

@@ -38,29 +38,18 @@ def test_integer_codes_are_summed_exactly():
     assert st.mean == (127 * (x.numel() - 1) - 128) / x.numel()
 
 
-def test_an_analysis_trace_keeps_a_fused_members_statistics_not_its_values(tmp_path):
-    import warnings
-
+def test_an_analysis_trace_keeps_a_fused_members_statistics_not_its_values(small_conv_analysis, tmp_path):
     from safetensors import safe_open
     from torch import nn
 
     from quantlens.errors import QuantLensError
-    from quantlens.profiler import QuantAnalysis
     from quantlens.profiler.trace_store import TraceReader
-    from quantlens.quantization import DeQuantStub, QuantStub, calibrate, prepare
-    from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+    from quantlens.quantization import DeQuantStub, QuantStub
 
     torch.manual_seed(0)
     model = nn.Sequential(QuantStub(), nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                           nn.Conv2d(8, 4, 1), DeQuantStub()).eval()
-    x = torch.randn(2, 3, 8, 8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        calib = calibrate(prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None),
-                          [(torch.randn(2, 3, 8, 8),) for _ in range(3)])
-    qa = QuantAnalysis(model, calib, "fake_quant", out_dir=tmp_path, progress=False)
-    qa.set_bad_case((x,))
-    qa.run()
+    _, x, qa = small_conv_analysis(model)
     rows = {r.op_name: r for r in qa.compare_per_layer()}
     analysis, baseline = TraceReader(tmp_path / "analysis_model"), TraceReader(tmp_path / "baseline_model")
     conv = analysis.by_name["1"]

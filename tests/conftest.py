@@ -1,0 +1,28 @@
+"""Shared test fixtures."""
+
+import warnings
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def small_conv_analysis(tmp_path):
+    """``run(model) -> (calibration model, bad case, QuantAnalysis)``: calibrate a small (2, 3, 8, 8)-input model at
+    int8 and trace the fake_quant pair on one bad case (``qa.run()`` done, into ``tmp_path``)."""
+    from quantlens.profiler import QuantAnalysis
+    from quantlens.quantization import calibrate, prepare
+    from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+
+    def run(model):
+        x = torch.randn(2, 3, 8, 8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            calib = calibrate(prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None),
+                              [(torch.randn(2, 3, 8, 8),) for _ in range(3)])
+        qa = QuantAnalysis(model, calib, "fake_quant", out_dir=tmp_path, progress=False)
+        qa.set_bad_case((x,))
+        qa.run()
+        return calib, x, qa
+
+    return run
