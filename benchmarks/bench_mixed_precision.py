@@ -43,12 +43,14 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.99)
     ap.add_argument("--tries", type=int, default=4)
     ap.add_argument("--method", choices=("greedy", "descend"), default="descend")
+    ap.add_argument("--exchange", type=int, default=0, help="exchange rounds after pruning (0: none)")
     ap.add_argument("--no-latency", action="store_true", help="skip the latency estimate per curve point")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    summary: dict = {"threads": torch.get_num_threads(), "target": args.target, "method": args.method}
+    summary: dict = {"threads": torch.get_num_threads(), "target": args.target, "method": args.method,
+                     "exchange": args.exchange}
     t0 = time.time()
     model = all_minilm_l6_v2()
     example, calib, evaluation = minilm_data(length=16, calib_batches=4, batch_size=8, eval_size=16)
@@ -78,7 +80,7 @@ def main() -> None:
     result = search_mixed_precision(model, example, calib, evaluate, args.target,
                                     base_setter=default_calibration_qconfig_setter, ranking=sens,
                                     out_dir=out / "search", tries=args.tries, method=args.method,
-                                    latency=not args.no_latency)
+                                    exchange=args.exchange, latency=not args.no_latency)
     summary.update(search_promotions=result.num_int16, search_reached=result.reached,
                    search_cosine=result.metric, search_measurements=result.measurements,
                    search_candidates=len(result.candidates), search_chosen=[p.label() for p in result.chosen],

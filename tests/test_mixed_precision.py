@@ -304,3 +304,40 @@ def test_descend_reaches_the_target_on_tiny_transformer(setup, tmp_path):
     assert not result.int16x16_resolutions
     prepared = _build(model, example, calib, result.setter())
     assert evaluate(prepared) == result.metric
+
+
+def test_exchange_swaps_a_site_after_which_pruning_takes_one_more(setup, tmp_path):
+    """A metric built so that greedy ends with {A, B, C} (nothing to prune), where B and C do best together
+    and F helps only beside them: the exchange round swaps A (whose removal costs least) for F, and pruning
+    then takes B back: {C, F}, one site fewer than greedy and pruning alone."""
+    model, example, calib, _, _ = setup
+    a, b, c, f = (Promotion(site) for site in ("norm1", "attn.v_proj", "norm2", "attn.out_proj"))
+    weight = {a: 0.5, b: 0.3, c: 0.2, f: 0.0}
+    table = {frozenset({a, b, c}): 0.96, frozenset({b, c}): 0.85, frozenset({b, c, f}): 0.97,
+             frozenset({c, f}): 0.955}
+    measured = []
+
+    def metric(prepared) -> float:
+        plans = prepared._quantlens_state.plans
+        on = frozenset(p for p in (a, b, c, f) if plans[p.site].output_dtype == "qint16")
+        measured.append(on)
+        return table.get(on, sum(weight[p] for p in on))
+
+    kwargs = dict(candidates=[a, b, c, f], ranking=[a, b, c, f], tries=4, progress=False)
+    plain = search_mixed_precision(model, example, calib, metric, 0.95, out_dir=tmp_path / "plain", **kwargs)
+    assert set(plain.chosen) == {a, b, c} and plain.metric == 0.96
+    result = search_mixed_precision(model, example, calib, metric, 0.95, out_dir=tmp_path / "x", exchange=2,
+                                    **kwargs)
+    assert set(result.chosen) == {c, f} and result.reached and result.metric == 0.955
+    swap, pruned = result.curve[-2:]
+    assert (swap.removed, swap.added, swap.num_int16, swap.metric) == (a, f, 3, 0.97)
+    assert (pruned.removed, pruned.added, pruned.num_int16) == (b, None, 2)
+    assert frozenset({b, c, f}) in measured  # every outside candidate was tried in the removed site's place
+    assert "(exchange)" in open(result.html_path).read()
+    with open(result.csv_path) as fh:
+        rows = list(csv.DictReader(fh))
+    assert (rows[-2]["removed_site"], rows[-2]["added_site"]) == ("norm1", "attn.out_proj")
+    # the setter is the exchanged set; the second round found no better pair and changed nothing
+    assert set(result.setter().promotions) == {c, f} and len(result.curve) == len(plain.curve) + 2
+    with pytest.raises(Exception, match="exchange must be"):
+        search_mixed_precision(model, example, calib, metric, 0.95, out_dir=tmp_path / "e", exchange=-1, **kwargs)

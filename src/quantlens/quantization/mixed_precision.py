@@ -98,7 +98,7 @@ class MaxLatency:
 class CurvePoint:
     """The search after ``step`` steps (step 0: the base setter alone). A step adds one promotion (``added``) or,
     in the pruning pass after the target is reached, takes one back that the target no longer needs
-    (``removed``)."""
+    (``removed``); an exchange step does both (``removed`` swapped for ``added``)."""
 
     step: int
     num_int16: int
@@ -327,7 +327,8 @@ def _hash_tree(h, obj: Any) -> None:
 
 
 def _fingerprint(model: nn.Module, example_inputs, batches, candidates, ranking, target, budget, tries,
-                 base_name: str, higher_is_better: bool, method: str = "greedy", prune: bool = True) -> str:
+                 base_name: str, higher_is_better: bool, method: str = "greedy", prune: bool = True,
+                 exchange: int = 0) -> str:
     """What the chosen promotions depend on (not ``latency``: the latency estimates only annotate the curve)."""
     h = hashlib.sha256()
     _hash_tree(h, dict(model.state_dict()))
@@ -335,7 +336,8 @@ def _fingerprint(model: nn.Module, example_inputs, batches, candidates, ranking,
     _hash_tree(h, list(batches))
     h.update(json.dumps({"candidates": [asdict(c) for c in candidates], "ranking": [asdict(c) for c in ranking],
                          "target": float(target), "budget": repr(budget), "tries": tries, "base": base_name,
-                         "higher": higher_is_better, "method": method, "prune": prune}, sort_keys=True).encode())
+                         "higher": higher_is_better, "method": method, "prune": prune,
+                         **({"exchange": exchange} if exchange else {})}, sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -415,6 +417,7 @@ def search_mixed_precision(
     higher_is_better: bool = True,
     latency: bool = False,
     prune: bool = True,
+    exchange: int = 0,
     progress: bool = True,
 ) -> MixedPrecisionResult:
     """Greedy int16 promotion with re-measurement until ``evaluate`` reaches ``target``.
@@ -444,11 +447,19 @@ def search_mixed_precision(
         latency: also export -> convert every accepted configuration and record its latency estimate.
         prune: once the target is reached, take back each promotion the target no longer needs (smallest gain
             first, one measurement each): a promotion that helped early may be redundant once later ones are in.
+        exchange: rounds of exchange after the pruning pass (0, the default, or ``prune=False``: none): the chosen
+            promotion whose removal costs least is swapped for the outside candidate that does most in its place
+            (one measurement per chosen site and one per candidate outside the set) when that beats the current
+            set, and the pass prunes again; a round that improves nothing ends it. It can find a set one site
+            smaller that backward elimination misses (two sites that do best together); each round costs about
+            as many measurements as there are candidates.
         progress: show a rich progress bar.
     """
     out = Path(out_dir)
     if tries < 1:
         raise QuantLensError(f"search_mixed_precision: tries must be >= 1, got {tries}.")
+    if isinstance(exchange, bool) or not isinstance(exchange, int) or exchange < 0:
+        raise QuantLensError(f"search_mixed_precision: exchange must be an int >= 0 (rounds), got {exchange!r}.")
     if method not in ("greedy", "descend"):
         raise QuantLensError(f"search_mixed_precision: method must be 'greedy' or 'descend', got {method!r}.")
     if isinstance(budget, MaxLatency):
@@ -488,7 +499,7 @@ def search_mixed_precision(
     given = None if ranking is None else _initial_ranking(model, base_prepared, example_inputs, cands, ranking, out)
     base_name = getattr(base_setter, "name", repr(base_setter))
     fp = _fingerprint(model, example_inputs, batches, cands, given or [], target, budget, tries, base_name,
-                      higher_is_better, method, prune)
+                      higher_is_better, method, prune, exchange)
     prog = _Progress(out / PROGRESS_FILE, fp, resume)
     meas, lat = prog.data["measurements"], prog.data["latency"]
     if given is not None:
@@ -609,6 +620,11 @@ def search_mixed_precision(
             step = _prune(selected, curve, step, metric, reached, measure, latency_of, steps_done, prog,
                           lambda c: bar.update(task, description=f"pruning: without {c.label()}"))
             metric = curve[-1].metric
+        if prune and exchange and reached(metric) and len(selected) > 1:
+            step = _exchange(selected, cands, graph, budget, curve, step, reached, better, higher_is_better,
+                             measure, latency_of,
+                             steps_done, prog, exchange, lambda text: bar.update(task, description=text))
+            metric = curve[-1].metric
         bar.update(task, completed=len(selected), description=f"done: {len(selected)} int16, metric {metric:.4f}")
     final = build(selected) if selected else base_prepared
     resolutions = tuple(_resolutions(final))
@@ -716,6 +732,55 @@ def _prune(selected: list[Promotion], curve: list[CurvePoint], step: int, metric
     return step
 
 
+def _exchange(selected: list[Promotion], cands: Sequence[Promotion], graph: _Graph, budget, curve: list[CurvePoint],
+              step: int, reached, better, higher_is_better: bool, measure, latency_of, steps_done: list, prog,
+              rounds: int, show) -> int:
+    """Exchange rounds once the target is reached (after ``_prune``): swap the chosen promotion whose removal
+    costs least for the outside candidate that does most in its place, when that beats the current set, then
+    prune again. A set just above the target can hold a better one of the same size after which a site can go
+    (backward elimination alone never revisits a site it kept). Changes ``selected`` and ``curve`` in place and
+    returns the last step number."""
+    for r in range(rounds):
+        if len(selected) <= 1:
+            break
+        current = curve[-1].metric
+        drop, drop_value = None, None
+        for k, s in enumerate(selected):
+            show(f"exchange {r + 1}: without {s.label()} ({k + 1}/{len(selected)})")
+            value = measure([x for x in selected if x != s])
+            if drop is None or better(value, drop_value):
+                drop, drop_value = s, value
+        rest = [x for x in selected if x != drop]
+        outside = [c for c in cands if c not in selected and _within_budget(rest + [c], budget)
+                   and not _conflicts(rest + [c], graph)]
+        trials = []
+        for k, c in enumerate(outside):
+            show(f"exchange {r + 1}: {drop.label()} -> {c.label()} ({k + 1}/{len(outside)})")
+            trials.append((measure(rest + [c]), k, c))
+        # best first; ties keep the candidates' order
+        trials.sort(key=lambda t: (-t[0] if higher_is_better else t[0], t[1]))
+        swap = None
+        for value, _, c in trials:
+            if not better(value, current):
+                break
+            if isinstance(budget, MaxLatency) and latency_of(rest + [c]) > budget.cycles:
+                continue
+            swap = (value, c)
+            break
+        if swap is None:
+            break
+        value, add = swap
+        selected[:] = rest + [add]
+        step += 1
+        curve.append(CurvePoint(step, len(selected), add, value, latency_of(selected), len(outside), removed=drop))
+        if len(steps_done) < step:
+            steps_done.append({"step": step, "added": asdict(add), "removed": asdict(drop), "metric": value})
+            prog.save()
+        step = _prune(selected, curve, step, value, reached, measure, latency_of, steps_done, prog,
+                      lambda c: show(f"exchange {r + 1}: pruning without {c.label()}"))
+    return step
+
+
 # -- the curve files -------------------------------------------------------------------------------------------
 
 
@@ -754,6 +819,8 @@ def write_curve(result: MixedPrecisionResult, out_dir: str | os.PathLike) -> tup
 
 
 def _change(point: CurvePoint) -> str:
+    if point.added is not None and point.removed is not None:
+        return html.escape(point.removed.label()) + " &rarr; " + html.escape(point.added.label()) + " (exchange)"
     if point.added is not None:
         return "+ " + html.escape(point.added.label())
     if point.removed is not None:
