@@ -128,6 +128,13 @@ def test_nan_and_inf_inputs_are_refused(kind):
         ir.run({"x": bad})
     out = ir.run({"x": bad}, check_finite=False)  # the opt-out runs it
     assert out[0].shape == (1, 10)
+    # the check sums first: a finite input whose sum overflows is accepted, one Inf among huge values is not
+    huge = torch.full((1, 1, 8, 8), 3e38)
+    assert not torch.isfinite(huge.sum()) and torch.isfinite(huge).all()
+    assert ir(huge).shape == (1, 10)
+    huge[0, 0, 3, 3] = float("inf")
+    with pytest.raises(QuantLensError, match=r"'x' holds 0 NaN and 1 Inf"):
+        ir(huge)
 
 
 def test_structure_error_describes_the_expected_call_in_words():

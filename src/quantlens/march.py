@@ -28,17 +28,18 @@ class QuantDType(str, Enum):
     qint16 = "qint16"
     qint32 = "qint32"
 
+    # (plain dict lookups: the simulator reads these per op, and an Enum's ``.value`` is a descriptor call)
     @property
     def bits(self) -> int:
-        return {"qint8": 8, "qint16": 16, "qint32": 32}[self.value]
+        return _BITS[self]
 
     @property
     def qmin(self) -> int:
-        return -(1 << (self.bits - 1))
+        return _QMIN[self]
 
     @property
     def qmax(self) -> int:
-        return (1 << (self.bits - 1)) - 1
+        return _QMAX[self]
 
     @classmethod
     def parse(cls, value: "QuantDType | str") -> "QuantDType":
@@ -55,6 +56,11 @@ class QuantDType(str, Enum):
                 f"Unknown quantized dtype {value!r}. Expected one of {[d.value for d in cls]} "
                 "(or 'int8'/'int16'/'int32')."
             ) from None
+
+
+_BITS = {QuantDType.qint8: 8, QuantDType.qint16: 16, QuantDType.qint32: 32}
+_QMIN = {d: -(1 << (b - 1)) for d, b in _BITS.items()}
+_QMAX = {d: (1 << (b - 1)) - 1 for d, b in _BITS.items()}
 
 
 class RoundingMode(str, Enum):

@@ -13,6 +13,8 @@ JSON-serialisable parameters, and ``site`` is the op site name of the torch op i
 
 from __future__ import annotations
 
+import math
+
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -136,8 +138,9 @@ class Module:
                 )
             return {n: kwargs[n] for n in self.graph.inputs}
         expected = pytree.treespec_loads(self.input_spec)
-        call = _reorder_like((args, kwargs), self._input_tree())
-        leaves, spec = pytree.tree_flatten(call)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if spec != expected:  # dicts with their keys in another order (specs compare key order)
+            leaves, spec = pytree.tree_flatten(_reorder_like((args, kwargs), self._input_tree()))
         if spec != expected:
             deployed_tree = self._deployment_tree()
             call = _reorder_like((args, kwargs), deployed_tree)
@@ -360,7 +363,9 @@ def _check_input(name: str, value: Any, info: ValueInfo | None, check_finite: bo
             f"IR input '{name}' has dtype {_dtype_name(value.dtype)}, but the IR was exported for {info.dtype} "
             f"(shape {want}); it takes exactly that dtype and never converts. Convert it: `x{cast}`."
         )
-    if check_finite and value.is_floating_point() and value.numel():
+    # One reduction first: a sum is finite only if every element is (NaN and Inf propagate through it); a finite
+    # tensor whose sum overflows takes the element test, which decides. (isfinite + all: two passes and a mask.)
+    if check_finite and value.is_floating_point() and value.numel() and not math.isfinite(float(value.sum())):
         finite = torch.isfinite(value)
         if not bool(finite.all()):
             nan = int(torch.isnan(value).sum())
