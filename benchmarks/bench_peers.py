@@ -53,7 +53,6 @@ import io
 import json
 import logging
 import math
-import os
 import re
 import subprocess
 import sys

@@ -21,7 +21,6 @@ from typing import Any, Callable, Iterable
 import torch
 
 from quantlens._io import atomic_write_text
-from quantlens.errors import QuantLensError
 
 __all__ = ["PAIRS", "STAGE_CHOICES", "PairResult", "Stages", "build_stages", "analyze_pair", "analyze_pairs",
            "write_index", "write_summary", "worst_row", "print_losses", "ranked_losses", "PAIR_FILE", "SUMMARY_FILE"]

@@ -39,7 +39,7 @@ from quantlens.numerics import (
     quantize,
 )
 from quantlens.opset import Category, op_def
-from quantlens.quantization.tracer import TensorMarks, is_float_tensor
+from quantlens.quantization.tracer import TensorMarks
 
 __all__ = ["IntegerEmulator", "Deferred", "current_emulator", "EMULATED_OPS"]
 

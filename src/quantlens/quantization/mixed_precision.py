@@ -46,7 +46,6 @@ from quantlens.march import QuantDType
 from quantlens.quantization.fake_quantize import calibrate
 from quantlens.quantization.op_rules import OpKind
 from quantlens.quantization.prepare import prepare
-from quantlens.quantization.qconfig import QConfig
 from quantlens.quantization.qconfig_template import (
     QconfigAssignment,
     QconfigContext,
