@@ -164,3 +164,22 @@ def test_deployed_analyses_share_forwards_of_their_reference(kind, monkeypatch, 
     monkeypatch.undo()
     unshared, full = _unshared_and_full(qa, monkeypatch)
     assert shared == unshared == full
+
+
+def test_a_sharded_run_shares_forwards_within_its_shard(monkeypatch, tmp_path):
+    """shard=True (one process: rank 0 of 1, resumable) plans the shared forwards over its own quantizers: the
+    same forwards and tables as the single-process run, every value in the progress file."""
+    import json
+
+    from quantlens.profiler.sharding import PROGRESS_DIR
+
+    qa = _setup(False, tmp_path)
+    single = _tables(qa.sensitivity(shard=False))
+    counts = _counted(monkeypatch)
+    sharded = _tables(qa.sensitivity(shard=True))
+    assert sharded == single and counts["forwards"] == 3 + 3 and counts["fallbacks"] == 0
+    lines = (tmp_path / PROGRESS_DIR / "rank0.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["i"] for line in lines[1:]) == list(range(12))
+    # resumed: nothing left to run
+    counts["forwards"] = 0
+    assert _tables(qa.sensitivity(shard=True)) == single and counts["forwards"] == 0

@@ -217,17 +217,39 @@ def run_sensitivity(
     per_quantizer: dict[int, dict[str, float]] = {}
     with analysis.ablation(analysis_type) as enable:
         runner = ablation_runner(analysis, analysis_type, example, recorder)
-        shared = _Shared.plan(runner, quantizers, post_process, base, m)
-        groups = shared.groups if shared is not None else [[i] for i in range(len(quantizers))]
-        for group in progress_iter(groups, f"sensitivity ({m.name})", total=len(quantizers), enabled=progress,
-                                   steps=len):
-            done = shared.ablate(enable, group, post_process, base) if len(group) > 1 else None
-            if done is None:
-                done = {i: ablate_one(analysis, enable, quantizers[i], example, post_process, recorder, base, m,
-                                      runner) for i in group}
-            per_quantizer.update(done)
+        plan = AblationPlan(analysis, enable, runner, quantizers, range(len(quantizers)), example, post_process,
+                            recorder, base, m)
+        for group in progress_iter(plan.groups, f"sensitivity ({m.name})", total=len(quantizers),
+                                   enabled=progress, steps=len):
+            per_quantizer.update(plan.ablate(group))
     values = {name: [per_quantizer[i][name] for i in range(len(quantizers))] for name in base}
     return build_result(quantizers, values, m, reverse, recorder.table_errors)
+
+
+class AblationPlan:
+    """The ablation forwards of some of the quantizers (``indices``, in execution order): ``groups`` of indices
+    that share one forward (:class:`_Shared`: their effects reach disjoint outputs) or run alone, and
+    ``ablate(group)``, each one's values per output. The single-process and the sharded sensitivity both run
+    their quantizers through it (a shard plans over its own quantizers)."""
+
+    def __init__(self, analysis, enable, runner, quantizers: list, indices, example: Any,
+                 post_process: PostProcess, recorder: IndexRecorder, base: dict[str, torch.Tensor], m):
+        self.analysis, self.enable, self.runner, self.example = analysis, enable, runner, example
+        self.post_process, self.recorder, self.base, self.m = post_process, recorder, base, m
+        self.indices = list(indices)
+        self.quantizers = [quantizers[i] for i in self.indices]
+        self.shared = _Shared.plan(runner, self.quantizers, post_process, base, m) if self.indices else None
+        local = self.shared.groups if self.shared is not None else [[k] for k in range(len(self.indices))]
+        self.groups = [[self.indices[k] for k in group] for group in local]
+        self._local = {i: k for k, i in enumerate(self.indices)}
+
+    def ablate(self, group: list[int]) -> dict[int, dict[str, float]]:
+        local = [self._local[i] for i in group]
+        done = self.shared.ablate(self.enable, local, self.post_process, self.base) if len(local) > 1 else None
+        if done is None:
+            done = {k: ablate_one(self.analysis, self.enable, self.quantizers[k], self.example, self.post_process,
+                                  self.recorder, self.base, self.m, self.runner) for k in local}
+        return {self.indices[k]: values for k, values in done.items()}
 
 
 #: at most this many quantizers share one ablation forward

@@ -1,7 +1,8 @@
 """Sharded, resumable sensitivity: the quantizers split over the processes of a ``torch.distributed`` group.
 
 Rank ``r`` of ``world_size`` ablates the quantizers ``i`` (execution order) with ``i % world_size == r``, exactly
-like :func:`.sensitivity.run_sensitivity` (the same :func:`.sensitivity.ablate_one`), and appends each finished
+like :func:`.sensitivity.run_sensitivity` (the same :class:`.sensitivity.AblationPlan`: shared forwards where its
+quantizers reach disjoint outputs, else :func:`.sensitivity.ablate_one`), and appends each finished
 value to ``<out_dir>/sensitivity_progress/rank<r>.jsonl`` (one JSON line, flushed and fsynced). The values are
 collected with ``all_gather_object``; every rank builds the same :class:`.sensitivity.SensitivityResult`
 (:func:`.sensitivity.build_result`: the single-process table, value for value).
@@ -28,7 +29,7 @@ from quantlens.profiler.model_access import AnalysisType, ModelAccess
 from quantlens.profiler.outputs import PostProcess
 from quantlens.profiler.progress import progress_iter
 from quantlens.profiler.sensitivity import (
-    SensitivityResult, ablate_one, ablation_runner, build_result, sensitivity_setup,
+    AblationPlan, SensitivityResult, ablation_runner, build_result, sensitivity_setup,
 )
 from quantlens.profiler.trace_store import input_digest
 
@@ -146,10 +147,13 @@ def run_sharded_sensitivity(
     todo = [i for i in mine if i not in done]
     with analysis.ablation(analysis_type) as enable, open(path, "a", encoding="utf-8") as handle:
         runner = ablation_runner(analysis, analysis_type, example, recorder) if todo else None
-        for i in progress_iter(todo, f"sensitivity ({m.name}, rank {rank}/{world_size})",
-                               enabled=progress and rank == 0):
-            done[i] = ablate_one(analysis, enable, quantizers[i], example, post_process, recorder, base, m, runner)
-            handle.write(_entry(i, quantizers[i], done[i]) + "\n")
+        # this rank's quantizers share ablation forwards as in one process (their effects reach disjoint outputs)
+        plan = AblationPlan(analysis, enable, runner, quantizers, todo, example, post_process, recorder, base, m)
+        for group in progress_iter(plan.groups, f"sensitivity ({m.name}, rank {rank}/{world_size})",
+                                   total=len(todo), enabled=progress and rank == 0, steps=len):
+            for i, values in plan.ablate(group).items():
+                done[i] = values
+                handle.write(_entry(i, quantizers[i], values) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
     local = {i: done[i] for i in mine}
