@@ -120,6 +120,24 @@ class Module:
         """The consistency level the model was prepared with (``None``: strategy off)."""
         return self.meta.get("consistency_level")
 
+    # -- device ------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Where the constants (weights, tables, ...) live, and so where the IR runs (CPU when it has none)."""
+        for value in self.graph.constants.values():
+            if isinstance(value, torch.Tensor):
+                return value.device
+        return torch.device("cpu")
+
+    def to(self, device: "str | torch.device") -> "Module":
+        """Move the constants to ``device`` (in place, like ``nn.Module.to``; returns the module). The simulator
+        then runs there: its inputs must be on that device too, and every kernel makes its own constants there
+        (same integers on every device: the integer rules use exact arithmetic only)."""
+        device = torch.device(device)
+        self.graph.constants = {name: value.to(device) if isinstance(value, torch.Tensor) else value
+                                for name, value in self.graph.constants.items()}
+        return self
+
     # -- calling -----------------------------------------------------------------------------------------
     @property
     def input_names(self) -> list[str]:
@@ -207,7 +225,9 @@ class Module:
     def check_inputs(self, feeds: dict[str, Any], *, check_finite: bool = True) -> None:
         """Refuse named inputs that do not match the exported input types (``graph.values``): a missing input, a
         non-tensor, another rank, another static dim (``-1``, the dynamic batch, takes any size), another dtype
-        (exactly the exported one, never converted) and, with ``check_finite``, NaN/Inf in a float input."""
+        (exactly the exported one, never converted), a tensor on another device than the module's constants
+        (:meth:`to`) and, with ``check_finite``, NaN/Inf in a float input."""
+        device = self.device
         for name in self.graph.inputs:
             if name not in feeds:
                 raise QuantLensError(
@@ -215,6 +235,10 @@ class Module:
                     f"{self.describe_call()}."
                 )
             _check_input(name, feeds[name], self.graph.values.get(name), check_finite)
+            if feeds[name].device != device:
+                raise QuantLensError(
+                    f"IR input '{name}' is on {feeds[name].device}, but the IR's constants are on {device}. Move "
+                    f"the input (`x.to('{device}')`) or the IR (`module.to('{feeds[name].device}')`).")
 
     def feeds(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """The named input tensors for one call, in any accepted format (the torch input pytree, the deployment

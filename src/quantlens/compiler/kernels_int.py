@@ -106,17 +106,17 @@ class _Requant:
             self.scalar = requantize_params(int(self.mult[0]), int(self.shifts[0]), self.out)
         self.by_shape: dict[tuple[int, int], Any] = {}
 
-    def params(self, ndim: int, channel_dim: int | None):
+    def params(self, ndim: int, channel_dim: int | None, device: torch.device):
         if self.scalar is not None:
             return self.scalar
-        key = (ndim, channel_dim % ndim)
+        key = (ndim, channel_dim % ndim, device)  # per-channel tensors live where the accumulator does
         p = self.by_shape.get(key)
         if p is None:
             shape = [1] * ndim
             shape[key[1]] = -1
-            m = torch.tensor(self.mult, dtype=torch.int64).reshape(shape)
+            m = torch.tensor(self.mult, dtype=torch.int64, device=device).reshape(shape)
             sh = (self.shifts[0] if len(set(self.shifts)) == 1
-                  else torch.tensor(self.shifts, dtype=torch.int64).reshape(shape))
+                  else torch.tensor(self.shifts, dtype=torch.int64, device=device).reshape(shape))
             p = self.by_shape[key] = requantize_params(m, sh, self.out)
         return p
 
@@ -145,7 +145,7 @@ def _requant(node: Node, acc: torch.Tensor, channel_dim: int | None = None, boun
         return acc.to(rq.storage)
     if bound is None:
         bound = float(2**31)  # saturated above
-    return apply_requantize(acc, rq.params(acc.dim(), channel_dim), bound=bound, storage=rq.storage,
+    return apply_requantize(acc, rq.params(acc.dim(), channel_dim, acc.device), bound=bound, storage=rq.storage,
                             consume=consume)
 
 
@@ -153,11 +153,20 @@ def _exact(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64)
 
 
+def _float32_gemm_is_exact(t: torch.Tensor) -> bool:
+    """Whether a float32 GEMM on ``t``'s device is IEEE float32 summation (exact for integers below 2**24): on
+    the CPU, yes. A GPU's libraries may run float32 convolutions and matmuls in TF32 (cuDNN's default for
+    convolutions) or with FFT / Winograd algorithms, none exact on integers, so GEMMs there take float64 (exact
+    below 2**53 for any summation order; neither TF32 nor those algorithms apply to it)."""
+    return t.device.type == "cpu"
+
+
 def _gemm_dtype(a: torch.Tensor, b: torch.Tensor, terms: int) -> torch.dtype:
     """float32 when every partial sum of the integer products is below 2**24 (exact in float32 whatever the
-    summation order), else float64 (exact below 2**53). Both give the exact integer result."""
+    summation order) and the device sums float32 exactly, else float64 (exact below 2**53). Both give the exact
+    integer result."""
     bound = terms * _magnitude(a) * _magnitude(b)
-    return torch.float32 if bound < 2**24 else torch.float64
+    return torch.float32 if bound < 2**24 and _float32_gemm_is_exact(a) else torch.float64
 
 
 def _magnitude(t: torch.Tensor) -> int:
@@ -224,7 +233,9 @@ class _GemmWeights:
         products = _magnitude(x) * (int(out_sums(w_abs).max()) if w.numel() else 0)
         b_max = int(b.to(torch.int64).abs().max()) if b is not None and b.numel() else 0
         self.bound = float(products + b_max)
-        if products + b_max < 2**24:
+        if not _float32_gemm_is_exact(x):
+            self.dtype, self.gemm_bias, self.late_bias = torch.float64, None, b
+        elif products + b_max < 2**24:
             self.dtype, self.gemm_bias, self.late_bias = torch.float32, b, None
         elif products < 2**24:
             self.dtype, self.gemm_bias, self.late_bias = torch.float32, None, b
@@ -238,6 +249,7 @@ class _GemmWeights:
 
     def fits(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
         return (w is self.w and w._version == self.w_version and b is self.b and x.dtype == self.x_dtype
+                and x.device == w.device
                 and (b is None or b._version == self.b_version))
 
 
@@ -709,8 +721,8 @@ def _prelu(node, inputs):
     out = _qdtype(node)
     pos = requantize(q, int(a["multiplier"][0]), int(a["shift"][0]), out)
     shape = _channel_shape(node, q) if len(a["neg_multiplier"]) > 1 else [1] * q.dim()
-    sign = torch.tensor(a["neg_sign"], dtype=torch.int64).reshape(shape)
-    mult = torch.tensor(a["neg_multiplier"], dtype=torch.int64).reshape(shape)
-    shift = torch.tensor(a["neg_shift"], dtype=torch.int64).reshape(shape)
+    sign = torch.tensor(a["neg_sign"], dtype=torch.int64, device=q.device).reshape(shape)
+    mult = torch.tensor(a["neg_multiplier"], dtype=torch.int64, device=q.device).reshape(shape)
+    shift = torch.tensor(a["neg_shift"], dtype=torch.int64, device=q.device).reshape(shape)
     neg = requantize(q * sign, mult, shift, out)
     return torch.where(q >= 0, pos, neg).to(storage_dtype(out.value))

@@ -104,7 +104,7 @@ class TorchAblationCache:
         self.access = access
         self.model: nn.Module = access.model
         self.state = access.state
-        self.example = example
+        self.example = access.on_device(example)
         self.indices = indices
         self.entries: dict[tuple[str, int], _Entry] = {}
         #: per site occurrence, the inputs of the reference forward: (spec, [(kind, ref)]), None: never clean

@@ -61,12 +61,16 @@ def as_ir_module(model: Any) -> Module:
 def call_ir(module: Module, example: Any) -> dict[str, torch.Tensor]:
     """The IR's named input tensors for one call's inputs in any accepted format: the torch input pytree (a tuple
     is positional arguments), the deployment format (the same without its non-tensor leaves), or a dict of the
-    tensors by input name."""
+    tensors by input name. They are moved to the IR's device (:meth:`Module.to`): the profiler runs an IR where
+    its constants are, whatever device the bad case was given on."""
     if isinstance(example, dict) and example and set(example) <= set(module.input_names) and \
             all(isinstance(v, torch.Tensor) for v in example.values()):
-        return module.feeds(**example)
-    args = example if isinstance(example, tuple) else (example,)
-    return module.feeds(*args)
+        feeds = module.feeds(**example)
+    else:
+        args = example if isinstance(example, tuple) else (example,)
+        feeds = module.feeds(*args)
+    device = module.device
+    return {name: t if t.device == device else t.to(device) for name, t in feeds.items()}
 
 
 @dataclass
@@ -334,7 +338,10 @@ class IRModelAccess(ModelAccess):
                 info = self.value_info(name)
                 if entering is not None and info is not None and info.qdtype:  # quantized to this IR's integers
                     entering[0] += _nonfinite(base[where[1]])
-                values[name] = self.from_float(name, base[where[1]])
+                value = base[where[1]]
+                if isinstance(value, torch.Tensor) and value.device != self.module.device:
+                    value = value.to(self.module.device)  # the baseline's trace is held on the CPU
+                values[name] = self.from_float(name, value)
         out, pre = self.run_program(prog, values)
         note = f"inputs {borrowed} are this model's own" if borrowed else ""
         return out, pre, note

@@ -8,6 +8,7 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from quantlens.errors import QuantLensError
 from quantlens.profiler.index_ops import IndexOpMode
@@ -17,7 +18,7 @@ from quantlens.profiler.model_access import (
 from quantlens.profiler.torch_probe import FloatProbe, Probe, RuntimeProbe
 from quantlens.quantization.fake_quantize import FakeQuantize
 from quantlens.quantization.prepare import is_prepared
-from quantlens.quantization.record import call_model
+from quantlens.quantization.record import call_model, model_device
 from quantlens.quantization.tracer import OpSiteTracer
 
 __all__ = ["TorchModelAccess"]
@@ -53,6 +54,16 @@ class TorchModelAccess(ModelAccess):
     @property
     def quantized(self) -> bool:
         return self.prepared
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs: the device of its first parameter or buffer (the CPU when it has none)."""
+        return model_device(self.model)
+
+    def on_device(self, example: Any) -> Any:
+        """``example`` with its tensors moved to the model's device (the bad case is held on the CPU)."""
+        device = self.device
+        return pytree.tree_map_only(torch.Tensor, lambda t: t if t.device == device else t.to(device), example)
 
     def group_internal_sites(self) -> frozenset[str]:
         if not self.prepared:
@@ -103,6 +114,7 @@ class TorchModelAccess(ModelAccess):
 
     def run(self, example: Any, sink: TraceSink | None = None, same_input: SameInputSource | None = None,
             indices: dict[str, list[torch.Tensor]] | None = None, override: Any = None) -> Any:
+        example = self.on_device(example)
         with self._profiling():
             if sink is None and indices is None and override is None:
                 return call_model(self.model, example)

@@ -39,7 +39,7 @@ from quantlens.quantization.qconfig_template import (
     default_qat_qconfig_setter,
     resolve_qconfigs,
 )
-from quantlens.quantization.record import ModelRecord, call_model, record_model
+from quantlens.quantization.record import ModelRecord, call_model, model_device, record_model
 from quantlens.quantization.stubs import QuantStub
 from quantlens.quantization.tracer import OpSiteTracer, SiteCall, SiteHandler, TensorMarks, is_float_tensor
 from torch.utils import _pytree as pytree
@@ -459,6 +459,9 @@ def prepare(
     from quantlens.quantization.scale_policy import install_scale_policy
 
     install_scale_policy(prepared)  # consistency level 2: pow2 activation scales, shared add/sub/cat scales
+    device = model_device(model)
+    if device.type != "cpu":  # the fake quants and swapped-in modules are made on the CPU: join the model
+        prepared.to(device)
     prepared.forward = _QuantizedForward(prepared)
     set_fake_quantize(prepared, FakeQuantState.QAT)
     prepared.train(was_training)

@@ -27,7 +27,7 @@ from quantlens.quantization.tracer import (
     user_source_location,
 )
 
-__all__ = ["SiteInput", "OpSiteRecord", "ModelRecord", "record_model", "get_op_sites", "call_model"]
+__all__ = ["SiteInput", "OpSiteRecord", "ModelRecord", "record_model", "get_op_sites", "call_model", "model_device"]
 
 
 
@@ -191,6 +191,15 @@ def _output_leaves(output: Any) -> list:
     if isinstance(output, tuple) and not hasattr(output, "_fields") and type(output) is not tuple:
         return [x for x in output if isinstance(x, torch.Tensor)]  # torch.return_types structseq
     return pytree.tree_leaves(output)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where a model runs: the device of its first parameter or buffer (the CPU when it has none)."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
 
 
 def call_model(model: nn.Module, example: Any) -> Any:
