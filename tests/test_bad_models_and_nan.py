@@ -186,3 +186,21 @@ def test_nan_in_qat_is_flagged_at_the_step_and_op_site():
     clean = prepare(get_model("tiny_resnet"), example_inputs("tiny_resnet"), default_qat_qconfig_setter,
                     check_result_dir=None)
     assert find_nonfinite(clean, example_inputs("tiny_resnet")) is None
+
+
+def test_all_finite_is_the_element_test_whatever_the_sum_does():
+    """quantlens._finite.all_finite (the IR input check, the metrics, the profiler): a finite sum answers at once,
+    anything else takes the element test."""
+    from quantlens._finite import all_finite
+
+    big = torch.full((64,), 3e38)  # finite, its float32 sum overflows to inf
+    assert not torch.isfinite(big.sum()) and all_finite(big)
+    assert all_finite(torch.full((10,), 60000.0, dtype=torch.float16))  # float16 sum overflows too
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = torch.randn(100, dtype=torch.float64)
+        t[17] = bad
+        assert not all_finite(t)
+    both = torch.tensor([float("inf"), -float("inf"), 1.0])  # their sum is NaN, not Inf
+    assert not all_finite(both)
+    assert all_finite(torch.empty(0)) and all_finite(torch.arange(5))  # empty; integers are always finite
+    assert all_finite(torch.randn(3, 4)) and not all_finite(torch.tensor([[1.0, float("nan")]]).t())

@@ -140,3 +140,34 @@ def test_sharded_single_process_uses_the_cache(monkeypatch, tmp_path):
     cached, full, used = _both(monkeypatch, tmp_path, model, calib, "fake_quant", example_inputs("tiny_resnet", 4),
                                shard_true=True)
     assert used > 0 and cached == full
+
+
+def test_frozen_folds_give_the_per_forward_fold_and_end_with_the_block():
+    """qat_modules.frozen_folds (the ablation forwards): a conv + BN folded once gives the forward's outputs bit
+    for bit; after the block, a changed BN statistic is folded afresh."""
+    import warnings
+
+    from torch import nn
+
+    from quantlens.quantization import QuantStub, calibrate, prepare
+    from quantlens.quantization.qat_modules import QATConvBn2d, frozen_folds
+    from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+
+    torch.manual_seed(0)
+    model = nn.Sequential(QuantStub(), nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
+    with torch.no_grad():
+        model[2].running_mean.uniform_(-1, 1)
+    x = torch.randn(2, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = calibrate(prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None),
+                             [(torch.randn(2, 3, 8, 8),)])
+    fused = [m for m in prepared.modules() if isinstance(m, QATConvBn2d)]
+    assert len(fused) == 1
+    with torch.no_grad():
+        plain = prepared(x)
+        with frozen_folds(prepared.modules()):
+            assert torch.equal(prepared(x), plain)
+            fused[0].bn.running_mean.add_(0.5)  # (nobody does this inside the block: the fold stays frozen)
+            assert torch.equal(prepared(x), plain)
+        assert not torch.equal(prepared(x), plain)  # outside it, folded from the current statistics

@@ -13,8 +13,6 @@ JSON-serialisable parameters, and ``site`` is the op site name of the torch op i
 
 from __future__ import annotations
 
-import math
-
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -22,6 +20,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from quantlens._finite import all_finite
 from quantlens.errors import QuantLensError
 
 __all__ = ["IR_VERSION", "Node", "ValueInfo", "Graph", "Module", "InputLeaf"]
@@ -387,19 +386,15 @@ def _check_input(name: str, value: Any, info: ValueInfo | None, check_finite: bo
             f"IR input '{name}' has dtype {_dtype_name(value.dtype)}, but the IR was exported for {info.dtype} "
             f"(shape {want}); it takes exactly that dtype and never converts. Convert it: `x{cast}`."
         )
-    # One reduction first: a sum is finite only if every element is (NaN and Inf propagate through it); a finite
-    # tensor whose sum overflows takes the element test, which decides. (isfinite + all: two passes and a mask.)
-    if check_finite and value.is_floating_point() and value.numel() and not math.isfinite(float(value.sum())):
-        finite = torch.isfinite(value)
-        if not bool(finite.all()):
-            nan = int(torch.isnan(value).sum())
-            inf = int((~finite).sum()) - nan
-            raise QuantLensError(
-                f"IR input '{name}' holds {nan} NaN and {inf} Inf values (of {value.numel()}). The IR refuses "
-                "non-finite inputs: quantizing them gives arbitrary integers (NaN -> 0, Inf -> the saturated "
-                "code) and finite, meaningless outputs. Clean the data (e.g. `torch.nan_to_num`), or run it "
-                "anyway with `module.run(feeds, check_finite=False)`."
-            )
+    if check_finite and not all_finite(value):
+        nan = int(torch.isnan(value).sum())
+        inf = int((~torch.isfinite(value)).sum()) - nan
+        raise QuantLensError(
+            f"IR input '{name}' holds {nan} NaN and {inf} Inf values (of {value.numel()}). The IR refuses "
+            "non-finite inputs: quantizing them gives arbitrary integers (NaN -> 0, Inf -> the saturated "
+            "code) and finite, meaningless outputs. Clean the data (e.g. `torch.nan_to_num`), or run it "
+            "anyway with `module.run(feeds, check_finite=False)`."
+        )
 
 
 def _reorder_like(given: Any, template: Any) -> Any:

@@ -18,6 +18,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from quantlens._finite import all_finite
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType
 from quantlens.profiler.metrics import compute_all, in_scale_units
@@ -216,7 +217,7 @@ def _split(base: list[torch.Tensor], pre: list[torch.Tensor], same: list[torch.T
     The kind is the largest of the three; none when the error is within float32 noise (:data:`_FLOAT_NOISE`).
     """
     x, p, y = (_flat(t).double().reshape(-1) for t in (base, pre, same))
-    if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(p).all())) or x.numel() == 0:
+    if not (all_finite(x) and all_finite(p)) or x.numel() == 0:
         return {}
     noise = float((x - y).norm()) <= float(x.norm()) * _FLOAT_NOISE
     if noise:  # no error beyond float32 noise: nothing to split (the parts would only cancel each other)
@@ -309,7 +310,7 @@ def lsb_report(base: list[torch.Tensor], analy: list[torch.Tensor], scale: float
     else:
         step = scale
         x, y = _flat(base).double().reshape(-1), _flat(analy).double().reshape(-1)
-    if x.numel() == 0 or not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
+    if x.numel() == 0 or not (all_finite(x) and all_finite(y)):
         return {}
     lsb = torch.round((x - y).abs() / step).reshape(-1)
     worst = float(lsb.max())

@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from quantlens._finite import all_finite
 from quantlens.errors import QuantLensError
 
 __all__ = ["Metric", "METRICS", "register_metric", "get_metric", "metric_names", "compute_all", "in_scale_units",
@@ -52,7 +53,7 @@ class Metric:
                 f"Metric {self.name}: shapes differ, baseline {tuple(baseline.shape)} vs analysis "
                 f"{tuple(analysis.shape)}. Both models must produce the same output structure for one input."
             )
-        if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
+        if not (all_finite(x) and all_finite(y)):
             return math.nan
         return float(self.func(x, y))
 
@@ -140,7 +141,7 @@ def compute_all(baseline: torch.Tensor, analysis: torch.Tensor) -> dict[str, flo
     x, y = _prepare(baseline), _prepare(analysis)
     if x.shape != y.shape:
         return {name: metric(baseline, analysis) for name, metric in METRICS.items()}  # raises, naming it
-    if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
+    if not (all_finite(x) and all_finite(y)):
         return {name: math.nan for name in METRICS}
     return {name: float(metric.func(x, y)) for name, metric in METRICS.items()}
 

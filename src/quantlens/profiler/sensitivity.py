@@ -38,6 +38,7 @@ from typing import Any, Sequence
 
 import torch
 
+from quantlens._finite import all_finite
 from quantlens.errors import QuantLensError
 from quantlens.profiler.metrics import get_metric
 from quantlens.profiler.model_access import AnalysisType, ModelAccess, SiteEvent
@@ -142,8 +143,7 @@ class IndexRecorder:
         return self.site_inputs.get(site)
 
     def on_site(self, event: SiteEvent) -> None:
-        if event.name not in self.nonfinite and any(
-                t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in event.outputs):
+        if event.name not in self.nonfinite and not all(all_finite(t) for t in event.outputs):
             self.nonfinite.append(event.name)
         if event.index_producing:
             self.indices[event.name] = [t.detach().clone() for t in event.outputs if not t.is_floating_point()]
@@ -174,7 +174,7 @@ class _TableErrors:
 
         x = torch.cat([t.detach().double().reshape(-1) for t in base])
         y = torch.cat([t.detach().double().reshape(-1) for t in same])
-        if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
+        if not (all_finite(x) and all_finite(y)):
             rec.table_errors[event.name] = (math.nan, "")
             return
         steps = torch.round((x - y).abs() / float(scale))
@@ -185,7 +185,7 @@ class _TableErrors:
 
 def _refuse_nonfinite_baseline(base: dict[str, torch.Tensor], sites: list[str]) -> None:
     """A baseline output with NaN/Inf makes every metric NaN: no ranking can be read from it, so refuse."""
-    bad = [name for name, t in base.items() if not bool(torch.isfinite(t).all())]
+    bad = [name for name, t in base.items() if not all_finite(t)]
     if not bad:
         return
     where = (f" The first op site whose output is non-finite in the baseline is '{sites[0]}'"

@@ -18,6 +18,7 @@ from quantlens.profiler.model_access import (
 from quantlens.profiler.torch_probe import FloatProbe, Probe, RuntimeProbe
 from quantlens.quantization.fake_quantize import FakeQuantize
 from quantlens.quantization.prepare import is_prepared
+from quantlens.quantization.qat_modules import frozen_folds
 from quantlens.quantization.record import call_model, model_device
 from quantlens.quantization.tracer import OpSiteTracer
 
@@ -250,10 +251,12 @@ class TorchModelAccess(ModelAccess):
             for m in units[q]:
                 m.fake_quant_enabled = on
 
-        # the ablation forwards run on a model nobody restructures meanwhile: one module list for all of them
+        # the ablation forwards run on a model nobody restructures meanwhile: one module list for all of them, and
+        # (weights and BN statistics fixed: only fake quants switch) each conv/linear + BN folded once
         self._frozen_modules = modules
         try:
-            yield enable
+            with frozen_folds(modules):
+                yield enable
         finally:
             self._frozen_modules = None
             for m, flag, observing in saved:

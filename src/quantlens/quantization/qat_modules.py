@@ -9,6 +9,10 @@ exactly as the integer kernel adds it to the accumulator (``docs/march.md``, "Bi
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Iterable, Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,7 +32,29 @@ __all__ = [
     "QATLinearBn1d",
     "qat_class_for",
     "fused_class_for",
+    "frozen_folds",
 ]
+
+#: id(module) -> its folded (weight, factor, beta, bias, folded bias), while :func:`frozen_folds` holds them
+_FROZEN_FOLDS: contextvars.ContextVar[dict[int, tuple] | None] = contextvars.ContextVar("frozen_folds", default=None)
+
+
+@contextlib.contextmanager
+def frozen_folds(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Fold each conv/linear + BatchNorm of ``modules`` once, for a stretch of eval forwards in which neither the
+    weights nor the BN statistics change (the profiler's ablation forwards: only fake quants are switched), instead
+    of at every forward. Outside the block, and for a module in training mode, every forward folds afresh."""
+    folds = {}
+    with torch.no_grad():
+        for m in modules:
+            if isinstance(m, _FoldedBnMixin):  # (the fold is the same in either mode; training forwards skip it)
+                w, factor, beta, bias = m._fold()
+                folds[id(m)] = (w, factor, beta, bias, beta + (bias - m.bn.running_mean) * factor)
+    token = _FROZEN_FOLDS.set(folds)
+    try:
+        yield
+    finally:
+        _FROZEN_FOLDS.reset(token)
 
 class _WeightQuantMixin:
     """Shared by every QAT class: the weight fake quant and the int32 bias rule."""
@@ -159,6 +185,11 @@ class _FoldedBnMixin(_WeightQuantMixin):
         return self._affine(x, w, b)
 
     def forward(self, x):
+        frozen = _FROZEN_FOLDS.get()
+        fold = frozen.get(id(self)) if frozen and not self.training else None
+        if fold is not None:
+            w, factor, beta, bias, b_fold = fold
+            return self._affine(x, self.weight_fake_quant(w), self._quant_bias(b_fold))
         w, factor, beta, bias = self._fold()
         w_fold = self.weight_fake_quant(w)
         if self.training:
