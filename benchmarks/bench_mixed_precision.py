@@ -22,7 +22,7 @@ import torch
 
 from quantlens.compiler import convert, export, to_onnx
 from quantlens.profiler import QuantAnalysis
-from quantlens.quantization import ConsistencyStrategy, calibrate, prepare
+from quantlens.quantization import ConsistencyStrategy, calibrate, pre_export, prepare
 from quantlens.quantization.mixed_precision import search_mixed_precision
 from quantlens.quantization.qconfig_template import (
     default_calibration_qconfig_setter,
@@ -114,6 +114,19 @@ def main() -> None:
         qat_out = torch.cat([qat_ir(*c) for c in chunks])
         q_out = torch.cat([q_ir(*c) for c in chunks])
     summary["qat_ir_cosine_mean"], summary["qat_ir_cosine_min"] = cosine(qat_out, ref)
+    # the qat IR is the pre_export torch model's semantics: the same floats (torch's own float GEMMs), whatever
+    # the thread count; onnxruntime's float GEMMs sum in another order (below)
+    with torch.no_grad():
+        table_model = pre_export(promoted)
+        torch_out = torch.cat([table_model(*c) for c in chunks])
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            qat_out_2 = torch.cat([qat_ir(*c) for c in chunks])
+        finally:
+            torch.set_num_threads(threads)
+    summary["pre_export_vs_qat_ir_max_abs"] = float((torch_out - qat_out).abs().max())
+    summary["qat_ir_1_vs_2_threads_max_abs"] = float((qat_out_2 - qat_out).abs().max())
     summary["quantized_ir_cosine_mean"], summary["quantized_ir_cosine_min"] = cosine(q_out, ref)
     summary["quantized_ir_latency_cycles"] = int(q_ir.latency_estimate().cycles)
     # the same promoted model converted with the high-precision requantize (consistency level 0: no retraining,
