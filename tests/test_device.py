@@ -120,10 +120,12 @@ def _cuda(tree):
     return pytree.tree_map_only(torch.Tensor, lambda t: t.to("cuda"), tree)
 
 
+@pytest.mark.parametrize("inputs_on", ["device", "cpu"])
 @pytest.mark.parametrize("name", ["digits_cnn", "multitask"])
-def test_prepare_and_calibrate_a_model_on_the_device(name):
+def test_prepare_and_calibrate_a_model_on_the_device(name, inputs_on):
     """The fake quants prepare adds (made on the CPU) join the model's device; calibration's scales equal the
-    CPU run's."""
+    CPU run's. Example inputs and calibration batches held on the CPU move to the model's device."""
+    move = _cuda if inputs_on == "device" else (lambda tree: tree)
     example, batches = zoo.example_inputs(name), zoo.sample_batches(name, 3, 8)
     torch.manual_seed(0)
     on_cpu = calibrate(prepare(zoo.get_model(name), example, default_calibration_qconfig_setter,
@@ -131,8 +133,8 @@ def test_prepare_and_calibrate_a_model_on_the_device(name):
     with VirtualCuda() as vc:
         torch.manual_seed(0)
         model = module_to_virtual(zoo.get_model(name))
-        prepared = calibrate(prepare(model, _cuda(example), default_calibration_qconfig_setter,
-                                     check_result_dir=None), [_cuda(b) for b in batches])
+        prepared = calibrate(prepare(model, move(example), default_calibration_qconfig_setter,
+                                     check_result_dir=None), [move(b) for b in batches])
         state = prepared.state_dict()
         assert all(vc.is_virtual(t) for t in state.values())
         out = prepared(*_cuda(example))
@@ -179,3 +181,21 @@ def test_the_profiler_runs_on_the_models_device(name, tmp_path):
     for kind in pairs:
         assert got[kind] == expected[kind], kind
         assert got[kind][0] and got[kind][1]
+
+
+def test_pre_export_reads_table_arguments_on_the_device():
+    """pre_export(..., example_inputs=) on a model on the device (example held on the CPU): the pow exponents it
+    reads at run time, and the table model's outputs, as on the CPU."""
+    example, batches = (torch.randn(4, 8) * 2,), [(torch.randn(4, 8) * 2,) for _ in range(3)]
+    torch.manual_seed(0)
+    on_cpu = pre_export(calibrate(prepare(_AllOps(), example, default_calibration_qconfig_setter,
+                                          check_result_dir=None), batches), example_inputs=example)
+    expected = on_cpu(*example)
+    with VirtualCuda() as vc:
+        torch.manual_seed(0)
+        prepared = calibrate(prepare(module_to_virtual(_AllOps()), example, default_calibration_qconfig_setter,
+                                     check_result_dir=None), batches)
+        table_model = pre_export(prepared, example_inputs=example)
+        out = table_model(*_cuda(example))
+        assert vc.is_virtual(out)
+        assert torch.equal(out.cpu(), expected)

@@ -8,7 +8,6 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from quantlens.errors import QuantLensError
 from quantlens.profiler.index_ops import IndexOpMode
@@ -19,7 +18,7 @@ from quantlens.profiler.torch_probe import FloatProbe, Probe, RuntimeProbe
 from quantlens.quantization.fake_quantize import FakeQuantize
 from quantlens.quantization.prepare import is_prepared
 from quantlens.quantization.qat_modules import frozen_folds
-from quantlens.quantization.record import call_model, model_device
+from quantlens.quantization.record import call_model, inputs_to, model_device
 from quantlens.quantization.tracer import OpSiteTracer
 
 __all__ = ["TorchModelAccess"]
@@ -63,8 +62,7 @@ class TorchModelAccess(ModelAccess):
 
     def on_device(self, example: Any) -> Any:
         """``example`` with its tensors moved to the model's device (the bad case is held on the CPU)."""
-        device = self.device
-        return pytree.tree_map_only(torch.Tensor, lambda t: t if t.device == device else t.to(device), example)
+        return inputs_to(example, self.device)
 
     def group_internal_sites(self) -> frozenset[str]:
         if not self.prepared:

@@ -275,8 +275,12 @@ def calibrate(model: nn.Module, batches, *, validate: bool = True) -> nn.Module:
     first_batch = None
     from quantlens._threads import loop_threads
 
+    from quantlens.quantization.record import inputs_to, model_device
+
+    device = model_device(model)  # batches held elsewhere (a CPU data loader) move to the model
     with torch.no_grad(), loop_threads():
         for batch in batches:
+            batch = inputs_to(batch, device)
             if first_batch is None:
                 first_batch = batch
             try:

@@ -35,7 +35,7 @@ from quantlens.quantization.decompositions import SdpaDecomposition
 from quantlens.quantization.overrides import OverrideCall, SiteOverride
 from quantlens.quantization.plan import OutputMode, SitePlan, fq_key
 from quantlens.quantization.prepare import QuantState, is_prepared
-from quantlens.quantization.record import OpSiteRecord, call_model
+from quantlens.quantization.record import OpSiteRecord, call_model, inputs_to, model_device
 from quantlens.quantization.table_overrides import LutSiteInfo, SoftmaxOverride, TableOverride
 from quantlens.quantization.table_registry import TABLE_OP_SPECS, table_op_spec
 
@@ -181,7 +181,7 @@ def _capture(model: nn.Module, state: QuantState, sites, example_inputs: Any) ->
         m.observe_enabled = False
     try:
         with torch.no_grad():
-            call_model(model, example_inputs)
+            call_model(model, inputs_to(example_inputs, model_device(model)))
         return {name: state.overrides[key].calls[0] for name, key in keys.items() if state.overrides[key].calls}
     finally:
         for m in paused:
@@ -291,6 +291,9 @@ def _install(result: nn.Module, example_inputs: Any) -> None:
         state.overrides[key] = override
         state.plans[name].override = key
     _attention_softmax_tables(state, rebuild)
+    device = model_device(result)
+    if device.type != "cpu":  # the tables are built on the CPU: join the model (a rebuild keeps their device)
+        state.overrides.to(device)
 
 
 def _attention_softmax_tables(state: QuantState, rebuild: bool = False) -> None:

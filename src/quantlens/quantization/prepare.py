@@ -39,7 +39,7 @@ from quantlens.quantization.qconfig_template import (
     default_qat_qconfig_setter,
     resolve_qconfigs,
 )
-from quantlens.quantization.record import ModelRecord, call_model, model_device, record_model
+from quantlens.quantization.record import ModelRecord, call_model, inputs_to, model_device, record_model
 from quantlens.quantization.stubs import QuantStub
 from quantlens.quantization.tracer import OpSiteTracer, SiteCall, SiteHandler, TensorMarks, is_float_tensor
 from torch.utils import _pytree as pytree
@@ -418,7 +418,8 @@ def prepare(
     prepared.eval()  # recording must not update BatchNorm statistics or sample dropout masks
     # The model runs on copies: a forward that changes its input in place (x.mul_(2)) leaves the user's
     # example inputs as they were.
-    examples = [_copy_inputs(e) for e in (example_inputs, *list(extra_example_inputs))]
+    device = model_device(model)  # (example inputs held elsewhere, e.g. on the CPU, move to the model)
+    examples = [inputs_to(_copy_inputs(e), device) for e in (example_inputs, *list(extra_example_inputs))]
     record = record_model(prepared, examples)
     groups, unfused = find_fusions(record, prepared)
     ctx = QconfigContext(record, groups)
@@ -459,14 +460,13 @@ def prepare(
     from quantlens.quantization.scale_policy import install_scale_policy
 
     install_scale_policy(prepared)  # consistency level 2: pow2 activation scales, shared add/sub/cat scales
-    device = model_device(model)
     if device.type != "cpu":  # the fake quants and swapped-in modules are made on the CPU: join the model
         prepared.to(device)
     prepared.forward = _QuantizedForward(prepared)
     set_fake_quantize(prepared, FakeQuantState.QAT)
     prepared.train(was_training)
     if check_result_dir is not None:
-        _write_check_report(prepared, _copy_inputs(example_inputs), check_result_dir)
+        _write_check_report(prepared, inputs_to(_copy_inputs(example_inputs), device), check_result_dir)
     return prepared
 
 

@@ -27,7 +27,8 @@ from quantlens.quantization.tracer import (
     user_source_location,
 )
 
-__all__ = ["SiteInput", "OpSiteRecord", "ModelRecord", "record_model", "get_op_sites", "call_model", "model_device"]
+__all__ = ["SiteInput", "OpSiteRecord", "ModelRecord", "record_model", "get_op_sites", "call_model", "model_device",
+           "inputs_to"]
 
 
 
@@ -200,6 +201,11 @@ def model_device(model: nn.Module) -> torch.device:
     for t in model.buffers():
         return t.device
     return torch.device("cpu")
+
+
+def inputs_to(example: Any, device: torch.device) -> Any:
+    """``example`` with every tensor leaf on ``device`` (the leaves already there as they are, no copy)."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t if t.device == device else t.to(device), example)
 
 
 def call_model(model: nn.Module, example: Any) -> Any:
