@@ -335,12 +335,16 @@ def _run_decomposition(mode: "OpSiteTracer", decomposition: Callable, args: tupl
         _pop_mode()
 
 
+#: one no-op context for every site call when sites are not annotated (nullcontext is reusable and reentrant)
+_NO_ANNOTATION = contextlib.nullcontext()
+
+
 def _annotation(name: str):
     if OpSiteTracer.annotate_sites:
         import torch.fx.traceback as fx_traceback
 
         return fx_traceback.annotate({"op_site": name})
-    return contextlib.nullcontext()
+    return _NO_ANNOTATION
 
 
 def _has_float_tensor(args: tuple, kwargs: dict) -> bool:
