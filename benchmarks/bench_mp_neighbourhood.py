@@ -24,6 +24,7 @@ from quantlens.quantization import calibrate, prepare
 from quantlens.quantization.mixed_precision import (
     MixedPrecisionQconfigSetter,
     Promotion,
+    _key,
     int16_conflicts,
     mixed_precision_candidates,
 )
@@ -31,11 +32,7 @@ from quantlens.quantization.qconfig_template import default_calibration_qconfig_
 from quantlens.zoo.sentence_transformer import all_minilm_l6_v2, minilm_data
 
 
-def _key(selection) -> str:  # the progress file's key of a set of promotions
-    return ";".join(f"{p.site}|{p.kind}" for p in sorted(selection))
-
-
-def _parse(key: str) -> list[Promotion]:
+def _parse(key: str) -> list[Promotion]:  # the inverse of the progress file's key (mixed_precision._key)
     return [Promotion(*item.split("|")) for item in key.split(";")] if key else []
 
 
@@ -68,7 +65,7 @@ def main() -> None:
             with torch.no_grad():
                 out = build(selection)(*evaluation)
             measured[key] = float(torch.nn.functional.cosine_similarity(out.double(), ref.double(), dim=1).mean())
-            cache.write_text(json.dumps({k: v for k, v in measured.items()}))
+            cache.write_text(json.dumps(measured))
         return measured[key]
 
     size = lambda key: len(key.split(";")) if key else 0  # noqa: E731

@@ -249,7 +249,6 @@ class _GemmWeights:
 
     def fits(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
         return (w is self.w and w._version == self.w_version and b is self.b and x.dtype == self.x_dtype
-                and x.device == w.device
                 and (b is None or b._version == self.b_version))
 
 

@@ -38,6 +38,7 @@ from quantlens.opset import IR_OPS, Category
 from quantlens.profiler.model_access import (
     AnalysisType, ConsistencyInfo, IntegerStats, ModelAccess, Quantizer, SameInputSource, SiteEvent, TraceSink,
 )
+from quantlens.quantization.record import inputs_to
 
 __all__ = ["IRModelAccess", "SiteOverride", "as_ir_module", "call_ir"]
 
@@ -69,8 +70,7 @@ def call_ir(module: Module, example: Any) -> dict[str, torch.Tensor]:
     else:
         args = example if isinstance(example, tuple) else (example,)
         feeds = module.feeds(*args)
-    device = module.device
-    return {name: t if t.device == device else t.to(device) for name, t in feeds.items()}
+    return inputs_to(feeds, module.device)
 
 
 @dataclass
@@ -338,10 +338,8 @@ class IRModelAccess(ModelAccess):
                 info = self.value_info(name)
                 if entering is not None and info is not None and info.qdtype:  # quantized to this IR's integers
                     entering[0] += _nonfinite(base[where[1]])
-                value = base[where[1]]
-                if isinstance(value, torch.Tensor) and value.device != self.module.device:
-                    value = value.to(self.module.device)  # the baseline's trace is held on the CPU
-                values[name] = self.from_float(name, value)
+                # (the baseline's trace is held on the CPU)
+                values[name] = self.from_float(name, inputs_to(base[where[1]], self.module.device))
         out, pre = self.run_program(prog, values)
         note = f"inputs {borrowed} are this model's own" if borrowed else ""
         return out, pre, note

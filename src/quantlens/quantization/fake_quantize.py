@@ -274,7 +274,6 @@ def calibrate(model: nn.Module, batches, *, validate: bool = True) -> nn.Module:
     seen = 0
     first_batch = None
     from quantlens._threads import loop_threads
-
     from quantlens.quantization.record import inputs_to, model_device
 
     device = model_device(model)  # batches held elsewhere (a CPU data loader) move to the model
