@@ -165,3 +165,29 @@ def test_bad_files_exit_2_and_debug_shows_traceback(tmp_path, analyzed):
     _, out, _ = analyzed
     wrong = ql("compare", out / "quantized_ir.qlir", out / "qat_ir.qlir")
     assert wrong.returncode == 2 and "must be a qat IR" in wrong.stderr
+
+
+def test_piped_errors_are_not_rewrapped(tmp_path):
+    """Errors written to a pipe keep their lines whole: the path and the suggested command can be copied (a
+    terminal of 80 columns, as COLUMNS says, must not fold them)."""
+    deep = tmp_path / ("a_rather_long_folder_name_for_a_config_" * 3) / "incomplete_config_file.py"
+    deep.parent.mkdir(parents=True)
+    deep.write_text("x = 1\n")
+    env_columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "80"
+    try:
+        res = ql("analyze", deep)
+    finally:
+        if env_columns is None:
+            os.environ.pop("COLUMNS")
+        else:
+            os.environ["COLUMNS"] = env_columns
+    assert res.returncode == 2
+    line = next(ln for ln in res.stderr.splitlines() if "does not define" in ln)
+    assert str(deep) in line and len(line) > 80
+    assert "quantlens analyze --gen" in res.stderr
+    # the real entry point, its stderr a pipe
+    proc = subprocess.run([sys.executable, "-m", "quantlens", "analyze", str(deep)], capture_output=True, text=True,
+                          env=dict(os.environ, COLUMNS="80", OMP_NUM_THREADS="1"), timeout=300)
+    assert proc.returncode == 2
+    assert str(deep) in proc.stderr and "quantlens analyze --gen" in proc.stderr

@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     debug = args.debug or getattr(args, "sub_debug", False)
-    err = Console(stderr=True, highlight=False)
+    # Piped or redirected (not a terminal), an error is written unwrapped: rich would otherwise fold it at 80
+    # columns, splitting the paths and the suggested commands that users copy from it.
+    err = Console(stderr=True, highlight=False, soft_wrap=not sys.stderr.isatty())
     _quiet_torch()
     try:
         return int(args.func(args) or 0)
