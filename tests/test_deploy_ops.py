@@ -143,13 +143,13 @@ def test_deploy_ops_through_every_stage_and_onnxruntime(setter, tmp_path):
                           meta={**qat_ir.meta, "high_precision_qpp": True}))
     assert (high(held_out) - expected).abs().max() <= tolerance
     path = to_onnx(qat_ir, tmp_path / "m.onnx")
-    import onnxruntime as ort
+    from _ort import LEVELS, saturating_kernels, session
 
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(str(path), options)
-    got = session.run(None, {session.get_inputs()[0].name: held_out.numpy()})[0]
-    assert np.abs(got - qat_ir(held_out).numpy()).max() <= step * 1.001
+    assert saturating_kernels(path, tmp_path) == set()
+    for level in LEVELS:
+        ort_session = session(path, level)
+        got = ort_session.run(None, {ort_session.get_inputs()[0].name: held_out.numpy()})[0]
+        assert np.abs(got - qat_ir(held_out).numpy()).max() <= step * 1.001, level
 
 
 _SINGLE_OPS = {

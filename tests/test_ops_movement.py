@@ -126,17 +126,16 @@ def _compare(fq_model, qat_ir, q_ir, x, exact=False):
 
 # -- onnxruntime --------------------------------------------------------------------------------------------------
 def _onnx_errors(qat_ir, x, tmp_path):
-    """qat IR vs onnxruntime (graph as written, and its default optimisation level): errors in output steps."""
-    ort = pytest.importorskip("onnxruntime")
+    """qat IR vs onnxruntime (graph as written, and its default options): errors in output steps. The optimized
+    graph keeps no integer GEMM kernel (tests/_ort.py)."""
+    pytest.importorskip("onnxruntime")
+    from _ort import LEVELS, saturating_kernels, session
+
     path = to_onnx(qat_ir, tmp_path / "model.onnx")
     ref = qat_ir.run({qat_ir.graph.inputs[0]: x})
     result = {}
-    for level in ("ORT_DISABLE_ALL", "ORT_ENABLE_ALL"):
-        options = ort.SessionOptions()
-        options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
-        options.log_severity_level = 3
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        got = session.run(None, {qat_ir.graph.inputs[0]: x.numpy()})
+    for level in LEVELS:
+        got = session(path, level).run(None, {qat_ir.graph.inputs[0]: x.numpy()})
         errs = []
         for name, r, g in zip(qat_ir.graph.outputs, ref, got):
             r = r.numpy()
@@ -145,6 +144,7 @@ def _onnx_errors(qat_ir, x, tmp_path):
             step = _output_step(qat_ir, name)
             errs.append(diff / step if step is not None else diff / max(float(np.abs(r).max()), 1e-30))
         result[level] = errs
+    assert saturating_kernels(path, tmp_path) == set()
     return result, path
 
 

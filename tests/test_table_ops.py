@@ -329,12 +329,10 @@ class _ConvOp(nn.Module):
 
 
 def _ort_run(path, feeds: dict, level: str):
-    ort = pytest.importorskip("onnxruntime")
-    options = ort.SessionOptions()
-    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
-    options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    return session.run(None, {k: v.numpy() for k, v in feeds.items()})
+    pytest.importorskip("onnxruntime")
+    from _ort import session
+
+    return session(path, level).run(None, {k: v.numpy() for k, v in feeds.items()})
 
 
 @pytest.mark.parametrize("act", ["int8", "int16"])
@@ -386,11 +384,14 @@ def test_end_to_end_conv_then_table_op(name, act, tmp_path):
     pytest.importorskip("onnx")
     from quantlens.compiler import to_onnx
 
+    from _ort import LEVELS, saturating_kernels
+
     path = to_onnx(qat_ir, tmp_path / f"{name}.onnx")
+    assert saturating_kernels(path, tmp_path) == set()  # the conv stays float on every CPU
     for (x,) in test:
         want = high(x)  # = pre_export's result (asserted above): ONNX writes the fake-quant model
         feeds = dict(zip(qat_ir.graph.inputs, [x]))
-        for level in ("ORT_DISABLE_ALL", "ORT_ENABLE_ALL"):
+        for level in LEVELS:
             got = torch.from_numpy(_ort_run(path, feeds, level)[0])
             assert got.shape == want.shape and np.isfinite(got.numpy()).all()
             assert (_codes(got, step) - _codes(want, step)).abs().max() <= 1, level  # within 1 output step

@@ -147,15 +147,15 @@ def test_saved_ir_loads_in_a_fresh_process_and_onnxruntime_agrees(name, stages, 
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
-    import onnxruntime as ort
+    from _ort import LEVELS, saturating_kernels, session
 
     onnx_path = to_onnx(s["qat_ir"], tmp_path / f"{name}.onnx")
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(str(onnx_path), options)
-    feeds = {i.name: t.numpy() for i, t in zip(session.get_inputs(), call)}
-    got = session.run(None, feeds)
+    assert saturating_kernels(onnx_path, tmp_path) == set()
     expected = _tensors(s["qat_ir"](*call))
-    for a, b in zip(got, expected):
-        scale = float(b.abs().max() / 127) or 1.0
-        assert np.abs(a - b.numpy()).max() <= 2 * scale, name  # QDQ float ops vs the tables: a step or two
+    for level in LEVELS:
+        ort_session = session(onnx_path, level)
+        feeds = {i.name: t.numpy() for i, t in zip(ort_session.get_inputs(), call)}
+        got = ort_session.run(None, feeds)
+        for a, b in zip(got, expected):
+            scale = float(b.abs().max() / 127) or 1.0
+            assert np.abs(a - b.numpy()).max() <= 2 * scale, (name, level)  # float ops vs the tables: a step or two

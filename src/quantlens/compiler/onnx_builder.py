@@ -32,10 +32,12 @@ def _onnx_dtype(dtype: str) -> int:
 
 
 class _Builder:
-    def __init__(self, module: Module, opset: int):
+    def __init__(self, module: Module, opset: int, standard_qdq: bool = False):
         import onnx.helper
 
         self.helper = onnx.helper
+        #: write dequantizations as DequantizeLinear (the standard QDQ form) rather than Cast + Mul (docs/ir.md)
+        self.standard_qdq = standard_qdq
         self.module = module
         self.graph = module.graph
         self.opset = opset
@@ -117,6 +119,37 @@ class _Builder:
             if rank is not None or out not in self.ranks:
                 self.ranks[out] = rank
         return outputs[0] if len(outputs) == 1 else outputs
+
+    def dequantize(self, codes: str, scale: torch.Tensor, zero_point: str | None, axis: int, rank: int | None,
+                   out: str, scale_name: str | None = None) -> str:
+        """``codes * scale`` in float32: the dequantization of a fake quant's integer codes.
+
+        The standard QDQ form writes ``DequantizeLinear``; the default form writes ``Cast(float32) -> Mul(scale)``,
+        which computes the same float32 values bit for bit (one rounding of ``q * s``) but which no runtime fuses
+        into an integer kernel: onnxruntime's default optimizations turn ``DequantizeLinear -> Conv/Gemm/MatMul``
+        groups into u8s8 kernels that saturate their 16-bit intermediate sums on x86 CPUs without VNNI
+        (docs/ir.md, "Why Cast + Mul"). ``scale`` is 0-D or 1-D (per ``axis``); ``scale_name`` reuses an existing
+        initializer holding it for DequantizeLinear.
+        """
+        per_axis = axis >= 0 and scale.numel() > 1
+        if self.standard_qdq:
+            if scale_name is None:
+                scale_name = self.init(scale.reshape(-1) if per_axis else scale.reshape(()), f"{out}/scale")
+            inputs = [codes, scale_name] + ([zero_point] if zero_point is not None else [])
+            attrs = {"axis": axis} if per_axis else {}
+            return self.add("DequantizeLinear", inputs, out, dtype="float32", rank=rank, **attrs)
+        if per_axis:
+            if rank is None:
+                raise QuantLensError(f"to_onnx: the rank of '{codes}' is unknown; export the model again.")
+            shape = [1] * rank
+            shape[axis] = -1
+            broadcast = scale.reshape(shape)
+        else:
+            broadcast = scale.reshape(())
+        real = self.add("Cast", [codes], f"{out}/codes_float", dtype="float32", rank=rank,
+                        to=_onnx_dtype("float32"))
+        return self.add("Mul", [real, self.init(broadcast.to(torch.float32), f"{out}/scale")], out, dtype="float32",
+                        rank=rank)
 
     def dtype(self, name: str) -> str | None:
         return self.dtypes.get(name)

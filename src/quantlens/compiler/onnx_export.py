@@ -1,11 +1,14 @@
-"""``to_onnx``: write the qat IR as a standard ONNX model (QDQ form) that onnxruntime runs.
+"""``to_onnx``: write the qat IR as a standard ONNX model that onnxruntime runs like the qat IR.
 
-* ``fake_quant`` of an activation becomes ``QuantizeLinear -> DequantizeLinear`` with an int8 / int16 (uint8 /
-  uint16) zero point 0, per axis when the IR fake quant is per channel. ONNX ``QuantizeLinear`` rounds half to
-  even, like the march (``docs/march.md`` §4), so a QDQ pair computes the fake quant.
+* ``fake_quant`` of an activation becomes ``QuantizeLinear`` (int8 / int16, uint8 / uint16, zero point 0, per
+  axis when the IR fake quant is per channel; ONNX ``QuantizeLinear`` rounds half to even, like the march,
+  ``docs/march.md`` §4) followed by its dequantization: ``Cast(float32) -> Mul(scale)`` by default, or
+  ``DequantizeLinear`` in the opt-in standard QDQ form (``standard_qdq=True``). Both compute ``fl32(q * s)``, the
+  fake quant's result, bit for bit; the default form is one that no runtime fuses into integer kernels, so
+  onnxruntime's default optimizations keep the qat IR's float arithmetic on every CPU (``docs/ir.md``).
 * ``fake_quant`` of a constant (weights, biases) is folded: the integers are stored as an int8/int16/int32
-  initializer followed by ``DequantizeLinear`` (the standard QDQ form), whose output equals the fake quant bit
-  for bit (checked at export; a float initializer is stored otherwise).
+  initializer followed by the same dequantization, whose output equals the fake quant bit for bit (checked at
+  export; a float initializer is stored otherwise).
 * A fake quant of a non-constant with a range that no ``QuantizeLinear`` type holds (int32 ``[-2**31, 2**31-1]``;
   opset 21 ``QuantizeLinear`` has no int32 output) is written as its float arithmetic:
   ``Mul(Clip(Round(Div(x, s)), qmin, qmax), s)``, which is the fake quant's own definition.
@@ -14,7 +17,8 @@
 
 Converters live in one registry, ``ONNX_CONVERTERS``, keyed by IR op, in :mod:`.onnx_ops` (re-exported here with
 ``onnx_converter``); they write into the graph builder of :mod:`.onnx_builder`. This module is the driver: it
-runs the converters over the graph, completes the Q/DQ pairs, validates the model and writes it atomically.
+runs the converters over the graph, completes the Q/DQ pairs of the standard QDQ form, validates the model and
+writes it atomically.
 """
 
 from __future__ import annotations
@@ -137,10 +141,10 @@ def _value_info(b: _Builder, name: str, onnx_name: str, is_input: bool):
     return b.helper.make_tensor_value_info(onnx_name, _onnx_dtype(dtype), dims)
 
 
-def _build(module: Module, opset: int):
+def _build(module: Module, opset: int, standard_qdq: bool = False):
     import onnx
 
-    b = _Builder(module, opset)
+    b = _Builder(module, opset, standard_qdq)
     graph = module.graph
     for node in graph.nodes:
         convert = ONNX_CONVERTERS.get(node.op)
@@ -153,7 +157,8 @@ def _build(module: Module, opset: int):
         b.site = node.site or node.op
         convert(b, node)
     b.site = "output"
-    _complete_qdq(b)
+    if standard_qdq:  # without DequantizeLinear nodes there is nothing for onnxruntime to propagate
+        _complete_qdq(b)
     outputs = []
     used: set[str] = set()
     for name in graph.outputs:
@@ -174,9 +179,11 @@ def _build(module: Module, opset: int):
     opset_id = b.helper.make_opsetid("", opset)
     model = b.helper.make_model(onnx_graph, opset_imports=[opset_id], producer_name="quantlens",
                                 producer_version=_version(),
-                                doc_string="qat IR exported by quantlens.compiler.to_onnx (QDQ form)")
+                                doc_string="qat IR exported by quantlens.compiler.to_onnx "
+                                + ("(standard QDQ form)" if standard_qdq else "(Q -> Cast -> Mul form)"))
     model.ir_version = b.helper.find_min_ir_version_for([opset_id])
-    props = {"quantlens.ir_kind": module.kind, **{f"quantlens.{k}": str(v) for k, v in module.meta.items()}}
+    props = {"quantlens.ir_kind": module.kind, "quantlens.onnx_form": "standard_qdq" if standard_qdq else "exact",
+             **{f"quantlens.{k}": str(v) for k, v in module.meta.items()}}
     b.helper.set_model_props(model, props)
     try:
         onnx.checker.check_model(model, full_check=True)
@@ -195,8 +202,15 @@ def _version() -> str:
         return "0"
 
 
-def to_onnx(qat_ir: Module, path: str | os.PathLike, opset: int = 21) -> Path:
-    """Write the qat IR ``qat_ir`` as an ONNX model (QDQ form) at ``path``; returns the path.
+def to_onnx(qat_ir: Module, path: str | os.PathLike, opset: int = 21, *, standard_qdq: bool = False) -> Path:
+    """Write the qat IR ``qat_ir`` as an ONNX model at ``path``; returns the path.
+
+    Every activation fake quant is a ``QuantizeLinear`` (the rounding and the clamp); by default its codes are
+    dequantized by ``Cast -> Mul(scale)``, and weights are int8/int16/int32 initializers dequantized the same way.
+    onnxruntime at its default options then runs the float ops on the dequantized values, like the qat IR, on every
+    CPU: no runtime fuses that form into integer kernels (onnxruntime's u8s8 kernels saturate on x86 CPUs without
+    VNNI). ``standard_qdq=True`` writes ``DequantizeLinear`` instead (the standard QDQ form): opt-in for runtimes
+    that should fuse Q/DQ groups into their int8 kernels, faster and not exact (``docs/ir.md`` gives the error).
 
     Input names are the IR input names and output names the IR output names (a repeated output gets a suffix
     ``_1``, ``_2``...). Shapes are static, except a dynamic batch (``dynamic_batch=True`` at export), written as
@@ -219,7 +233,9 @@ def to_onnx(qat_ir: Module, path: str | os.PathLike, opset: int = 21) -> Path:
     if type(opset) is not int or not MIN_OPSET <= opset <= max_opset:
         raise QuantLensError(f"to_onnx: opset {opset!r} is not supported; use an opset from {MIN_OPSET} (int16 "
                              f"QuantizeLinear, Gelu) to {max_opset} (the installed onnx).")
-    model = _build(qat_ir, opset)
+    if type(standard_qdq) is not bool:
+        raise QuantLensError(f"to_onnx: standard_qdq must be True or False, got {standard_qdq!r}.")
+    model = _build(qat_ir, opset, standard_qdq)
     data = model.SerializeToString()
     return _atomic_write_bytes(Path(path), data)
 

@@ -106,8 +106,8 @@ def _fake_quant(b: _Builder, node: Node) -> None:
     if b.dtype(s) != "float32":
         s = b.cast(s, "float32")
     q = b.add("QuantizeLinear", [xf, s, zp], f"{out}/q", dtype=qtype, rank=rank, **attrs)
-    y = b.add("DequantizeLinear", [q, s, zp], out if b.dtype(x) in (None, "float32") else f"{out}/dq",
-              dtype="float32", rank=rank, **attrs)
+    y = b.dequantize(q, scale, zp, axis if per_axis else -1, rank,
+                     out if b.dtype(x) in (None, "float32") else f"{out}/dq", scale_name=s)
     if y != out:
         b.add("Cast", [y], out, dtype=b.dtype(x), rank=rank, to=_onnx_dtype(b.dtype(x)))
 
@@ -122,15 +122,13 @@ def _folded_fake_quant(b: _Builder, node: Node, x: torch.Tensor, scale: torch.Te
         q = torch.div(x.to(torch.float32), s).round().clamp(qmin, qmax)
         info = torch.iinfo(getattr(torch, container))
         q_int = q.to(torch.float64).clamp(info.min, info.max).to(getattr(torch, container))
-        if torch.equal(q_int.to(torch.float32) * s, expected):  # DequantizeLinear reproduces the fake quant
+        if torch.equal(q_int.to(torch.float32) * s, expected):  # the dequantization reproduces the fake quant
             qname = b.init(q_int, f"{out}/quantized")
-            sname = b.init(scale.reshape(-1) if per_axis else scale.reshape(()), f"{out}/scale")
-            inputs = [qname, sname]
-            if container != "int32":
+            zp = None
+            if container != "int32" and b.standard_qdq:
                 zp_shape = (scale.numel(),) if per_axis else ()
-                inputs.append(b.init(torch.zeros(zp_shape, dtype=getattr(torch, container)), f"{out}/zero_point"))
-            attrs = {"axis": axis} if per_axis else {}
-            b.add("DequantizeLinear", inputs, out, dtype="float32", rank=x.dim(), **attrs)
+                zp = b.init(torch.zeros(zp_shape, dtype=getattr(torch, container)), f"{out}/zero_point")
+            b.dequantize(qname, scale, zp, axis if per_axis else -1, x.dim(), out)
             return
     b.add("Identity", [b.init(expected, f"{out}/folded")], out, dtype=str(expected.dtype).replace("torch.", ""),
           rank=expected.dim())
