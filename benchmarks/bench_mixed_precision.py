@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from quantlens.compiler import convert, export, to_onnx
-from quantlens.profiler import QuantAnalysis
+from quantlens.profiler import OnnxModelAccess, QuantAnalysis
 from quantlens.quantization import ConsistencyStrategy, calibrate, pre_export, prepare
 from quantlens.quantization.mixed_precision import search_mixed_precision
 from quantlens.quantization.qconfig_template import (
@@ -157,7 +157,9 @@ def main() -> None:
         summary[f"{tag}_vs_qat_ir_cosine_min"] = cosine(ort_out, qat_out)[1]
         summary[f"{tag}_cosine_vs_float_mean"] = cosine(ort_out, ref)[0]
     # where onnxruntime first differs from the qat IR, per op site (two sentences)
-    qa_ort = QuantAnalysis(qat_ir, str(path), "onnxruntime", out_dir=str(out / "onnxruntime"), progress=False)
+    # at ORT_DISABLE_ALL, the level docs/mixed_precision.md's per-site figures were measured at
+    ort_access = OnnxModelAccess(str(path), "analysis", optimization="disable_all")
+    qa_ort = QuantAnalysis(qat_ir, ort_access, "onnxruntime", out_dir=str(out / "onnxruntime"), progress=False)
     qa_ort.set_bad_case(chunks[0])
     qa_ort.run()
     rows = qa_ort.compare_per_layer()

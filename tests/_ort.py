@@ -35,6 +35,7 @@ def session(path, level: str, **config) -> ort.InferenceSession:
     elif level != "default":
         raise ValueError(f"level {level!r} is not one of {LEVELS}")
     options.log_severity_level = 3
+    options.intra_op_num_threads = 1  # the tests' thread count (tests/conftest.py): no pool to wait for
     for key, value in config.items():
         options.add_session_config_entry(key, value)
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
@@ -44,6 +45,7 @@ def optimized_ops(path, folder) -> list[str]:
     """The op types of the graph onnxruntime runs at its default level (its ``optimized_model_filepath``)."""
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    options.intra_op_num_threads = 1
     options.optimized_model_filepath = str(Path(folder) / f"{Path(path).stem}.optimized.onnx")
     ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     return [node.op_type for node in onnx.load(options.optimized_model_filepath).graph.node]

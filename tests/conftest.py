@@ -1,9 +1,17 @@
-"""Shared test fixtures."""
+"""Shared test fixtures, and the tests' thread count.
 
+The tests run with ``QUANTLENS_TEST_THREADS`` torch threads (default 1; ``./dev test`` also sets OMP_NUM_THREADS
+and runs one pytest worker per core): on a small or busy machine torch's intra-op pool waits for cores that other
+processes hold, and the suite's time grew six-fold at two threads on a loaded 2-core machine.
+"""
+
+import os
 import warnings
 
 import pytest
 import torch
+
+torch.set_num_threads(int(os.environ.get("QUANTLENS_TEST_THREADS", "1")))
 
 
 @pytest.fixture

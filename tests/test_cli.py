@@ -191,3 +191,34 @@ def test_piped_errors_are_not_rewrapped(tmp_path):
                           env=dict(os.environ, COLUMNS="80", OMP_NUM_THREADS="1"), timeout=300)
     assert proc.returncode == 2
     assert str(deep) in proc.stderr and "quantlens analyze --gen" in proc.stderr
+
+
+def test_pair_verdicts_and_report_agree(analyzed):
+    """Every analysed pair gets its verdict from compared rows ("exact" only with no differing row, never "no
+    data" here); the onnxruntime pair runs at onnxruntime's default level over every op site; ``quantlens report``
+    re-renders the same verdicts and worst ops from the traces."""
+    _, out, _ = analyzed
+    keys = ("analysis_type", "verdict", "worst_op", "worst_diff", "compared", "differing", "note")
+    before = [{k: p[k] for k in keys} | {"skipped": p["skipped"]}
+              for p in json.loads((out / "summary.json").read_text())["pairs"]]
+    res = ql("report", out)
+    assert res.returncode in (0, 1), res.stderr
+    after = [{k: p[k] for k in keys} | {"skipped": p["skipped"]}
+             for p in json.loads((out / "summary.json").read_text())["pairs"]]
+    assert after == before
+    for p in before:
+        if p["skipped"]:
+            assert p["verdict"] == "skipped", p
+            continue
+        assert p["verdict"] in ("exact", "lossy", "differs") and p["compared"] > 0, p
+        assert (p["verdict"] == "exact") == (p["differing"] == 0) == (p["worst_op"] is None), p
+    index = (out / "index.html").read_text()
+    assert index.count("none (exact)") == sum(p["verdict"] == "exact" for p in before)
+    if onnxruntime_available():
+        ort = next(p for p in before if p["analysis_type"] == "onnxruntime")
+        meta = json.loads((out / "onnxruntime" / "quantlens_pair.json").read_text())["onnxruntime"]
+        assert meta["optimization"] == "all" and not meta["outputs_only"] and meta["output_check"]["equal"]
+        csv_rows = (out / "onnxruntime" / "compare_per_layer_out.csv").read_text().strip().splitlines()[1:]
+        assert ort["compared"] == len(csv_rows) > 1
+        assert ort["note"].startswith("ORT_ENABLE_ALL (onnxruntime's default level): every op site traced")
+        assert "(no same-input data)" in (out / "onnxruntime" / "compare_per_layer_out.txt").read_text()

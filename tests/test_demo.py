@@ -34,6 +34,16 @@ def test_demo_writes_every_pair_and_an_index(fault, tmp_path):
     assert "where precision is lost" in res.stdout
     for kind in pairs:  # the worst op of every analysed pair is printed
         assert kind in res.stdout
+    by_kind = {p["analysis_type"]: p for p in summary["pairs"]}
+    for kind in pairs:  # a verdict from compared rows: "none (exact)" only where every compared op is bit-exact
+        p = by_kind[kind]
+        assert p["verdict"] in ("exact", "lossy", "differs") and p["compared"] > 0, p
+        assert (p["verdict"] == "exact") == (p["differing"] == 0) == (p["worst_op"] is None), p
+        row = next(line for line in res.stdout.splitlines() if [c.strip() for c in line.split("│")][1:2] == [kind])
+        assert ("none (exact)" in row) == (p["verdict"] == "exact"), row
+    if onnxruntime_available():  # onnxruntime's default level, every op site traced
+        assert by_kind["onnxruntime"]["note"].startswith("ORT_ENABLE_ALL (onnxruntime's default level)")
+        assert "onnxruntime: ORT_ENABLE_ALL" in res.stdout
     culprit = summary["culprit"]["op"]
     first = next(line for line in res.stdout.splitlines() if "precision is lost first at" in line)
     assert culprit in first

@@ -3,8 +3,9 @@
 Run it with ``./dev demo`` (or ``python -m quantlens.demo --out DIR``). It runs float -> int8 calibration -> QAT ->
 pre_export -> qat IR (export) -> quantized IR (convert), prints the accuracy of every stage, then compares each
 pair of neighbouring stages with the profiler (``QuantAnalysis``), each pair in its own subfolder of the output
-folder, and prints where precision is lost: the worst op per stage pair, the worst overall first. ``index.html``
-links every pair's ``profiler.html``.
+folder, and prints where precision is lost: the verdict and worst op per stage pair, the worst overall first (a
+pair is "exact" only when every compared op is bit-exact; the onnxruntime pair runs onnxruntime's default level).
+``index.html`` links every pair's ``profiler.html``.
 
 ``--fault`` plants a fault: op site ``relu2`` (the output of the fused conv2-bn2-relu2) gets a fixed int8 scale
 far too coarse for its range, so a newcomer sees the profiler find it.
@@ -49,7 +50,9 @@ class DemoResult:
     stages: list[StageResult] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
     pairs: list = field(default_factory=list)  # quantlens.cli.pipeline.PairResult, in pipeline order
-    culprit: str | None = None  # the op that loses the most precision itself, over all pairs
+    #: the worst op of the first pair of ``ranked_losses``: the lowest same-input SQNR over the lossy pairs,
+    #: else the worst differing op of the first pair that differs
+    culprit: str | None = None
     fault: str | None = None  # the planted op site (--fault)
 
     def accuracy(self, stage: str) -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from quantlens.cli import EXIT_OK, EXIT_PROBLEMS, UsageError
 from quantlens.cli._common import console, existing_dir, parent
-from quantlens.cli.pipeline import PAIR_FILE, PAIRS, SUMMARY_FILE, PairResult, _finite, worst_row
+from quantlens.cli.pipeline import PAIR_FILE, PAIRS, SUMMARY_FILE, PairResult, ort_note, summarize
 
 __all__ = ["add_parser", "run", "render_pair", "pair_dirs"]
 
@@ -49,7 +49,8 @@ def pair_dirs(root: Path) -> list[Path]:
 
 
 def render_pair(folder: Path, analysis_type: str | None = None, prefixes=None) -> PairResult:
-    """Rebuild one pair's per-layer comparison, advisor and HTML from its traces; returns its summary."""
+    """Rebuild one pair's per-layer comparison, advisor and HTML from its traces; returns its summary (the same
+    verdict and worst op as ``quantlens analyze`` wrote, from the same rows)."""
     from quantlens.profiler.advisor import AdvisorContext, advise
     from quantlens.profiler.compare import compare_traces
     from quantlens.profiler.html import write_html
@@ -75,13 +76,9 @@ def render_pair(folder: Path, analysis_type: str | None = None, prefixes=None) -
     write_html(comparison, findings, folder / "profiler.html")
     base, analy = PAIRS[atype.value]
     result = PairResult(atype.value, meta.get("baseline", base), meta.get("analysis", analy), folder.name,
-                        findings=[asdict(f) for f in findings],
-                        lsb=comparison.lsb_summary())
-    row = worst_row(comparison)
-    if row is not None:
-        result.worst_op, result.worst_op_type = row.op_name, row.analy_op_type or row.base_op_type
-        result.worst_sqnr, result.worst_error_kind = _finite(row.same_input_sqnr), row.error_kind or ""
-    return result
+                        findings=[asdict(f) for f in findings], lsb=comparison.lsb_summary(),
+                        note=ort_note(meta.get("onnxruntime")))
+    return summarize(result, comparison)
 
 
 def run(args) -> int:

@@ -305,7 +305,8 @@ class ModelAccess(ABC):
 
 def make_access(model: Any, label: str) -> ModelAccess:
     """The :class:`ModelAccess` for ``model``: a torch module, an IR module, the path of a saved IR, or an ONNX
-    model (``onnx.ModelProto`` or a path ending in ``.onnx``; run by onnxruntime at ``ORT_DISABLE_ALL``)."""
+    model (``onnx.ModelProto`` or a path ending in ``.onnx``; run by onnxruntime at its default level,
+    ``ORT_ENABLE_ALL``)."""
     if isinstance(model, torch.nn.Module):
         from quantlens.profiler.torch_access import TorchModelAccess
 

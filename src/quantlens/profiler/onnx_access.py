@@ -6,14 +6,25 @@ site's value (the output of its last IR node, see :mod:`.ir_access`) has the sam
 site -> value-name map comes from the baseline qat IR (:attr:`OnnxModelAccess.reference`, set by
 ``QuantAnalysis``): every site's value is added as an extra graph output and the whole graph runs once.
 
-**Optimization.** At ``optimization="disable_all"`` (``ORT_DISABLE_ALL``, the default) onnxruntime runs the graph
-as written (float ops between QuantizeLinear/DequantizeLinear pairs) and every site is traced. At any other
-level (``"basic"``, ``"extended"``, ``"all"``) onnxruntime fuses Q/DQ groups into its own integer kernels; an
-intermediate graph output would block those fusions, so only the **model outputs** are fetched: the analysis
-trace holds only the sites whose value is a model output, and the comparison lists the other sites as absent
-(only in the baseline). Pass the access directly as the analysis model::
+**Optimization.** ``optimization`` is onnxruntime's graph optimization level; the default, ``"all"``
+(``ORT_ENABLE_ALL``), is what a user's default ``InferenceSession`` runs. ``to_onnx``'s default form dequantizes by
+``Cast -> Mul(scale)``, which onnxruntime fuses into no integer kernel, so at every level every op site is traced:
+its value is added as a graph output and the graph runs once. ``"disable_all"`` (``ORT_DISABLE_ALL``) runs the graph
+as written. Pass the access directly as the analysis model to choose another level::
 
-    QuantAnalysis(qat_ir, OnnxModelAccess("model.onnx", "analysis", optimization="all"), "onnxruntime")
+    QuantAnalysis(qat_ir, OnnxModelAccess("model.onnx", "analysis", optimization="disable_all"), "onnxruntime")
+
+**Outputs check.** A graph output may still block one of onnxruntime's float fusions (a ``Mul`` by a scale folded
+into a ``MatMul``, a ``Conv + Relu``), so above ``"disable_all"`` each traced run also runs a plain session of the
+same level (model outputs only) and compares its model outputs with the traced session's, bit for bit:
+:attr:`OnnxModelAccess.output_check`. When they differ the rows are still the traced session's, and every row's
+note says so with the largest difference (nothing is silently replaced).
+
+**Standard QDQ form.** A model written with ``to_onnx(..., standard_qdq=True)`` (``DequantizeLinear``; metadata
+``quantlens.onnx_form = standard_qdq``) is fused by onnxruntime into its integer kernels above ``"disable_all"``,
+and an intermediate graph output would block those fusions: there only the **model outputs** are fetched, the
+trace holds only the sites whose value is a model output (their note says why), and the comparison lists the other
+sites as absent (only in the baseline).
 
 **Not offered.** Same-input outputs (a whole-graph session cannot re-run one op on the baseline's inputs) and
 sensitivity (onnxruntime's quantizers cannot be switched off one by one): :meth:`quantizers` raises.
@@ -21,19 +32,22 @@ sensitivity (onnxruntime's quantizers cannot be switched off one by one): :meth:
 
 from __future__ import annotations
 
+import math
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
+from quantlens._threads import num_threads
 from quantlens.errors import QuantLensError
 from quantlens.profiler.model_access import (
     AnalysisType, ConsistencyInfo, ModelAccess, Quantizer, SameInputSource, TraceSink,
 )
 
-__all__ = ["OnnxModelAccess", "ORT_LEVELS", "is_onnx_model"]
+__all__ = ["OnnxModelAccess", "OutputCheck", "ORT_LEVELS", "is_onnx_model", "onnx_form"]
 
 #: ``optimization`` -> onnxruntime ``GraphOptimizationLevel`` member
 ORT_LEVELS = {"disable_all": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
@@ -41,6 +55,24 @@ ORT_LEVELS = {"disable_all": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "ex
 
 SAME_INPUT_NOTE = ("onnxruntime runs the whole graph: same-input needs each op re-run on the baseline's inputs "
                    "(see the 'export' / 'convert' analyses of the IR)")
+OUTPUTS_ONLY_NOTE = ("standard QDQ form at {level}: only the model outputs are fetched (a per-op graph output "
+                     "would block onnxruntime's integer Q/DQ fusions)")
+MISMATCH_NOTE = ("the traced session's model outputs differ from a plain {level} session's (max |diff| {diff:.3g}): "
+                 "a per-op graph output blocked a fusion; these values are the traced session's")
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    """The traced session's model outputs against a plain session's at the same level (outputs only)."""
+
+    level: str  # onnxruntime's level name, e.g. "ORT_ENABLE_ALL"
+    equal: bool  # bit for bit (NaN equal to NaN)
+    max_abs_diff: float  # over every model output (0.0 when equal)
+
+    @property
+    def note(self) -> str:
+        """The row note when the outputs differ, else ``""``."""
+        return "" if self.equal else MISMATCH_NOTE.format(level=self.level, diff=self.max_abs_diff)
 
 
 def is_onnx_model(model: Any) -> bool:
@@ -48,6 +80,31 @@ def is_onnx_model(model: Any) -> bool:
     if isinstance(model, (str, os.PathLike)):
         return str(model).lower().endswith(".onnx")
     return type(model).__name__ == "ModelProto" and type(model).__module__.startswith("onnx")
+
+
+def onnx_form(proto) -> str:
+    """``"exact"`` (``Cast -> Mul`` dequantization) or ``"standard_qdq"`` (``DequantizeLinear``): the
+    ``quantlens.onnx_form`` metadata ``to_onnx`` writes; for a model without it, ``"standard_qdq"`` when the graph
+    has a ``DequantizeLinear`` node (what onnxruntime fuses into integer kernels)."""
+    props = {p.key: p.value for p in proto.metadata_props}
+    if "quantlens.onnx_form" in props:
+        return props["quantlens.onnx_form"]
+    return "standard_qdq" if any(n.op_type == "DequantizeLinear" for n in proto.graph.node) else "exact"
+
+
+def _tensors(names: list[str], arrays: list) -> dict[str, torch.Tensor]:
+    # (onnxruntime hands over fresh arrays: no copy unless one is read-only; the trace writer copies anyway)
+    return {n: torch.from_numpy(a if a.flags.writeable else a.copy()) if hasattr(a, "flags") else torch.tensor(a)
+            for n, a in zip(names, arrays)}
+
+
+def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shape, dtype and values, NaN equal to NaN."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)
 
 
 def _imports():
@@ -66,13 +123,14 @@ class OnnxModelAccess(ModelAccess):
     Args:
         model: the ``.onnx`` path or the ``ModelProto`` (copied; the caller's proto is not changed).
         label: ``"analysis"`` (the role in the analysis).
-        optimization: onnxruntime's graph optimization level, one of :data:`ORT_LEVELS`. ``"disable_all"``
-            traces every op site; the others fetch the model outputs only (see the module docstring).
+        optimization: onnxruntime's graph optimization level, one of :data:`ORT_LEVELS`; default ``"all"``
+            (``ORT_ENABLE_ALL``, onnxruntime's default). Every op site is traced at every level, except for a
+            standard-QDQ model above ``"disable_all"``: model outputs only (see the module docstring).
     """
 
     kind = "onnx"
 
-    def __init__(self, model: Any, label: str = "analysis", optimization: str = "disable_all"):
+    def __init__(self, model: Any, label: str = "analysis", optimization: str = "all"):
         onnx, ort = _imports()
         if optimization not in ORT_LEVELS:
             raise QuantLensError(f"OnnxModelAccess: optimization {optimization!r} is not one of {list(ORT_LEVELS)} "
@@ -103,13 +161,19 @@ class OnnxModelAccess(ModelAccess):
         self.reference = None
         #: op sites of the reference whose value has no ONNX tensor (filled by the first traced run)
         self.missing_sites: list[str] = []
+        #: ``"exact"`` or ``"standard_qdq"`` (:func:`onnx_form`)
+        self.form = onnx_form(self.proto)
+        #: the last traced run's model outputs against a plain session's; None before a traced run, at
+        #: ``"disable_all"`` (nothing is fused) and when no graph output was added (outputs only)
+        self.output_check: OutputCheck | None = None
 
     # -- description -------------------------------------------------------------------------------------
     def describe(self) -> str:
         where = f" from {self.source}" if self.source else ""
         props = {p.key: p.value for p in self.proto.metadata_props}
         model = props.get("quantlens.source_model", self.proto.graph.name or "model")
-        return (f"{model} (ONNX{where}, onnxruntime {self._ort.__version__}, "
+        form = ", standard QDQ form" if self.form == "standard_qdq" else ""
+        return (f"{model} (ONNX{where}{form}, onnxruntime {self._ort.__version__}, "
                 f"{ORT_LEVELS[self.optimization]})")
 
     def consistency(self) -> ConsistencyInfo:
@@ -118,9 +182,19 @@ class OnnxModelAccess(ModelAccess):
 
     @property
     def outputs_only(self) -> bool:
-        """Whether only the model outputs are fetched (an optimized session): the trace then holds only the
-        sites whose value is a model output."""
-        return self.optimization != "disable_all"
+        """Whether only the model outputs are fetched (a standard-QDQ model above ``"disable_all"``, where
+        per-op outputs would block the integer fusions): the trace then holds only the sites whose value is a
+        model output."""
+        return self.optimization != "disable_all" and self.form == "standard_qdq"
+
+    @property
+    def site_note(self) -> str:
+        """The note every traced row carries: no same-input output, plus why only model outputs are traced or
+        that the outputs check failed."""
+        level = ORT_LEVELS[self.optimization]
+        extra = [OUTPUTS_ONLY_NOTE.format(level=level) if self.outputs_only else "",
+                 self.output_check.note if self.output_check is not None else ""]
+        return "; ".join([SAME_INPUT_NOTE, *filter(None, extra)])
 
     # -- running -----------------------------------------------------------------------------------------
     def _ir(self):
@@ -175,6 +249,9 @@ class OnnxModelAccess(ModelAccess):
         options = ort.SessionOptions()
         options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, ORT_LEVELS[self.optimization])
         options.log_severity_level = 3
+        threads = num_threads()  # onnxruntime's own pool (one thread per core, spinning) collapses on a busy machine
+        if threads > 0:
+            options.intra_op_num_threads = threads
         try:
             session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime raises its own exception types
@@ -198,16 +275,18 @@ class OnnxModelAccess(ModelAccess):
         sites = self._site_values(ref) if sink is not None else {}
         have = set(self.output_names)
         extra = tuple(dict.fromkeys(n for names in sites.values() for n in names if n not in have))
-        session = self._session(extra)
+        arrays = {n: feeds[n].detach().cpu().contiguous().numpy() for n in self.input_names}
         fetch = self.output_names + list(extra)
-        arrays = session.run(fetch, {n: feeds[n].detach().cpu().contiguous().numpy() for n in self.input_names})
-        # (onnxruntime hands over fresh arrays: no copy unless one is read-only; the trace writer copies anyway)
-        values = {n: torch.from_numpy(a if a.flags.writeable else a.copy()) if hasattr(a, "flags") else torch.tensor(a)
-                  for n, a in zip(fetch, arrays)}
+        values = _tensors(fetch, self._session(extra).run(fetch, arrays))
         if sink is not None:
+            # above disable_all a per-op graph output may block a float fusion: check the model outputs against a
+            # plain session's (at disable_all nothing is fused; without extra outputs the session is the plain one)
+            checked = bool(extra) and self.optimization != "disable_all"
+            self.output_check = self._check_outputs(values, arrays) if checked else None
+            note = self.site_note
             for index, (site, names) in enumerate(sites.items()):
                 event = ref.site_event(site, index, [values[n] for n in names], feeds, {}, None)
-                event.same_input_note = SAME_INPUT_NOTE
+                event.same_input_note = note
                 sink.on_site(event)
         ir_outputs = ref.module.graph.outputs
         if len(ir_outputs) != len(self.output_names):
@@ -215,6 +294,20 @@ class OnnxModelAccess(ModelAccess):
                                  f"{len(ir_outputs)}; pass the ONNX file written by to_onnx from this qat IR.")
         outs = [ref.to_float(name, values[onnx_name]) for name, onnx_name in zip(ir_outputs, self.output_names)]
         return pytree.tree_unflatten(outs, pytree.treespec_loads(ref.module.output_spec))
+
+    def _check_outputs(self, traced: dict[str, torch.Tensor], arrays: dict) -> OutputCheck:
+        """Run a plain session (model outputs only) and compare its outputs with the traced session's: an extra
+        graph output can block a float fusion that changes the rounding."""
+        plain = _tensors(self.output_names, self._session(()).run(self.output_names, arrays))
+        diff, equal = 0.0, True
+        for name in self.output_names:
+            a, b = traced[name], plain[name]
+            if _bit_equal(a, b):
+                continue
+            equal = False
+            diff = max(diff, float((a.double() - b.double()).abs().nan_to_num(nan=math.inf).max())
+                       if a.shape == b.shape else math.inf)
+        return OutputCheck(ORT_LEVELS[self.optimization], equal, diff)
 
     # -- sensitivity: not offered ------------------------------------------------------------------------
     def quantizers(self, analysis_type: AnalysisType) -> list[Quantizer]:

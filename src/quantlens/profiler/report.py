@@ -224,11 +224,19 @@ def _lsb_lines(comparison: LayerComparison) -> list[str]:
         f"accumulated: {counts('accumulated')}",
         f"same input (what each op's own kernel adds): {counts('same_input')}",
         f"first op that diverges (> 4 LSB): {summary['first_diverged'] or '(none)'}",
-        f"first op whose own kernel is not bit-exact: {summary['first_inexact'] or '(none)'}",
+        f"first op whose own kernel is not bit-exact: {_first_inexact(summary)}",
         "histogram buckets: |diff| of 0, 1, 2, 3-4, 5-8 and more than 8 LSB (element counts)",
         wrap_table(["op name", "op type", "quant dtype", "verdict", "histogram", "same-in verdict",
                     "same-in histogram"], rows),
     ]
+
+
+def _first_inexact(summary: dict) -> str:
+    """The first inexact op; "(no same-input data)" when no row has a same-input verdict (an onnxruntime pair),
+    so that no data never reads as "(none)"."""
+    if not any(summary["same_input"].values()):
+        return "(no same-input data)"
+    return summary["first_inexact"] or "(none)"
 
 
 def _one_side_lines(comparison: LayerComparison) -> list[str]:
