@@ -12,7 +12,7 @@ from quantlens.compiler.kernels_int import INT_KERNELS
 from quantlens.errors import QuantLensError
 from quantlens.kernels import div_multiplier
 from quantlens.march import QuantDType
-from quantlens.numerics import (
+from quantlens.march.numerics import (
     channel_affine_params,
     clamp_codes,
     constant_addend,

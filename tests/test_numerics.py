@@ -15,7 +15,7 @@ from torch import nn
 
 from quantlens.errors import QuantLensError
 from quantlens.march import March, Qpp, QuantDType, RoundingMode, get_march
-from quantlens.numerics import (
+from quantlens.march.numerics import (
     dequantize,
     fake_quant,
     quantize,
@@ -412,7 +412,7 @@ def test_conv_worked_example_of_the_spec():
 
 def test_elementwise_add_worked_example_of_the_spec():
     # docs/march.md §10: q_a = 5 at 2**-4, q_b = 2 at 2**-5, output at 2**-3, F = 8 extra fractional bits.
-    from quantlens.numerics import rescaled_sum
+    from quantlens.march.numerics import rescaled_sum
 
     ma, sa = quantize_multiplier(0.5, HP)  # (2**30, 31)
     mb, sb = quantize_multiplier(0.25, HP)  # (2**30, 32)

@@ -45,7 +45,7 @@ def test_minmax_scale_int16_and_matches_march_rule():
     obs = MinMaxObserver(I16)
     obs(torch.tensor([-2.54, 1.0]))
     assert torch.equal(obs.calculate_scale(), f32(2.54 / 32767))
-    # Same bits as the scalar rule in march.py, fed the float32 range the observer saw.
+    # Same bits as the scalar rule in march/spec.py, fed the float32 range the observer saw.
     lo, hi = obs.observed_range()
     assert obs.calculate_scale().item() == get_march().spec.scale_from_range(lo.item(), hi.item(), I16)
 

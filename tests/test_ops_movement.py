@@ -18,7 +18,7 @@ from quantlens.compiler.ir import Module, Node
 from quantlens.compiler.kernels_int import int_dispatch
 from quantlens.errors import QuantLensError
 from quantlens.march import Qpp, get_march
-from quantlens.numerics import quantize_multiplier
+from quantlens.march.numerics import quantize_multiplier
 from quantlens.quantization import DeQuantStub, QuantStub, calibrate, pre_export, prepare
 from quantlens.quantization.qat_modules import QATConvTranspose1d, QATConvTranspose2d
 from quantlens.quantization.qconfig_template import (

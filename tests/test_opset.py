@@ -1,4 +1,4 @@
-"""The op set (``quantlens.opset``) is the one declaration of every op: each stage's registry agrees with it, and
+"""The op set (``quantlens.march.opset``) is the one declaration of every op: each stage's registry agrees with it, and
 ``docs/ops.md`` is generated from it."""
 
 import sys
@@ -9,7 +9,7 @@ import pytest
 import quantlens.compiler  # noqa: F401  (registers every stage)
 from quantlens.compiler import interpreter, kernels_int, lowering, onnx_ops
 from quantlens.kernels import TABLE_OP_IO
-from quantlens.opset import IR_OPS, OPS, Category, Stage, render_markdown
+from quantlens.march.opset import IR_OPS, OPS, Category, Stage, render_markdown
 from quantlens.quantization import op_rules
 
 convert_mod = sys.modules["quantlens.compiler.convert"]
@@ -61,7 +61,7 @@ def test_stage_support_follows_from_the_ir_ops():
 
 def test_docs_ops_md_is_generated_from_the_op_set():
     path = Path(__file__).resolve().parents[1] / "docs" / "ops.md"
-    assert path.read_text() == render_markdown(), "regenerate: python -m quantlens.opset > docs/ops.md"
+    assert path.read_text() == render_markdown(), "regenerate: python -m quantlens.march.opset > docs/ops.md"
 
 
 def test_the_interpreter_refuses_ops_the_op_set_does_not_give_that_ir_kind():

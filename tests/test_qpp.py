@@ -21,7 +21,7 @@ from quantlens.compiler.ir import Graph, Module, Node, ValueInfo
 from quantlens.compiler.kernels_int import INT_KERNELS
 from quantlens.errors import QuantLensError
 from quantlens.march import March, Qpp, QppSpec, QuantDType, SPEC_VERSION, get_march
-from quantlens.numerics import constant_addend, quantize_multiplier, requantize, rescaled_sum
+from quantlens.march.numerics import constant_addend, quantize_multiplier, requantize, rescaled_sum
 from quantlens.quantization import DeQuantStub, QuantStub, calibrate, pre_export, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 

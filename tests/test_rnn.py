@@ -11,7 +11,7 @@ from torch.utils import _pytree as pytree
 from quantlens.compiler import convert, export
 from quantlens.compiler.ir import Module
 from quantlens.errors import QuantLensError
-from quantlens.opset import OPS, Category
+from quantlens.march.opset import OPS, Category
 from quantlens.quantization import (
     DeQuantStub,
     FakeQuantState,

@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 from quantlens.compiler import convert, export, load, save
 from quantlens.compiler.serialize import CHECKSUM_KEY, FORMAT_VERSION, METADATA_KEY, _file_checksum
 from quantlens.errors import QuantLensError
-from quantlens.opset import IR_OPS
+from quantlens.march.opset import IR_OPS
 from quantlens.quantization import calibrate, pre_export, prepare
 from quantlens.zoo import example_inputs, get_model, sample_batches
 

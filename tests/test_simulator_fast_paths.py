@@ -18,7 +18,7 @@ from quantlens.compiler.kernels_int import INT_KERNELS, _table_kernel, int_dispa
 from quantlens.errors import QuantLensError
 from quantlens.kernels import TABLE_OP_IO, bit_length, lut256_lookup, rshift_rhe_var
 from quantlens.march import QuantDType
-from quantlens.numerics import (
+from quantlens.march.numerics import (
     apply_requantize,
     requantize,
     requantize_params,
@@ -321,7 +321,7 @@ def test_int_layer_norm_float_path_at_its_bound(in_dtype, n):
 def test_broadcast_shape_helper_matches_torch():
     """numerics' shape helper (the requantize and add fast paths choose in-place updates by it) agrees with
     torch.broadcast_shapes, and refuses what torch refuses."""
-    from quantlens.numerics import _broadcast_shape
+    from quantlens.march.numerics import _broadcast_shape
 
     pairs = [((2, 3), (2, 3)), ((2, 1, 4), (3, 1)), ((1,), (5, 4)), ((), (2, 2)), ((4, 1), ()),
              ((1, 32, 1, 1), (8, 32, 5, 5)), ((8, 32, 5, 5), (32, 1, 1))]

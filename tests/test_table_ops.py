@@ -24,7 +24,7 @@ from quantlens.compiler import convert, export, lowering, onnx_ops
 from quantlens.errors import QuantLensError
 from quantlens.kernels import ELEMENTWISE_OPS, TABLE_OP_IO, elementwise_table, real_function
 from quantlens.march import QuantDType
-from quantlens.opset import IR_OPS, OPS
+from quantlens.march.opset import IR_OPS, OPS
 from quantlens.quantization import (
     DeQuantStub,
     FakeQuantState,

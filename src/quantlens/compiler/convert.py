@@ -21,7 +21,7 @@ from quantlens.compiler.kernels_int import storage_dtype
 from quantlens.errors import QuantLensError
 from quantlens.march import Qpp, QuantDType, get_march
 from quantlens.kernels import TABLE_OP_IO, table_torch_op
-from quantlens.numerics import (
+from quantlens.march.numerics import (
     channel_affine_params,
     clamp_codes,
     constant_addend,
@@ -30,7 +30,7 @@ from quantlens.numerics import (
     quantize,
     quantize_multiplier,
 )
-from quantlens.opset import Category, ops_in
+from quantlens.march.opset import Category, ops_in
 
 __all__ = ["convert", "CONVERTERS", "PASSTHROUGH_OPS", "requant_attrs", "rescale_attrs", "qpp_of"]
 

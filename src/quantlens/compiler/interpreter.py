@@ -16,7 +16,7 @@ from quantlens.compiler.ir import Graph, Module, Node
 from quantlens.compiler.lowering import TORCH_OPS
 from quantlens.errors import QuantLensError
 from quantlens.kernels import TABLE_OP_IO, table_torch_op
-from quantlens.opset import IR_OPS
+from quantlens.march.opset import IR_OPS
 
 __all__ = ["run_graph", "run_nodes", "RunHooks", "QAT_KERNELS", "qat_kernel", "call_torch_op", "check_ops"]
 
@@ -144,7 +144,7 @@ def check_ops(module: Module) -> None:
         if op is None or (op.level not in allowed and not node.attrs.get("host")):
             raise QuantLensError(
                 f"{module.kind} IR: op '{node.op}' (op site '{node.site}') is not an op of a {module.kind} IR in "
-                "quantlens.opset (docs/ops.md lists them); the file or graph was made by another quantlens "
+                "quantlens.march.opset (docs/ops.md lists them); the file or graph was made by another quantlens "
                 "version or edited by hand. Export it again."
             )
 

@@ -3,7 +3,7 @@
 Values are integer tensors (int8/int16/int32 storage; int64 for indices). GEMMs and pooling sums are computed in
 float64 on integer operands, which is exact (every partial sum of int8/int16 products stays far below 2**53) and
 therefore independent of summation order and thread count; results are then rounded/saturated with the
-functions of :mod:`quantlens.numerics`, which implement the spec's rules once.
+functions of :mod:`quantlens.march.numerics`, which implement the spec's rules once.
 
 Requantize parameters live in node attrs: ``multiplier``/``shift`` (lists: one entry per tensor, or per channel
 along ``axis``) and the output type's ``qmin``/``qmax``.
@@ -25,8 +25,8 @@ from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType
 from quantlens.kernels import TABLE_OP_IO, int_div, int_layer_norm, int_reciprocal, int_softmax, table_torch_op
 from quantlens.kernels import SegmentedTable, Table256, dtype_from_range, lut256_lookup, segmented_lookup
-from quantlens.opset import ops_in
-from quantlens.numerics import (
+from quantlens.march.opset import ops_in
+from quantlens.march.numerics import (
     apply_requantize,
     dequantize,
     quantize,

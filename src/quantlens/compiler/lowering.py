@@ -17,10 +17,10 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-import quantlens.numerics  # noqa: F401  (registers torch.ops.quantlens.fake_quant)
+import quantlens.march.numerics  # noqa: F401  (registers torch.ops.quantlens.fake_quant)
 from quantlens.compiler.ir import Graph, Node, ValueInfo
 from quantlens.errors import QuantLensError
-from quantlens.opset import IR_OPS
+from quantlens.march.opset import IR_OPS
 from quantlens.quantization.tracer import TORCH_DIR, is_within
 
 __all__ = ["lower_exported_program", "LOWERINGS", "TORCH_OPS"]
@@ -645,7 +645,7 @@ def lower_exported_program(ep: torch.export.ExportedProgram, input_names: list[s
     _drop_dead(graph)
     undeclared = sorted({n.op for n in graph.nodes if n.op not in IR_OPS or IR_OPS[n.op].level == "quantized"})
     if undeclared:  # a lowering rule emitted an op the op set does not declare: a quantlens bug, not the user's
-        raise QuantLensError(f"export: lowering produced IR ops {undeclared} that quantlens.opset does not declare "
+        raise QuantLensError(f"export: lowering produced IR ops {undeclared} that quantlens.march.opset does not declare "
                              "as qat IR ops; please report this.")
     return graph
 

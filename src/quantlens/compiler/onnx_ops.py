@@ -17,7 +17,7 @@ from quantlens.compiler.ir import Node
 from quantlens.compiler.onnx_builder import _Builder, _onnx_dtype
 from quantlens.compiler.onnx_tables import EXACT_TABLE_EXPORTS
 from quantlens.kernels import TABLE_OP_IO
-from quantlens.opset import IR_OPS, Category
+from quantlens.march.opset import IR_OPS, Category
 
 __all__ = ["ONNX_CONVERTERS", "onnx_converter"]
 

@@ -36,7 +36,7 @@ import torch
 from quantlens.compiler.ir import IR_VERSION, Graph, InputLeaf, Module, Node, ValueInfo
 from quantlens._io import atomic_write
 from quantlens.errors import QuantLensError
-from quantlens.opset import IR_OPS
+from quantlens.march.opset import IR_OPS
 
 __all__ = ["save", "load", "FORMAT_VERSION", "MAGIC", "METADATA_KEY", "CHECKSUM_KEY"]
 
@@ -450,7 +450,7 @@ _NODE_FIELDS = frozenset({"op", "inputs", "outputs", "attrs", "site"})
 _VALUE_FIELDS = frozenset({"name", "shape", "dtype", "qdtype", "scale", "axis"})
 _LEAF_FIELDS = frozenset({"kind", "name", "value"})
 _QDTYPES = ("qint8", "qint16", "qint32")
-#: the IR op levels each module kind may hold (``quantlens.opset``); any op may run on the host (``host: true``)
+#: the IR op levels each module kind may hold (``quantlens.march.opset``); any op may run on the host (``host: true``)
 _LEVELS = {"qat": ("qat", "both"), "quantized": ("quantized", "both")}
 _MAX_SHIFT = 63  # a right shift of an int64 product; the march allows [0, MarchSpec.max_requant_shift]
 
@@ -627,7 +627,7 @@ def _module_from_header(header: dict, constants: dict[str, torch.Tensor]) -> Mod
         _check_attrs(op, attrs, where)
         spec = IR_OPS.get(op)
         if spec is None:
-            raise _Invalid(f"{where}: '{op}' is not an IR op of quantlens.opset (docs/ops.md lists them)")
+            raise _Invalid(f"{where}: '{op}' is not an IR op of quantlens.march.opset (docs/ops.md lists them)")
         if spec.level not in allowed and attrs.get("host") is not True:
             raise _Invalid(f"{where}: '{op}' is a {spec.level}-level op, which a {kind} IR does not hold "
                            "(except on the host, attr host: true)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from quantlens.numerics import rshift_round_half_to_even
+from quantlens.march.numerics import rshift_round_half_to_even
 
 __all__ = ["rshift_rhe_var", "div_round_half_even", "bit_length", "round_half_even_float"]
 

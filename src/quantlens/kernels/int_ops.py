@@ -27,7 +27,7 @@ from quantlens.kernels.tables import (
     rsqrt_mantissa_table,
 )
 from quantlens.march import Qpp, QuantDType
-from quantlens.numerics import quantize_multiplier, requantize, saturate
+from quantlens.march.numerics import quantize_multiplier, requantize, saturate
 
 __all__ = [
     "SOFTMAX_PROB_BITS",

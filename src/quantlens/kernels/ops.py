@@ -26,7 +26,7 @@ import torch
 from quantlens.kernels.int_ops import int_div, int_layer_norm, int_reciprocal, int_softmax
 from quantlens.kernels.tables import SegmentedTable, Table256, lut256_lookup, segmented_lookup
 from quantlens.march import QuantDType
-from quantlens.numerics import dequantize, quantize
+from quantlens.march.numerics import dequantize, quantize
 
 __all__ = ["dtype_from_range", "TableOpIO", "TABLE_OP_IO", "table_torch_op"]
 

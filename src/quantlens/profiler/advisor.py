@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from quantlens.kernels import TABLE_OP_IO
-from quantlens.opset import IR_OPS, Category, op_def
+from quantlens.march.opset import IR_OPS, Category, op_def
 from quantlens.quantization.consistency import MAX_LEVEL as MAX_CONSISTENCY_LEVEL
 from quantlens.march import QuantDType
 from quantlens.profiler.compare import LayerComparison, LayerRow

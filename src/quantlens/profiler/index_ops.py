@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from quantlens.opset import OPS, Category
+from quantlens.march.opset import OPS, Category
 from quantlens.quantization import tracer
 from quantlens.quantization.op_rules import canonical_op_name
 

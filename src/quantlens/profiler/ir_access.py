@@ -33,8 +33,8 @@ from quantlens.compiler.kernels_int import storage_dtype
 from quantlens.errors import QuantLensError
 from quantlens.kernels import dtype_from_range, real_function
 from quantlens.march import QuantDType
-from quantlens.numerics import dequantize, quantize
-from quantlens.opset import IR_OPS, Category
+from quantlens.march.numerics import dequantize, quantize
+from quantlens.march.opset import IR_OPS, Category
 from quantlens.profiler.model_access import (
     AnalysisType, ConsistencyInfo, IntegerStats, ModelAccess, Quantizer, SameInputSource, SiteEvent, TraceSink,
 )

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from quantlens.numerics import fake_quant
+from quantlens.march.numerics import fake_quant
 from quantlens.profiler._sums import chunks, sum64
 from quantlens.profiler.index_ops import substitute_indices
 from quantlens.profiler.model_access import QuantErrorStats, SameInputSource, SiteEvent, TraceSink

@@ -30,7 +30,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from quantlens.march import QuantDType, Qpp
-from quantlens.numerics import (
+from quantlens.march.numerics import (
     channel_affine_params,
     clamp_codes,
     constant_addend,
@@ -38,7 +38,7 @@ from quantlens.numerics import (
     interpolation_weights,
     quantize,
 )
-from quantlens.opset import Category, op_def
+from quantlens.march.opset import Category, op_def
 from quantlens.quantization.tracer import TensorMarks
 
 __all__ = ["IntegerEmulator", "Deferred", "current_emulator", "EMULATED_OPS"]

@@ -11,7 +11,7 @@ from torch import nn
 
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType
-from quantlens.numerics import fake_quant
+from quantlens.march.numerics import fake_quant
 from quantlens.quantization.qconfig import QuantSpec
 from quantlens.quantization.scale_policy import group_scale, pow2_ceil, sync_groups
 

@@ -28,7 +28,7 @@ __all__ = [
 
 def _scale_from_absmax(absmax: torch.Tensor, dtype: QuantDType, owner: str = "Observer") -> torch.Tensor:
     """Vectorized ``MarchSpec.scale_from_range``: ``max(absmax / qmax, min_scale)``, rounded to float32."""
-    # Divide in float64 and round once to float32, exactly like the Python-float rule in march.py.
+    # Divide in float64 and round once to float32, exactly like the Python-float rule in march/spec.py.
     a = absmax.detach().to(torch.float64)
     bad = ~torch.isfinite(a)
     if bool(bad.any()):

@@ -11,7 +11,7 @@ Every op the tracer sees is classified once, here:
 Ops not in the registry that touch float tensors are treated as ``QUANTIZED`` and reported as "no integer rule"
 in ``model_check_result.txt``; export will refuse them.
 
-The op types and their categories are declared once, in :mod:`quantlens.opset`; this module derives each op's
+The op types and their categories are declared once, in :mod:`quantlens.march.opset`; this module derives each op's
 kind from its category and maps leaf modules to op types. To support a new op, add it to the op set (and a
 ``register_module_op`` line for a module that is one op site).
 """
@@ -24,7 +24,7 @@ from typing import Callable
 
 from torch import nn
 
-from quantlens.opset import OPS, Category, OpDef
+from quantlens.march.opset import OPS, Category, OpDef
 from quantlens.quantization.stubs import DeQuantStub, QuantStub
 
 __all__ = [
@@ -86,7 +86,7 @@ def register_module_op(module_type: type, op_type: str, kind: OpKind, **flags) -
 
 Q, P, I = OpKind.QUANTIZED, OpKind.PASSTHROUGH, OpKind.IGNORED
 
-# --- functions and tensor methods: every op type of the op set (``quantlens.opset``) -------------------------
+# --- functions and tensor methods: every op type of the op set (``quantlens.march.opset``) -------------------------
 _QUANTIZED_CATEGORIES = {Category.GEMM, Category.ELEMENTWISE, Category.REDUCTION, Category.TABLE}
 
 

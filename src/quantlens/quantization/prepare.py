@@ -28,7 +28,7 @@ from quantlens.quantization.decompositions import DECOMPOSITIONS
 from quantlens.quantization.emulation import EmuCall, IntegerEmulator
 from quantlens.quantization.fuse import FusedGroup, UnfusedPattern, find_fusions
 from quantlens.quantization.observers import FixedScaleObserver
-from quantlens.opset import Stage, op_def
+from quantlens.march.opset import Stage, op_def
 from quantlens.quantization.op_rules import OpKind
 from quantlens.quantization.overrides import OverrideCall
 from quantlens.quantization.plan import OutputMode, SitePlan, build_plans

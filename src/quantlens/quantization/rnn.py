@@ -159,7 +159,7 @@ def _sequence(tracer, kind, input, states, params, has_biases, num_layers, dropo
 
 
 #: canonical op name of a fused torch function -> its decomposition ``fn(tracer, *args, **kwargs)``; the tracer
-#: runs it (with itself active) instead of the function, for the op types that ``quantlens.opset`` declares
+#: runs it (with itself active) instead of the function, for the op types that ``quantlens.march.opset`` declares
 #: ``COMPOSITE``.
 DECOMPOSED_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "lstm_cell": lstm_cell,

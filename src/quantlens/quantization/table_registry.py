@@ -1,7 +1,7 @@
 """The table-op registry: one :class:`TableOpSpec` per op type that ``pre_export`` computes by table.
 
 ``docs/march.md`` §13 gives the integer rules; this is the one place that says, per op type (the canonical name
-the tracer gives the op site, as in :data:`quantlens.opset.OPS`):
+the tracer gives the op site, as in :data:`quantlens.march.opset.OPS`):
 
 * the float op the prepared (fake-quant / QAT) model computes, and the real function the tables sample
   (``docs/march.md`` §13.4: float64, defined on every input);
@@ -14,11 +14,11 @@ the tracer gives the op site, as in :data:`quantlens.opset.OPS`):
 emit are declared in :data:`quantlens.kernels.ops.TABLE_OP_IO`; ``export`` records which float op a ``lut`` /
 ``segment_lut`` node emulates (``attrs["reference"]``: ``{"op": op_type, **params}``), and ``to_onnx`` writes that
 float IR op, so an elementwise op type is also a float IR op with an ONNX converter taking ``params`` as its
-attributes. The op set (:mod:`quantlens.opset`) declares ``table=True`` exactly for the keys of
+attributes. The op set (:mod:`quantlens.march.opset`) declares ``table=True`` exactly for the keys of
 :data:`TABLE_OP_SPECS` (``tests/test_table_ops.py`` checks it).
 
 To add an elementwise table op: one :func:`_elementwise` entry below (its float op, and its real function
-when the two differ), an :data:`quantlens.opset.OPS` row with ``table=True``, and a rule row in
+when the two differ), an :data:`quantlens.march.opset.OPS` row with ``table=True``, and a rule row in
 ``docs/march.md`` §13.4.
 """
 

@@ -20,7 +20,7 @@ import threading
 import torch
 
 from quantlens.errors import QuantLensError
-from quantlens.march import Qpp, QuantDType, get_march
+from quantlens.march.spec import Qpp, QuantDType, get_march
 
 __all__ = [
     "fake_quant",

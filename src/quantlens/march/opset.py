@@ -12,7 +12,7 @@ Two tables, read by every stage (nothing else declares an op's category or its s
 A torch op's support per stage (:meth:`OpDef.stages`) follows from the two: ``export`` supports it when it has
 IR ops, ``convert`` and ONNX when every one of its IR ops does; ``pre_export`` when it is not a table op or has a
 table. ``prepare`` warns for every op site whose op a later stage refuses; ``docs/ops.md`` is generated from
-this module (``python -m quantlens.opset > docs/ops.md``) and a test checks both tables against the registries
+this module (``python -m quantlens.march.opset > docs/ops.md``) and a test checks both tables against the registries
 of lowering, the interpreter, convert, the integer kernels and the ONNX writer.
 
 To add an op: one :data:`OPS` row, its IR op rows, and one entry in each stage's registry.
@@ -324,7 +324,8 @@ def render_markdown() -> str:
     lines = [
         "# Op support",
         "",
-        "Generated from `quantlens.opset` (`python -m quantlens.opset > docs/ops.md`); `tests/test_opset.py` checks",
+        "Generated from `quantlens.march.opset` (`python -m quantlens.march.opset > docs/ops.md`); "
+        "`tests/test_opset.py` checks",
         "that this file, the op set and every stage's registry agree. `prepare` warns (console and",
         "`model_check_result.txt`) for every op site whose op a later stage refuses.",
         "",
