@@ -35,7 +35,14 @@ from torch.utils import _pytree as pytree
 
 import quantlens.zoo as zoo
 from quantlens.compiler import convert, export, to_onnx
-from quantlens.quantization import ConsistencyStrategy, FakeQuantState, calibrate, pre_export, prepare, set_fake_quantize
+from quantlens.quantization import (
+    ConsistencyStrategy,
+    FakeQuantState,
+    calibrate,
+    pre_export,
+    prepare,
+    set_fake_quantize,
+)
 from quantlens.quantization.qconfig_template import (
     calibration_8bit_weight_16bit_act_qconfig_setter,
     default_calibration_qconfig_setter,

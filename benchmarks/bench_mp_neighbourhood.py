@@ -21,18 +21,18 @@ from pathlib import Path
 import torch
 
 from quantlens.quantization import calibrate, prepare
-from quantlens.quantization.mixed_precision import (
+from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+from quantlens.search import (
     MixedPrecisionQconfigSetter,
     Promotion,
-    _key,
     int16_conflicts,
     mixed_precision_candidates,
 )
-from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+from quantlens.search.progress import selection_key as _key
 from quantlens.zoo.sentence_transformer import all_minilm_l6_v2, minilm_data
 
 
-def _parse(key: str) -> list[Promotion]:  # the inverse of the progress file's key (mixed_precision._key)
+def _parse(key: str) -> list[Promotion]:  # the inverse of the progress file's key (search.progress.selection_key)
     return [Promotion(*item.split("|")) for item in key.split(";")] if key else []
 
 

@@ -67,6 +67,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_profiler import PeakRSS  # noqa: E402  (the same resident-set sampler as the profiler benchmark)
+
 REQUIREMENTS = HERE / "requirements-peers.txt"
 BATCH = 64
 TOOLS = ("quantlens", "torchao", "nsfx", "ort")

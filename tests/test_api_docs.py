@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("pdoc")
 
-MODULES = ["quantlens", "quantlens.quantization", "quantlens.compiler", "quantlens.profiler"]
+MODULES = ["quantlens", "quantlens.march", "quantlens.quantization", "quantlens.compiler", "quantlens.profiler",
+           "quantlens.search"]
 
 
 def test_api_reference_builds_without_warnings_and_lists_all(tmp_path):

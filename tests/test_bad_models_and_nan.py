@@ -10,7 +10,13 @@ import torch
 from quantlens import QuantLensError
 from quantlens.profiler import QuantAnalysis
 from quantlens.quantization import (
-    FakeQuantState, NonFiniteError, calibrate, check_qat_model, detect_nonfinite, find_nonfinite, prepare,
+    FakeQuantState,
+    NonFiniteError,
+    calibrate,
+    check_qat_model,
+    detect_nonfinite,
+    find_nonfinite,
+    prepare,
     set_fake_quantize,
 )
 from quantlens.quantization.qconfig_template import (
@@ -173,7 +179,7 @@ def test_nan_in_qat_is_flagged_at_the_step_and_op_site():
         else:
             pytest.fail("the NaN was not flagged")
     assert [s.site for s in found] == ["layer1.conv2"]
-    assert "_next_runtime" not in qat._quantlens_state.__dict__  # nothing left behind
+    assert qat._quantlens_state.runtimes == []  # nothing left behind
 
     running = qat.layer1.conv1.bn.running_mean.clone()
     hit = find_nonfinite(qat, batches[0])  # one diagnostic forward, model left as it was

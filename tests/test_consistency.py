@@ -14,12 +14,12 @@ from quantlens.compiler import convert, export
 from quantlens.errors import QuantLensError
 from quantlens.quantization import (
     ConsistencyStrategy,
+    DeQuantStub,
+    FakeQuantize,
     FakeQuantState,
     QConfig,
     QuantSpec,
     QuantStub,
-    DeQuantStub,
-    FakeQuantize,
     calibrate,
     pre_export,
     prepare,

@@ -12,7 +12,7 @@ from torch import nn
 from quantlens.compiler import convert, export, to_onnx
 from quantlens.compiler.ir import Module, Node
 from quantlens.compiler.kernels_int import INT_KERNELS
-from quantlens.march import Qpp, QuantDType
+from quantlens.march import Qpp
 from quantlens.march.numerics import quantize_multiplier
 from quantlens.quantization import DeQuantStub, QuantStub, calibrate, pre_export, prepare
 from quantlens.quantization.qconfig_template import (

@@ -192,7 +192,7 @@ def test_dynamic_batch_from_a_batch_one_example(name, tmp_path):
     assert pytree.tree_leaves(irs["qat"](*one))[0].shape[0] == 1
 
     onnx = pytest.importorskip("onnx")
-    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxruntime")
     from quantlens.compiler import to_onnx
 
     path = to_onnx(irs["qat"], tmp_path / f"{name}.onnx")

@@ -6,7 +6,6 @@ an exact integer reciprocal or square root, the test recomputes that one step wi
 
 from __future__ import annotations
 
-import math
 from fractions import Fraction
 
 import pytest
@@ -34,7 +33,6 @@ from quantlens.kernels import (
     reciprocal_multiplier,
     rshift_rhe_var,
     rsqrt_mantissa_table,
-    segmented_lookup,
     softmax_exp_table,
     softmax_multiplier,
 )

@@ -12,15 +12,15 @@ import torch
 
 from quantlens import zoo
 from quantlens.quantization import calibrate, prepare
-from quantlens.quantization.mixed_precision import (
-    PROGRESS_FILE,
+from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+from quantlens.search import (
     MixedPrecisionQconfigSetter,
     Promotion,
     int16_conflicts,
     mixed_precision_candidates,
     search_mixed_precision,
 )
-from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+from quantlens.search.progress import PROGRESS_FILE
 
 TARGET = 0.9999  # int8 calibration gives 0.99971 on this model and data
 
@@ -188,7 +188,7 @@ def test_candidates_and_errors(setup, tmp_path):
 
 def test_latency_curve_and_latency_budget(setup, searched, tmp_path):
     from quantlens.compiler import convert, export
-    from quantlens.quantization.mixed_precision import MaxLatency
+    from quantlens.search import MaxLatency
 
     model, example, calib, evaluate, _ = setup
     full, _ = searched
@@ -222,7 +222,7 @@ def test_each_step_tries_the_first_rankings_best_remaining_candidate(setup, sear
 
 
 def test_graph_neighbours_are_producers_and_consumers(setup):
-    from quantlens.quantization.mixed_precision import _graph
+    from quantlens.search.graph import search_graph as _graph
 
     model, example, calib, _, _ = setup
     base = _build(model, example, calib, default_calibration_qconfig_setter)

@@ -18,6 +18,9 @@ from torch.utils import _pytree as pytree
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
+from _ort import LEVELS, saturating_kernels  # noqa: E402
+from _ort import session as _session
+
 from quantlens.compiler import export, to_onnx  # noqa: E402
 from quantlens.compiler.interpreter import run_graph  # noqa: E402
 from quantlens.compiler.ir import Graph, InputLeaf, Module, Node, ValueInfo  # noqa: E402
@@ -28,8 +31,6 @@ from quantlens.quantization.qconfig_template import (  # noqa: E402
     default_calibration_qconfig_setter,
 )
 from quantlens.zoo import example_inputs, get_model, list_models, sample_batches  # noqa: E402
-
-from _ort import LEVELS, saturating_kernels, session as _session  # noqa: E402
 
 TABLE_OPS_EXPORTED = ("lut", "segment_lut", "int_reciprocal", "int_softmax", "int_layer_norm", "int_div")
 HIGH_PRECISION_RTOL = 1e-4
@@ -452,7 +453,7 @@ def test_every_ir_op_has_an_onnx_mapping_and_a_docs_row():
 
     from quantlens.compiler.interpreter import QAT_KERNELS
     from quantlens.compiler.lowering import TORCH_OPS
-    from quantlens.compiler.onnx_export import ONNX_CONVERTERS
+    from quantlens.compiler.onnx import ONNX_CONVERTERS
 
     # pre_export table ops (quantlens::*) are registered when met; they are not part of the static op set
     ops = {op for op, fn in TORCH_OPS.items() if getattr(fn, "namespace", "aten") != "quantlens"} | set(QAT_KERNELS)
@@ -471,9 +472,9 @@ def test_every_ir_op_has_an_onnx_mapping_and_a_docs_row():
 def test_qat_ir_with_tables_exports_to_onnx(setter_name, tmp_path):
     """The default export (pre_export's tables applied) also runs in onnxruntime: table ops become the float
     ops they emulate, between Q/DQ pairs."""
-    from quantlens.compiler import export as export_ir, to_onnx as write_onnx
-    from quantlens.quantization import FakeQuantState, prepare, set_fake_quantize
-    from quantlens.quantization import qconfig_template
+    from quantlens.compiler import export as export_ir
+    from quantlens.compiler import to_onnx as write_onnx
+    from quantlens.quantization import FakeQuantState, prepare, qconfig_template, set_fake_quantize
     from quantlens.zoo import example_inputs, get_model, sample_batches
 
     name = "tiny_transformer"
@@ -498,7 +499,7 @@ def test_qat_ir_with_tables_exports_to_onnx(setter_name, tmp_path):
                                          "calibration_8bit_weight_16bit_act_qconfig_setter"])
 def test_table_ops_run_in_onnxruntime_bit_for_bit(setter_name, tmp_path):
     """lut (int8) and segment_lut (int16) become Gather over the table's output at every input code, int_softmax
-    and int_layer_norm their integer arithmetic (``compiler.onnx_tables``): onnxruntime computes what the qat IR
+    and int_layer_norm their integer arithmetic (``compiler.onnx.tables``): onnxruntime computes what the qat IR
     computes, bit for bit, where the float references (Sigmoid, Gelu, Softmax, LayerNormalization) round apart."""
     from quantlens.quantization import qconfig_template
 
@@ -541,12 +542,12 @@ def test_table_ops_run_in_onnxruntime_bit_for_bit(setter_name, tmp_path):
 
 
 def test_onnx_table_helpers_round_like_the_kernels_at_ties_and_bounds():
-    """The integer helpers of ``compiler.onnx_tables`` against ``kernels._int`` on the values where rounding
+    """The integer helpers of ``compiler.onnx.tables`` against ``kernels._int`` on the values where rounding
     rules differ: exact halves (odd and even floors, both signs), divisor 1, large magnitudes; bit lengths at
     every power of two and one below; the mantissa tables at their segment bounds."""
     from quantlens.compiler.ir import Graph, Module
-    from quantlens.compiler.onnx_builder import _Builder
-    from quantlens.compiler.onnx_tables import _F64
+    from quantlens.compiler.onnx.builder import _Builder
+    from quantlens.compiler.onnx.tables import _F64
     from quantlens.kernels._int import bit_length, div_round_half_even
     from quantlens.kernels.tables import recip_mantissa_table, rsqrt_mantissa_table
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 import quantlens.compiler  # noqa: F401  (registers every stage)
-from quantlens.compiler import interpreter, kernels_int, lowering, onnx_ops
+from quantlens.compiler import interpreter, kernels_int, lowering
+from quantlens.compiler.onnx import ONNX_CONVERTERS
 from quantlens.kernels import TABLE_OP_IO
 from quantlens.march.opset import IR_OPS, OPS, Category, Stage, render_markdown
 from quantlens.quantization import op_rules
@@ -24,7 +25,7 @@ def test_convert_registry_is_the_declared_convert_support():
 
 def test_onnx_registry_is_the_declared_onnx_support():
     declared = {n for n in QAT_LEVEL if IR_OPS[n].onnx}
-    assert set(onnx_ops.ONNX_CONVERTERS) == declared
+    assert set(ONNX_CONVERTERS) == declared
 
 
 def test_every_quantized_ir_op_has_an_integer_kernel():
@@ -82,3 +83,24 @@ def test_the_interpreter_refuses_ops_the_op_set_does_not_give_that_ir_kind():
         module("quantized", "sigmoid").run(feeds)
     with pytest.raises(QuantLensError, match=r"op 'no_such_op'"):
         module("qat", "no_such_op").run(feeds)
+
+
+def test_every_op_convert_gives_an_integer_rule_is_emulated_with_it():
+    """convert and the fake quant's emulation apply the same integer rules (``quantlens.march.rules``): every op
+    type that lowers to an IR op of a rule-bearing category (elementwise, reduction) with a converter has an
+    emulation rule, so no such op silently stays float at consistency levels 1-4. Ops of the other categories are
+    declared exact without one (``Category.has_own_rule``)."""
+    from quantlens.compiler.convert import CONVERTERS
+    from quantlens.march.opset import IR_OPS, OPS
+    from quantlens.quantization.emulation import EMULATED_OPS
+
+    checked, missing = 0, []
+    for ir_op in sorted(CONVERTERS):
+        if not IR_OPS[ir_op].category.has_own_rule:
+            continue
+        for op_type in (d.name for d in OPS.values() if ir_op in d.ir):
+            checked += 1
+            if op_type not in EMULATED_OPS:
+                missing.append(f"{op_type} (-> {ir_op})")
+    assert missing == [], f"op types convert gives an integer rule but the emulation does not: {missing}"
+    assert checked >= 25  # add/sub/mul/cat/clamp/pools/... all reached

@@ -8,7 +8,14 @@ import pytest
 from rich.console import Console
 
 from quantlens.cli.pipeline import (
-    PairResult, PairVerdict, print_losses, ranked_losses, summarize, worst_differing, write_index, write_summary,
+    PairResult,
+    PairVerdict,
+    print_losses,
+    ranked_losses,
+    summarize,
+    worst_differing,
+    write_index,
+    write_summary,
 )
 from quantlens.profiler.compare import LayerComparison, LayerRow
 

@@ -7,8 +7,16 @@ from torch import nn
 from quantlens.march import QuantDType
 from quantlens.profiler import QuantAnalysis
 from quantlens.quantization import (
-    DeQuantStub, FakeQuantState, FixedScaleObserver, MinMaxObserver, QConfig, QuantSpec, QuantStub, get_qconfig,
-    prepare, set_fake_quantize,
+    DeQuantStub,
+    FakeQuantState,
+    FixedScaleObserver,
+    MinMaxObserver,
+    QConfig,
+    QuantSpec,
+    QuantStub,
+    get_qconfig,
+    prepare,
+    set_fake_quantize,
 )
 from quantlens.quantization.qconfig_template import ModuleNameQconfigSetter, default_calibration_qconfig_setter
 

@@ -10,7 +10,8 @@ from torch import nn
 
 from quantlens import QuantLensError
 from quantlens.profiler import LayerComparison, QuantAnalysis
-from quantlens.quantization import calibrate as calibrate_model, FakeQuantState, prepare, set_fake_quantize
+from quantlens.quantization import FakeQuantState, prepare, set_fake_quantize
+from quantlens.quantization import calibrate as calibrate_model
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.zoo import example_inputs, get_model, sample_batches
 

@@ -6,17 +6,17 @@ import dataclasses
 import re
 
 import pytest
-import torch
 
+import quantlens.zoo as zoo
 from quantlens.compiler import convert, export, save
 from quantlens.profiler import QuantAnalysis
-from quantlens.profiler.advisor import AdvisorContext, consistency_level
+from quantlens.profiler.advisor import AdvisorContext
+from quantlens.profiler.advisor.consistency import consistency_level
 from quantlens.profiler.compare import LayerComparison
 from quantlens.profiler.model_access import ConsistencyInfo
 from quantlens.quantization import ConsistencyStrategy, calibrate, prepare
 from quantlens.quantization.pre_export import pre_export
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
-import quantlens.zoo as zoo
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,13 @@ import torch
 from quantlens import QuantLensError
 from quantlens.compiler import Module, convert, export, save
 from quantlens.profiler import QuantAnalysis
-from quantlens.profiler.trace_store import TraceReader
+from quantlens.profiler.trace.reader import TraceReader
 from quantlens.quantization import calibrate as calibrate_model
 from quantlens.quantization import prepare
 from quantlens.quantization.pre_export import pre_export
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.zoo import example_inputs, get_model, sample_batches
+
 
 @dataclass
 class Stages:

@@ -8,7 +8,15 @@ from quantlens.compiler import convert, export
 from quantlens.profiler import QuantAnalysis
 from quantlens.profiler.advisor import THRESHOLDS
 from quantlens.quantization import (
-    DeQuantStub, FixedScaleObserver, QConfig, QuantSpec, QuantStub, calibrate, get_qconfig, pre_export, prepare,
+    DeQuantStub,
+    FixedScaleObserver,
+    QConfig,
+    QuantSpec,
+    QuantStub,
+    calibrate,
+    get_qconfig,
+    pre_export,
+    prepare,
 )
 from quantlens.quantization.qconfig_template import ModuleNameQconfigSetter, default_calibration_qconfig_setter
 

@@ -6,7 +6,13 @@ import torch
 from quantlens.march import QuantDType
 from quantlens.profiler import QuantAnalysis
 from quantlens.quantization import (
-    FakeQuantState, FixedScaleObserver, MinMaxObserver, QConfig, QuantSpec, prepare, set_fake_quantize,
+    FakeQuantState,
+    FixedScaleObserver,
+    MinMaxObserver,
+    QConfig,
+    QuantSpec,
+    prepare,
+    set_fake_quantize,
 )
 from quantlens.quantization.qconfig_template import (
     ModuleNameQconfigSetter,

@@ -18,7 +18,7 @@ Characterised over 20 sample batches of 16 per model (``sample_batches(name, 20,
   row). Where it comes from: float ops that round differently at a half step (onnxruntime's conv/GEMM sum in
   another order; at ``"all"`` also its NCHWc convolutions and ``FusedMatMul``) flip a code by one step, and flips
   compound downstream (tiny_resnet's layer2: up to 3-4 LSB). The table ops (softmax, layer norm, GELU) are exported
-  as their integer arithmetic (``compiler.onnx_tables``), so they add no difference of their own. Asserted: a table
+  as their integer arithmetic (``compiler.onnx.tables``), so they add no difference of their own. Asserted: a table
   row is bit-exact whenever every row before it is, and on the bad case every tiny_transformer grid row is.
 * rows without a grid (a conv whose ReLU is fused after it, the float head linear, reshapes): while every grid
   row before them is bit-exact they differ by float32 summation order only (measured max |diff| / max |baseline|
@@ -43,11 +43,15 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
 from _ort import saturating_kernels  # noqa: E402
+
 from quantlens.cli.pipeline import PairVerdict, analyze_pair, print_losses, write_index, write_summary  # noqa: E402
 from quantlens.compiler import export, to_onnx  # noqa: E402
 from quantlens.errors import QuantLensError  # noqa: E402
-from quantlens.profiler import AnalysisType, QuantAnalysis  # noqa: E402
-from quantlens.profiler import OnnxModelAccess  # noqa: E402
+from quantlens.profiler import (  # noqa: E402
+    AnalysisType,
+    OnnxModelAccess,  # noqa: E402
+    QuantAnalysis,
+)
 from quantlens.profiler.ir_access import IRModelAccess  # noqa: E402
 from quantlens.quantization import calibrate, pre_export, prepare  # noqa: E402
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter  # noqa: E402

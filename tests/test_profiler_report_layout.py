@@ -9,12 +9,13 @@ import re
 
 import pytest
 
-from quantlens.profiler import QuantAnalysis
-from quantlens.profiler.html import (SENSITIVITY_BEGIN, TABLE_COLUMNS, histogram_chart, line_chart, nice_ticks,
-                                     tick_text)
-from quantlens.profiler.report import TEXT_WIDTH, wrap_table
 from quantlens._io import format_table
-from quantlens.quantization import calibrate as calibrate_model, prepare
+from quantlens.profiler import QuantAnalysis
+from quantlens.profiler.charts import histogram_chart, line_chart, nice_ticks, tick_text
+from quantlens.profiler.html import SENSITIVITY_BEGIN, TABLE_COLUMNS
+from quantlens.profiler.report import TEXT_WIDTH, wrap_table
+from quantlens.quantization import calibrate as calibrate_model
+from quantlens.quantization import prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.zoo import example_inputs, get_model, sample_batches
 

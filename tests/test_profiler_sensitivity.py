@@ -10,10 +10,16 @@ from quantlens.profiler import QuantAnalysis
 from quantlens.profiler.index_ops import substitute_indices
 from quantlens.profiler.sensitivity import IndexRecorder
 from quantlens.profiler.torch_access import TorchModelAccess
-from quantlens.quantization import calibrate as calibrate_model
 from quantlens.quantization import (
-    DeQuantStub, FixedScaleObserver, MinMaxObserver, QConfig, QuantSpec, QuantStub, prepare,
+    DeQuantStub,
+    FixedScaleObserver,
+    MinMaxObserver,
+    QConfig,
+    QuantSpec,
+    QuantStub,
+    prepare,
 )
+from quantlens.quantization import calibrate as calibrate_model
 from quantlens.quantization.pre_export import lut_sites, pre_export, set_lut_enabled
 from quantlens.quantization.qconfig_template import (
     ModuleNameQconfigSetter,

@@ -7,7 +7,8 @@ import torch
 
 from quantlens.compiler import convert, export
 from quantlens.profiler import QuantAnalysis
-from quantlens.profiler import ablation_cache, sensitivity as sensitivity_module
+from quantlens.profiler import sensitivity as sensitivity_module
+from quantlens.profiler.ablation import ir_cache, torch_cache
 from quantlens.quantization import calibrate as calibrate_model
 from quantlens.quantization import prepare
 from quantlens.quantization.pre_export import pre_export
@@ -33,7 +34,7 @@ def _tables(result):
 def _both(monkeypatch, tmp_path, baseline, analysis, kind, example, metric="L1", shard_true=False):
     """(cached tables, full-forward tables, number of cached runs)."""
     calls = []
-    original = ablation_cache.TorchAblationCache.run, ablation_cache.IRAblationCache.run
+    original = torch_cache.TorchAblationCache.run, ir_cache.IRAblationCache.run
 
     def counting(index):
         def run(self, *a, **k):
@@ -41,8 +42,8 @@ def _both(monkeypatch, tmp_path, baseline, analysis, kind, example, metric="L1",
             return original[index](self, *a, **k)
         return run
 
-    monkeypatch.setattr(ablation_cache.TorchAblationCache, "run", counting(0))
-    monkeypatch.setattr(ablation_cache.IRAblationCache, "run", counting(1))
+    monkeypatch.setattr(torch_cache.TorchAblationCache, "run", counting(0))
+    monkeypatch.setattr(ir_cache.IRAblationCache, "run", counting(1))
     qa = QuantAnalysis(baseline, analysis, kind, out_dir=tmp_path / "cached", progress=False)
     qa.set_bad_case(example)
     cached = _tables(qa.sensitivity(metric=metric, shard=shard_true))
@@ -111,14 +112,14 @@ def test_cache_skips_upstream_work(monkeypatch):
     access = TorchModelAccess(calib, "analysis")
     example = example_inputs("tiny_resnet", 2)
     computed = []
-    original = ablation_cache._CachingRuntime._done
+    original = torch_cache._CachingRuntime._done
 
     def done(self, key, *a, **k):
         if not self.recording:
             computed.append(key[0])
         return original(self, key, *a, **k)
 
-    monkeypatch.setattr(ablation_cache._CachingRuntime, "_done", done)
+    monkeypatch.setattr(torch_cache._CachingRuntime, "_done", done)
     quantizers = access.quantizers(AnalysisType.FAKE_QUANT)
     with access.ablation(AnalysisType.FAKE_QUANT) as enable:
         runner = ablation_runner(access, AnalysisType.FAKE_QUANT, example, IndexRecorder())

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from quantlens.profiler import QuantAnalysis
-from quantlens.profiler import ablation_cache, sensitivity as sensitivity_module
+from quantlens.profiler import sensitivity as sensitivity_module
+from quantlens.profiler.ablation import ir_cache, torch_cache
 from quantlens.quantization import DeQuantStub, QuantStub, calibrate, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 
@@ -68,7 +69,7 @@ def _counted(monkeypatch):
         counts["fallbacks"] += out is None
         return out
 
-    for cache in (ablation_cache.TorchAblationCache, ablation_cache.IRAblationCache):
+    for cache in (torch_cache.TorchAblationCache, ir_cache.IRAblationCache):
         monkeypatch.setattr(cache, "run", counting(cache.run))
     monkeypatch.setattr(sensitivity_module._Shared, "ablate", counting_ablate)
     return counts

@@ -2,13 +2,14 @@
 set_model_profiler_dir (compare traces made earlier), cached_attrs (stateful sequence models) and the per-table
 error histogram of pre_export sensitivity."""
 
-import torch
 import pytest
+import torch
 from torch import nn
 
 from quantlens import QuantLensError
 from quantlens.profiler import QuantAnalysis
-from quantlens.quantization import DeQuantStub, QuantStub, calibrate as calibrate_model, prepare
+from quantlens.quantization import DeQuantStub, QuantStub, prepare
+from quantlens.quantization import calibrate as calibrate_model
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.zoo import example_inputs, get_model, sample_batches
 
@@ -177,7 +178,7 @@ def test_cached_attrs_missing_attribute_is_named(tmp_path):
 
 # -- 4. pre_export: each table's own error, in output steps ----------------------------------------------------
 def test_pre_export_sensitivity_rows_carry_each_tables_error_histogram(tmp_path):
-    from quantlens.profiler.trace_store import TraceReader
+    from quantlens.profiler.trace.reader import TraceReader
     from quantlens.quantization.pre_export import lut_sites, pre_export, set_lut_enabled
     from quantlens.quantization.qconfig_template import calibration_8bit_weight_16bit_act_qconfig_setter
 

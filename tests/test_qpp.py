@@ -15,13 +15,14 @@ import torch
 from torch import nn
 
 from quantlens.compiler import convert, export
-from quantlens.compiler.convert import requant_attrs, rescale_attrs
 from quantlens.compiler.cost import LatencyEstimate, estimate_latency, requant_class
 from quantlens.compiler.ir import Graph, Module, Node, ValueInfo
 from quantlens.compiler.kernels_int import INT_KERNELS
 from quantlens.errors import QuantLensError
-from quantlens.march import March, Qpp, QppSpec, QuantDType, SPEC_VERSION, get_march
+from quantlens.march import SPEC_VERSION, March, Qpp, QppSpec, QuantDType, get_march
 from quantlens.march.numerics import constant_addend, quantize_multiplier, requantize, rescaled_sum
+from quantlens.march.rules import add as rescale_attrs
+from quantlens.march.rules import requantize as requant_attrs
 from quantlens.quantization import DeQuantStub, QuantStub, calibrate, pre_export, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 

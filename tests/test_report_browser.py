@@ -21,7 +21,8 @@ import pytest
 from quantlens.profiler import QuantAnalysis
 from quantlens.profiler.compare import LayerComparison, LayerRow
 from quantlens.profiler.html import SENSITIVITY_TOP, write_html
-from quantlens.quantization import calibrate as calibrate_model, prepare
+from quantlens.quantization import calibrate as calibrate_model
+from quantlens.quantization import prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.zoo import example_inputs, get_model, sample_batches
 

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import quantlens.compiler  # noqa: F401  (registers every stage)
-from quantlens.compiler import convert, export, lowering, onnx_ops
+from quantlens.compiler import convert, export, lowering
+from quantlens.compiler.onnx import ONNX_CONVERTERS
 from quantlens.errors import QuantLensError
 from quantlens.kernels import ELEMENTWISE_OPS, TABLE_OP_IO, elementwise_table, real_function
 from quantlens.march import QuantDType
@@ -33,8 +34,7 @@ from quantlens.quantization import (
     prepare,
     set_fake_quantize,
 )
-from quantlens.quantization.pre_export import TABLE_OPS
-from quantlens.quantization.pre_export import lut_errors, lut_sites, pre_export, pre_export_report
+from quantlens.quantization.pre_export import TABLE_OPS, lut_errors, lut_sites, pre_export, pre_export_report
 from quantlens.quantization.qconfig_template import (
     calibration_8bit_weight_16bit_act_qconfig_setter,
     default_calibration_qconfig_setter,
@@ -74,7 +74,7 @@ def test_every_table_op_is_declared_by_every_stage_it_needs(op_type):
         assert op.ir == ("lut", "segment_lut") and op.march == "§13.4"
         # export names the float op a lut emulates by op type; ONNX and the float qat IR need that IR op
         assert op_type in IR_OPS and not IR_OPS[op_type].convert
-        assert op_type in onnx_ops.ONNX_CONVERTERS
+        assert op_type in ONNX_CONVERTERS
         assert op_type in lowering.TORCH_OPS
         assert spec.int16 in ("segmented", "mantissa_reciprocal")
 
@@ -382,9 +382,9 @@ def test_end_to_end_conv_then_table_op(name, act, tmp_path):
         assert (conv_codes[0] - conv_codes[1]).abs().max() <= 1
         assert torch.equal(qat_ir(x), want)
     pytest.importorskip("onnx")
-    from quantlens.compiler import to_onnx
-
     from _ort import LEVELS, saturating_kernels
+
+    from quantlens.compiler import to_onnx
 
     path = to_onnx(qat_ir, tmp_path / f"{name}.onnx")
     assert saturating_kernels(path, tmp_path) == set()  # the conv stays float on every CPU

@@ -109,7 +109,7 @@ def test_every_op_is_integer_and_the_integer_model_tracks_the_tables(name, stage
     float_ops = {n.op for n in s["quantized"].graph.nodes if not n.attrs.get("host")} & {
         "pad", "batch_norm", "prelu", "leaky_relu", "sigmoid", "tanh", "softmax", "sqrt", "pow", "conv2d_float"}
     assert not float_ops
-    entry, call = s["entry"], s["example"]
+    call = s["example"]
     with torch.no_grad():
         expected = _tensors(s["table_model"](*call))
     assert all(torch.equal(a, b) for a, b in zip(_tensors(s["qat_ir"](*call)), expected))

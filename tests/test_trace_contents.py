@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from quantlens.profiler.trace_store import tensor_stat
+from quantlens.profiler.trace.stats import tensor_stat
 
 
 @pytest.mark.parametrize("n", [7, 8191, 4096 * 64, 4096 * 64 + 123])
@@ -43,7 +43,7 @@ def test_an_analysis_trace_keeps_a_fused_members_statistics_not_its_values(small
     from torch import nn
 
     from quantlens.errors import QuantLensError
-    from quantlens.profiler.trace_store import TraceReader
+    from quantlens.profiler.trace.reader import TraceReader
     from quantlens.quantization import DeQuantStub, QuantStub
 
     torch.manual_seed(0)
@@ -83,7 +83,7 @@ def test_an_analysis_trace_keeps_a_fused_members_statistics_not_its_values(small
 
 def test_integer_codes_are_checked_in_every_chunk():
     from quantlens.profiler._sums import CHUNK
-    from quantlens.profiler.trace_store import _encode
+    from quantlens.profiler.trace.writer import _encode
 
     scale = 0.03125
     g = torch.Generator().manual_seed(1)

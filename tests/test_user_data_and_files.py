@@ -17,7 +17,7 @@ from quantlens import QuantLensError
 from quantlens.profiler import QuantAnalysis
 from quantlens.profiler.outputs import named_outputs
 from quantlens.profiler.report import safe_name, save_pt
-from quantlens.profiler.trace_store import TraceReader
+from quantlens.profiler.trace.reader import TraceReader
 from quantlens.quantization import FakeQuantState, calibrate, prepare, set_fake_quantize
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.quantization.tracer import TensorMarks

@@ -112,7 +112,12 @@ def run_demo(out_dir: str = "quantlens_demo", qat_epochs: int = 2, seed: int = 0
     ``analysis_batches`` x ``batch_size`` held-out images are searched for each pair's bad case; ``int16``
     also reports an int16-activation calibration's accuracy; ``fault`` plants :data:`FAULT_SITE`'s fault."""
     from quantlens.cli.pipeline import (
-        PAIRS, analyze_pairs, build_stages, ranked_losses, write_index, write_summary,
+        PAIRS,
+        analyze_pairs,
+        build_stages,
+        ranked_losses,
+        write_index,
+        write_summary,
     )
     from quantlens.quantization import prepare
     from quantlens.zoo import digits_cnn, evaluate_accuracy, load_digits_data

@@ -56,7 +56,7 @@ def render_pair(folder: Path, analysis_type: str | None = None, prefixes=None) -
     from quantlens.profiler.html import write_html
     from quantlens.profiler.model_access import ConsistencyInfo, parse_analysis_type
     from quantlens.profiler.report import write_advisor, write_compare_csv, write_compare_text
-    from quantlens.profiler.trace_store import TraceReader
+    from quantlens.profiler.trace.reader import TraceReader
 
     meta_path = folder / PAIR_FILE
     meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}

@@ -26,8 +26,10 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from quantlens._registry import make_registry
 from quantlens.errors import QuantLensError
-from quantlens.march import CostModel, get_march
+from quantlens.march import CostModel, Qpp, get_march
+from quantlens.march.opset import IR_OPS, Cost
 
 __all__ = ["LatencyEstimate", "estimate_latency", "requant_class"]
 
@@ -52,13 +54,14 @@ _CLASSES = ("identity", "shift", "default", "high_precision")
 
 def requant_class(multiplier: int, shift: int) -> str:
     """``"identity"`` (``M · 2**-shift == 1``), ``"shift"`` (``M`` a power of two), ``"default"`` (``M < 2**16``,
-    the 16x32 multiply) or ``"high_precision"`` (a wider ``M``: the 32x32 -> 64-bit multiply)."""
+    the 16x32 multiply: the default profile's multiplier width) or ``"high_precision"`` (a wider ``M``: the 32x32
+    -> 64-bit multiply)."""
     m, s = int(multiplier), int(shift)
     if m > 0 and s >= 0 and m == 1 << s:
         return "identity"
     if m > 0 and m & (m - 1) == 0:
         return "shift"
-    return "default" if m < 1 << 16 else "high_precision"
+    return "default" if m < 1 << get_march().spec.qpp(Qpp.DEFAULT).multiplier_bits else "high_precision"
 
 
 def _worst(mults, shifts) -> str:
@@ -69,14 +72,6 @@ def _worst(mults, shifts) -> str:
 def _passes(cm: CostModel, cls: str) -> int:
     return {"identity": 0, "shift": cm.requant_passes_shift, "default": cm.requant_passes_default,
             "high_precision": cm.requant_passes_high_precision}[cls]
-
-
-#: views: no data moves
-_VIEWS = {"reshape", "expand", "select", "slice", "split"}
-#: vector passes of the table ops besides their one lookup per element (max/sum/normalise, centre/scale, ...)
-_TABLE_PASSES = {"lut": 0, "segment_lut": 1, "int_reciprocal": 1, "int_div": 2, "int_softmax": 4,
-                 "int_layer_norm": 4}
-_GEMMS = {"conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "linear", "matmul"}
 
 
 class _Estimator:
@@ -114,77 +109,130 @@ class _Estimator:
             self.shift_only_ops += cls == "shift"
         return self.vector(elements, _passes(self.cm, cls))
 
+    def output_requant(self, node, out: int) -> int:
+        return self.requant(out, node.attrs.get("multiplier"), node.attrs.get("shift"))
+
     def gemm(self, macs: int, operands: list[str]) -> int:
         wide = any(self.qdtype(v) == "qint16" for v in operands if v)
         rate = self.cm.macs_per_cycle_int16 if wide else self.cm.macs_per_cycle_int8
         return -(-macs // rate) if macs > 0 else 0
 
     def node(self, node) -> int:
-        op, a = node.op, node.attrs
-        if a.get("host"):
+        if node.attrs.get("host"):
             return 0  # float post-processing on the host, after the boundary
+        op = IR_OPS.get(node.op)
         out = self.numel(node.outputs[0]) if node.outputs else 0
-        x = node.inputs[0] if node.inputs else ""
-        if op in _VIEWS:
-            return 0
-        if op in _GEMMS:
-            w_shape = self.shape(node.inputs[1])
-            if op in ("conv1d", "conv2d"):
-                macs = out * math.prod(w_shape[1:])
-            elif op.startswith("conv_transpose"):  # every input element reaches out/groups · prod(k) outputs
-                macs = self.numel(x) * math.prod(w_shape[1:])
-            else:  # linear [out, in], matmul [..., k, n]: the contraction length
-                k = w_shape[-1] if op == "linear" else (self.shape(x)[-1] if self.shape(x) else 1)
-                macs = out * k
-            return self.gemm(macs, node.inputs[:2]) + self.requant(out, a.get("multiplier"), a.get("shift"))
-        if op == "bilinear_int":
-            shape = self.shape(x)
-            lead = math.prod(shape[:-2]) if len(shape) >= 2 else 1
-            (h_out, h_in), (w_out, w_in) = self.shape(node.inputs[1]), self.shape(node.inputs[2])
-            macs = lead * (h_out * h_in * w_in + h_out * w_in * w_out)
-            # the interpolation weights are int16: the int8 x int16 rate
-            return -(-macs // self.cm.macs_per_cycle_int16) + self.requant(out, a.get("multiplier"), a.get("shift"))
-        if op in ("add", "sub", "add_const"):
-            frac = int(a.get("frac_bits", 8))
-            cycles = 0
-            for m, s in zip(a.get("multipliers", []), a.get("shifts", [])):
-                cycles += self.requant(out, [m], [s])
-                if frac > 0 and requant_class(m, s) == "identity":
-                    cycles += self.vector(out, self.cm.requant_passes_shift)  # q · 2**F
-            sums = len(a.get("multipliers", [1])) - 1 + (op == "add_const")
-            cycles += self.vector(out, sums)
-            if frac > 0:
-                cycles += self.vector(out, self.cm.requant_passes_shift)  # the one final rounding by F
-            return cycles
-        if op == "cat":
-            cycles = sum(self.requant(self.numel(v), [m], [s])
-                         for v, m, s in zip(node.inputs, a.get("multipliers", []), a.get("shifts", [])))
-            return cycles + self.vector(out)
-        if op == "prelu_int":
-            return (self.vector(out) + self.requant(out, a.get("multiplier"), a.get("shift"))
-                    + self.requant(out, a.get("neg_multiplier"), a.get("neg_shift")))
-        if op in ("mul", "clamp", "abs_int", "neg_int", "channel_affine"):
-            return self.vector(out) + self.requant(out, a.get("multiplier"), a.get("shift"))
-        if op == "scale":
-            negate = self.vector(out, int(bool(a.get("negative"))))
-            return negate + self.requant(out, a.get("multiplier"), a.get("shift"))
-        if op == "requantize":
-            return self.requant(out, a.get("multiplier"), a.get("shift"))
-        if op == "sum_int":
-            return self.vector(self.numel(x)) + self.requant(out, a.get("multiplier"), a.get("shift"))
-        if op in ("avg_pool2d_int", "avg_pool1d_int"):
-            window = math.prod(a.get("kernel_size", [1]))
-            return self.vector(out, window) + self.requant(out, a.get("multiplier"), a.get("shift"))
-        if op in ("max_pool2d", "max_pool1d"):
-            ks = a.get("kernel_size", [1])
-            return self.vector(out, math.prod(ks if isinstance(ks, (list, tuple)) else [ks]))
-        if op in _TABLE_PASSES:
-            elements = self.numel(x)
-            lookups = -(-elements // self.cm.table_lookups_per_cycle) if elements else 0
-            return lookups + self.vector(elements, _TABLE_PASSES[op])
-        if op in ("sort", "topk", "max_dim", "amax", "argmax"):
-            return self.vector(self.numel(x))
-        return self.vector(out)  # a move, a boundary (de)quantize, an index op: one vector pass
+        return _CHARGES[op.cost if op is not None else Cost.PASS](self, node, out)
+
+
+#: Cost (the op set's per-op cost kind) -> ``(estimator, node, output elements) -> cycles``
+_CHARGES, _charges = make_registry("cost rule for")
+
+
+@_charges(Cost.PASS)
+def _one_pass(e: _Estimator, node, out: int) -> int:
+    return e.vector(out)  # a move, a boundary (de)quantize, an index op: one vector pass
+
+
+@_charges(Cost.FREE)
+def _free(e: _Estimator, node, out: int) -> int:
+    return 0
+
+
+@_charges(Cost.GEMM)
+def _gemm(e: _Estimator, node, out: int) -> int:
+    x, w_shape = node.inputs[0], e.shape(node.inputs[1])
+    if node.op in ("conv1d", "conv2d"):
+        macs = out * math.prod(w_shape[1:])
+    elif node.op.startswith("conv_transpose"):  # every input element reaches out/groups · prod(k) outputs
+        macs = e.numel(x) * math.prod(w_shape[1:])
+    else:  # linear [out, in], matmul [..., k, n]: the contraction length
+        k = w_shape[-1] if node.op == "linear" else (e.shape(x)[-1] if e.shape(x) else 1)
+        macs = out * k
+    return e.gemm(macs, node.inputs[:2]) + e.output_requant(node, out)
+
+
+@_charges(Cost.BILINEAR)
+def _bilinear(e: _Estimator, node, out: int) -> int:
+    shape = e.shape(node.inputs[0])
+    lead = math.prod(shape[:-2]) if len(shape) >= 2 else 1
+    (h_out, h_in), (w_out, w_in) = e.shape(node.inputs[1]), e.shape(node.inputs[2])
+    macs = lead * (h_out * h_in * w_in + h_out * w_in * w_out)
+    # the interpolation weights are int16: the int8 x int16 rate
+    return -(-macs // e.cm.macs_per_cycle_int16) + e.output_requant(node, out)
+
+
+@_charges(Cost.RESCALED_SUM)
+def _rescaled_sum(e: _Estimator, node, out: int) -> int:
+    a = node.attrs
+    frac = int(a.get("frac_bits", 8))
+    cycles = 0
+    for m, s in zip(a.get("multipliers", []), a.get("shifts", [])):
+        cycles += e.requant(out, [m], [s])
+        if frac > 0 and requant_class(m, s) == "identity":
+            cycles += e.vector(out, e.cm.requant_passes_shift)  # q · 2**F
+    sums = len(a.get("multipliers", [1])) - 1 + (node.op == "add_const")
+    cycles += e.vector(out, sums)
+    if frac > 0:
+        cycles += e.vector(out, e.cm.requant_passes_shift)  # the one final rounding by F
+    return cycles
+
+
+@_charges(Cost.CAT)
+def _cat(e: _Estimator, node, out: int) -> int:
+    a = node.attrs
+    cycles = sum(e.requant(e.numel(v), [m], [s])
+                 for v, m, s in zip(node.inputs, a.get("multipliers", []), a.get("shifts", [])))
+    return cycles + e.vector(out)
+
+
+@_charges(Cost.PRELU)
+def _prelu(e: _Estimator, node, out: int) -> int:
+    return (e.vector(out) + e.output_requant(node, out)
+            + e.requant(out, node.attrs.get("neg_multiplier"), node.attrs.get("neg_shift")))
+
+
+@_charges(Cost.PASS_REQUANT)
+def _pass_requant(e: _Estimator, node, out: int) -> int:
+    return e.vector(out) + e.output_requant(node, out)
+
+
+@_charges(Cost.SCALE)
+def _scale(e: _Estimator, node, out: int) -> int:
+    return e.vector(out, int(bool(node.attrs.get("negative")))) + e.output_requant(node, out)
+
+
+@_charges(Cost.REQUANTIZE)
+def _requantize(e: _Estimator, node, out: int) -> int:
+    return e.output_requant(node, out)
+
+
+@_charges(Cost.SUM)
+def _sum(e: _Estimator, node, out: int) -> int:
+    return e.vector(e.numel(node.inputs[0])) + e.output_requant(node, out)
+
+
+@_charges(Cost.AVG_POOL)
+def _avg_pool(e: _Estimator, node, out: int) -> int:
+    return e.vector(out, math.prod(node.attrs.get("kernel_size", [1]))) + e.output_requant(node, out)
+
+
+@_charges(Cost.MAX_POOL)
+def _max_pool(e: _Estimator, node, out: int) -> int:
+    ks = node.attrs.get("kernel_size", [1])
+    return e.vector(out, math.prod(ks if isinstance(ks, (list, tuple)) else [ks]))
+
+
+@_charges(Cost.TABLE)
+def _table(e: _Estimator, node, out: int) -> int:
+    elements = e.numel(node.inputs[0])
+    lookups = -(-elements // e.cm.table_lookups_per_cycle) if elements else 0
+    return lookups + e.vector(elements, IR_OPS[node.op].table_passes)
+
+
+@_charges(Cost.SCAN)
+def _scan(e: _Estimator, node, out: int) -> int:
+    return e.vector(e.numel(node.inputs[0]))
 
 
 def estimate_latency(module, batch: int = 1) -> "LatencyEstimate":

@@ -2,7 +2,8 @@
 
 * qat IR kernels (``QAT_KERNELS`` + the generic rule) call the torch op that defines the IR op's float
   semantics, so the qat IR computes exactly what the exported model computed;
-* quantized IR kernels live in ``kernels_int.py`` (integer arithmetic of ``docs/march.md``).
+* quantized IR kernels are the integer kernels of ``quantlens.kernels.integer`` (integer arithmetic of
+  ``docs/march.md``), adapted to IR nodes by ``kernels_int.py``.
 """
 
 from __future__ import annotations
@@ -12,63 +13,23 @@ from typing import Any, Callable
 
 import torch
 
+from quantlens._registry import make_registry
 from quantlens.compiler.ir import Graph, Module, Node
 from quantlens.compiler.lowering import TORCH_OPS
 from quantlens.errors import QuantLensError
 from quantlens.kernels import TABLE_OP_IO, table_torch_op
+from quantlens.kernels.integer import call_op
 from quantlens.march.opset import IR_OPS
 
 __all__ = ["run_graph", "run_nodes", "RunHooks", "QAT_KERNELS", "qat_kernel", "call_torch_op", "check_ops"]
 
-QAT_KERNELS: dict[str, Callable[[Node, list], Any]] = {}
-
-
-def qat_kernel(*ops: str):
-    def register(fn):
-        for op in ops:
-            QAT_KERNELS[op] = fn
-        return fn
-
-    return register
-
-
-_ATTR_ALIASES = {"size": "shape"}
-
-
-#: torch op -> its schema's arguments as (name, "list" | "tensor" | "attr"), read once (str(arg.type) costs more
-#: than many small kernels)
-_ARG_PLANS: dict[Any, list[tuple[str, str]]] = {}
-
-
-def _arg_plan(torch_op) -> list[tuple[str, str]]:
-    plan = _ARG_PLANS.get(torch_op)
-    if plan is None:
-        plan = []
-        for arg in torch_op._schema.arguments:
-            type_text = str(arg.type)
-            if type_text.startswith("List[Tensor]") or type_text == "Tensor[]":
-                plan.append((arg.name, "list"))
-            elif type_text.startswith("Tensor") or type_text.startswith("Optional[Tensor]"):
-                plan.append((arg.name, "tensor"))
-            else:
-                plan.append((arg.name, "attr"))
-        _ARG_PLANS[torch_op] = plan
-    return plan
+#: qat IR op -> its kernel (``Node, inputs -> outputs``)
+QAT_KERNELS, qat_kernel = make_registry("qat IR kernel for op")
 
 
 def call_torch_op(torch_op, node: Node, inputs: list) -> Any:
     """Call an aten/custom op with the node's inputs (tensor schema args, in order) and attrs (the rest)."""
-    pending = list(inputs)
-    kwargs = {}
-    attrs = node.attrs
-    for name, kind in _arg_plan(torch_op):
-        if kind == "list":
-            kwargs[name], pending = pending, []
-        elif kind == "tensor":
-            kwargs[name] = pending.pop(0) if pending else None
-        elif name in attrs or _ATTR_ALIASES.get(name) in attrs:
-            kwargs[name] = attrs.get(name, attrs.get(_ATTR_ALIASES.get(name)))
-    return torch_op(**kwargs)
+    return call_op(torch_op, node.attrs, inputs)
 
 
 @qat_kernel("split")

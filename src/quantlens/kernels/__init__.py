@@ -1,18 +1,22 @@
-"""Integer kernels of the march's table ops (``docs/march.md`` §13).
+"""Integer kernels of the march: the table ops (``docs/march.md`` §13) and every op of the quantized IR.
 
 One implementation of every integer step, used by ``pre_export`` (through the custom ops of
-:mod:`quantlens.kernels.ops`) and by the integer simulator:
+:mod:`quantlens.kernels.ops`), by the integer simulator (the quantized IR) and by the integer emulator of the
+prepared model:
 
 * :mod:`.tables`: the table formats (:class:`Table256`, :class:`SegmentedTable`), their construction and
   evaluation, and the two constant mantissa tables (reciprocal, rsqrt);
 * :mod:`.int_ops`: the integer kernels (softmax, layer_norm, div, reciprocal) and the constants they need;
 * :mod:`.functions`: the real functions the elementwise tables sample;
-* :mod:`.ops`: ``torch.ops.quantlens.{lut, segment_lut, int_reciprocal, int_div, int_softmax, int_layer_norm}``.
+* :mod:`.ops`: ``torch.ops.quantlens.{lut, segment_lut, int_reciprocal, int_div, int_softmax, int_layer_norm}``;
+* :mod:`.integer`: the integer kernel of every quantized IR op on tensors and attrs (:data:`INT_KERNELS`).
+
+This package imports nothing above it: only :mod:`quantlens.march`, the base modules (errors, registries) and torch.
 """
 
 from quantlens.kernels import ops as _ops  # noqa: F401  (registers the custom ops)
 from quantlens.kernels._int import bit_length, div_round_half_even, rshift_rhe_var
-from quantlens.kernels.functions import ELEMENTWISE_OPS, real_function
+from quantlens.kernels.functions import ELEMENTWISE_OPS, TABLE_FUNCTIONS, TableFunction, real_function
 from quantlens.kernels.int_ops import (
     LayerNormConstants,
     div_multiplier,
@@ -29,6 +33,7 @@ from quantlens.kernels.int_ops import (
     softmax_exp_table,
     softmax_multiplier,
 )
+from quantlens.kernels.integer import INT_KERNELS, storage_dtype
 from quantlens.kernels.ops import TABLE_OP_IO, TableOpIO, dtype_from_range, table_torch_op
 from quantlens.kernels.tables import (
     SegmentedTable,
@@ -53,6 +58,8 @@ __all__ = [
     "recip_mantissa_table",
     "rsqrt_mantissa_table",
     "ELEMENTWISE_OPS",
+    "TABLE_FUNCTIONS",
+    "TableFunction",
     "real_function",
     "elementwise_table",
     "exp_bits",
@@ -75,4 +82,6 @@ __all__ = [
     "TABLE_OP_IO",
     "TableOpIO",
     "table_torch_op",
+    "INT_KERNELS",
+    "storage_dtype",
 ]

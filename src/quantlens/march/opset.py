@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["Category", "Stage", "IROp", "OpDef", "IR_OPS", "OPS", "op_def", "ir_op", "ops_in", "render_markdown"]
+__all__ = ["Category", "Cost", "Stage", "IROp", "OpDef", "IR_OPS", "OPS", "op_def", "ir_op", "ops_in", "render_markdown"]
 
 
 class Category(str, Enum):
@@ -41,6 +41,14 @@ class Category(str, Enum):
     COMPOSITE = "composite"  #: no op site of its own: the ops it runs are the op sites
     METADATA = "metadata"  #: no values (sizes, dtypes, creation): no op site
 
+    @property
+    def has_own_rule(self) -> bool:
+        """Its ops have an integer rule of their own (``quantlens.march.rules``), which the fake quant's integer
+        emulation (consistency levels 1-4) must apply as convert does. The other categories are exact on their
+        grid without one (movement, index, lookup), or emulated as a whole (GEMMs, by the emulator's GEMM path;
+        tables, by their overrides)."""
+        return self in (Category.ELEMENTWISE, Category.REDUCTION)
+
 
 class Stage(str, Enum):
     FAKE_QUANT = "fake_quant"
@@ -48,6 +56,26 @@ class Stage(str, Enum):
     EXPORT = "export"
     CONVERT = "convert"
     ONNX = "onnx"
+
+
+class Cost(str, Enum):
+    """How the cost model (``docs/march.md`` §15, ``quantlens.compiler.cost``) charges an op of the quantized IR."""
+
+    PASS = "pass"  #: one vector pass over the output (moves, boundary (de)quantize, index ops)
+    FREE = "free"  #: a view: no data moves
+    GEMM = "gemm"  #: MACs at the int8 (or int16) rate, plus the output requantize
+    BILINEAR = "bilinear"  #: two interpolation GEMMs at the int16 rate, plus the requantize
+    RESCALED_SUM = "rescaled_sum"  #: each term's requantize, the sums, the final rounding by F
+    CAT = "cat"  #: each input's requantize and one move
+    PRELU = "prelu"  #: one pass and the two requantizes (q >= 0, q < 0)
+    PASS_REQUANT = "pass_requant"  #: one pass and the output requantize
+    SCALE = "scale"  #: the requantize, and one pass when it negates
+    REQUANTIZE = "requantize"  #: the requantize alone
+    SUM = "sum"  #: one pass over the input and the requantize
+    AVG_POOL = "avg_pool"  #: a pass per window element and the requantize
+    MAX_POOL = "max_pool"  #: a pass per window element
+    TABLE = "table"  #: one lookup per element and ``table_passes`` vector passes
+    SCAN = "scan"  #: one pass over the input (sort, topk, max, argmax)
 
 
 @dataclass(frozen=True)
@@ -68,6 +96,9 @@ class IROp:
     #: outputs after the first are indices (topk, sort, max_dim)
     index_outputs: bool = False
     note: str = ""
+    #: how the cost model charges it in the quantized IR, and a table op's vector passes besides its lookups
+    cost: Cost = Cost.PASS
+    table_passes: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,39 +149,41 @@ _IR_ROWS: list[IROp] = [
     IROp("fake_quant", Q, "§5"),
     IROp("quantize", B, "§5, §12", level="quantized"),
     IROp("dequantize", B, "§5, §12", level="quantized"),
-    IROp("requantize", Q, "§8", level="quantized"),
+    IROp("requantize", Q, "§8", level="quantized", cost=Cost.REQUANTIZE),
     # GEMM
-    IROp("conv1d", G, "§6-§9", level="both"),
-    IROp("conv2d", G, "§6-§9", level="both"),
-    IROp("conv_transpose1d", G, "§6-§9", level="both", note="int8 weight per channel along axis 1 (groups = 1)"),
-    IROp("conv_transpose2d", G, "§6-§9", level="both", note="int8 weight per channel along axis 1 (groups = 1)"),
-    IROp("linear", G, "§6-§9", level="both"),
-    IROp("matmul", G, "§6-§9", level="both"),
+    IROp("conv1d", G, "§6-§9", level="both", cost=Cost.GEMM),
+    IROp("conv2d", G, "§6-§9", level="both", cost=Cost.GEMM),
+    IROp("conv_transpose1d", G, "§6-§9", level="both", cost=Cost.GEMM,
+         note="int8 weight per channel along axis 1 (groups = 1)"),
+    IROp("conv_transpose2d", G, "§6-§9", level="both", cost=Cost.GEMM,
+         note="int8 weight per channel along axis 1 (groups = 1)"),
+    IROp("linear", G, "§6-§9", level="both", cost=Cost.GEMM),
+    IROp("matmul", G, "§6-§9", level="both", cost=Cost.GEMM),
     IROp("sdpa", G, "§6, §13.6", convert=False, note="decomposed at prepare; export sees matmul/softmax"),
     # elementwise
-    IROp("add", E, "§10", level="both"),
-    IROp("sub", E, "§10", level="both"),
-    IROp("mul", E, "§10", level="both"),
+    IROp("add", E, "§10", level="both", cost=Cost.RESCALED_SUM),
+    IROp("sub", E, "§10", level="both", cost=Cost.RESCALED_SUM),
+    IROp("mul", E, "§10", level="both", cost=Cost.PASS_REQUANT),
     IROp("div", E, "§10, §13.5", note="by a constant: a multiplier; by a tensor: the int_div table"),
-    IROp("cat", E, "§10", level="both"),
+    IROp("cat", E, "§10", level="both", cost=Cost.CAT),
     IROp("neg", E, "§10"),
     IROp("abs", E, "§10"),
-    IROp("clamp", E, "§10", level="both"),
+    IROp("clamp", E, "§10", level="both", cost=Cost.PASS_REQUANT),
     IROp("hardtanh", E, "§10"),
     IROp("masked_fill", E, "§11"),
     IROp("where", E, "", convert=False, shared_kernel=True, note="selects between float values; no integer rule"),
     IROp("upsample_bilinear2d", E, "§10.1"),
     IROp("batch_norm", E, "§10.2", note="not folded into a conv/linear: a per-channel affine"),
-    IROp("channel_affine", E, "§10.2", level="quantized"),
+    IROp("channel_affine", E, "§10.2", level="quantized", cost=Cost.PASS_REQUANT),
     IROp("prelu", E, "§10.3"),
     IROp("leaky_relu", E, "§10.3"),
-    IROp("prelu_int", E, "§10.3", level="quantized"),
-    IROp("add_const", E, "§10", level="quantized"),
-    IROp("scale", E, "§8, §10", level="quantized"),
-    IROp("abs_int", E, "§10", level="quantized"),
-    IROp("neg_int", E, "§10", level="quantized"),
+    IROp("prelu_int", E, "§10.3", level="quantized", cost=Cost.PRELU),
+    IROp("add_const", E, "§10", level="quantized", cost=Cost.RESCALED_SUM),
+    IROp("scale", E, "§8, §10", level="quantized", cost=Cost.SCALE),
+    IROp("abs_int", E, "§10", level="quantized", cost=Cost.PASS_REQUANT),
+    IROp("neg_int", E, "§10", level="quantized", cost=Cost.PASS_REQUANT),
     IROp("masked_fill_int", E, "§11", level="quantized"),
-    IROp("bilinear_int", E, "§10.1", level="quantized"),
+    IROp("bilinear_int", E, "§10.1", level="quantized", cost=Cost.BILINEAR),
     # reductions
     IROp("mean", R, "§10"),
     IROp("sum", R, "§10"),
@@ -158,36 +191,36 @@ _IR_ROWS: list[IROp] = [
     IROp("adaptive_avg_pool2d", R, "§10", note="even windows only"),
     IROp("adaptive_avg_pool1d", R, "§10", note="even windows only"),
     IROp("avg_pool1d", R, "§10"),
-    IROp("sum_int", R, "§10", level="quantized"),
-    IROp("avg_pool2d_int", R, "§10", level="quantized"),
-    IROp("avg_pool1d_int", R, "§10", level="quantized"),
+    IROp("sum_int", R, "§10", level="quantized", cost=Cost.SUM),
+    IROp("avg_pool2d_int", R, "§10", level="quantized", cost=Cost.AVG_POOL),
+    IROp("avg_pool1d_int", R, "§10", level="quantized", cost=Cost.AVG_POOL),
     # float nonlinear ops: in the qat IR only when pre_export left them float (no table)
     *(IROp(name, T, "§13", convert=False, note="computed by a table after pre_export")
       for name in ("sigmoid", "tanh", "silu", "exp", "gelu", "softplus", "reciprocal", "softmax", "layer_norm",
                    "rsqrt", "sqrt", "erf", "log", "pow", "hardswish", "hardsigmoid", "elu")),
     IROp("log_softmax", T, "", convert=False, note="no table yet"),
     # pre_export's table ops (torch.ops.quantlens.*), the same kernels in both IRs
-    IROp("lut", T, "§13.2", level="both"),
-    IROp("segment_lut", T, "§13.3", level="both"),
-    IROp("int_reciprocal", T, "§13.5", level="both"),
-    IROp("int_div", T, "§13.5", level="both"),
-    IROp("int_softmax", T, "§13.6", level="both"),
-    IROp("int_layer_norm", T, "§13.7", level="both"),
+    IROp("lut", T, "§13.2", level="both", cost=Cost.TABLE, table_passes=0),
+    IROp("segment_lut", T, "§13.3", level="both", cost=Cost.TABLE, table_passes=1),
+    IROp("int_reciprocal", T, "§13.5", level="both", cost=Cost.TABLE, table_passes=1),
+    IROp("int_div", T, "§13.5", level="both", cost=Cost.TABLE, table_passes=2),
+    IROp("int_softmax", T, "§13.6", level="both", cost=Cost.TABLE, table_passes=4),
+    IROp("int_layer_norm", T, "§13.7", level="both", cost=Cost.TABLE, table_passes=4),
     # movement: values keep their grid
-    IROp("reshape", M, "§11", level="both", shared_kernel=True),
+    IROp("reshape", M, "§11", level="both", shared_kernel=True, cost=Cost.FREE),
     IROp("permute", M, "§11", level="both", shared_kernel=True),
-    IROp("expand", M, "§11", level="both", shared_kernel=True, keeps_dims=True),
-    IROp("slice", M, "§11", level="both", shared_kernel=True, keeps_dims=True),
-    IROp("select", M, "§11", level="both", shared_kernel=True),
-    IROp("split", M, "§11", level="both", shared_kernel=True),
+    IROp("expand", M, "§11", level="both", shared_kernel=True, keeps_dims=True, cost=Cost.FREE),
+    IROp("slice", M, "§11", level="both", shared_kernel=True, keeps_dims=True, cost=Cost.FREE),
+    IROp("select", M, "§11", level="both", shared_kernel=True, cost=Cost.FREE),
+    IROp("split", M, "§11", level="both", shared_kernel=True, cost=Cost.FREE),
     IROp("index", M, "§11", level="both", shared_kernel=True),
     IROp("gather", M, "§11", level="both", shared_kernel=True, keeps_dims=True),
     IROp("index_select", M, "§11", level="both", shared_kernel=True, keeps_dims=True),
     IROp("embedding", L, "§11", level="both", shared_kernel=True),
     IROp("relu", M, "§11", level="both", keeps_dims=True),
-    IROp("max_pool2d", M, "§11", level="both", keeps_dims=True),
+    IROp("max_pool2d", M, "§11", level="both", keeps_dims=True, cost=Cost.MAX_POOL),
     IROp("upsample_nearest2d", M, "§11", level="both"),
-    IROp("max_pool1d", M, "§11", level="both", keeps_dims=True),
+    IROp("max_pool1d", M, "§11", level="both", keeps_dims=True, cost=Cost.MAX_POOL),
     IROp("upsample_nearest1d", M, "§11", level="both"),
     IROp("pixel_shuffle", M, "§11", level="both", shared_kernel=True),
     IROp("pixel_unshuffle", M, "§11", level="both", shared_kernel=True),
@@ -198,12 +231,12 @@ _IR_ROWS: list[IROp] = [
     IROp("fill_int", M, "§11", level="quantized"),
     IROp("select_scatter", M, "§11", level="both", note="x[:, i] = v, after functionalization"),
     IROp("slice_scatter", M, "§11", level="both", note="x[:, a:b] = v, after functionalization"),
-    IROp("amax", M, "§11", level="both", shared_kernel=True),
-    IROp("max_dim", M, "§11", level="both", index_outputs=True),
-    IROp("topk", M, "§11", level="both", index_outputs=True),
-    IROp("sort", M, "§11", level="both", index_outputs=True),
+    IROp("amax", M, "§11", level="both", shared_kernel=True, cost=Cost.SCAN),
+    IROp("max_dim", M, "§11", level="both", index_outputs=True, cost=Cost.SCAN),
+    IROp("topk", M, "§11", level="both", index_outputs=True, cost=Cost.SCAN),
+    IROp("sort", M, "§11", level="both", index_outputs=True, cost=Cost.SCAN),
     # indices and masks
-    IROp("argmax", X, "§11", level="both", shared_kernel=True),
+    IROp("argmax", X, "§11", level="both", shared_kernel=True, cost=Cost.SCAN),
     IROp("cast", X, "", level="both", shared_kernel=True),
     *(IROp(name, X, "", level="both", shared_kernel=True)
       for name in ("eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or")),

@@ -96,11 +96,7 @@ def find_bad_case(
 ) -> BadCaseResult:
     """Run both models over ``data`` (each item is one call's inputs) and keep the worst samples."""
     metrics, primary = _metric_set(metric, custom_metric_func, custom_metric_order_seq)
-    if num_steps is not None and (not isinstance(num_steps, int) or num_steps < 1):
-        raise QuantLensError(f"num_steps must be a positive int or None (all data), got {num_steps!r}.")
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
-        raise QuantLensError(f"topk must be a positive int (the worst samples kept per output and metric), got "
-                             f"{topk!r}.")
+    _check_search_args(num_steps, topk)
     items = itertools.islice(data, num_steps) if num_steps is not None else data
     total = num_steps if num_steps is not None else (len(data) if hasattr(data, "__len__") else None)
     worst: dict[tuple[str, str], list[tuple[int, float]]] = {}  # the k worst, worst first
@@ -110,36 +106,74 @@ def find_bad_case(
     count = 0
     for index, example in enumerate(progress_iter(items, "searching bad case", total, progress)):
         count += 1
-        base = float_outputs(post_process.outputs(baseline.run(example)))
-        analy = float_outputs(post_process.outputs(analysis.run(example)))
-        if set(base) != set(analy):
-            raise QuantLensError(
-                f"Sample {index}: the models returned different outputs (baseline {sorted(base)}, analysis "
-                f"{sorted(analy)}). Both must return the same structure for the same input."
-            )
-        if not base:
-            raise QuantLensError("The models returned no floating-point tensor output; there is nothing to compare.")
+        base, analy = _sample_outputs(index, example, baseline, analysis, post_process)
         for name in base:
             if name not in outputs:
                 outputs.append(name)
             for m in metrics:
                 value = m(base[name], analy[name])
                 values.setdefault(name, {}).setdefault(m.name, []).append(value)
-                ranking = worst.setdefault((name, m.name), [])
-                # insert after every entry that is not better (ties keep the earlier sample first)
-                pos = len(ranking)
-                while pos > 0 and m.worse(value, ranking[pos - 1][1]):
-                    pos -= 1
-                if pos < topk:
-                    ranking.insert(pos, (index, value))
-                    del ranking[topk:]
+                _rank(worst.setdefault((name, m.name), []), index, value, m, topk)
         inputs[index] = example
-        keep = {i for ranking in worst.values() for i, _ in ranking}
-        for i in [i for i in inputs if i not in keep]:
-            del inputs[i]
+        _drop_unranked(inputs, worst)
     if count == 0:
         raise QuantLensError("auto_find_bad_case: data_generator yielded no samples.")
     names = [m.name for m in metrics]
+    overall_topk = _overall_topk(metrics, outputs, worst, topk)
+    overall = _overall(metrics, outputs, worst)
+    return BadCaseResult(
+        metric=primary.name, metrics=names, outputs=outputs, num_samples=count,
+        worst_index={o: {m: worst[(o, m)][0][0] for m in names} for o in outputs},
+        worst_value={o: {m: worst[(o, m)][0][1] for m in names} for o in outputs},
+        overall=overall, inputs=inputs, values=values, k=topk,
+        topk={o: {m: list(worst[(o, m)]) for m in names} for o in outputs}, overall_topk=overall_topk,
+    )
+
+
+def _check_search_args(num_steps: int | None, topk: int) -> None:
+    if num_steps is not None and (not isinstance(num_steps, int) or num_steps < 1):
+        raise QuantLensError(f"num_steps must be a positive int or None (all data), got {num_steps!r}.")
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise QuantLensError(f"topk must be a positive int (the worst samples kept per output and metric), got "
+                             f"{topk!r}.")
+
+
+def _sample_outputs(index: int, example: Any, baseline: ModelAccess, analysis: ModelAccess,
+                    post_process: PostProcess) -> tuple[dict, dict]:
+    """The float outputs of both models on one sample; both must return the same, non-empty set of outputs."""
+    base = float_outputs(post_process.outputs(baseline.run(example)))
+    analy = float_outputs(post_process.outputs(analysis.run(example)))
+    if set(base) != set(analy):
+        raise QuantLensError(
+            f"Sample {index}: the models returned different outputs (baseline {sorted(base)}, analysis "
+            f"{sorted(analy)}). Both must return the same structure for the same input."
+        )
+    if not base:
+        raise QuantLensError("The models returned no floating-point tensor output; there is nothing to compare.")
+    return base, analy
+
+
+def _rank(ranking: list[tuple[int, float]], index: int, value: float, m: Metric, topk: int) -> None:
+    """Insert sample ``index`` into ``ranking`` (the k worst, worst first) if it is among the ``topk`` worst."""
+    # insert after every entry that is not better (ties keep the earlier sample first)
+    pos = len(ranking)
+    while pos > 0 and m.worse(value, ranking[pos - 1][1]):
+        pos -= 1
+    if pos < topk:
+        ranking.insert(pos, (index, value))
+        del ranking[topk:]
+
+
+def _drop_unranked(inputs: dict[int, Any], worst: dict[tuple[str, str], list[tuple[int, float]]]) -> None:
+    """Forget the inputs of samples that are no longer among the worst of any output and metric."""
+    keep = {i for ranking in worst.values() for i, _ in ranking}
+    for i in [i for i in inputs if i not in keep]:
+        del inputs[i]
+
+
+def _overall_topk(metrics: list[Metric], outputs: list[str], worst: dict[tuple[str, str], list[tuple[int, float]]],
+                  topk: int) -> dict[str, list[tuple[int, str, float]]]:
+    """Per metric, the k worst distinct samples over all outputs, each ranked by its worst output."""
     overall_topk: dict[str, list[tuple[int, str, float]]] = {}
     for m in metrics:
         best: dict[int, tuple[int, str, float]] = {}  # sample -> its worst (output, value) among the kept ones
@@ -151,16 +185,16 @@ def find_bad_case(
         entries = sorted(best.values(), key=lambda e: (m.sort_key(e[2]), outputs.index(e[1]), e[0]))
         # each kept sample is among the k worst of some output, so the k worst over all outputs are among them
         overall_topk[m.name] = entries[:topk]
+    return overall_topk
+
+
+def _overall(metrics: list[Metric], outputs: list[str],
+             worst: dict[tuple[str, str], list[tuple[int, float]]]) -> dict[str, tuple[int, str, float]]:
+    """Per metric, the worst sample over all outputs (ties: the earlier output)."""
     overall: dict[str, tuple[int, str, float]] = {}
     for m in metrics:
         for out in outputs:
             index, value = worst[(out, m.name)][0]
             if m.name not in overall or m.worse(value, overall[m.name][2]):
                 overall[m.name] = (index, out, value)
-    return BadCaseResult(
-        metric=primary.name, metrics=names, outputs=outputs, num_samples=count,
-        worst_index={o: {m: worst[(o, m)][0][0] for m in names} for o in outputs},
-        worst_value={o: {m: worst[(o, m)][0][1] for m in names} for o in outputs},
-        overall=overall, inputs=inputs, values=values, k=topk,
-        topk={o: {m: list(worst[(o, m)]) for m in names} for o in outputs}, overall_topk=overall_topk,
-    )
+    return overall

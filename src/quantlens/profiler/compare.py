@@ -22,7 +22,8 @@ from quantlens._finite import all_finite
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType
 from quantlens.profiler.metrics import compute_all, in_scale_units
-from quantlens.profiler.trace_store import TraceReader, TracedSite
+from quantlens.profiler.trace.format import TracedSite
+from quantlens.profiler.trace.reader import TraceReader
 
 __all__ = ["LayerRow", "LayerComparison", "compare_traces", "check_site_match", "COLUMNS"]
 

@@ -25,52 +25,37 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from torch.utils import _pytree as pytree
 
 from quantlens.compiler.interpreter import RunHooks, run_nodes
-from quantlens.compiler.ir import Module, Node
+from quantlens.compiler.ir import Node
 from quantlens.compiler.kernels_int import storage_dtype
 from quantlens.errors import QuantLensError
-from quantlens.kernels import dtype_from_range, real_function
 from quantlens.march import QuantDType
 from quantlens.march.numerics import dequantize, quantize
 from quantlens.march.opset import IR_OPS, Category
+from quantlens.profiler.ablation.ir_cache import IRAblationCache, IRCachedAblations
+from quantlens.profiler.ablation.torch_cache import CachedAblations
+from quantlens.profiler.ir_counts import count_node, nonfinite_count
+from quantlens.profiler.ir_module import as_ir_module, call_ir
 from quantlens.profiler.model_access import (
-    AnalysisType, ConsistencyInfo, IntegerStats, ModelAccess, Quantizer, SameInputSource, SiteEvent, TraceSink,
+    AnalysisType,
+    ConsistencyInfo,
+    IntegerStats,
+    ModelAccess,
+    Quantizer,
+    SameInputSource,
+    SiteEvent,
+    TraceSink,
 )
 from quantlens.quantization.record import inputs_to
 
-__all__ = ["IRModelAccess", "SiteOverride", "as_ir_module", "call_ir"]
+__all__ = ["IRModelAccess", "SiteOverride"]
 
 #: pseudo producer of a model input (the same tensor on both sides of an analysis)
 _INPUT = "<input>"
 #: the IR's nodes that only move or round values: a site's displayed op type is its last other node
 _PLUMBING = {"fake_quant", "requantize", "quantize", "dequantize"}
-
-
-def as_ir_module(model: Any) -> Module:
-    """An IR :class:`Module`, or the one in a file written by ``save``."""
-    if isinstance(model, Module):
-        return model
-    if isinstance(model, (str, os.PathLike)):
-        from quantlens.compiler.serialize import load
-
-        return load(model)
-    raise QuantLensError(f"Expected a quantlens IR module or a path to a saved one, got {type(model).__name__}.")
-
-
-def call_ir(module: Module, example: Any) -> dict[str, torch.Tensor]:
-    """The IR's named input tensors for one call's inputs in any accepted format: the torch input pytree (a tuple
-    is positional arguments), the deployment format (the same without its non-tensor leaves), or a dict of the
-    tensors by input name. They are moved to the IR's device (:meth:`Module.to`): the profiler runs an IR where
-    its constants are, whatever device the bad case was given on."""
-    if isinstance(example, dict) and example and set(example) <= set(module.input_names) and \
-            all(isinstance(v, torch.Tensor) for v in example.values()):
-        feeds = module.feeds(**example)
-    else:
-        args = example if isinstance(example, tuple) else (example,)
-        feeds = module.feeds(*args)
-    return inputs_to(feeds, module.device)
 
 
 @dataclass
@@ -232,7 +217,7 @@ class IRModelAccess(ModelAccess):
             i = self._index[id(node)]
             site = self.attributed[i]
             if site and sink is not None:
-                self._count(node, inputs, outs, stats, site)
+                count_node(node, inputs, outs, stats, site, self.module.kind == "quantized", self._flat_cache)
             if not site or self.last.get(site) != i or sink is None:
                 return
             sink.on_site(self.site_event(site, count[0], outs, feeds, live, same_input, stats.pop(site, None)))
@@ -259,8 +244,6 @@ class IRModelAccess(ModelAccess):
 
 
     def _unflatten(self, flat: list) -> Any:
-        from torch.utils import _pytree as pytree
-
         outs = [self.to_float(name, value) for name, value in zip(self.module.graph.outputs, flat)]
         return pytree.tree_unflatten(outs, pytree.treespec_loads(self.module.output_spec))
 
@@ -270,28 +253,6 @@ class IRModelAccess(ModelAccess):
             prog = self.program(site, _fused(source, site))
             wanted.update(name for name, where in prog.externals.items() if where is None)
         return wanted
-
-    def _count(self, node: Node, inputs: list, outs: list, stats: dict[str, IntegerStats], site: str) -> None:
-        """Add what this node's integer arithmetic did to its site's :class:`IntegerStats` (counts only)."""
-        if node.attrs.get("host"):
-            return
-        quantized = self.module.kind == "quantized"
-        if quantized and node.op in _GEMMS:
-            saturated, numel = _acc_saturation(node, inputs, outs)
-            if numel:
-                st = stats.setdefault(site, IntegerStats())
-                st.acc_saturated += saturated
-                st.acc_numel += numel
-        elif node.op in ("lut", "segment_lut"):
-            clipped, numel = _table_clipping(node, inputs, self._flat_cache)
-            st = stats.setdefault(site, IntegerStats())
-            st.table_clipped += clipped
-            st.table_numel += numel
-        elif quantized and node.op == "quantize" and inputs and isinstance(inputs[0], torch.Tensor) and \
-                inputs[0].is_floating_point():
-            bad = _nonfinite(inputs[0])
-            if bad:
-                stats.setdefault(site, IntegerStats()).nonfinite += bad
 
     def site_event(self, site: str, index: int, outs: list, feeds: dict, live: dict,
                    same_input: SameInputSource | None, int_stats: IntegerStats | None = None) -> SiteEvent:
@@ -337,7 +298,7 @@ class IRModelAccess(ModelAccess):
                     return None, None, f"the baseline has no value for '{where[0]}'"
                 info = self.value_info(name)
                 if entering is not None and info is not None and info.qdtype:  # quantized to this IR's integers
-                    entering[0] += _nonfinite(base[where[1]])
+                    entering[0] += nonfinite_count(base[where[1]])
                 # (the baseline's trace is held on the CPU)
                 values[name] = self.from_float(name, inputs_to(base[where[1]], self.module.device))
         out, pre = self.run_program(prog, values)
@@ -378,12 +339,10 @@ class IRModelAccess(ModelAccess):
             self._ablated = None
 
     def ablation_cache(self, analysis_type: AnalysisType, example: Any, indices):
-        """A runner of cached ablation runs (:mod:`.ablation_cache`): the reference model's cached forwards in
+        """A runner of cached ablation runs (:mod:`.ablation`): the reference model's cached forwards in
         which the ablated site takes this IR's value; None where the reference is not cached."""
         ref = self.reference
         if isinstance(ref, IRModelAccess):
-            from quantlens.profiler.ablation_cache import IRAblationCache
-
             cache = IRAblationCache(ref, example, indices)
         else:
             factory = getattr(ref, "reference_cache", None)
@@ -397,8 +356,6 @@ class IRModelAccess(ModelAccess):
             replace.set_inputs(inputs)
             return replace
 
-        from quantlens.profiler.ablation_cache import CachedAblations, IRCachedAblations
-
         if isinstance(ref, IRModelAccess):
             return IRCachedAblations(cache, override)
         return CachedAblations(cache, lambda q: {q.op_name}, override)
@@ -408,113 +365,6 @@ class IRModelAccess(ModelAccess):
         override = SiteOverride(self, set(self._ablated))
         override.set_inputs(call_ir(self.module, example))
         return self.reference.run(example, indices=indices, override=override)
-
-
-#: the GEMM nodes of the quantized IR whose exact accumulator ``docs/march.md`` §6 saturates to int32 once
-_GEMMS = {"conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "linear", "matmul"}
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-
-
-def _nonfinite(t: torch.Tensor) -> int:
-    return int((~torch.isfinite(t)).sum()) if t.is_floating_point() and t.numel() else 0
-
-
-def _absmax(t: torch.Tensor) -> int:
-    """max |t| of an integer tensor, without a widened copy (int8 ``abs(-128)`` would wrap)."""
-    if not t.numel():
-        return 0
-    lo, hi = torch.aminmax(t)
-    return max(-int(lo), int(hi))
-
-
-def _acc_saturation(node: Node, inputs: list, outs: list) -> tuple[int, int]:
-    """``(saturated, numel)`` of an integer GEMM node's exact accumulator (the sum of ``kernels_int``, bias
-    included, before its int32 saturation). The accumulator is recomputed (float64 holds it exactly) only
-    when a bound ``terms · max|a| · max|b| + max|bias|`` allows an element beyond int32; nothing is kept."""
-    x, w = inputs[0], inputs[1]
-    bias = inputs[2] if len(inputs) > 2 and node.op != "matmul" else None
-    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or x.is_floating_point() or \
-            w.is_floating_point():
-        return 0, 0
-    numel = outs[0].numel() if outs and isinstance(outs[0], torch.Tensor) else 0
-    op, a = node.op, node.attrs
-    if op in ("conv1d", "conv2d"):
-        terms, channel_dim = w[0].numel(), 1
-    elif op in ("conv_transpose1d", "conv_transpose2d"):
-        terms, channel_dim = w.shape[0] * w[0, 0].numel(), 1
-    elif op == "linear":
-        terms, channel_dim = w.shape[-1], -1
-    else:
-        terms, channel_dim = x.shape[-1], -1
-    bias_max = _absmax(bias) if isinstance(bias, torch.Tensor) else 0
-    if terms * _absmax(x) * _absmax(w) + bias_max <= _INT32_MAX:
-        return 0, numel
-    xd, wd = x.to(torch.float64), w.to(torch.float64)
-    if op in ("conv1d", "conv2d"):
-        conv = F.conv2d if op == "conv2d" else F.conv1d
-        acc = conv(xd, wd, None, a["stride"], a["padding"], a["dilation"], a["groups"])
-    elif op in ("conv_transpose1d", "conv_transpose2d"):
-        fn = F.conv_transpose2d if op == "conv_transpose2d" else F.conv_transpose1d
-        acc = fn(xd, wd, None, a["stride"], a["padding"], a["output_padding"], a["groups"], a["dilation"])
-    elif op == "linear":
-        acc = F.linear(xd, wd)
-    else:
-        acc = torch.matmul(xd, wd)
-    del xd, wd
-    if isinstance(bias, torch.Tensor):
-        shape = [1] * acc.dim()
-        shape[channel_dim] = -1
-        acc += bias.to(torch.float64).reshape(shape)
-    return int(((acc > _INT32_MAX) | (acc < _INT32_MIN)).sum()), acc.numel()
-
-
-def _table_clipping(node: Node, inputs: list, flat_cache: dict | None = None) -> tuple[int, int]:
-    """``(clipped, numel)``: input codes of a ``lut``/``segment_lut`` node at a limit of its input type (the range
-    its table is built for) where the function is not flat beyond it. Such inputs were clipped to that range,
-    and a wider range would have given other outputs. A limit counts as flat when the op's real function,
-    rounded to the output type, is constant from the limit out to one more input range beyond it (sigmoid,
-    tanh: clipping their saturated tails costs nothing)."""
-    x = inputs[0]
-    if node.op == "lut":
-        lo, hi = -128, 127
-    else:
-        lo, hi = int(node.attrs["in_qmin"]), int(node.attrs["in_qmax"])
-    key = id(node)
-    if flat_cache is not None and key in flat_cache:
-        flat_lo, flat_hi = flat_cache[key]
-    else:
-        flat_lo, flat_hi = _flat_ends(node, inputs, lo, hi)
-        if flat_cache is not None:
-            flat_cache[key] = (flat_lo, flat_hi)
-    if flat_lo and flat_hi:
-        return 0, x.numel()
-    q = quantize(x, inputs[1], dtype_from_range(lo, hi)) if x.is_floating_point() else x
-    clipped = (0 if flat_lo else int((q <= lo).sum())) + (0 if flat_hi else int((q >= hi).sum()))
-    return clipped, x.numel()
-
-
-def _flat_ends(node: Node, inputs: list, lo: int, hi: int) -> tuple[bool, bool]:
-    """Whether the table's function is constant (at the output's resolution) beyond each input limit."""
-    ref = dict(node.attrs.get("reference") or {})
-    try:
-        fn = real_function(ref.pop("op"), **ref)
-        s_in, s_out = float(inputs[1].reshape(-1)[0]), float(inputs[2].reshape(-1)[0])
-        out_min, out_max = int(node.attrs["out_qmin"]), int(node.attrs["out_qmax"])
-    except Exception:  # no real function recorded (an older IR): judge by the table's own end entries
-        if node.op == "lut":
-            table = inputs[3]
-            return bool(table[0] == table[1]), bool(table[-1] == table[-2])
-        bounds = inputs[3]
-        return int(bounds[0]) > lo, int(bounds[-1]) - 1 < hi
-    width = hi - lo + 1
-
-    def constant(codes: torch.Tensor) -> bool:
-        y = torch.nan_to_num(torch.round(fn(codes.to(torch.float64) * s_in) / s_out), nan=0.0)
-        y = y.clamp(out_min, out_max)
-        return bool((y == y[0]).all())
-
-    return (constant(torch.arange(lo - width, lo + 1, dtype=torch.float64)),
-            constant(torch.arange(hi, hi + width + 1, dtype=torch.float64)))
 
 
 def _fused(source: SameInputSource | None, site: str) -> frozenset[str]:

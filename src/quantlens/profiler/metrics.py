@@ -32,6 +32,7 @@ import torch
 
 from quantlens._finite import all_finite
 from quantlens.errors import QuantLensError
+from quantlens.quantization.qconfig_template import METRIC_HIGHER_IS_WORSE, register_metric_direction
 
 __all__ = ["Metric", "METRICS", "register_metric", "get_metric", "metric_names", "compute_all", "in_scale_units",
            "custom_metric"]
@@ -124,15 +125,22 @@ METRICS: dict[str, Metric] = {}
 def register_metric(metric: Metric) -> Metric:
     """Add a metric to the registry (the name is what users pass, e.g. ``metric="L1"``)."""
     METRICS[metric.name] = metric
+    # the sensitive-op qconfig setters (below the profiler) read a sensitivity row's direction from there
+    register_metric_direction(metric.name, metric.higher_is_worse)
     return metric
 
 
-register_metric(Metric("Cosine", _cosine, higher_is_worse=False, description="cosine similarity"))
-register_metric(Metric("MSE", _mse, higher_is_worse=True, description="mean squared error"))
-register_metric(Metric("L1", _l1, higher_is_worse=True, description="mean absolute error"))
-register_metric(Metric("KL", _kl, higher_is_worse=True, description="KL(softmax(baseline) || softmax(analysis))"))
-register_metric(Metric("SQNR", _sqnr, higher_is_worse=False, description="signal-to-quantization-noise ratio, dB"))
-register_metric(Metric("Atol", _atol, higher_is_worse=True, description="max absolute difference"))
+def _builtin(name: str, func: Callable[[torch.Tensor, torch.Tensor], float], description: str) -> Metric:
+    # the direction of a built-in is declared once, in the quantization layer's table of sensitivity metrics
+    return register_metric(Metric(name, func, higher_is_worse=METRIC_HIGHER_IS_WORSE[name], description=description))
+
+
+_builtin("Cosine", _cosine, "cosine similarity")
+_builtin("MSE", _mse, "mean squared error")
+_builtin("L1", _l1, "mean absolute error")
+_builtin("KL", _kl, "KL(softmax(baseline) || softmax(analysis))")
+_builtin("SQNR", _sqnr, "signal-to-quantization-noise ratio, dB")
+_builtin("Atol", _atol, "max absolute difference")
 
 
 def compute_all(baseline: torch.Tensor, analysis: torch.Tensor) -> dict[str, float]:

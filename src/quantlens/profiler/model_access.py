@@ -2,7 +2,8 @@
 
 Everything else in :mod:`quantlens.profiler` (bad-case search, per-layer comparison, sensitivity, the advisor)
 talks to models only through :class:`ModelAccess`, so a later backend (the exported IR of the ``export`` and
-``convert`` analysis types) plugs in by implementing this class; :func:`make_access` is the factory.
+``convert`` analysis types) plugs in by implementing this class; :func:`~.access_factory.make_access` is the
+factory.
 
 A traced forward hands every executed op site to a :class:`TraceSink` as a :class:`SiteEvent`: the incoming
 float tensors, the outputs, the quantization the model applied there, and, when asked, the **same-input
@@ -11,7 +12,6 @@ output** (the analysis op re-run on the baseline's input for that site).
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -32,7 +32,6 @@ __all__ = [
     "SameInputSource",
     "ModelAccess",
     "ConsistencyInfo",
-    "make_access",
     "parse_analysis_type",
 ]
 
@@ -301,35 +300,3 @@ class ModelAccess(ABC):
         """The consistency level the model was built with (``ConsistencyStrategy``); None where no level applies
         (a float model)."""
         return None
-
-
-def make_access(model: Any, label: str) -> ModelAccess:
-    """The :class:`ModelAccess` for ``model``: a torch module, an IR module, the path of a saved IR, or an ONNX
-    model (``onnx.ModelProto`` or a path ending in ``.onnx``; run by onnxruntime at its default level,
-    ``ORT_ENABLE_ALL``)."""
-    if isinstance(model, torch.nn.Module):
-        from quantlens.profiler.torch_access import TorchModelAccess
-
-        return TorchModelAccess(model, label)
-    if isinstance(model, ModelAccess):
-        return model
-    from quantlens.profiler.onnx_access import is_onnx_model
-
-    if is_onnx_model(model):
-        from quantlens.profiler.onnx_access import OnnxModelAccess
-
-        return OnnxModelAccess(model, label)
-    from quantlens.compiler.ir import Module
-
-    if isinstance(model, Module) or (isinstance(model, (str, os.PathLike)) and os.path.isfile(model)):
-        from quantlens.profiler.ir_access import IRModelAccess
-
-        return IRModelAccess(model, label)
-    if isinstance(model, (str, os.PathLike)):
-        raise QuantLensError(f"QuantAnalysis: the {label} model file {str(model)!r} does not exist.")
-    raise QuantLensError(
-        f"QuantAnalysis: the {label} model must be a torch.nn.Module (float, calibration, QAT or pre_export "
-        f"model), a quantlens IR module (export / convert), the path of one written by save(), or an ONNX model "
-        f"(onnx.ModelProto or a .onnx path: onnxruntime); got "
-        f"{type(model).__name__}."
-    )

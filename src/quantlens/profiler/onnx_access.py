@@ -44,7 +44,12 @@ from torch.utils import _pytree as pytree
 from quantlens._threads import num_threads
 from quantlens.errors import QuantLensError
 from quantlens.profiler.model_access import (
-    AnalysisType, ConsistencyInfo, ModelAccess, Quantizer, SameInputSource, TraceSink,
+    AnalysisType,
+    ConsistencyInfo,
+    ModelAccess,
+    Quantizer,
+    SameInputSource,
+    TraceSink,
 )
 
 __all__ = ["OnnxModelAccess", "OutputCheck", "ORT_LEVELS", "is_onnx_model", "onnx_form"]
@@ -233,7 +238,7 @@ class OnnxModelAccess(ModelAccess):
         if extra in self._sessions:
             return self._sessions[extra]
         onnx, ort = _imports()
-        from quantlens.compiler.onnx_builder import _onnx_dtype
+        from quantlens.compiler.onnx.builder import _onnx_dtype
 
         proto = self.proto
         if extra:
@@ -264,7 +269,7 @@ class OnnxModelAccess(ModelAccess):
         if indices is not None or override is not None:
             raise QuantLensError("OnnxModelAccess runs the whole graph in onnxruntime: it cannot take the "
                                  "baseline's indices or mix values with another model (no sensitivity).")
-        from quantlens.profiler.ir_access import call_ir
+        from quantlens.profiler.ir_module import call_ir
 
         ref = self._ir()
         feeds = call_ir(ref.module, example)

@@ -11,7 +11,6 @@ Each method returns its result as data and writes its report files into ``out_di
 
 from __future__ import annotations
 
-import copy
 import os
 import pickle
 from dataclasses import dataclass
@@ -23,164 +22,33 @@ import torch
 from quantlens._io import writable_dir_problem
 from quantlens._threads import loop_threads
 from quantlens.errors import QuantLensError
+from quantlens.profiler.access_factory import make_access
 from quantlens.profiler.advisor import AdvisorContext, Finding, advise
 from quantlens.profiler.bad_case import BadCaseResult, find_bad_case
+from quantlens.profiler.cached_attrs import install_cached_attrs
 from quantlens.profiler.compare import LayerComparison, check_site_match, compare_traces
 from quantlens.profiler.html import write_html
-from quantlens.profiler.model_access import (
-    AnalysisType, ConsistencyInfo, SiteEvent, make_access, parse_analysis_type,
-)
+from quantlens.profiler.model_access import AnalysisType, ConsistencyInfo, SiteEvent, parse_analysis_type
 from quantlens.profiler.outputs import PostProcess, named_outputs, unique_name
+from quantlens.profiler.pair_checks import check_deployed_pair, check_weights_correspond
 from quantlens.profiler.report import (
-    save_pt, write_advisor, write_bad_case, write_compare_csv, write_compare_text, write_sensitivity,
+    save_pt,
+    write_advisor,
+    write_bad_case,
+    write_compare_csv,
+    write_compare_text,
+    write_sensitivity,
     write_statistic,
 )
 from quantlens.profiler.sensitivity import SensitivityResult, run_sensitivity
-from quantlens.profiler.trace_store import TraceReader, TraceWriter, input_digest
+from quantlens.profiler.trace.reader import TraceReader
+from quantlens.profiler.trace.stats import input_digest
+from quantlens.profiler.trace.writer import TraceWriter
 
 __all__ = ["QuantAnalysis", "RunResult"]
 
 BASELINE_DIR, ANALYSIS_DIR = "baseline_model", "analysis_model"
 BAD_CASE_FILE, ALL_BAD_CASE_FILE = "badcase.pt", "all_badcase_info.pt"
-
-
-#: a weight tensor whose relative difference ``||w_b - w_a|| / max(||w_b||, ||w_a||)`` exceeds this is not the
-#: same weight (QAT fine-tuning moves weights by a few percent; two independent initialisations give about 1.4)
-UNRELATED_WEIGHT_RATIO = 0.5
-
-
-def _torch_weights(access) -> dict[str, torch.Tensor] | None:
-    """The conv/linear/embedding-like weights (parameters with 2 or more dims) of a torch model, by the
-    qualified name they have in the *float* model: a BatchNorm folded by prepare into ``<conv>.bn`` is listed
-    under its float name. None for a model that is not a torch module."""
-    from quantlens.profiler.torch_access import TorchModelAccess
-
-    if not isinstance(access, TorchModelAccess):
-        return None
-    renames: list[tuple[str, str]] = []
-    if access.prepared:
-        sites = access.state.record.sites
-        for group in access.state.groups:
-            if group.bn is not None and group.bn in sites and group.head in sites:
-                renames.append((sites[group.head].module_name + ".bn.", sites[group.bn].module_name + "."))
-    weights = {}
-    for name, param in access.model.named_parameters():
-        if param.dim() < 2 or not param.is_floating_point():
-            continue
-        for prefix, float_prefix in renames:
-            if name.startswith(prefix):
-                name = float_prefix + name[len(prefix):]
-                break
-        weights[name] = param.detach()
-    return weights
-
-
-def _check_weights_correspond(baseline, analysis, kind: AnalysisType) -> None:
-    """Refuse two torch models that are not the same network: every weight of the analysis model (a prepared
-    model keeps its float model's weights unfolded in its QAT modules) must be the baseline's weight of the
-    same name, up to what QAT training moves. Weights only on one side, or of another shape, are not
-    compared (the op site match of :meth:`QuantAnalysis.run` covers structure)."""
-    base, analy = _torch_weights(baseline), _torch_weights(analysis)
-    if not base or not analy:
-        return
-    compared, unrelated = 0, []
-    for name, wb in base.items():
-        wa = analy.get(name)
-        if wa is None or wa.shape != wb.shape:
-            continue
-        compared += 1
-        # NaN/Inf in the same place on both sides is the same weight (a NaN report is sensitivity's business)
-        wb64, wa64 = (torch.nan_to_num(w.to(torch.float64).cpu(), nan=0.0, posinf=0.0, neginf=0.0) for w in (wb, wa))
-        norm = max(float(wb64.norm()), float(wa64.norm()))
-        diff = float((wb64 - wa64).norm())
-        ratio = diff / norm if norm > 0 else 0.0
-        if ratio > UNRELATED_WEIGHT_RATIO:
-            unrelated.append((name, ratio))
-    if not unrelated:
-        return
-    shown = ", ".join(f"'{n}' (relative difference {r:.2f})" for n, r in unrelated[:3])
-    more = f" and {len(unrelated) - 3} more" if len(unrelated) > 3 else ""
-    pair = ("The analysis model must be prepare(baseline_model, ...) (calibrated or QAT-trained from it)"
-            if kind is AnalysisType.FAKE_QUANT else "The analysis model must be pre_export(baseline_model)")
-    raise QuantLensError(
-        f"QuantAnalysis('{kind.value}'): the two models do not correspond: {len(unrelated)} of {compared} weights "
-        f"differ entirely between baseline_model and analysis_model: {shown}{more}. They are the same op sites "
-        f"with other weights, so every op site would show an error that is not quantization. {pair}: a prepared "
-        "model keeps the float weights (QAT training moves them by a few percent, not more than "
-        f"{UNRELATED_WEIGHT_RATIO:.0%}). Fix: prepare the analysis model from this baseline model, or load the "
-        "same state dict into the float model the analysis model was prepared from."
-    )
-
-
-def _attr_owner(access, path: str):
-    """``(object holding the attribute, attribute name)`` for a dotted ``path`` such as ``"decoder.memory"`` in
-    the torch model of ``access``; a QuantLensError naming the attribute and the model when it is missing."""
-    model = getattr(access, "model", None)
-    if not isinstance(model, torch.nn.Module):
-        raise QuantLensError(
-            f"cached_attrs=[{path!r}, ...]: the {access.label} model ({access.describe()}) is not a torch module; "
-            "cached attributes are copied between torch models (float, calibration/QAT, pre_export).")
-    parts = path.split(".")
-    owner = model
-    for i, part in enumerate(parts):
-        if not part or not hasattr(owner, part):
-            where = ".".join(parts[:i]) or type(model).__name__
-            raise QuantLensError(
-                f"cached_attrs: the {access.label} model ({access.describe()}) has no attribute '{path}' ('{where}' "
-                f"has no '{part}'). Both models must hold every cached attribute (a module's state kept between "
-                "calls, e.g. 'decoder.memory'); check the name against both models.")
-        if i < len(parts) - 1:
-            owner = getattr(owner, part)
-    return owner, parts[-1]
-
-
-def _copy_value(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    return copy.deepcopy(value)
-
-
-def _install_cached_attrs(baseline, analysis, cached_attrs) -> tuple[str, ...]:
-    """``cached_attrs``: before each call of the analysis model, its cached attributes are set to copies of the
-    baseline's values at the start of the baseline's latest call (its current values when the baseline has
-    not run yet), so that both models of a sequence (stateful) model start each call from the same state.
-    Wraps the two accesses' ``run`` (which also makes sensitivity run full forwards, not the ablation cache:
-    the state enters every op)."""
-    if cached_attrs is None:
-        return ()
-    paths = (cached_attrs,) if isinstance(cached_attrs, str) else tuple(cached_attrs)
-    for path in paths:
-        if not isinstance(path, str):
-            raise QuantLensError(f"cached_attrs must be attribute names such as 'decoder.memory', got {path!r}.")
-    if not paths:
-        return ()
-    for path in paths:  # both models hold every attribute: checked now, not at the first call
-        _attr_owner(baseline, path), _attr_owner(analysis, path)
-    state: dict[str, Any] = {}
-
-    def snapshot() -> dict[str, Any]:
-        out = {}
-        for path in paths:
-            owner, name = _attr_owner(baseline, path)
-            out[path] = _copy_value(getattr(owner, name))
-        return out
-
-    base_run, analy_run = baseline.run, analysis.run
-
-    def run_baseline(example, *args, **kwargs):
-        state.clear()
-        state.update(snapshot())
-        return base_run(example, *args, **kwargs)
-
-    def run_analysis(example, *args, **kwargs):
-        values = state if state else snapshot()
-        for path in paths:
-            owner, name = _attr_owner(analysis, path)
-            setattr(owner, name, _copy_value(values[path]))
-        return analy_run(example, *args, **kwargs)
-
-    baseline.run, analysis.run = run_baseline, run_analysis
-    return paths
 
 
 @dataclass(frozen=True)
@@ -228,8 +96,8 @@ class QuantAnalysis:
         self.analysis_type = parse_analysis_type(analysis_model_type)
         self.baseline = make_access(baseline_model, "baseline")
         self.analysis = make_access(analysis_model, "analysis")
-        self.cached_attrs = _install_cached_attrs(self.baseline, self.analysis, cached_attrs)
-        self._check_deployed_pair()
+        self.cached_attrs = install_cached_attrs(self.baseline, self.analysis, cached_attrs)
+        check_deployed_pair(self.analysis_type, self.baseline, self.analysis)
         if not self.analysis.quantized:
             raise QuantLensError(
                 f"QuantAnalysis('{self.analysis_type.value}'): analysis_model is a float model (no fake quants). "
@@ -242,7 +110,7 @@ class QuantAnalysis:
                 "prepare, and analysis_model its pre_export copy; got a float baseline."
             )
         if not self.analysis_type.deployed:
-            _check_weights_correspond(self.baseline, self.analysis, self.analysis_type)
+            check_weights_correspond(self.baseline, self.analysis, self.analysis_type)
         self.out_dir = Path(out_dir)
         problem = writable_dir_problem(self.out_dir)  # before any model runs, not after a dataset's worth
         if problem is not None:
@@ -256,56 +124,6 @@ class QuantAnalysis:
         self.bad_case_result: BadCaseResult | None = None
         #: the traces compare_per_layer() reads: run()'s folders, or set_model_profiler_dir()'s
         self._base_dir, self._analy_dir = self.out_dir / BASELINE_DIR, self.out_dir / ANALYSIS_DIR
-
-    def _check_deployed_pair(self) -> None:
-        """export: the analysis model is the qat IR; convert: the quantized IR. Their baseline is the stage
-        before (or an earlier torch stage of the same model); IR analyses get their baseline as the reference
-        of sensitivity (one op site computed by the IR, the rest by the baseline). onnxruntime: the analysis
-        model is the ONNX model of the qat IR baseline, which gives it its op sites and their value names."""
-        from quantlens.profiler.ir_access import IRModelAccess
-        from quantlens.profiler.onnx_access import OnnxModelAccess
-
-        kind = self.analysis_type
-        is_ir = isinstance(self.analysis, IRModelAccess)
-        if (kind is AnalysisType.ONNXRUNTIME) != isinstance(self.analysis, OnnxModelAccess):
-            raise QuantLensError(
-                f"QuantAnalysis('{kind.value}'): " + ("analysis_model must be the ONNX model written by "
-                f"to_onnx(qat_ir, path) (its path or onnx.ModelProto, or an OnnxModelAccess), got "
-                f"{type(getattr(self.analysis, 'model', getattr(self.analysis, 'module', None))).__name__}."
-                if kind is AnalysisType.ONNXRUNTIME else
-                "the analysis model is an ONNX model; ONNX models are analysed with 'onnxruntime' (qat IR vs its "
-                "ONNX model)."))
-        if kind is AnalysisType.ONNXRUNTIME:  # the qat IR supplies the op sites and their ONNX value names
-            if not (isinstance(self.baseline, IRModelAccess) and self.baseline.kind == "qat"):
-                got = f"a {self.baseline.kind} IR" if isinstance(self.baseline, IRModelAccess) else \
-                    type(getattr(self.baseline, "model", None)).__name__
-                raise QuantLensError(
-                    f"QuantAnalysis('onnxruntime'): baseline_model must be the qat IR the ONNX model was written "
-                    f"from (export(pre_export_model, example), then to_onnx), got {got}.")
-            self.analysis.reference = self.baseline
-            return
-        if not kind.deployed:
-            if is_ir:
-                raise QuantLensError(
-                    f"QuantAnalysis('{kind.value}'): the analysis model is a {self.analysis.kind} IR; IR models are "
-                    "analysed with 'export' (pre_export model vs qat IR) or 'convert' (qat IR vs quantized IR).")
-            return
-        want = "qat" if kind is AnalysisType.EXPORT else "quantized"
-        if not is_ir or self.analysis.kind != want:
-            got = f"a {self.analysis.kind} IR" if is_ir else type(getattr(self.analysis, "model", None)).__name__
-            raise QuantLensError(
-                f"QuantAnalysis('{kind.value}'): analysis_model must be the {want} IR "
-                f"({'export(pre_export_model, example)' if want == 'qat' else 'convert(qat_ir)'}), got {got}. "
-                "Pairs: 'export' (pre_export model, qat IR), 'convert' (qat IR or pre_export model, quantized IR).")
-        if isinstance(self.baseline, IRModelAccess) and (kind is AnalysisType.EXPORT or self.baseline.kind != "qat"):
-            raise QuantLensError(
-                f"QuantAnalysis('{kind.value}'): baseline_model is a {self.baseline.kind} IR; expected "
-                f"{'the pre_export model' if kind is AnalysisType.EXPORT else 'the qat IR or the pre_export model'}.")
-        if not self.baseline.quantized:
-            raise QuantLensError(
-                f"QuantAnalysis('{kind.value}'): baseline_model is a float model; compare neighbouring stages "
-                "(the pre_export model or the qat IR).")
-        self.analysis.reference = self.baseline
 
     # -- bad case ---------------------------------------------------------------------------------------------
     def auto_find_bad_case(self, data_generator: Iterable[Any], num_steps: int | None = None, metric: str = "L1",

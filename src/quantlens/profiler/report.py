@@ -18,14 +18,16 @@ from typing import Sequence
 import torch
 
 from quantlens._io import atomic_write, atomic_write_text, format_table
-from quantlens.profiler.advisor import THRESHOLDS, Finding
+from quantlens.profiler.advisor.base import THRESHOLDS, Finding
 from quantlens.profiler.bad_case import BadCaseResult
 from quantlens.profiler.compare import COLUMNS, LayerComparison
+from quantlens.profiler.formatting import fmt
+from quantlens.profiler.html import refresh_sensitivity, write_bad_case_html
 from quantlens.profiler.sensitivity import SensitivityTable
-from quantlens.profiler.trace_store import TraceReader
+from quantlens.profiler.trace.reader import TraceReader
 
 __all__ = [
-    "fmt", "write_bad_case", "write_statistic", "write_compare_text", "write_compare_csv", "write_advisor",
+    "write_bad_case", "write_statistic", "write_compare_text", "write_compare_csv", "write_advisor",
     "write_sensitivity", "safe_name", "save_pt", "wrap_table", "TEXT_WIDTH",
 ]
 
@@ -88,23 +90,6 @@ def wrap_table(headers: Sequence[str], rows: Sequence[Sequence[object]], width: 
     return "\n\n".join(parts)
 
 
-def fmt(value) -> str:
-    """Stable number formatting for every report: 7 significant digits, '' for missing values."""
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return f"{value:.7g}"
-    if isinstance(value, list):
-        return "[" + ", ".join(fmt(v) for v in value[:4]) + (", ...]" if len(value) > 4 else "]")
-    return str(value)
-
-
 def safe_name(name: str) -> str:
     """An output name usable in a file name, distinct for distinct names: ASCII letters, digits and ``._-~``
     stay, every other byte is percent-encoded (``"cls/score"`` -> ``cls%2Fscore``, ``"cls_score"`` stays)."""
@@ -144,8 +129,6 @@ def write_bad_case(result: BadCaseResult, path: str | os.PathLike) -> Path:
                        [[m, r, i, o, fmt(v)] for m in metrics for r, (i, o, v) in enumerate(result.overall_topk[m], 1)]),
         ]
     written = atomic_write_text(path, "\n".join(lines) + "\n")
-    from quantlens.profiler.html import write_bad_case_html  # html imports this module
-
     write_bad_case_html(result, Path(path).parent / "badcase_report.html")
     return written
 
@@ -283,8 +266,6 @@ def write_sensitivity(table: SensitivityTable, out_dir: str | os.PathLike) -> tu
     header = f"quantlens sensitivity: output '{table.output}', metric {table.metric} (one quantizer on at a time)\n"
     txt = atomic_write_text(Path(out_dir) / f"{stem}.txt", header + text + "\n")
     pt = save_pt([r.to_dict() for r in table], Path(out_dir) / f"{stem}.pt")
-    from quantlens.profiler.html import refresh_sensitivity  # html imports this module
-
     refresh_sensitivity(out_dir)  # profiler.html's sensitivity charts, when the page exists
     return txt, pt
 

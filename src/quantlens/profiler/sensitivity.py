@@ -20,10 +20,10 @@ sensitive); the sensitive-op qconfig setters skip such rows with a warning.
 effects reach disjoint sets of outputs are switched on together in one cached forward: each output is reached by
 at most one of them, so it takes that quantizer's value and the other quantizers of the forward get the all-off
 value there, exactly what their own forwards would give. The grouping is planned from the reference forward's
-data flow (:meth:`.ablation_cache.TorchAblationCache.reached`); every shared forward then tracks which
-quantizers actually reached each output (:meth:`~.ablation_cache.TorchAblationCache.taint`), and where one was
-reached by two of them, or by what cannot be told, its quantizers run one by one. The tables are those of one
-forward per quantizer.
+data flow (:meth:`.ablation.torch_cache.TorchAblationCache.reached`); every shared forward then tracks which
+quantizers actually reached each output (:meth:`~.ablation.torch_cache.TorchAblationCache.taint`), and where
+one was reached by two of them, or by what cannot be told, its quantizers run one by one. The tables are those of
+one forward per quantizer.
 
 The result is a sequence of tables, one per (output, metric), most sensitive first. It is exactly the
 sensitivity-table format of ``docs/quantization.md``: pass it (or one table of it) unchanged to
@@ -210,7 +210,7 @@ def run_sensitivity(
     reverse: bool = False,
     progress: bool = True,
 ) -> SensitivityResult:
-    """One ablation forward per quantizer, from the ablation cache where the model allows (:mod:`.ablation_cache`:
+    """One ablation forward per quantizer, from the ablation cache where the model allows (:mod:`.ablation`:
     only the op sites that depend on the quantizer are computed); see the module docstring."""
     m = get_metric(metric)
     base, recorder, quantizers = sensitivity_setup(baseline, analysis, analysis_type, example, post_process)
@@ -300,7 +300,7 @@ class _Shared:
                base: dict[str, torch.Tensor]) -> dict[int, dict[str, float]] | None:
         """The group's values per quantizer from one forward, or None (run them one by one): the cache gave
         up, or an output was reached by two of them or by what cannot be told."""
-        from quantlens.profiler.ablation_cache import CacheUnusable
+        from quantlens.profiler.ablation.base import CacheUnusable
 
         inner = self.runner.inner
         if inner is None:
@@ -361,7 +361,7 @@ def sensitivity_setup(baseline: ModelAccess, analysis: ModelAccess, analysis_typ
 
 
 def ablation_runner(analysis: ModelAccess, analysis_type: AnalysisType, example: Any, recorder: IndexRecorder):
-    """The cached ablation forwards (:mod:`.ablation_cache`) of the analysis model, or None (every ablation a full
+    """The cached ablation forwards (:mod:`.ablation`) of the analysis model, or None (every ablation a full
     forward). Call it inside ``analysis.ablation(...)`` before any quantizer is switched on: it runs the reference
     forward. A ``run`` replaced on the access instance (a wrapper that counts or interrupts forwards) keeps every
     ablation going through it: no cache then."""
@@ -379,7 +379,7 @@ class _Runner:
 
     def run(self, q, full):
         if self.inner is not None:
-            from quantlens.profiler.ablation_cache import CacheUnusable
+            from quantlens.profiler.ablation.base import CacheUnusable
 
             try:
                 return self.inner.run(q)

@@ -29,9 +29,13 @@ from quantlens.profiler.model_access import AnalysisType, ModelAccess
 from quantlens.profiler.outputs import PostProcess
 from quantlens.profiler.progress import progress_iter
 from quantlens.profiler.sensitivity import (
-    AblationPlan, SensitivityResult, ablation_runner, build_result, sensitivity_setup,
+    AblationPlan,
+    SensitivityResult,
+    ablation_runner,
+    build_result,
+    sensitivity_setup,
 )
-from quantlens.profiler.trace_store import input_digest
+from quantlens.profiler.trace.stats import input_digest
 
 __all__ = ["PROGRESS_DIR", "dist_rank_world", "model_digest", "run_sharded_sensitivity"]
 

@@ -10,13 +10,19 @@ import torch
 from torch import nn
 
 from quantlens.errors import QuantLensError
+from quantlens.profiler.ablation.torch_cache import CachedAblations, TorchAblationCache
 from quantlens.profiler.index_ops import IndexOpMode
 from quantlens.profiler.model_access import (
-    AnalysisType, ConsistencyInfo, ModelAccess, Quantizer, SameInputSource, TraceSink,
+    AnalysisType,
+    ConsistencyInfo,
+    ModelAccess,
+    Quantizer,
+    SameInputSource,
+    TraceSink,
 )
 from quantlens.profiler.torch_probe import FloatProbe, Probe, RuntimeProbe
 from quantlens.quantization.fake_quantize import FakeQuantize
-from quantlens.quantization.prepare import is_prepared
+from quantlens.quantization.prepare import is_prepared, use_runtime
 from quantlens.quantization.qat_modules import frozen_folds
 from quantlens.quantization.record import call_model, inputs_to, model_device
 from quantlens.quantization.tracer import OpSiteTracer
@@ -125,12 +131,8 @@ class TorchModelAccess(ModelAccess):
                 with mode, OpSiteTracer(self.model, FloatProbe(probe)):
                     return call_model(self.model, example)
             # The prepared model's forward picks up this runtime instead of a plain one (see prepare).
-            self.state.__dict__["_next_runtime"] = RuntimeProbe(self.state, probe)
-            try:
-                with mode:
-                    return call_model(self.model, example)
-            finally:
-                self.state.__dict__.pop("_next_runtime", None)
+            with mode, use_runtime(self.model, RuntimeProbe(self.state, probe)):
+                return call_model(self.model, example)
 
     # -- ablation ------------------------------------------------------------------------------------------
     def _require_prepared(self, what: str) -> None:
@@ -197,21 +199,17 @@ class TorchModelAccess(ModelAccess):
 
     def ablation_cache(self, analysis_type: AnalysisType, example: Any,
                        indices: dict[str, list[torch.Tensor]] | None):
-        """A runner of cached ablation forwards (:mod:`.ablation_cache`), made inside :meth:`ablation` before any
+        """A runner of cached ablation forwards (:mod:`.ablation`), made inside :meth:`ablation` before any
         quantizer is switched on; None where the model is not cached (a full forward per ablation)."""
         cache = self.reference_cache(example, indices)
         if cache is None:
             return None
-        from quantlens.profiler.ablation_cache import CachedAblations
-
         acting = self._acting_sites(analysis_type)
         return CachedAblations(cache, acting.__getitem__)
 
     def reference_cache(self, example: Any, indices: dict[str, list[torch.Tensor]] | None):
         """The cached forwards of this model in its current state (None: not supported, see
-        :mod:`.ablation_cache`)."""
-        from quantlens.profiler.ablation_cache import TorchAblationCache
-
+        :mod:`.ablation`)."""
         if not self.prepared or not TorchAblationCache.supported(self):
             return None
         return TorchAblationCache(self, example, indices)

@@ -2,7 +2,7 @@
 
 * :class:`FloatProbe` traces a plain (float) model with the op-site tracer.
 * :class:`RuntimeProbe` traces a prepared model: it *is* the prepared model's runtime (a subclass of
-  ``prepare._Runtime``), so the model computes exactly what it computes without the profiler; the probe only
+  ``quantization.runtime.Runtime``), so the model computes exactly what it computes without the profiler; the probe only
   observes, and additionally computes the **same-input output**: the op re-run on the baseline's input.
 
 Same-input rule, per analysis op site:
@@ -30,7 +30,7 @@ from quantlens.profiler.index_ops import substitute_indices
 from quantlens.profiler.model_access import QuantErrorStats, SameInputSource, SiteEvent, TraceSink
 from quantlens.quantization.fake_quantize import FakeQuantize
 from quantlens.quantization.plan import OutputMode, SitePlan
-from quantlens.quantization.prepare import _is_inplace, _Runtime, _leaves
+from quantlens.quantization.runtime import Runtime, is_inplace, tensor_leaves
 from quantlens.quantization.tracer import SiteCall, SiteHandler, float_tensor_leaves, is_float_tensor
 
 __all__ = ["Probe", "FloatProbe", "RuntimeProbe", "quant_error_stats", "deferred_quant_error_stats",
@@ -43,11 +43,11 @@ def _incoming(args: tuple, kwargs: dict) -> dict[int, torch.Tensor]:
 
 
 def _tensor_leaves(output: Any) -> list[torch.Tensor]:
-    return [x for x in _leaves(output) if isinstance(x, torch.Tensor)]
+    return [x for x in tensor_leaves(output) if isinstance(x, torch.Tensor)]
 
 
 def _float_leaves(output: Any) -> list[torch.Tensor]:
-    return [x for x in _leaves(output) if is_float_tensor(x)]
+    return [x for x in tensor_leaves(output) if is_float_tensor(x)]
 
 
 def quant_error_stats(output: Any, fq: FakeQuantize) -> QuantErrorStats | None:
@@ -182,7 +182,7 @@ def _mutates_input(func, args: tuple = (), kwargs: dict | None = None) -> bool:
     name = getattr(func, "__name__", "")
     if name in _IDEMPOTENT_INPLACE:
         return False
-    if _is_inplace(func):
+    if is_inplace(func):
         return True
     if kwargs and kwargs.get("inplace") is True:
         return True
@@ -228,7 +228,7 @@ class FloatProbe(SiteHandler):
         return None if new is output else new
 
 
-class RuntimeProbe(_Runtime):
+class RuntimeProbe(Runtime):
     """The prepared model's runtime, reporting each site (and its same-input output) to the probe."""
 
     def __init__(self, state, probe: Probe):
@@ -350,14 +350,40 @@ class RuntimeProbe(_Runtime):
         base = self.probe.same_input.inputs(site.name)
         if base is None:
             return None, None, "the baseline has no op site with this name"
-        internal: dict[int, torch.Tensor] = {}
-        if group is not None and site.name != group.head:
-            record = self.state.record.sites[site.name]
-            for inp in record.inputs:
-                if inp.producer in group.members:
-                    if inp.producer not in self._group_same:
-                        return None, None, f"no same-input output for fused member '{inp.producer}'"
-                    internal[inp.position] = self._group_same[inp.producer]
+        internal, note = self._fused_member_inputs(site, group)
+        if note is None:
+            new_args, new_kwargs, note = self._baseline_inputs(args, kwargs, base, internal)
+        if note is not None:
+            return None, None, note
+        if plan is not None:
+            new_args, new_kwargs, _ = self._quantize_inputs(plan, new_args, new_kwargs)
+        result = run(new_args, new_kwargs)
+        pre = None
+        if plan is not None and plan.output is OutputMode.QUANTIZED:
+            pre, fq = _float_leaves(result), self.fq[plan.output_fq]
+            result = pytree.tree_map(lambda x: fq(x) if is_float_tensor(x) else x, result)
+        if group is not None:  # a member's result is the next member's input, until the group's last op
+            if site.name == group.last:
+                for member in group.members:
+                    self._group_same.pop(member, None)
+            else:
+                self._group_same[site.name] = result
+        if plan is not None and plan.output is OutputMode.FUSED:
+            return None, None, f"fused into {plan.fused_into}"
+        return _float_leaves(result), pre, ""
+
+    def _fused_member_inputs(self, site: SiteCall, group) -> tuple[dict[int, torch.Tensor], str | None]:
+        """A fused member's inputs from earlier members (their same-input outputs, by position), or a note."""
+        if group is None or site.name == group.head:
+            return {}, None
+        inputs = [inp for inp in self.state.record.sites[site.name].inputs if inp.producer in group.members]
+        missing = next((inp.producer for inp in inputs if inp.producer not in self._group_same), None)
+        if missing is not None:
+            return {}, f"no same-input output for fused member '{missing}'"
+        return {inp.position: self._group_same[inp.producer] for inp in inputs}, None
+
+    def _baseline_inputs(self, args, kwargs, base: dict[int, torch.Tensor], internal: dict[int, torch.Tensor]):
+        """``(args, kwargs, note)`` with the incoming float tensors replaced by ``internal``'s or the baseline's."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
         for pos, leaf in enumerate(leaves):
             if not is_float_tensor(leaf) or isinstance(leaf, nn.Parameter):
@@ -371,21 +397,4 @@ class RuntimeProbe(_Runtime):
             if leaf in self.marks:  # the runtime reads input scales (bias, lookup tables) from these marks
                 self.marks.set(repl, self._mark(leaf))
             leaves[pos] = repl
-        new_args, new_kwargs = pytree.tree_unflatten(leaves, spec)
-        if plan is not None:
-            new_args, new_kwargs, _ = self._quantize_inputs(plan, new_args, new_kwargs)
-        result = run(new_args, new_kwargs)
-        pre = None
-        if plan is not None and plan.output is OutputMode.QUANTIZED:
-            pre = _float_leaves(result)
-            fq = self.fq[plan.output_fq]
-            result = pytree.tree_map(lambda x: fq(x) if is_float_tensor(x) else x, result)
-        if group is not None:
-            if site.name == group.last:
-                for member in group.members:
-                    self._group_same.pop(member, None)
-            else:
-                self._group_same[site.name] = result
-        if plan is not None and plan.output is OutputMode.FUSED:
-            return None, None, f"fused into {plan.fused_into}"
-        return _float_leaves(result), pre, ""
+        return (*pytree.tree_unflatten(leaves, spec), None)

@@ -9,20 +9,23 @@ Typical flow::
     calib.eval(); set_fake_quantize(calib, FakeQuantState.CALIBRATION)
     for batch in data: calib(batch)
     set_fake_quantize(calib, FakeQuantState.VALIDATION)   # evaluate what the NPU computes
+
+Searches over qconfigs (the mixed-precision search) measure configurations through the compiler and the
+profiler, so they live a layer above both, in ``quantlens.search``.
 """
 
-from quantlens.quantization.consistency import ConsistencyConfig, ConsistencyStrategy
 from quantlens.quantization.check import ModelCheckResult, check_qat_model
+from quantlens.quantization.consistency import ConsistencyConfig, ConsistencyStrategy
 from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, calibrate, set_fake_quantize
 from quantlens.quantization.observers import (
     FixedScaleObserver,
-    MinMaxObserver,
     KLObserver,
+    MinMaxObserver,
     MSEObserver,
     Observer,
     PercentileObserver,
 )
-from quantlens.quantization.prepare import is_prepared, prepare
+from quantlens.quantization.prepare import is_prepared, prepare, use_runtime
 from quantlens.quantization.qconfig import QConfig, QuantSpec, get_qconfig
 from quantlens.quantization.record import get_op_sites
 from quantlens.quantization.stubs import DeQuantStub, QuantStub
@@ -32,6 +35,7 @@ __all__ = [
     "ConsistencyConfig",
     "prepare",
     "is_prepared",
+    "use_runtime",
     "set_fake_quantize",
     "calibrate",
     "FakeQuantState",
@@ -57,11 +61,14 @@ __all__ = [
     "lut_errors",
     "LutSiteInfo",
 ]
-from quantlens.quantization.pre_export import LutSiteInfo, lut_errors, lut_sites, pre_export, pre_export_report, set_lut_enabled  # noqa: E402,F401,E501
 from quantlens.quantization.nonfinite import NonFiniteError, NonFiniteSite, detect_nonfinite, find_nonfinite  # noqa: E402,F401,E501
+from quantlens.quantization.pre_export import (  # noqa: E402,F401,E501
+    LutSiteInfo,
+    lut_errors,
+    lut_sites,
+    pre_export,
+    pre_export_report,
+    set_lut_enabled,
+)
 
 __all__ += ["find_nonfinite", "detect_nonfinite", "NonFiniteSite", "NonFiniteError"]
-from quantlens.quantization.mixed_precision import MaxLatency, MixedPrecisionQconfigSetter, MixedPrecisionResult, Promotion, int16_conflicts, mixed_precision_candidates, search_mixed_precision  # noqa: E402,F401,E501
-
-__all__ += ["search_mixed_precision", "MixedPrecisionResult", "MixedPrecisionQconfigSetter", "Promotion", "MaxLatency",
-            "mixed_precision_candidates", "int16_conflicts"]

@@ -6,9 +6,8 @@ With the consistency strategy on, :class:`IntegerEmulator` makes the forward com
 with an output fake quant, the value is what the integer kernel computes from the op's input integers, and (in
 QAT) the gradient is the fake quant's straight-through gradient (``float + (integer - float).detach()``).
 
-It calls the very kernels of the quantized IR (``compiler.kernels_int``) with the parameters convert derives
-(``compiler.convert.requant_attrs`` / ``rescale_attrs`` and the ``numerics`` helpers), so there is one
-implementation of each rule. GEMMs accumulate exactly on the integers in float64 (``exact``: VALIDATION at
+It calls the very kernels of the quantized IR (``quantlens.kernels``) with the parameters of the spec's rules
+(``quantlens.march.rules``, which convert calls too), so there is one implementation of each rule. GEMMs accumulate exactly on the integers in float64 (``exact``: VALIDATION at
 levels 1-4, the training forward at level 4), which makes the model equal to the quantized IR wherever it computes
 the same rules; otherwise (training below level 4) their float32 result is rounded to the accumulator's integers.
 
@@ -29,15 +28,10 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from quantlens.march import QuantDType, Qpp
-from quantlens.march.numerics import (
-    channel_affine_params,
-    clamp_codes,
-    constant_addend,
-    constant_code,
-    interpolation_weights,
-    quantize,
-)
+from quantlens._registry import make_registry
+from quantlens.kernels import INT_KERNELS
+from quantlens.march import Qpp, QuantDType, rules
+from quantlens.march.numerics import interpolation_weights, quantize
 from quantlens.march.opset import Category, op_def
 from quantlens.quantization.tracer import TensorMarks
 
@@ -90,22 +84,7 @@ class EmuCall:
 
 
 def _kernel(op: str, attrs: dict, inputs: list, site: str = "") -> torch.Tensor:
-    from quantlens.compiler.ir import Node
-    from quantlens.compiler.kernels_int import INT_KERNELS
-
-    return INT_KERNELS[op](Node(op, [], [], attrs, site), inputs).to(torch.int64)
-
-
-def _requant_attrs(real: torch.Tensor, dtype: QuantDType, qpp: Qpp) -> dict:
-    from quantlens.compiler.convert import requant_attrs
-
-    return requant_attrs(real, dtype, qpp)
-
-
-def _rescale_attrs(scales: list[torch.Tensor], out_scale: torch.Tensor, dtype: QuantDType, qpp: Qpp) -> dict:
-    from quantlens.compiler.convert import rescale_attrs
-
-    return rescale_attrs(scales, out_scale, dtype, qpp)
+    return INT_KERNELS[op](inputs, attrs, site).to(torch.int64)
 
 
 def _s64(fq) -> torch.Tensor:
@@ -160,8 +139,7 @@ class IntegerEmulator:
         """Integers on ``src``'s grid moved to ``dst``'s (convert's ``requantize`` node, §8)."""
         if _same_grid(src, dst):
             return q
-        real = _s64(src) / _s64(dst)
-        attrs = {**_requant_attrs(real, dst.dtype, self.qpp), "axis": None}
+        attrs = {**rules.move(src.scale, dst.scale, dst.dtype, self.qpp), "axis": None}
         return _kernel("requantize", attrs, [q])
 
     def to_grid(self, x: torch.Tensor, src, dst, quantized: torch.Tensor) -> torch.Tensor:
@@ -252,7 +230,7 @@ class IntegerEmulator:
 
         def compute(fq, acc=acc, acc_scale=acc_scale, channel_dim=channel_dim):
             # convert folds a positive scalar multiply after the GEMM (attention's 1/sqrt(d)) into the multiplier
-            attrs = _requant_attrs(acc_scale * factor / _s64(fq), fq.dtype, qpp)
+            attrs = rules.gemm(x_fq.scale, w_fq.scale, fq.scale, fq.dtype, qpp, factor)
             attrs["axis"] = channel_dim if len(attrs["multiplier"]) > 1 else None
             return _kernel("requantize", attrs, [acc.to(torch.int64)])
 
@@ -337,16 +315,8 @@ def _apply_on(call: EmuCall, pos: int, index: int | None) -> Callable[[torch.Ten
 
 
 # -- the integer rules, one small function per op type (docs/march.md §8-§11) ----------------------------------
-EMULATED_OPS: dict[str, Callable[[IntegerEmulator, EmuCall], Deferred | None]] = {}
-
-
-def emulates(*op_types: str):
-    def register(fn):
-        for op in op_types:
-            EMULATED_OPS[op] = fn
-        return fn
-
-    return register
+#: op type -> its emulation rule (``IntegerEmulator, EmuCall -> Deferred | None``)
+EMULATED_OPS, emulates = make_registry("emulation rule for op type")
 
 
 def _input(call: EmuCall, position: int, name: str):
@@ -380,7 +350,7 @@ def _add(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
 
     if a[1] is not None and b[1] is not None:
         def compute(fq):
-            attrs = _rescale_attrs([a[1].scale, b[1].scale], fq.scale, fq.dtype, qpp)
+            attrs = rules.add([a[1].scale, b[1].scale], fq.scale, fq.dtype, qpp)
             return _kernel(op, attrs, [a[0], b[0]], call.site)
         return Deferred(compute)
     # x ± k / k ± x: convert's add_const (the constant enters in the sum's fractional units)
@@ -390,8 +360,7 @@ def _add(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
         k, x, negate = b[0] * (-1 if op == "sub" else 1), a, False
 
     def compute_const(fq):
-        attrs = _rescale_attrs([x[1].scale], fq.scale, fq.dtype, qpp)
-        attrs.update(addend=constant_addend(k, float(fq.scale), attrs["frac_bits"]), negate=negate)
+        attrs = rules.add_constant(x[1].scale, k, fq.scale, fq.dtype, qpp, negate)
         return _kernel("add_const", attrs, [x[0]], call.site)
     return Deferred(compute_const)
 
@@ -415,8 +384,7 @@ def _cat(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
     qpp = emu.qpp
 
     def compute(fq):
-        attrs = _rescale_attrs([p[1].scale for p in parts], fq.scale, fq.dtype, qpp)
-        attrs["dim"] = dim
+        attrs = rules.cat([p[1].scale for p in parts], fq.scale, fq.dtype, qpp, dim)
         return _kernel("cat", attrs, [p[0] for p in parts], call.site)
     return Deferred(compute)
 
@@ -436,16 +404,14 @@ def _mul(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
             return None
 
         def compute_scale(fq):
-            m = abs(real) * float(a[1].scale) / float(fq.scale)
-            attrs = {**_requant_attrs(torch.tensor(m, dtype=torch.float64), fq.dtype, qpp), "negative": real < 0}
+            attrs = rules.scale_by_constant(real, a[1].scale, fq.scale, fq.dtype, qpp)
             return _kernel("scale", attrs, [a[0]], call.site)
         return Deferred(compute_scale)
     if call.op_type == "div":
         return None  # x / y of two tensors is a table op (§13.5)
 
     def compute(fq):
-        real = _s64(a[1]) * _s64(b[1]) / _s64(fq)
-        return _kernel("mul", _requant_attrs(real, fq.dtype, qpp), [a[0], b[0]], call.site)
+        return _kernel("mul", rules.mul(a[1].scale, b[1].scale, fq.scale, fq.dtype, qpp), [a[0], b[0]], call.site)
     return Deferred(compute)
 
 
@@ -470,8 +436,7 @@ def _reduce(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
     qpp = emu.qpp
 
     def compute(fq):
-        real = _s64(x_fq) / (divisor * _s64(fq))
-        attrs = {"dim": dims, "keepdim": keepdim, **_requant_attrs(real, fq.dtype, qpp)}
+        attrs = {"dim": dims, "keepdim": keepdim, **rules.average(x_fq.scale, divisor, fq.scale, fq.dtype, qpp)}
         return _kernel("sum_int", attrs, [q], call.site)
     return Deferred(compute)
 
@@ -525,8 +490,8 @@ def _avg_pool(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
     qpp = emu.qpp
 
     def compute(fq):
-        real = _s64(x_fq) / (count * _s64(fq))
-        return _kernel(op, {**pool_attrs, **_requant_attrs(real, fq.dtype, qpp)}, [q], call.site)
+        attrs = {**pool_attrs, **rules.average(x_fq.scale, count, fq.scale, fq.dtype, qpp)}
+        return _kernel(op, attrs, [q], call.site)
     return Deferred(compute)
 
 
@@ -546,12 +511,10 @@ def _clamp(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
         lo, hi = call.arg(1, "min"), call.arg(2, "max")
     if isinstance(lo, torch.Tensor) or isinstance(hi, torch.Tensor):
         return None
-    codes_lo, codes_hi = clamp_codes(lo, hi, float(x_fq.scale))
     qpp = emu.qpp
 
     def compute(fq):
-        attrs = {"lo": codes_lo, "hi": codes_hi, **_requant_attrs(_s64(x_fq) / _s64(fq), fq.dtype, qpp)}
-        return _kernel("clamp", attrs, [q], call.site)
+        return _kernel("clamp", rules.clamp(lo, hi, x_fq.scale, fq.scale, fq.dtype, qpp), [q], call.site)
     return Deferred(compute)
 
 
@@ -562,7 +525,7 @@ def _sign(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
         return None
     q, x_fq = x
     qpp = emu.qpp
-    return Deferred(lambda fq: _kernel(f"{call.op_type}_int", _requant_attrs(_s64(x_fq) / _s64(fq), fq.dtype, qpp),
+    return Deferred(lambda fq: _kernel(f"{call.op_type}_int", rules.sign_op(x_fq.scale, fq.scale, fq.dtype, qpp),
                                        [q], call.site))
 
 
@@ -587,8 +550,8 @@ def _interpolate(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
     qpp = emu.qpp
 
     def compute(fq):
-        real = _s64(x_fq) * 2.0**-16 / _s64(fq)
-        return _kernel("bilinear_int", _requant_attrs(real, fq.dtype, qpp), [q, a_h, a_w], call.site)
+        attrs = rules.bilinear(x_fq.scale, fq.scale, fq.dtype, qpp)
+        return _kernel("bilinear_int", attrs, [q, a_h, a_w], call.site)
     return Deferred(compute)
 
 
@@ -617,12 +580,10 @@ def _batch_norm(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
     bias = torch.zeros(channels, dtype=torch.float64) if bias is None else bias.detach().to(torch.float64)
     a = weight / torch.sqrt(var.detach().to(torch.float64) + eps)
     b = bias - mean.detach().to(torch.float64) * a
-    s_x = _s64(x_fq).reshape(-1)[0]
-    w_q, bias_q, s_w = channel_affine_params(a, b, float(s_x))
     qpp = emu.qpp
 
     def compute(fq):
-        attrs = {"channel_dim": 1, **_requant_attrs(s_x * s_w / _s64(fq), fq.dtype, qpp)}
+        w_q, bias_q, attrs = rules.channel_affine(a, b, x_fq.scale, fq.scale, fq.dtype, qpp)
         return _kernel("channel_affine", attrs, [q, w_q, bias_q], call.site)
     return Deferred(compute)
 
@@ -647,9 +608,7 @@ def _prelu(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
     qpp = emu.qpp
 
     def compute(fq):
-        from quantlens.compiler.convert import prelu_attrs
-
-        return _kernel("prelu_int", prelu_attrs(alpha, x_fq.scale, fq.scale, fq.dtype, qpp), [q], call.site)
+        return _kernel("prelu_int", rules.prelu(alpha, x_fq.scale, fq.scale, fq.dtype, qpp), [q], call.site)
     return Deferred(compute)
 
 
@@ -664,7 +623,7 @@ def _masked_fill(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
             return None
         value = float(value)
     q, x_fq = x
-    filled = q.masked_fill(mask, constant_code(float(value), float(x_fq.scale), x_fq.dtype))
+    filled = q.masked_fill(mask, rules.fill_code(float(value), x_fq.scale, x_fq.dtype))
     return Deferred(lambda fq: emu.requantize_codes(filled, x_fq, fq))
 
 

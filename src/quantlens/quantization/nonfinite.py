@@ -25,6 +25,8 @@ from torch.utils import _pytree as pytree
 
 from quantlens.errors import QuantLensError
 from quantlens.quantization.fake_quantize import FakeQuantize
+from quantlens.quantization.prepare import is_prepared, use_runtime
+from quantlens.quantization.runtime import Runtime
 
 __all__ = ["NonFiniteSite", "NonFiniteError", "find_nonfinite", "detect_nonfinite"]
 
@@ -72,10 +74,8 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
 
 
 def _runtime_class():
-    # The prepared model's runtime; subclassed here like the profiler's RuntimeProbe (imported on use).
-    from quantlens.quantization.prepare import _Runtime
-
-    class _NonFiniteRuntime(_Runtime):
+    # The prepared model's runtime, subclassed here like the profiler's RuntimeProbe.
+    class _NonFiniteRuntime(Runtime):
         """The prepared model's runtime, checking each op site's output once it is computed."""
 
         def __init__(self, state, watcher: "_Watcher"):
@@ -130,7 +130,6 @@ class _Watcher:
 
 
 def _require_prepared(model: nn.Module, what: str):
-    from quantlens.quantization.prepare import is_prepared
 
     if not is_prepared(model):
         raise QuantLensError(
@@ -166,18 +165,17 @@ def detect_nonfinite(model: nn.Module, action: str = "raise") -> Iterator[list[N
         watcher.start()
         _drop_ours()  # a forward that raised left its runtime behind
         # A runtime already in place (the profiler's) is left alone: this context only adds checks.
-        if "_next_runtime" not in state.__dict__:
-            runtime = runtime_cls(state, watcher)
-            state.__dict__["_next_runtime"] = runtime
-            ours.append(runtime)
+        if state.current_runtime() is None:
+            scope = use_runtime(model, runtime_cls(state, watcher))
+            scope.__enter__()
+            ours.append(scope)
 
     def post_hook(module, args, output):
         _drop_ours()
 
     def _drop_ours():
-        if ours and state.__dict__.get("_next_runtime") is ours[-1]:
-            state.__dict__.pop("_next_runtime", None)
-        ours.clear()
+        while ours:
+            ours.pop().__exit__(None, None, None)
 
     handles = [model.register_forward_pre_hook(pre_hook), model.register_forward_hook(post_hook)]
     try:
@@ -207,15 +205,10 @@ def find_nonfinite(model: nn.Module, example: Any) -> NonFiniteSite | None:
     for m in paused:
         m.observe_enabled = False
     watcher.start()
-    previous = state.__dict__.pop("_next_runtime", None)
-    state.__dict__["_next_runtime"] = _runtime_class()(state, watcher)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), use_runtime(model, _runtime_class()(state, watcher)):
             call_model(model, example)
     finally:
-        state.__dict__.pop("_next_runtime", None)
-        if previous is not None:
-            state.__dict__["_next_runtime"] = previous
         for m in paused:
             m.observe_enabled = True
         with torch.no_grad():

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from quantlens.errors import QuantLensError
-from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
 from quantlens.quantization.decompositions import SdpaDecomposition
+from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
 from quantlens.quantization.overrides import OverrideCall, SiteOverride
 from quantlens.quantization.plan import OutputMode, SitePlan, fq_key
 from quantlens.quantization.prepare import QuantState, is_prepared

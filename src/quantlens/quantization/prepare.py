@@ -15,22 +15,20 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings as _warnings
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType, get_march
-from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, int32_bias, set_fake_quantize
+from quantlens.march.opset import Stage, op_def
 from quantlens.quantization.consistency import ConsistencyConfig, ConsistencyStrategy
 from quantlens.quantization.decompositions import DECOMPOSITIONS
-from quantlens.quantization.emulation import EmuCall, IntegerEmulator
+from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
 from quantlens.quantization.fuse import FusedGroup, UnfusedPattern, find_fusions
 from quantlens.quantization.observers import FixedScaleObserver
-from quantlens.march.opset import Stage, op_def
-from quantlens.quantization.op_rules import OpKind
-from quantlens.quantization.overrides import OverrideCall
 from quantlens.quantization.plan import OutputMode, SitePlan, build_plans
 from quantlens.quantization.qat_modules import fused_class_for, qat_class_for
 from quantlens.quantization.qconfig import QConfig, QuantSpec
@@ -40,11 +38,11 @@ from quantlens.quantization.qconfig_template import (
     resolve_qconfigs,
 )
 from quantlens.quantization.record import ModelRecord, call_model, inputs_to, model_device, record_model
+from quantlens.quantization.runtime import Runtime
 from quantlens.quantization.stubs import QuantStub
-from quantlens.quantization.tracer import OpSiteTracer, SiteCall, SiteHandler, TensorMarks, is_float_tensor
-from torch.utils import _pytree as pytree
+from quantlens.quantization.tracer import OpSiteTracer, SiteHandler
 
-__all__ = ["prepare", "is_prepared", "QuantState"]
+__all__ = ["prepare", "is_prepared", "use_runtime", "QuantState"]
 
 
 class QuantState(nn.Module):
@@ -65,20 +63,25 @@ class QuantState(nn.Module):
         self.fake_quant_state = FakeQuantState.QAT
         #: the consistency level this model was prepared with (``ConsistencyStrategy``); every stage reads it here
         self.consistency: ConsistencyConfig = ConsistencyStrategy.config()
+        #: runtimes that replace the plain one for the forwards of a :func:`use_runtime` block, innermost last
+        self.runtimes: list[SiteHandler] = []
+
+    def current_runtime(self) -> SiteHandler | None:
+        """The runtime the next forward uses in place of a plain one (:func:`use_runtime`), if any."""
+        runtimes = self.__dict__.get("runtimes")  # (absent on a state pickled before it existed)
+        return runtimes[-1] if runtimes else None
 
     def last_sites(self, example: Any) -> list[str]:
         """Op sites visited by one forward on ``example`` (no grad; observers are paused)."""
         root = self._root()
-        runtime = _Runtime(self)
+        runtime = Runtime(self)
         paused = [m for m in root.modules() if isinstance(m, FakeQuantize) and m.observe_enabled]
         for m in paused:
             m.observe_enabled = False
-        self.__dict__["_next_runtime"] = runtime
         try:
-            with torch.no_grad():
+            with torch.no_grad(), use_runtime(root, runtime):
                 call_model(root, example)
         finally:
-            self.__dict__.pop("_next_runtime", None)
             for m in paused:
                 m.observe_enabled = True
         return runtime.visited
@@ -95,272 +98,6 @@ class QuantState(nn.Module):
         return args[0] if len(args) == 1 else args
 
 
-class _Runtime(SiteHandler):
-    """Follows the site plans during one forward of the prepared model."""
-
-    _generation = 0
-
-    def __init__(self, state: QuantState):
-        _Runtime._generation += 1
-        self.generation = _Runtime._generation
-        self.state = state
-        self.plans = state.plans
-        self.fq = state.fq
-        self.visited: list[str] = []
-        #: the fake quant (grid) each tensor of this forward is on; a side table, so the user's tensors carry
-        #: no attribute of quantlens (cleared when the forward ends)
-        self.marks = TensorMarks()
-        #: the integer rules in this forward (consistency levels 1-4), or None
-        self.emulator = _emulator_for(state)
-
-    # -- helpers ------------------------------------------------------------------------------------------
-    def _mark(self, tensor: torch.Tensor):
-        return self.marks.get(tensor)
-
-    def _set_marks(self, output: Any, fq: FakeQuantize | None) -> None:
-        for leaf in _leaves(output):
-            if is_float_tensor(leaf):
-                self.marks.set(leaf, fq)
-
-    def _plan(self, site: SiteCall) -> SitePlan | None:
-        plan = self.plans.get(site.name)
-        if plan is None:
-            if site.rule.kind is OpKind.QUANTIZED:
-                from quantlens.quantization.tracer import user_source_location
-
-                raise QuantLensError(
-                    f"Op site '{site.name}' ({site.rule.op_type}, called at {user_source_location()}) was not seen "
-                    "when the model was prepared, so it has no fake quant. A branch that the example inputs did "
-                    "not take ran now. Fix: pass example inputs that take every branch, e.g. "
-                    "prepare(model, example_inputs, extra_example_inputs=[other_inputs, ...])."
-                )
-            return None
-        if plan.runtime_op_type != site.rule.op_type:
-            self._mismatch(site, plan)
-        return plan
-
-    def _mismatch(self, site: SiteCall, plan: SitePlan):
-        from quantlens.quantization.tracer import user_source_location
-
-        recorded = self.state.record.sites[site.name].source
-        raise QuantLensError(
-            f"Op site '{site.name}' was a {plan.op_type} (at {recorded}) when the model was prepared but is a "
-            f"{site.rule.op_type} now (at {user_source_location()}). Control flow in module "
-            f"'{site.module_name or '<root>'}' changed the order of its ops; move each branch into its own "
-            "submodule so op site names stay stable, and pass example inputs for every branch to prepare."
-        )
-
-    def _quantize_inputs(self, plan: SitePlan, args: tuple, kwargs: dict):
-        if not plan.input_fq and not plan.weight_fq:
-            return args, kwargs, None
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        first = None
-        for pos, key in plan.input_fq.items():
-            if pos < len(leaves) and is_float_tensor(leaves[pos]):
-                original = leaves[pos]
-                leaves[pos] = self.fq[key](original)
-                if self.emulator is not None:  # the NPU requantizes from the producer's grid
-                    leaves[pos] = self.emulator.to_grid(original, self._mark(original), self.fq[key], leaves[pos])
-                self._set_marks(leaves[pos], self.fq[key])  # the op (and an override) sees its input scale
-                first = first or self.fq[key]
-        for pos, key in plan.weight_fq.items():
-            if pos < len(leaves) and is_float_tensor(leaves[pos]):
-                leaves[pos] = self.fq[key](leaves[pos])
-        if plan.bias_position is not None and plan.bias_position < len(leaves):
-            in_fq = first or next((self._mark(x) for x in leaves if is_float_tensor(x)), None)
-            w_fq = self.fq[next(iter(plan.weight_fq.values()))]
-            leaves[plan.bias_position] = int32_bias(leaves[plan.bias_position], in_fq, w_fq)
-        args, kwargs = pytree.tree_unflatten(leaves, spec)
-        return args, kwargs, first
-
-    def _finish(self, plan: SitePlan | None, output: Any, inputs: tuple, kwargs: dict, site: SiteCall,
-                call: EmuCall | None = None) -> Any:
-        if self.emulator is not None and plan is not None and plan.output is OutputMode.FUSED and call is not None \
-                and isinstance(output, torch.Tensor) and output not in self.emulator.deferred:
-            # the fused group's last op quantizes: the integer rule waits for its grid
-            pending = self.emulator.integer_rule(call)
-            if pending is not None:
-                self.emulator.defer(output, pending)
-        if plan is None or plan.output is OutputMode.INHERIT:
-            src = next((x for x in _leaves((inputs, kwargs)) if is_float_tensor(x)), None)
-            self._set_marks(output, self._mark(src) if src is not None else None)
-            return output
-        if plan.output is OutputMode.QUANTIZED:
-            fq = self.fq[plan.output_fq]
-            if is_float_tensor(output):
-                observed = (plan.override is not None and self.state.overrides[plan.override].observes_output()
-                            and not fq._learning())  # a learned (LSQ) scale takes the fake quant's own path
-                quantized = fq.quantize(output) if observed else fq(output)
-                if self.emulator is not None:
-                    exact = self.emulator.resolve(output, fq, quantized, call)
-                    quantized = quantized if exact is None else exact
-                output = quantized
-            else:
-                leaves, spec = pytree.tree_flatten(output)
-                output = pytree.tree_unflatten([fq(x) if is_float_tensor(x) else x for x in leaves], spec)
-            self._set_marks(output, fq)
-        elif plan.output is OutputMode.WEIGHT:
-            wfq = getattr(site.module, "weight_fake_quant", None) if site.module is not None else None
-            if wfq is None and plan.weight_fq:
-                wfq = self.fq[next(iter(plan.weight_fq.values()))]
-            self._set_marks(output, wfq)
-        else:
-            self._set_marks(output, None)
-        return output
-
-    def _override(self, plan: SitePlan, site: SiteCall, args: tuple, kwargs: dict) -> Any:
-        leaves = [x for x in _leaves((args, kwargs)) if is_float_tensor(x)]
-        call = OverrideCall(
-            site=site.name,
-            op_type=plan.op_type,
-            func=site.func,
-            args=args,
-            kwargs=kwargs,
-            module=site.module,
-            input_fqs=[self._mark(x) for x in leaves],
-            output_fq=self.fq[plan.output_fq] if plan.output_fq else None,
-        )
-        return self.state.overrides[plan.override].compute(call)
-
-    # -- handler interface --------------------------------------------------------------------------------
-    def function_op(self, site, func, args, kwargs):
-        self.visited.append(site.name)
-        plan = self._plan(site)
-        target = args[0] if args and _is_inplace(func) and isinstance(args[0], torch.Tensor) else None
-        raw = args, kwargs
-        if plan is not None:
-            args, kwargs, _ = self._quantize_inputs(plan, args, kwargs)
-        call = None
-        if plan is not None and plan.override is not None:
-            out = self._override(plan, site, args, kwargs)
-        elif self.emulator is not None and plan is not None:
-            call = self._emu_call(site, plan, func, None, args, kwargs)
-            out = self._emulated_function(site, plan, call, raw)
-        else:
-            out = func(*args, **kwargs)
-        out = self._finish(plan, out, args, kwargs, site, call)
-        if target is not None and isinstance(out, torch.Tensor) and out is not target:
-            # x += y, x.mul_(2), x.clamp_(..): the user reads x afterwards, so x must hold the fake-quantized
-            # result (the op may have run on a quantized copy of x). Export functionalizes the copy.
-            target.copy_(out)
-            return target
-        return out
-
-    def module_enter(self, site, args):
-        self.visited.append(site.name)
-        plan = self._plan(site)
-        if plan is None:
-            return None
-        new_args, _, first = self._quantize_inputs(plan, args, {})
-        if first is None and args and isinstance(args[0], torch.Tensor):
-            first = self._mark(args[0])
-        site.module.__dict__["_ql_input_fq"] = first
-        return new_args if plan.input_fq else None
-
-    def module_exit(self, site, args, output):
-        plan = self.plans.get(site.name)
-        site.module.__dict__["_ql_input_fq"] = None
-        call = None
-        if plan is not None and plan.override is not None:
-            # The module's float result is discarded (export drops it as dead code).
-            output = self._override(plan, site, args, {})
-        elif self.emulator is not None and plan is not None:
-            call = self._emu_call(site, plan, None, site.module, args, {})
-            output = self._emulated_module(site, plan, call, output)
-        return self._finish(plan, output, args, {}, site, call)
-
-    # -- the integer rules (consistency levels 1-4, emulation.py) ------------------------------------------
-    def _emu_call(self, site, plan: SitePlan, func, module, args: tuple, kwargs: dict) -> EmuCall:
-        leaves = pytree.tree_flatten((args, kwargs))[0]
-        grids = {}
-        for pos, leaf in enumerate(leaves):
-            if not is_float_tensor(leaf):
-                continue
-            fq = self.fq[plan.weight_fq[pos]] if pos in plan.weight_fq else self._mark(leaf)
-            if fq is not None:
-                grids[pos] = fq
-        return EmuCall(site.name, site.rule.op_type, func, module, args, kwargs, grids, leaves)
-
-    def _emulated_function(self, site, plan: SitePlan, call: EmuCall, raw: tuple) -> Any:
-        emulator = self.emulator
-        channel_dim = GEMM_CHANNEL_DIM.get(site.rule.op_type, False)
-        if channel_dim is not False and plan.output is not OutputMode.FLOAT:
-            weight_pos = next(iter(plan.weight_fq), None)
-            data = [p for p in call.grids if p != weight_pos and p != plan.bias_position]
-            if weight_pos is None and len(data) == 2:  # matmul of two activations
-                x_fq, w_fq, weight_pos = call.grids[data[0]], call.grids[data[1]], data[1]
-            elif weight_pos is not None and len(data) == 1:
-                x_fq, w_fq = call.grids[data[0]], call.grids[weight_pos]
-            else:
-                x_fq = None
-            if x_fq is not None:
-                bias = None
-                if plan.bias_position is not None:
-                    raw_leaves = pytree.tree_flatten(raw)[0]
-                    bias = raw_leaves[plan.bias_position] if plan.bias_position < len(raw_leaves) else None
-                return emulator.gemm(call, lambda: call.func(*call.args, **call.kwargs), x_fq=x_fq, w_fq=w_fq,
-                                     weight_pos=weight_pos, bias=bias, bias_pos=plan.bias_position,
-                                     channel_dim=channel_dim)
-        out = call.func(*call.args, **call.kwargs)
-        call.output = out
-        if site.rule.kind is OpKind.PASSTHROUGH:
-            emulator.movement(call, out)
-        return out
-
-    def _emulated_module(self, site, plan: SitePlan, call: EmuCall, output: Any) -> Any:
-        module = site.module
-        call.output = output
-        # a conv/linear + BatchNorm in training runs BatchNorm on batch statistics: no integer rule applies there
-        folded_training = module.training and isinstance(getattr(module, "bn", None), nn.Module)
-        if hasattr(module, "integer_operands") and plan.output is not OutputMode.FLOAT and not folded_training \
-                and call.args and call.grids.get(0) is not None and module.weight_fake_quant.fake_quant_enabled:
-            weight, bias = module.integer_operands()
-            return self.emulator.gemm(call, lambda: output, x_fq=call.grids[0], w_fq=module.weight_fake_quant,
-                                      weight_pos=None, bias=bias if call.grids.get(0) is not None else None,
-                                      bias_pos=None, channel_dim=module.output_channel_dim, module=module,
-                                      module_weight=weight)
-        if site.rule.kind is OpKind.PASSTHROUGH:
-            self.emulator.movement(call, output)
-        return output
-
-
-_INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__", "__imatmul__"}
-
-
-def _is_inplace(func) -> bool:
-    """``Tensor.add_``, ``Tensor.__iadd__`` ... (``torch.relu_``-style functions too)."""
-    name = getattr(func, "__name__", "")
-    return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
-
-
-def _leaves(value: Any) -> list:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, tuple) and type(value) is not tuple and not hasattr(value, "_fields"):
-        return [x for x in value if isinstance(x, torch.Tensor)]  # torch.return_types
-    return pytree.tree_leaves(value)
-
-
-#: GEMM op types -> the channel dim of their output (None: per-tensor operands)
-GEMM_CHANNEL_DIM = {"conv1d": 1, "conv2d": 1, "conv_transpose1d": 1, "conv_transpose2d": 1, "linear": -1,
-                    "matmul": None, "bmm": None, "mm": None}
-
-
-def _emulator_for(state: QuantState) -> IntegerEmulator | None:
-    """The integer rules run in QAT and VALIDATION forwards of a model prepared at consistency level 1-4 (never
-    while export traces it: the qat IR keeps the float + fake-quant semantics, and convert the integer ones)."""
-    config = getattr(state, "consistency", None)
-    if config is None or not config.emulate_integer_rules or OpSiteTracer.annotate_sites:
-        return None
-    if state.fake_quant_state not in (FakeQuantState.QAT, FakeQuantState.VALIDATION):
-        return None
-    if torch.compiler.is_compiling():
-        return None
-    validation = state.fake_quant_state is FakeQuantState.VALIDATION
-    exact = config.exact_validation if validation else config.exact_training
-    return IntegerEmulator(config.qpp, exact)
-
-
 class _QuantizedForward:
     """Replaces ``forward`` on the prepared model's instance: runs the class's own forward under the tracer."""
 
@@ -371,7 +108,7 @@ class _QuantizedForward:
         model = self.model
         state: QuantState = model._quantlens_state
         state.__dict__["_root_ref"] = model
-        runtime = state.__dict__.get("_next_runtime") or _Runtime(state)
+        runtime = state.current_runtime() or Runtime(state)
         try:
             from quantlens.quantization.scale_policy import forward_scope
 
@@ -381,6 +118,32 @@ class _QuantizedForward:
                 return type(model).forward(model, *args, **kwargs)
         finally:
             runtime.marks.clear()  # the marks belong to this forward only
+
+
+@contextlib.contextmanager
+def use_runtime(model: nn.Module, runtime: SiteHandler) -> Iterator[SiteHandler]:
+    """Run the prepared ``model``'s forwards inside this block with ``runtime`` (a :class:`SiteHandler` that
+    sees every op site: the profiler's probes, the non-finite watcher) in place of the plain fake-quant runtime.
+
+    This is the seam through which the layers above observe or replace what a prepared model does at its op
+    sites; blocks nest (the innermost runtime is used) and the runtime is removed when the block ends, also when
+    it raises."""
+    state = _state_of(model, "use_runtime")
+    state.runtimes.append(runtime)
+    try:
+        yield runtime
+    finally:
+        state.runtimes.remove(runtime)
+
+
+def _state_of(model: nn.Module, what: str) -> QuantState:
+    state = getattr(model, "_quantlens_state", None)
+    if not isinstance(state, QuantState):
+        raise QuantLensError(f"{what} expects a model returned by quantlens.quantization.prepare, got "
+                             f"{type(model).__name__}.")
+    if "runtimes" not in state.__dict__:  # a state pickled before the seam existed
+        state.__dict__["runtimes"] = []
+    return state
 
 
 def is_prepared(model: nn.Module) -> bool:

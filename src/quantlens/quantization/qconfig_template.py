@@ -39,6 +39,9 @@ __all__ = [
     "qat_8bit_weight_16bit_act_qconfig_setter",
     "sensitive_op_calibration_8bit_weight_16bit_act_qconfig_setter",
     "sensitive_op_qat_8bit_weight_16bit_act_qconfig_setter",
+    "METRIC_HIGHER_IS_WORSE",
+    "register_metric_direction",
+    "metric_higher_is_worse",
 ]
 
 
@@ -185,6 +188,34 @@ class ModuleNameQconfigSetter(QconfigSetter):
         return result
 
 
+# -- which way a sensitivity metric gets worse ------------------------------------------------------------------
+
+#: Metric name -> whether a larger value is worse (``L1``: yes, ``SQNR``: no), for the ``metric`` field of
+#: sensitivity rows. The built-in metrics are declared here, below the profiler, because the sensitive-op setters
+#: must read a row's direction without importing the profiler: ``quantlens.profiler.metrics`` takes its built-ins'
+#: direction from this table, and its ``register_metric`` records every metric it adds.
+METRIC_HIGHER_IS_WORSE: dict[str, bool] = {"Cosine": False, "MSE": True, "L1": True, "KL": True, "SQNR": False,
+                                           "Atol": True}
+
+
+def register_metric_direction(name: str, higher_is_worse: bool) -> None:
+    """Record which way metric ``name`` gets worse (``quantlens.profiler.register_metric`` calls this)."""
+    METRIC_HIGHER_IS_WORSE[name] = bool(higher_is_worse)
+
+
+def metric_higher_is_worse(metric: Any) -> bool | None:
+    """Whether a larger value of ``metric`` is worse: a registered name (case-insensitive, the first match as
+    ``get_metric`` finds it) or an object with a ``higher_is_worse`` flag (a profiler ``Metric``). None when
+    unknown."""
+    if isinstance(metric, str):
+        for name, worse_up in METRIC_HIGHER_IS_WORSE.items():
+            if name.lower() == metric.lower():
+                return worse_up
+        return None
+    worse_up = getattr(metric, "higher_is_worse", None)
+    return None if worse_up is None else bool(worse_up)
+
+
 def _row_field(row: Any, key: str) -> Any:
     if isinstance(row, Mapping):
         return row.get(key)
@@ -205,11 +236,8 @@ def _nonfinite_row(row: Any) -> bool:
         return False
     if math.isnan(value):
         return True
-    try:
-        from quantlens.profiler.metrics import get_metric
-
-        worse_up = get_metric(_row_field(row, "metric")).higher_is_worse
-    except Exception:  # an unknown (custom) metric: any infinity is suspect
+    worse_up = metric_higher_is_worse(_row_field(row, "metric"))
+    if worse_up is None:  # an unknown (custom) metric: any infinity is suspect
         return True
     return (value > 0) == worse_up
 

@@ -120,18 +120,18 @@ def _output_key(state, plan) -> str | None:
     return None
 
 
-def build_scale_groups(state) -> tuple[list[ScaleGroup], list[str]]:
-    """The scale groups of a prepared model's state (before fake quants are flagged) and one warning per group
-    that cannot share a scale."""
-    from quantlens.quantization.observers import FixedScaleObserver
+class _UnionFind:
+    """Disjoint sets of fake quant keys, with path compression; ``order`` lists the keys as first seen."""
 
-    parent: dict[str, str] = {}
-    order: list[str] = []
+    def __init__(self) -> None:
+        self.parent: dict[str, str] = {}
+        self.order: list[str] = []
 
-    def find(key: str) -> str:
+    def find(self, key: str) -> str:
+        parent = self.parent
         if key not in parent:
             parent[key] = key
-            order.append(key)
+            self.order.append(key)
         root = key
         while parent[root] != root:
             root = parent[root]
@@ -139,55 +139,91 @@ def build_scale_groups(state) -> tuple[list[ScaleGroup], list[str]]:
             parent[key], key = root, parent[key]
         return root
 
-    site_keys: list[tuple[str, list[str], list[str]]] = []  # (site, member keys, problems)
+    def join(self, keys: list[str]) -> None:
+        """Put ``keys`` in one set (the first key is found first: it fixes the order of new keys)."""
+        for key in keys[1:]:
+            root = self.find(keys[0])
+            self.parent[self.find(key)] = root
+        self.find(keys[0])
+
+
+def _input_grid(state, plan, inp) -> tuple[str, str]:
+    """The grid input ``inp`` of op site ``plan`` is on: its own input fake quant's, else its producer's."""
+    if inp.position in plan.input_fq:
+        return "fq", plan.input_fq[inp.position]
+    return _grid_of(state, inp.producer) if inp.producer else ("float", "a float tensor")
+
+
+def _site_members(state, plan, out_key: str) -> tuple[list[str], list[str]]:
+    """The fake quant keys an add/sub/cat site joins (its inputs' grids, then its output's), without repeats, and
+    one problem per input on no shareable activation grid."""
+    site = state.record.sites.get(plan.name)
+    keys, problems = [], []
+    for inp in site.inputs if site is not None else ():
+        kind, what = _input_grid(state, plan, inp)
+        if kind == "fq" and what in state.fq:
+            keys.append(what)
+        else:
+            problems.append(f"input {inp.position} of '{plan.name}' is {what} ({kind})")
+    keys.append(out_key)
+    return list(dict.fromkeys(keys)), problems
+
+
+def _join_rescaled_sites(state, sets: _UnionFind) -> list[tuple[str, list[str], list[str]]]:
+    """Join the keys of every add/sub/cat site whose output is quantized; ``(site, member keys, problems)``."""
+    site_keys: list[tuple[str, list[str], list[str]]] = []
     for plan in state.plans.values():
         if plan.op_type not in RESCALED_OPS:
             continue
         out_key = _output_key(state, plan)
         if out_key is None or out_key not in state.fq:
             continue  # the output is not quantized: no integer rescale at this site
-        site = state.record.sites.get(plan.name)
-        keys, problems = [], []
-        for inp in site.inputs if site is not None else ():
-            if inp.position in plan.input_fq:
-                kind, what = "fq", plan.input_fq[inp.position]
-            else:
-                kind, what = _grid_of(state, inp.producer) if inp.producer else ("float", "a float tensor")
-            if kind == "fq" and what in state.fq:
-                keys.append(what)
-            else:
-                problems.append(f"input {inp.position} of '{plan.name}' is {what} ({kind})")
-        keys.append(out_key)
-        keys = list(dict.fromkeys(keys))
-        for key in keys[1:]:
-            parent[find(key)] = find(keys[0])
-        find(keys[0])
+        keys, problems = _site_members(state, plan, out_key)
+        sets.join(keys)
         site_keys.append((plan.name, keys, problems))
+    return site_keys
 
+
+def _groups_of(sets: _UnionFind, site_keys: list[tuple[str, list[str], list[str]]]) -> list[ScaleGroup]:
+    """One group per set, numbered in the order its first key was seen, with its sites and their problems."""
     by_root: dict[str, ScaleGroup] = {}
-    for key in order:
-        root = find(key)
+    for key in sets.order:
+        root = sets.find(key)
         group = by_root.setdefault(root, ScaleGroup(len(by_root), [], []))
         group.members.append(key)
     for name, keys, problems in site_keys:
-        group = by_root[find(keys[0])]
+        group = by_root[sets.find(keys[0])]
         group.sites.append(name)
         group.reasons.extend(problems)
-    groups = sorted(by_root.values(), key=lambda g: g.index)
+    return sorted(by_root.values(), key=lambda g: g.index)
 
+
+def _check_shareable(state, group: ScaleGroup) -> None:
+    """Add the reasons the group's members cannot share one scale (mixed dtypes, a weight or per-channel fake
+    quant, a fixed scale) and set ``group.shared``."""
+    from quantlens.quantization.observers import FixedScaleObserver
+
+    fqs = [state.fq[k] for k in group.members]
+    dtypes = sorted({fq.dtype.value for fq in fqs})
+    if len(dtypes) > 1:
+        group.reasons.append(f"it mixes {' and '.join(dtypes)}")
+    for key, fq in zip(group.members, fqs):
+        if fq.is_weight or fq.ch_axis is not None:
+            group.reasons.append(f"'{key}' is a weight (per-channel) fake quant")
+        elif isinstance(fq.observer, FixedScaleObserver):
+            group.reasons.append(f"'{key}' has a fixed scale ({fq.observer.scale})")
+    group.reasons = list(dict.fromkeys(group.reasons))
+    group.shared = not group.reasons
+
+
+def build_scale_groups(state) -> tuple[list[ScaleGroup], list[str]]:
+    """The scale groups of a prepared model's state (before fake quants are flagged) and one warning per group
+    that cannot share a scale."""
+    sets = _UnionFind()
+    groups = _groups_of(sets, _join_rescaled_sites(state, sets))
     warnings: list[str] = []
     for group in groups:
-        fqs = [state.fq[k] for k in group.members]
-        dtypes = sorted({fq.dtype.value for fq in fqs})
-        if len(dtypes) > 1:
-            group.reasons.append(f"it mixes {' and '.join(dtypes)}")
-        for key, fq in zip(group.members, fqs):
-            if fq.is_weight or fq.ch_axis is not None:
-                group.reasons.append(f"'{key}' is a weight (per-channel) fake quant")
-            elif isinstance(fq.observer, FixedScaleObserver):
-                group.reasons.append(f"'{key}' has a fixed scale ({fq.observer.scale})")
-        group.reasons = list(dict.fromkeys(group.reasons))
-        group.shared = not group.reasons
+        _check_shareable(state, group)
         if not group.shared:
             warnings.append(
                 f"shared elementwise scales: scale group {group.index} (op sites {', '.join(group.sites)}; fake quants "
@@ -200,8 +236,7 @@ def build_scale_groups(state) -> tuple[list[ScaleGroup], list[str]]:
 def install_scale_policy(prepared) -> None:
     """Apply the prepared model's ``state.consistency`` switches: flag the activation fake quants for
     power-of-two scales and build the scale groups (``state.scale_groups``). Warnings go to ``state.warnings``."""
-    from quantlens.quantization.fake_quantize import FakeQuantize
-    from quantlens.quantization.fake_quantize import fake_quant_sites
+    from quantlens.quantization.fake_quantize import FakeQuantize, fake_quant_sites
     from quantlens.quantization.observers import FixedScaleObserver
 
     state = prepared._quantlens_state

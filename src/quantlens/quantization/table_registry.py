@@ -10,16 +10,18 @@ the tracer gives the op site, as in :data:`quantlens.march.opset.OPS`):
 * the site override class that builds the tables and runs the integer kernel (:mod:`.table_overrides`);
 * how many quantized tensor inputs it reads, and what an int16 input gets.
 
-``pre_export``, :mod:`.table_overrides` and :mod:`quantlens.kernels.functions` read it. The IR ops the overrides
-emit are declared in :data:`quantlens.kernels.ops.TABLE_OP_IO`; ``export`` records which float op a ``lut`` /
-``segment_lut`` node emulates (``attrs["reference"]``: ``{"op": op_type, **params}``), and ``to_onnx`` writes that
-float IR op, so an elementwise op type is also a float IR op with an ONNX converter taking ``params`` as its
-attributes. The op set (:mod:`quantlens.march.opset`) declares ``table=True`` exactly for the keys of
-:data:`TABLE_OP_SPECS` (``tests/test_table_ops.py`` checks it).
+An elementwise op's float op, real function and int16 rule are declared below quantization, in
+:data:`quantlens.kernels.functions.TABLE_FUNCTIONS` (the integer kernels evaluate those functions); its entry here
+takes them from there and adds the call parameters and the override. ``pre_export`` and :mod:`.table_overrides`
+read this registry. The IR ops the overrides emit are declared in :data:`quantlens.kernels.ops.TABLE_OP_IO`;
+``export`` records which float op a ``lut`` / ``segment_lut`` node emulates (``attrs["reference"]``:
+``{"op": op_type, **params}``), and ``to_onnx`` writes that float IR op, so an elementwise op type is also a float
+IR op with an ONNX converter taking ``params`` as its attributes. The op set (:mod:`quantlens.march.opset`)
+declares ``table=True`` exactly for the keys of :data:`TABLE_OP_SPECS` (``tests/test_table_ops.py`` checks it).
 
-To add an elementwise table op: one :func:`_elementwise` entry below (its float op, and its real function
-when the two differ), an :data:`quantlens.march.opset.OPS` row with ``table=True``, and a rule row in
-``docs/march.md`` §13.4.
+To add an elementwise table op: one :data:`~quantlens.kernels.functions.TABLE_FUNCTIONS` entry (its float op,
+and its real function when the two differ), its call parameters below (:data:`_ELEMENTWISE_CALLS`) when it has
+any, an :data:`quantlens.march.opset.OPS` row with ``table=True``, and a rule row in ``docs/march.md`` §13.4.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from quantlens.errors import QuantLensError
-from quantlens.kernels.functions import log_fn, pow_fn, reciprocal_fn, rsqrt_fn, sqrt_fn
+from quantlens.kernels.functions import TABLE_FUNCTIONS
 from quantlens.quantization.overrides import OverrideCall
 from quantlens.quantization.record import OpSiteRecord
 from quantlens.quantization.table_overrides import (
@@ -206,34 +208,24 @@ def _layer_norm_float(call: OverrideCall, site: str) -> Any:
 # -- the registry ---------------------------------------------------------------------------------------------
 
 
-def _elementwise(op_type: str, torch_op, function=None, params=_no_params, needs_call_args=False,
-                 site_params=None, int16="segmented") -> TableOpSpec:
-    return TableOpSpec(op_type, ElementwiseOverride, torch_op=torch_op, function=function, params_from_call=params,
-                       needs_call_args=needs_call_args, site_params=site_params, int16=int16)
+def _elementwise(op_type: str, params=_no_params, needs_call_args=False, site_params=None) -> TableOpSpec:
+    f = TABLE_FUNCTIONS[op_type]
+    return TableOpSpec(op_type, ElementwiseOverride, torch_op=f.torch_op, function=f.function,
+                       params_from_call=params, needs_call_args=needs_call_args, site_params=site_params,
+                       int16=f.int16)
 
+
+#: the call parameters of the elementwise ops that have any (the others: none)
+_ELEMENTWISE_CALLS: dict[str, dict[str, Any]] = {
+    "gelu": dict(params=_gelu_params, needs_call_args=True),
+    "softplus": dict(params=_softplus_params, needs_call_args=True),
+    "pow": dict(params=_pow_params, needs_call_args=True, site_params=_pow_site),
+    "elu": dict(params=_elu_params, needs_call_args=True),
+}
 
 _SPECS = [
-    # elementwise (§13.4): the float op, then (where it differs) the real function with its out-of-domain rule
-    _elementwise("sigmoid", lambda x: torch.sigmoid(x)),
-    _elementwise("tanh", lambda x: torch.tanh(x)),
-    _elementwise("exp", lambda x: torch.exp(x)),
-    _elementwise("gelu", lambda x, approximate="none": F.gelu(x, approximate=approximate), params=_gelu_params,
-                 needs_call_args=True),
-    _elementwise("silu", lambda x: F.silu(x)),
-    _elementwise("softplus", lambda x, beta=1.0, threshold=20.0: F.softplus(x, beta=float(beta),
-                                                                            threshold=float(threshold)),
-                 params=_softplus_params, needs_call_args=True),
-    _elementwise("reciprocal", lambda x: torch.reciprocal(x), lambda x: reciprocal_fn(x),
-                 int16="mantissa_reciprocal"),
-    _elementwise("sqrt", lambda x: torch.sqrt(x), lambda x: sqrt_fn(x)),
-    _elementwise("rsqrt", lambda x: torch.rsqrt(x), lambda x: rsqrt_fn(x)),
-    _elementwise("log", lambda x: torch.log(x), lambda x: log_fn(x)),
-    _elementwise("pow", lambda x, exponent: torch.pow(x, exponent), pow_fn, params=_pow_params,
-                 needs_call_args=True, site_params=_pow_site),
-    _elementwise("erf", lambda x: torch.erf(x)),
-    _elementwise("hardswish", lambda x: F.hardswish(x)),
-    _elementwise("hardsigmoid", lambda x: F.hardsigmoid(x)),
-    _elementwise("elu", lambda x, alpha=1.0: F.elu(x, alpha=float(alpha)), params=_elu_params, needs_call_args=True),
+    # elementwise (§13.4): the float op and real function of kernels.functions.TABLE_FUNCTIONS, in its order
+    *(_elementwise(op_type, **_ELEMENTWISE_CALLS.get(op_type, {})) for op_type in TABLE_FUNCTIONS),
     # the composite table ops (§13.5-§13.7)
     TableOpSpec("div", DivOverride, float_fn=_div_float, inputs=2, int16=""),
     TableOpSpec("softmax", SoftmaxOverride, float_fn=_softmax_float, site_params=_softmax_site, int16=""),

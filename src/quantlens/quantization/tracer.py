@@ -33,7 +33,12 @@ from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 from torch.utils import _pytree as pytree
 
 from quantlens.quantization.op_rules import (
-    OpKind, OpRule, canonical_op_name, function_rule, is_recurrent_module, module_rule,
+    OpKind,
+    OpRule,
+    canonical_op_name,
+    function_rule,
+    is_recurrent_module,
+    module_rule,
 )
 from quantlens.quantization.rnn import DECOMPOSED_FUNCTIONS
 

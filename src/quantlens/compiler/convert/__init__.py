@@ -1,0 +1,39 @@
+"""``convert``: qat IR -> quantized IR (integer-only; quantize/dequantize only at the model boundary).
+
+Every value of the qat IR that lies on an integer grid (the output of a ``fake_quant``, or data moved by a
+passthrough op) becomes an integer value with a known ``(dtype, scale)``. Each compute op is matched with the
+fake quant that ends its output chain (through passthrough ops such as the fused ReLU), and becomes one integer
+kernel that accumulates exactly and requantizes straight to that fake quant's scale (``docs/march.md`` §6-§10).
+A conv/linear whose output reaches a model output without a fake quant keeps the int32 high-precision output.
+
+Converters live in one registry, ``CONVERTERS``, keyed by qat IR op (:mod:`.state`), filled by one module per op
+family: :mod:`.gemm`, :mod:`.arithmetic`, :mod:`.pools`, :mod:`.movement`, :mod:`.tables`. Their integer
+parameters come from the spec's rules (``quantlens.march.rules``), which the fake quant's emulation calls too.
+"""
+
+from __future__ import annotations
+
+from quantlens.compiler.convert import arithmetic, gemm, movement, pools, tables  # noqa: F401 (fill CONVERTERS)
+from quantlens.compiler.convert.movement import _passthrough
+from quantlens.compiler.convert.state import CONVERTERS, PASSTHROUGH_OPS, _Converter, converter, qpp_of
+from quantlens.compiler.ir import Module
+from quantlens.errors import QuantLensError
+
+__all__ = ["convert", "CONVERTERS", "PASSTHROUGH_OPS", "qpp_of"]
+
+
+def convert(qat_ir: Module) -> Module:
+    """Convert a qat IR (from ``export``) to the integer-only quantized IR; the input module is not modified."""
+    if not isinstance(qat_ir, Module) or qat_ir.kind != "qat":
+        raise QuantLensError(
+            "convert expects the qat IR returned by quantlens.compiler.export (kind 'qat'), got "
+            f"{getattr(qat_ir, 'kind', type(qat_ir).__name__)!r}."
+        )
+    state = _Converter(qat_ir)
+    graph = state.run()
+    return Module("quantized", graph, list(qat_ir.input_leaves), qat_ir.input_spec, qat_ir.output_spec,
+                  meta={**qat_ir.meta, "qpp": state.qpp.value})
+
+
+for _op in sorted(PASSTHROUGH_OPS - CONVERTERS.keys()):  # pad, fill, the scatters have their own converters
+    converter(_op)(_passthrough)

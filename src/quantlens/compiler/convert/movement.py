@@ -1,0 +1,153 @@
+"""Ops that move integers (their grid stays), constant writes, resize and the integer/bool index values."""
+
+from __future__ import annotations
+
+from quantlens.compiler.convert.state import (
+    _DIM_PRESERVING,
+    _INDEX_OUTPUTS,
+    QInfo,
+    _Converter,
+    _float_movement,
+    _index_input,
+    _on_grid,
+    _per_tensor,
+    _required_grid,
+    converter,
+)
+from quantlens.compiler.ir import Node, ValueInfo
+from quantlens.compiler.kernels_int import storage_dtype
+from quantlens.errors import QuantLensError
+from quantlens.march import rules
+from quantlens.march.numerics import interpolation_weights
+from quantlens.march.opset import Category, ops_in
+
+
+@converter("upsample_bilinear2d")
+def _bilinear(c, node):
+    """Bilinear resize as two integer interpolation matrices (weights in 2**-8 fixed point, ``docs/march.md``
+    §11): ``acc = A_h · q · A_wᵀ`` exactly, then one requantize by ``s_in · 2**-16 / s_out``."""
+    x = c.int_input(node, node.inputs[0])
+    qdtype, out_scale = _required_grid(c, node)
+    in_h, in_w = c.src.values[node.inputs[0]].shape[-2:]
+    out_h, out_w = c.src.values[node.outputs[0]].shape[-2:]
+    align = bool(node.attrs.get("align_corners"))
+    a_h = c.const(interpolation_weights(in_h, out_h, align), f"{node.outputs[0]}_rows")
+    a_w = c.const(interpolation_weights(in_w, out_w, align), f"{node.outputs[0]}_cols")
+    c.emit(node, "bilinear_int", [x.name, a_h, a_w], rules.bilinear(x.scale, out_scale, qdtype, c.qpp), qdtype,
+           out_scale)
+
+
+def _passthrough(c, node):
+    """A movement op: the integers move, the grid stays (registered, at the end of this module, for every movement
+    op without a converter of its own)."""
+    x = c.q.get(node.inputs[0])
+    if x is None:
+        if node.inputs[0] in c.float_values or c.is_const(node.inputs[0]):
+            return _float_movement(c, node)
+        x = c.int_input(node, node.inputs[0])
+    axis = x.axis if x.axis is None or node.op in _DIM_PRESERVING else _moved_axis(c, node, x.axis)
+    extra = [c.q[v].name if v in c.q else _index_input(c, node, v) for v in node.inputs[1:]]
+    outs = [c.fresh(o) for o in node.outputs]
+    c.out.nodes.append(Node(node.op, [x.name] + extra, outs, dict(node.attrs), node.site))
+    value_outputs = node.outputs if node.op not in _INDEX_OUTPUTS else node.outputs[:1]
+    for src_out, name in zip(node.outputs, outs):
+        info = c.src.values.get(src_out, ValueInfo((), "unknown"))
+        if src_out in value_outputs:
+            c.out.values[name] = ValueInfo(info.shape, str(storage_dtype(x.qdtype.value)).replace("torch.", ""),
+                                           x.qdtype.value, None, axis)
+            c.q[src_out] = QInfo(name, x.qdtype, x.scale, axis)
+        else:  # indices
+            c.out.values[name] = info
+            c.float_values[src_out] = name
+
+
+def _moved_axis(c: _Converter, node: Node, axis: int) -> int:
+    """Where the channel axis of a per-channel (int32 high-precision) value lands after a movement op."""
+    in_shape = list(c.src.values[node.inputs[0]].shape)
+    axis %= len(in_shape)
+    if node.op == "permute":
+        return node.attrs["dims"].index(axis)
+    if node.op == "reshape":
+        # The channel dim must survive whole: same size, same number of elements before it.
+        out_shape = list(c.src.values[node.outputs[0]].shape)
+        dyn = 7919  # stands for the dynamic batch (-1) on both sides
+        prefix = 1
+        for d in in_shape[:axis]:
+            prefix *= dyn if d == -1 else d
+        running = 1
+        for j, d in enumerate(out_shape):
+            if running == prefix and d == in_shape[axis]:
+                return j
+            running *= dyn if d == -1 else d
+    raise QuantLensError(
+        f"convert: op '{node.op}' at op site '{node.site}' splits or merges the channel dim of a per-channel int32 "
+        "high-precision output; dequantize it first (put the DeQuantStub right after the final conv/linear)."
+    )
+
+
+@converter("masked_fill")
+def _masked_fill(c, node):
+    x = c.int_input(node, node.inputs[0])
+    mask = _index_input(c, node, node.inputs[1])
+    value = node.attrs.get("value")
+    if value is None:
+        value = float(c.src.constants[node.inputs[2]])
+    fill = rules.fill_code(value, x.scale, x.qdtype)
+    name = c.fresh(node.outputs[0])
+    c.out.nodes.append(Node("masked_fill_int", [x.name, mask], [name], {"value": fill}, node.site))
+    c.out.values[name] = ValueInfo(c.src.values[node.outputs[0]].shape, x.name and c.out.values[x.name].dtype,
+                                   x.qdtype.value)
+    c.q[node.outputs[0]] = QInfo(name, x.qdtype, x.scale, x.axis)
+
+
+@converter("embedding")
+def _embedding(c, node):
+    table = c.int_input(node, node.inputs[0])
+    ids = _index_input(c, node, node.inputs[1])
+    c.emit(node, "embedding", [table.name, ids], {}, table.qdtype, table.scale)
+
+
+@converter(*sorted(ops_in(Category.INDEX, level="qat")))
+def _non_numeric(c, node):
+    """Ops whose result is an index or a mask: computed on the integer values (order is preserved)."""
+    if any(v in c.q for v in node.inputs) and node.op not in ("argmax",):
+        raise QuantLensError(
+            f"convert: op '{node.op}' at op site '{node.site}' compares quantized values with float ones; "
+            "keep comparisons on integer/bool tensors or in post-processing."
+        )
+    ins = [c.q[v].name if v in c.q else _index_input(c, node, v) for v in node.inputs]
+    name = c.fresh(node.outputs[0])
+    c.out.nodes.append(Node(node.op, ins, [name], dict(node.attrs), node.site))
+    c.out.values[name] = c.src.values.get(node.outputs[0], ValueInfo((), "unknown"))
+    c.float_values[node.outputs[0]] = name
+
+
+@converter("pad", "fill")
+def _pad(c, node):
+    """Padding and filling keep the grid; the constant is written as its integer on that grid."""
+    x = c.int_input(node, node.inputs[0])
+    attrs = dict(node.attrs)
+    if node.op == "fill" or attrs.get("mode") == "constant":
+        _per_tensor(c, node, x, node.op)
+        attrs["value"] = _on_grid(attrs["value"], x)
+    name = c.fresh(node.outputs[0])
+    c.out.nodes.append(Node(f"{node.op}_int", [x.name], [name], attrs, node.site))
+    c.out.values[name] = ValueInfo(c.src.values[node.outputs[0]].shape, c.out.values[x.name].dtype, x.qdtype.value)
+    c.q[node.outputs[0]] = QInfo(name, x.qdtype, x.scale, x.axis)
+
+
+@converter("select_scatter", "slice_scatter")
+def _scatter(c, node):
+    """``x[...] = src`` (functionalized): src must already lie on x's grid (the fake-quant model writes it
+    unchanged), so the integers are written as they are."""
+    x, src = c.int_input(node, node.inputs[0]), c.int_input(node, node.inputs[1])
+    if not src.same_grid(x.qdtype, x.scale):
+        raise QuantLensError(
+            f"convert: op site '{node.site}' writes a value with scale {float(src.scale.reshape(-1)[0]):.6g} "
+            f"({src.qdtype.value}) into a tensor with scale {float(x.scale.reshape(-1)[0]):.6g} ({x.qdtype.value}); "
+            "the integer write needs one grid. Write a constant, or a value computed from the same tensor."
+        )
+    name = c.fresh(node.outputs[0])
+    c.out.nodes.append(Node(node.op, [x.name, src.name], [name], dict(node.attrs), node.site))
+    c.out.values[name] = ValueInfo(c.src.values[node.outputs[0]].shape, c.out.values[x.name].dtype, x.qdtype.value)
+    c.q[node.outputs[0]] = QInfo(name, x.qdtype, x.scale, x.axis)

@@ -1,0 +1,278 @@
+"""The converter's state: the integer values met so far, the output graph, and the helpers every op family's
+converter uses (the one registry ``CONVERTERS`` lives here too)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantlens._registry import make_registry
+from quantlens.compiler.ir import Graph, Module, Node, ValueInfo
+from quantlens.compiler.kernels_int import storage_dtype
+from quantlens.errors import QuantLensError
+from quantlens.march import Qpp, QuantDType, rules
+from quantlens.march.opset import Category, ops_in
+
+#: ops that move integer values without changing them (or their scale): the op set's movement ops.
+PASSTHROUGH_OPS = set(ops_in(Category.MOVEMENT, level="qat"))
+
+
+#: passthrough ops that keep every dimension in place (a per-channel int32 value may pass them).
+_DIM_PRESERVING = set(ops_in(Category.MOVEMENT, keeps_dims=True))
+
+
+#: ops whose outputs after the first are indices (topk, sort, max_dim).
+_INDEX_OUTPUTS = set(ops_in(index_outputs=True))
+
+
+@dataclass
+class QInfo:
+    """An integer value: storage type and scale (per tensor, or per channel along ``axis``)."""
+
+    name: str  # value name in the quantized IR
+    qdtype: QuantDType
+    scale: torch.Tensor  # float32, [] or [C]
+    axis: int | None = None
+
+    def same_grid(self, qdtype: QuantDType, scale: torch.Tensor) -> bool:
+        return self.qdtype is qdtype and self.scale.numel() == scale.numel() and bool(
+            torch.equal(self.scale.reshape(-1), scale.reshape(-1).to(self.scale.dtype))
+        )
+
+
+def qpp_of(module: Module) -> Qpp:
+    """The requantize precision profile convert uses for ``module`` (a qat IR): high precision where its meta says
+    ``high_precision_qpp`` (consistency level 0), else the default one (``docs/march.md`` §8)."""
+    return Qpp.HIGH_PRECISION if module.meta.get("high_precision_qpp", False) else Qpp.DEFAULT
+
+
+def _fq_dtype(qmin: int) -> QuantDType:
+    return {-128: QuantDType.qint8, -32768: QuantDType.qint16, -(2**31): QuantDType.qint32}[qmin]
+
+
+class _Converter:
+    def __init__(self, qat: Module):
+        self.src = qat.graph
+        #: the requantize precision profile of every multiplier this conversion derives (§8)
+        self.qpp = qpp_of(qat)
+        self.out = Graph(nodes=[], inputs=list(qat.graph.inputs), outputs=[], constants={}, values={})
+        self.producers = self.src.producers()
+        self.consumers = self.src.consumers()
+        self.q: dict[str, QInfo] = {}  # qat value -> integer value
+        self.float_values: dict[str, str] = {}  # qat value -> float value of the quantized IR (inputs, outputs)
+        #: scalar mul/div nodes folded into the preceding GEMM's requantize multiplier
+        self.folded: set[str] = set()
+        #: qat value -> the op site of the fake quant whose grid the integer op requantizes to (a BatchNorm or
+        #: ReLU fused into a conv): the profiler attributes the integer value to that site ("output_site")
+        self.grid_sites: dict[str, str] = {}
+        self.counter = 0
+        for name in qat.graph.inputs:
+            self.float_values[name] = name
+            self.out.values[name] = qat.graph.values[name]
+
+    # -- helpers ----------------------------------------------------------------------------------------------
+    def fresh(self, base: str) -> str:
+        self.counter += 1
+        return f"{base}_q{self.counter}"
+
+    def const(self, tensor: torch.Tensor, base: str) -> str:
+        name = self.fresh(base)
+        self.out.constants[name] = tensor
+        self.out.values[name] = ValueInfo(tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""))
+        return name
+
+    def is_const(self, name: str) -> bool:
+        return name in self.src.constants
+
+    def emit(self, node: Node, op: str, inputs: list[str], attrs: dict, qdtype: QuantDType | None,
+             scale: torch.Tensor | None, axis: int | None = None, src_out: str | None = None) -> str:
+        src_out = src_out or node.outputs[0]
+        name = self.fresh(src_out)
+        grid_site = self.grid_sites.get(src_out)
+        if qdtype is not None and grid_site and grid_site != node.site:
+            attrs = {**attrs, "output_site": grid_site}
+        self.out.nodes.append(Node(op, inputs, [name], attrs, node.site))
+        info = self.src.values.get(src_out, ValueInfo((), "unknown"))
+        if qdtype is not None:
+            scale_name = self.const(scale.to(torch.float32), f"{src_out}_scale")
+            self.out.values[name] = ValueInfo(info.shape, storage_dtype(qdtype.value).__repr__().replace(
+                "torch.", ""), qdtype.value, scale_name, axis)
+            self.q[src_out] = QInfo(name, qdtype, scale.to(torch.float32), axis)
+        else:
+            self.out.values[name] = info
+            self.float_values[src_out] = name
+        return name
+
+    def int_input(self, node: Node, value: str) -> QInfo:
+        info = self.q.get(value)
+        if info is None:
+            raise QuantLensError(
+                f"convert: op '{node.op}' at op site '{node.site}' takes '{value}', which is not quantized. Every "
+                "input of a compute op must come from a fake quant in the qat IR; check that this op site has a "
+                "qconfig (model_check_result.txt lists sites left float)."
+            )
+        return info
+
+    def output_grid(self, node: Node, fold_scalars: bool = False):
+        """The fake quant that ends this compute op's output chain (through passthrough ops), if any.
+
+        With ``fold_scalars`` (GEMMs), multiplications by positive scalar constants on the way are folded into
+        the requantize multiplier; the result is then ``(dtype, scale, factor)``.
+        """
+        value = node.outputs[0]
+        factor, folded = 1.0, []
+        seen = 0
+        while seen < 64:
+            seen += 1
+            users = self.consumers.get(value, [])
+            if len(users) != 1 or value in self.src.outputs:
+                return None
+            user = users[0]
+            if user.op == "fake_quant" and user.inputs[0] == value:
+                grid = _fq_dtype(user.attrs["qmin"]), self.src.constants[user.inputs[1]].to(torch.float32)
+                self.grid_sites[node.outputs[0]] = user.site
+                if not fold_scalars:
+                    return grid
+                self.folded.update(folded)
+                return (*grid, factor)
+            k = _scalar(self, user.inputs[1]) if user.op in ("mul", "div") and len(user.inputs) == 2 else None
+            if fold_scalars and k is not None and k > 0 and user.inputs[0] == value:
+                factor *= k if user.op == "mul" else 1.0 / k
+                folded.append(user.outputs[0])
+                value = user.outputs[0]
+                continue
+            if user.op in PASSTHROUGH_OPS and user.inputs[0] == value and user.op not in _INDEX_OUTPUTS:
+                value = user.outputs[0]
+                continue
+            return None
+        return None
+
+    # -- driver -----------------------------------------------------------------------------------------------
+    def run(self) -> Graph:
+        for node in self.src.nodes:
+            if self.is_host_op(node):
+                self.host_op(node)
+                continue
+            converter = CONVERTERS.get(node.op)
+            if converter is None:
+                raise QuantLensError(
+                    f"convert: no integer lowering for op '{node.op}' (op site '{node.site}'). Supported ops are "
+                    "listed in docs/ir.md."
+                )
+            converter(self, node)
+        for value in self.src.outputs:
+            self.out.outputs.append(self.boundary_output(value))
+        self._name_scales()
+        return self.out
+
+    def _name_scales(self) -> None:
+        """Every integer value names its scale constant (passthrough results share their input's), so a reader
+        of the quantized IR (the profiler, a runtime) can dequantize any value."""
+        by_scale: dict[int, str] = {}
+        for info in self.q.values():
+            value = self.out.values.get(info.name)
+            if value is None or not value.qdtype:
+                continue
+            if value.scale is not None:
+                by_scale.setdefault(id(info.scale), value.scale)
+        for info in self.q.values():
+            value = self.out.values.get(info.name)
+            if value is None or not value.qdtype or value.scale is not None:
+                continue
+            if id(info.scale) not in by_scale:
+                by_scale[id(info.scale)] = self.const(info.scale, f"{info.name}_scale")
+            value.scale = by_scale[id(info.scale)]
+            value.axis = info.axis
+
+    def is_host_op(self, node: Node) -> bool:
+        """Float post-processing after the boundary (all inputs are float values that left the NPU)."""
+        data = [v for v in node.inputs if v and not self.is_const(v)]
+        if node.attrs.get("host"):
+            return True
+        return (
+            node.op != "fake_quant"
+            and bool(data)
+            and all(v in self.float_values and v not in self.src.inputs for v in data)
+            and any(self.src.values[v].dtype.startswith("float") for v in data)
+        )
+
+    def host_op(self, node: Node) -> None:
+        """Kept as a float op with the qat IR's semantics (``attrs["host"]``): it runs on the host, not the NPU."""
+        ins = [_index_input(self, node, v) for v in node.inputs]
+        outs = [self.fresh(o) for o in node.outputs]
+        self.out.nodes.append(Node(node.op, ins, outs, {**node.attrs, "host": True}, node.site))
+        for src_out, name in zip(node.outputs, outs):
+            self.out.values[name] = self.src.values.get(src_out, ValueInfo((), "unknown"))
+            self.float_values[src_out] = name
+
+    def boundary_output(self, value: str) -> str:
+        if value in self.q:
+            info = self.q[value]
+            scale = self.const(info.scale, f"{value}_out_scale")
+            name = self.fresh(f"{value}_float")
+            self.out.nodes.append(Node("dequantize", [info.name, scale], [name], {"axis": info.axis}, "output"))
+            self.out.values[name] = ValueInfo(self.src.values[value].shape, "float32")
+            return name
+        if value in self.float_values:
+            return self.float_values[value]
+        if value in self.src.constants:
+            return self.const(self.src.constants[value], value)
+        raise QuantLensError(f"convert: model output '{value}' was not produced by the converted graph.")
+
+
+#: qat IR op -> its converter (``_Converter, Node -> None``)
+CONVERTERS, converter = make_registry("convert converter for op")
+
+
+def _required_grid(c: _Converter, node: Node) -> tuple[QuantDType, torch.Tensor]:
+    grid = c.output_grid(node)
+    if grid is None:
+        raise QuantLensError(
+            f"convert: op '{node.op}' at op site '{node.site}' has no output fake quant; its integer result needs "
+            "an output scale. Give the op site a qconfig with an int8/int16 output."
+        )
+    return grid
+
+
+def _scalar(c: _Converter, name: str) -> float | None:
+    if name in c.src.constants and c.src.constants[name].numel() == 1:
+        return float(c.src.constants[name])
+    return None
+
+
+def _index_input(c: _Converter, node: Node, value: str) -> str:
+    if not value:
+        return ""
+    if value in c.q:  # an integer value leaves the NPU here: the boundary dequantize
+        return c.boundary_output(value)
+    if value in c.float_values:
+        return c.float_values[value]
+    if c.is_const(value):
+        return c.const(c.src.constants[value], value)
+    raise QuantLensError(f"convert: index input '{value}' of op site '{node.site}' is not available.")
+
+
+def _float_movement(c: _Converter, node: Node) -> None:
+    """Integer/bool tensors (token ids, masks, indices) move with the same kernels as in the qat IR."""
+    ins = [_index_input(c, node, v) for v in node.inputs]
+    outs = [c.fresh(o) for o in node.outputs]
+    c.out.nodes.append(Node(node.op, ins, outs, dict(node.attrs), node.site))
+    for src_out, name in zip(node.outputs, outs):
+        c.out.values[name] = c.src.values.get(src_out, ValueInfo((), "unknown"))
+        c.float_values[src_out] = name
+
+
+# -- pad, standalone batch norm, prelu / leaky_relu, constant writes (docs/march.md §10.2, §10.3, §11) ----------
+def _on_grid(value: float, info: QInfo) -> int:
+    """A constant written into an integer tensor: ``sat(rhe(v / s))`` on that tensor's grid (§11)."""
+    return rules.fill_code(value, info.scale, info.qdtype)
+
+
+def _per_tensor(c: _Converter, node: Node, info: QInfo, what: str) -> None:
+    if info.scale.numel() != 1:
+        raise QuantLensError(
+            f"convert: {what} at op site '{node.site}' takes a per-channel int32 high-precision value; "
+            "dequantize it first (put the DeQuantStub right after the final conv/linear) or give the producer an "
+            "int8/int16 output."
+        )

@@ -1,0 +1,279 @@
+"""Lowering a ``torch.export`` graph (aten ops) to the qat IR op set (``docs/ir.md``).
+
+One registry maps each supported aten overload to a lowering rule. Most rules are generic: tensor arguments
+become node inputs and the other arguments become attributes, named as in the aten schema. Shape ops are
+normalised (``view``/``flatten``/``squeeze``/``unsqueeze`` -> ``reshape``, ``transpose``/``t`` -> ``permute``),
+scalars become constants, and every subgraph that depends only on constants (BatchNorm folding, position ids)
+is folded at export. An aten op with no rule is an error naming the op, its op site and the user's source line.
+
+The rules live in one registry (:mod:`.rules`: ``LOWERINGS``, with ``TORCH_OPS`` the float torch op of each IR
+op), filled by :mod:`.compute` and :mod:`.movement`; this module is the driver.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+import quantlens.march.numerics  # noqa: F401  (registers torch.ops.quantlens.fake_quant)
+from quantlens.compiler.ir import Graph, Node, ValueInfo
+from quantlens.compiler.lowering import compute  # noqa: F401 (fills LOWERINGS)
+from quantlens.compiler.lowering.movement import _quantlens_custom, _static_dim
+from quantlens.compiler.lowering.rules import (
+    LOWERINGS,
+    TORCH_OPS,
+    _Ctx,
+    _emit,
+    _generic,
+    _info,
+    _normalized,
+    _register,
+    _shape,
+    _site,
+    _source,
+    _value,
+    aten,
+)
+from quantlens.errors import QuantLensError
+from quantlens.march.opset import IR_OPS
+
+__all__ = ["lower_exported_program", "LOWERINGS", "TORCH_OPS"]
+
+
+# Nodes that only depend on constants are evaluated at export (BatchNorm folding, position ids, masks).
+_NEVER_FOLD = {"fake_quant"}
+
+
+def _try_fold(ctx: _Ctx, node: fx.Node) -> bool:
+    if node.op != "call_function" or node.target is operator.getitem:
+        return False
+    if getattr(node.target, "namespace", None) == "quantlens":
+        return False
+
+    def all_const(a):
+        if isinstance(a, fx.Node):
+            v = ctx.names.get(a)
+            if isinstance(v, list):
+                return all(ctx.is_const(x) for x in v)
+            return ctx.is_const(v)
+        if isinstance(a, (list, tuple)):
+            return all(all_const(x) for x in a)
+        return True
+
+    if not all_const(list(node.args) + list(node.kwargs.values())):
+        return False
+
+    def materialise(a):
+        if isinstance(a, fx.Node):
+            v = ctx.names[a]
+            return [ctx.graph.constants[x] for x in v] if isinstance(v, list) else ctx.graph.constants[v]
+        if isinstance(a, (list, tuple)):
+            return type(a)(materialise(x) for x in a)
+        return a
+
+    result = node.target(*materialise(node.args), **{k: materialise(v) for k, v in node.kwargs.items()})
+    if isinstance(result, torch.Tensor):
+        ctx.names[node] = ctx.const(result, "folded")
+    elif isinstance(result, (tuple, list)) and all(isinstance(r, torch.Tensor) for r in result):
+        ctx.names[node] = [ctx.const(r, "folded") for r in result]
+    else:
+        return False
+    return True
+
+
+def lower_exported_program(ep: torch.export.ExportedProgram, input_names: list[str]) -> Graph:
+    """Lower an exported program whose user inputs are flat tensors named ``input_names``."""
+    graph = Graph(nodes=[], inputs=list(input_names), outputs=[], constants={}, values={})
+    ctx = _Ctx(graph)
+    sig = ep.graph_signature
+    state = dict(ep.state_dict)
+    state.update(ep.constants)
+    user_inputs = list(sig.user_inputs)
+    lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            if node.name in lifted:
+                tensor = state[lifted[node.name]]
+                name = lifted[node.name].replace(".", "_")
+                graph.constants[name] = tensor.detach().clone()
+                graph.values[name] = ValueInfo(tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""))
+                ctx.names[node] = name
+            else:
+                idx = user_inputs.index(node.name)
+                ctx.names[node] = input_names[idx]
+                graph.values[input_names[idx]] = _info(node)
+            continue
+        if node.op == "output":
+            outs = node.args[0]
+            graph.outputs = [_output_name(ctx, o) for o in outs[: len(sig.user_outputs)]]
+            continue
+        if _is_symbolic(node):
+            # Size arithmetic on the dynamic batch: the shape ops read static shapes (-1 = batch) from meta.
+            ctx.names[node] = -1
+            continue
+        if _try_fold(ctx, node):
+            continue
+        rule = LOWERINGS.get(node.target)
+        if rule is None and getattr(node.target, "namespace", None) == "quantlens":
+            rule = _quantlens_custom
+        if rule is None:
+            raise QuantLensError(
+                f"export: the op {node.target} is not supported by the quantlens IR (op site "
+                f"'{_site(node) or '<unknown>'}', {_source(node)}). Supported ops are listed in docs/ir.md; "
+                "rewrite that line with supported ops, or keep it outside the exported model (e.g. in "
+                "post-processing)."
+            )
+        rule(ctx, node)
+    _drop_dead(graph)
+    undeclared = sorted({n.op for n in graph.nodes if n.op not in IR_OPS or IR_OPS[n.op].level == "quantized"})
+    if undeclared:  # a lowering rule emitted an op the op set does not declare: a quantlens bug, not the user's
+        raise QuantLensError(f"export: lowering produced IR ops {undeclared} that quantlens.march.opset does not declare "
+                             "as qat IR ops; please report this.")
+    return graph
+
+
+_SHAPE_ASSERTS = {"_assert_scalar", "sym_constrain_range_for_size", "_assert_tensor_metadata"}
+
+
+def _is_symbolic(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    if isinstance(val, (torch.SymInt, torch.SymBool, torch.SymFloat)):
+        return True
+    return getattr(node.target, "__name__", "").split(".")[0] in _SHAPE_ASSERTS or (
+        node.op == "call_function" and val is None and str(node.target).split(".")[-2:-1] == ["_assert_scalar"]
+    )
+
+
+def _output_name(ctx: _Ctx, out: fx.Node) -> str:
+    name = ctx.names[out]
+    if name in ctx.graph.constants:
+        return name
+    return name
+
+
+def _drop_dead(graph: Graph) -> None:
+    live = set(graph.outputs)
+    kept = []
+    for node in reversed(graph.nodes):
+        if any(o in live for o in node.outputs):
+            kept.append(node)
+            live.update(i for i in node.inputs if i)
+    graph.nodes = kept[::-1]
+    graph.constants = {k: v for k, v in graph.constants.items() if k in live}
+    graph.values = {k: v for k, v in graph.values.items() if k in live or k in graph.inputs}
+
+
+# -- padding, standalone batch norm, prelu / leaky_relu, relu6, functionalized in-place writes -----------------
+_PAD_MODES = {"constant": "constant", "reflect": "reflect", "replicate": "replicate"}
+
+
+def _pad(ctx, node):
+    """``F.pad`` and the aten pads it becomes: one ``pad`` op ``{pad, mode, value}`` (``docs/march.md`` §11)."""
+    bound = _normalized(node)
+    target = node.target
+    if target is aten.pad.default:
+        mode, pad, value = bound["mode"], bound["pad"], bound["value"]
+    elif target is aten.constant_pad_nd.default:
+        mode, pad, value = "constant", bound["pad"], bound["value"]
+    else:
+        mode = "reflect" if "reflection" in str(target) else "replicate"
+        pad, value = bound["padding"], None
+    if mode not in _PAD_MODES:
+        raise QuantLensError(
+            f"export: pad mode {mode!r} at op site '{_site(node)}' ({_source(node)}) is not supported; the march "
+            f"pads with a constant, by reflection or by replication ({sorted(_PAD_MODES)})."
+        )
+    _emit(ctx, node, "pad", [_value(ctx, bound.get("self", bound.get("input")))],
+          {"pad": [int(p) for p in pad], "mode": mode, "value": float(value or 0.0)})
+
+
+_register([aten.pad.default, aten.constant_pad_nd.default, aten.reflection_pad1d.default,
+           aten.reflection_pad2d.default, aten.replication_pad1d.default, aten.replication_pad2d.default], _pad)
+
+
+def _batch_norm(ctx, node):
+    """A BatchNorm that export sees (one not folded into a conv/linear at prepare): ``batch_norm`` with its
+    statistics as constant inputs. ``_native_batch_norm_legit_no_training`` has three outputs; only the first
+    is a value."""
+    bound = _normalized(node)
+    names = [_value(ctx, bound[k]) if bound[k] is not None else ""
+             for k in ("input", "weight", "bias", "running_mean", "running_var")]
+    if bound.get("training"):
+        raise QuantLensError(f"export: BatchNorm at op site '{_site(node)}' ({_source(node)}) runs in training "
+                             "mode; call model.eval() before export.")
+    val = node.meta.get("val")
+    first = val[0] if isinstance(val, (tuple, list)) else val
+    out = node.name
+    ctx.graph.nodes.append(Node("batch_norm", names, [out], {"eps": float(bound["eps"])}, _site(node)))
+    ctx.graph.values[out] = ValueInfo(_shape(first), str(first.dtype).replace("torch.", ""))
+    ctx.names[node] = [out, out, out] if isinstance(val, (tuple, list)) else out
+
+
+_register([aten.batch_norm.default, aten._native_batch_norm_legit_no_training.default], _batch_norm)
+_register(aten.prelu.default, _generic("prelu", aten.prelu.default, ("self", "weight")))
+_register(aten._prelu_kernel.default, _generic("prelu", aten.prelu.default, ("self", "weight")))
+_register(aten.leaky_relu.default, _generic("leaky_relu", aten.leaky_relu.default, ("self",), ("negative_slope",)))
+
+
+def _relu6(ctx, node):
+    _emit(ctx, node, "hardtanh", [_value(ctx, node.args[0])], {"min_val": 0.0, "max_val": 6.0})
+
+
+_register(aten.relu6.default, _relu6)
+_register([aten.fill.Scalar], _generic("fill", aten.fill.Scalar, ("self",), ("value",)))
+
+
+def _fill_tensor(ctx, node):
+    value = _value(ctx, node.args[1])
+    if not ctx.is_const(value):
+        raise QuantLensError(f"export: op site '{_site(node)}' ({_source(node)}) writes a computed value into a "
+                             "tensor; the IR writes constants only (x[...] = 0.5).")
+    _emit(ctx, node, "fill", [_value(ctx, node.args[0])], {"value": float(ctx.graph.constants[value])})
+
+
+_register(aten.fill.Tensor, _fill_tensor)
+
+
+def _scatter(op: str, torch_op, attrs: tuple[str, ...]):
+    generic = _generic(op, torch_op, ("self", "src"), attrs)
+
+    def rule(ctx, node):
+        shape = _info(node.args[0]).shape
+        bound = _normalized(node)
+        dim = bound["dim"] % len(shape)
+        _static_dim(node, shape, dim)
+        generic(ctx, node)
+        ctx.graph.nodes[-1].attrs["dim"] = dim
+        if op == "slice_scatter":  # normalise start/end like slice
+            a = ctx.graph.nodes[-1].attrs
+            a["start"], a["end"], a["step"] = slice(a["start"], a["end"], a["step"]).indices(shape[dim])
+        elif op == "select_scatter":
+            ctx.graph.nodes[-1].attrs["index"] = bound["index"] % shape[dim]
+
+    return rule
+
+
+_register(aten.select_scatter.default, _scatter("select_scatter", aten.select_scatter.default, ("dim", "index")))
+_register(aten.slice_scatter.default,
+          _scatter("slice_scatter", aten.slice_scatter.default, ("dim", "start", "end", "step")))
+
+
+def _copy(ctx, node):
+    """Functional ``copy(dst, src)`` (an in-place write after functionalization): the value is ``src``, broadcast
+    to ``dst``'s shape and cast to its dtype."""
+    dst, src = node.args[0], node.args[1]
+    value = _value(ctx, src)
+    if _info(src).shape != _info(dst).shape:
+        name = ctx.fresh("copy_expand")
+        ctx.graph.nodes.append(Node("expand", [value], [name], {"shape": list(_info(dst).shape)}, _site(node)))
+        ctx.graph.values[name] = ValueInfo(_info(dst).shape, _info(src).dtype)
+        value = name
+    if _info(src).dtype != _info(dst).dtype:
+        _emit(ctx, node, "cast", [value], {"dtype": _info(dst).dtype})
+        return
+    ctx.names[node] = value
+
+
+_register(aten.copy.default, _copy)

@@ -1,0 +1,179 @@
+"""The lowering registry (aten overload -> rule), the context a rule writes into, and the helpers rules share."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+import quantlens.march.numerics  # noqa: F401  (registers torch.ops.quantlens.fake_quant)
+from quantlens._registry import make_registry
+from quantlens.compiler.ir import Graph, Node, ValueInfo
+from quantlens.errors import QuantLensError
+from quantlens.quantization.tracer import TORCH_DIR, is_within
+
+__all__ = ["LOWERINGS", "TORCH_OPS"]
+
+aten = torch.ops.aten
+
+
+@dataclass
+class _Ctx:
+    graph: Graph
+    names: dict[fx.Node, Any] = field(default_factory=dict)  # fx node -> value name (or list, or python value)
+    counter: int = 0
+
+    def fresh(self, base: str) -> str:
+        self.counter += 1
+        return f"{base}_{self.counter}"
+
+    def const(self, value: Any, base: str = "c") -> str:
+        name = self.fresh(base)
+        tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float32)
+        self.graph.constants[name] = tensor.detach().clone()
+        self.graph.values[name] = ValueInfo(tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""))
+        return name
+
+    def is_const(self, name: Any) -> bool:
+        return isinstance(name, str) and name in self.graph.constants
+
+
+# IR op name -> the torch op whose float semantics it has (the qat kernels call it).
+TORCH_OPS: dict[str, Callable] = {}
+#: aten overload -> its lowering rule (``_Ctx, fx.Node -> None``)
+LOWERINGS, _lowering = make_registry("lowering rule for aten op")
+
+
+def _site(node: fx.Node) -> str:
+    return (node.meta.get("custom") or {}).get("op_site", "")
+
+
+# (this file is quantlens/compiler/lowering/rules.py: three levels up is the package)
+_MACHINERY = (TORCH_DIR, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                      "quantization"))
+
+
+def _source(node: fx.Node) -> str:
+    """The user's frame of the node's stack trace: the innermost outside torch and quantlens' tracer."""
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    frames = [line.strip() for line in trace if line.strip().startswith("File ")]
+    user = [f for f in frames if not is_within(f.split('"')[1] if '"' in f else f, _MACHINERY)]
+    return (user or frames or ["<unknown source>"])[-1]
+
+
+def _dim(d) -> int:
+    """A static dim, or -1 for the dynamic batch dim (a SymInt). A SymInt that torch.export specialised (a guard
+    such as a reshape to a literal batch fixed it) is static."""
+    if isinstance(d, torch.SymInt):
+        value = d.node.maybe_as_int()
+        return -1 if value is None else int(value)
+    return int(d)
+
+
+def _shape(val) -> tuple[int, ...]:
+    return tuple(_dim(d) for d in val.shape)
+
+
+def _info(node: fx.Node) -> ValueInfo:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return ValueInfo(_shape(val), str(val.dtype).replace("torch.", ""))
+    return ValueInfo((), "unknown")
+
+
+def _emit(ctx: _Ctx, node: fx.Node, op: str, inputs: list[str], attrs: dict, n_out: int = 1) -> list[str]:
+    outs = [node.name] if n_out == 1 else [f"{node.name}_{i}" for i in range(n_out)]
+    ctx.graph.nodes.append(Node(op, inputs, outs, attrs, _site(node)))
+    vals = node.meta.get("val")
+    if n_out == 1:
+        ctx.graph.values[outs[0]] = _info(node)
+        ctx.names[node] = outs[0]
+    else:
+        for i, out in enumerate(outs):
+            v = vals[i] if isinstance(vals, (tuple, list)) else None
+            ctx.graph.values[out] = (
+                ValueInfo(_shape(v), str(v.dtype).replace("torch.", ""))
+                if isinstance(v, torch.Tensor) else ValueInfo((), "unknown")
+            )
+        ctx.names[node] = outs
+    return outs
+
+
+def _value(ctx: _Ctx, arg: Any) -> Any:
+    """IR value name for an fx node argument (constants are materialised); python values pass through."""
+    if isinstance(arg, fx.Node):
+        return ctx.names[arg]
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_value(ctx, a) for a in arg)
+    return arg
+
+
+def _normalized(node: fx.Node) -> dict[str, Any]:
+    """Arguments by schema name, defaults filled in."""
+    schema = node.target._schema
+    bound = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(node.args) and not arg.kwarg_only:
+            bound[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            bound[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+        else:
+            bound[arg.name] = None
+    return bound
+
+
+def _tensor_arg(ctx: _Ctx, value: Any, dtype: str = "float32") -> str:
+    """A tensor operand: an IR value, or a python scalar made into a 0-d constant of ``dtype`` (the dtype torch
+    computes in, so ``ids + 1`` stays integer)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float, bool)):
+        return ctx.const(torch.tensor(value, dtype=getattr(torch, dtype)), "scalar")
+    raise QuantLensError(f"Expected a tensor operand, got {value!r}.")
+
+
+def _operand_dtype(ctx: _Ctx, names: list, node: fx.Node) -> str:
+    """dtype for python scalars of an op: the other operand's for comparisons, else the result's."""
+    out = _info(node).dtype
+    if out != "bool":
+        return out
+    for v in names:
+        if isinstance(v, str) and v in ctx.graph.values:
+            return ctx.graph.values[v].dtype
+    return "float32"
+
+
+def _generic(op: str, torch_op, tensor_args: tuple[str, ...], attr_args: tuple[str, ...] = (), n_out: int = 1):
+    """Rule: tensor schema args -> inputs ("" for None), listed attr args -> attrs."""
+
+    def rule(ctx: _Ctx, node: fx.Node) -> None:
+        bound = _normalized(node)
+        values = [_value(ctx, bound[name]) for name in tensor_args]
+        dtype = _operand_dtype(ctx, values, node)
+        inputs = []
+        for v in values:
+            inputs.append("" if v is None else _tensor_arg(ctx, v, dtype))
+        attrs = {name: _jsonable(bound[name]) for name in attr_args}
+        _emit(ctx, node, op, inputs, attrs, n_out)
+
+    TORCH_OPS.setdefault(op, torch_op)
+    return rule
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.dtype):
+        return str(value).replace("torch.", "")
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.SymInt):
+        return _dim(value)
+    return value
+
+
+def _register(targets, rule) -> None:
+    _lowering(*(targets if isinstance(targets, (list, tuple)) else (targets,)))(rule)

@@ -1,0 +1,83 @@
+"""JSON encoding of the IR values a header holds (attrs, meta, non-tensor input leaves).
+
+Strict JSON has no NaN literal, no tuple and only string keys, so: a non-finite float is
+``{"$float": "nan" | "inf" | "-inf"}``, a tuple is ``{"$tuple": [...]}``, and a dict whose keys are not all plain
+strings (or start with ``$``) is ``{"$dict": [[key, value], ...]}``. ``_decode(_encode(v))`` equals ``v`` and has
+its type.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from quantlens.errors import QuantLensError
+
+
+def _encode(value: Any, where: str) -> Any:
+    """A strict-JSON form of ``value`` that ``_decode`` turns back into an equal value of the same type."""
+    if value is None or type(value) in (bool, str):
+        return value
+    if type(value) is int:
+        return value
+    if type(value) is float:
+        if math.isfinite(value):
+            return value
+        return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if type(value) is list:
+        return [_encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if type(value) is tuple:
+        return {"$tuple": [_encode(v, f"{where}[{i}]") for i, v in enumerate(value)]}
+    if type(value) is dict:
+        if all(type(k) is str and not k.startswith("$") for k in value):
+            return {k: _encode(v, f"{where}[{k!r}]") for k, v in value.items()}
+        return {"$dict": [[_encode(k, f"{where} key"), _encode(v, f"{where}[{k!r}]")] for k, v in value.items()]}
+    raise QuantLensError(
+        f"{where} has type {type(value).__module__}.{type(value).__qualname__} ({value!r:.80}), which the IR file "
+        "cannot store. Attributes, meta and non-tensor input leaves must be None, bool, int, float, str, or "
+        "lists/tuples/dicts of these. Convert the value (e.g. an enum to its .value) before saving."
+    )
+
+
+_MAX_DEPTH = 64  # nesting of attrs, meta and input leaf values (save writes a few levels)
+
+
+def _decode(value: Any, depth: int = 0) -> Any:
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"a value is nested more than {_MAX_DEPTH} levels deep")
+    if isinstance(value, list):
+        return [_decode(v, depth + 1) for v in value]
+    if isinstance(value, dict):
+        if len(value) == 1:
+            (tag, body), = value.items()
+            if tag == "$float":
+                if body not in ("nan", "inf", "-inf"):
+                    raise ValueError(f"bad $float value {body!r}")
+                return float(body)
+            if tag == "$tuple":
+                return tuple(_decode(v, depth + 1) for v in _as_list(body, "$tuple"))
+            if tag == "$dict":
+                pairs = _as_list(body, "$dict")
+                if not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+                    raise ValueError("$dict must hold [key, value] pairs")
+                return {_hashable(_decode(k, depth + 1)): _decode(v, depth + 1) for k, v in pairs}
+        if any(k.startswith("$") for k in value):
+            raise ValueError(f"unknown tagged value {sorted(value)!r}")
+        return {k: _decode(v, depth + 1) for k, v in value.items()}
+    if type(value) is float and not math.isfinite(value):
+        raise ValueError("a non-finite float must be tagged {\"$float\": ...}")
+    return value
+
+
+def _as_list(body: Any, tag: str) -> list:
+    if not isinstance(body, list):
+        raise ValueError(f"{tag} must hold a list")
+    return body
+
+
+def _hashable(key: Any) -> Any:
+    if isinstance(key, (list, tuple)):
+        return tuple(_hashable(k) for k in key)
+    if isinstance(key, dict):
+        raise ValueError("a $dict key cannot be an object")
+    return key

@@ -1,0 +1,197 @@
+"""The integer rule of each op family: from scales and constants to an integer kernel's parameters.
+
+``docs/march.md`` states each rule; this module is its one implementation. Both places that need a kernel's
+parameters call it: ``convert`` (reading the scales from the qat IR) and the fake quant's integer emulation
+(``quantization.emulation``, reading them from its fake quants), so a rule changed here changes both, and the
+kernels (``quantlens.kernels``) only execute what they are given.
+
+Conventions:
+
+* a scale is a float32 tensor (0-d, ``[1]`` or per channel ``[C]``) or a Python float; every rule computes in
+  float64 from the float32 values (a product of two float32 scales is exact in float64);
+* every function returns the kernel's parameters as a plain dict (the quantized IR stores them as node attrs);
+  the requantize part is always ``{"multiplier": [M...], "shift": [shift...], "out_dtype": "qint8"|...}``;
+* ``qpp`` is the requantize precision profile (``docs/march.md`` §8), ``qdtype`` the output's
+  :class:`~quantlens.march.spec.QuantDType`.
+
+To change an op's integer rule: change its function here and its pinned values in ``tests/test_rules.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from quantlens.errors import QuantLensError
+from quantlens.march.numerics import (
+    channel_affine_params,
+    clamp_codes,
+    constant_addend,
+    constant_code,
+    quantize_multiplier,
+)
+from quantlens.march.spec import Qpp, QuantDType, get_march
+
+__all__ = [
+    "multiplier", "requantize", "move", "accumulator_scale", "gemm", "add", "cat", "add_constant",
+    "scale_by_constant", "mul", "average", "clamp", "sign_op", "bilinear", "channel_affine", "prelu", "fill_code",
+    "BILINEAR_WEIGHT_BITS",
+]
+
+Scale = Union[torch.Tensor, float]
+
+#: the bilinear interpolation weights' fixed point (2**-8 per axis, two axes): ``docs/march.md`` §11
+BILINEAR_WEIGHT_BITS = 16
+
+
+def _f64(scale: Scale) -> torch.Tensor:
+    """A scale as a float64 tensor (exact from float32)."""
+    return torch.as_tensor(scale).detach().to(torch.float64)
+
+
+def _first(scale: Scale) -> float:
+    """The one value of a per-tensor scale, as a Python float (exact from float32)."""
+    return float(_f64(scale).reshape(-1)[0])
+
+
+# -- §8: requantize -------------------------------------------------------------------------------------------
+def multiplier(real: float, qpp: Qpp) -> tuple[int, int]:
+    """``(M, shift)`` of one real multiplier in profile ``qpp`` (§8.1). A multiplier outside the default
+    profile's range (``2**-47 <= m < 2**16 - 1/2``) takes the 31-bit one for that requantize (the wide multiplier;
+    the cost model charges it as high precision)."""
+    if qpp is Qpp.DEFAULT:
+        try:
+            return quantize_multiplier(real, qpp)
+        except QuantLensError:
+            pass
+    return quantize_multiplier(real, Qpp.HIGH_PRECISION)
+
+
+def requantize(real: Scale, qdtype: QuantDType, qpp: Qpp) -> dict:
+    """§8: one real multiplier per tensor (``[]`` / ``[1]``) or per channel (``[C]``) ->
+    ``{"multiplier": [M...], "shift": [shift...], "out_dtype": qdtype}``."""
+    reals = real.reshape(-1).tolist() if isinstance(real, torch.Tensor) else [float(real)]
+    pairs = [multiplier(float(m), qpp) for m in reals]
+    return {"multiplier": [p[0] for p in pairs], "shift": [p[1] for p in pairs], "out_dtype": qdtype.value}
+
+
+def move(src_scale: Scale, dst_scale: Scale, qdtype: QuantDType, qpp: Qpp) -> dict:
+    """§8: integers on the ``src_scale`` grid moved to the ``dst_scale`` grid: ``s_src / s_dst``."""
+    return requantize(_f64(src_scale) / _f64(dst_scale), qdtype, qpp)
+
+
+# -- §6: GEMMs ----------------------------------------------------------------------------------------------------
+def accumulator_scale(x_scale: Scale, w_scale: Scale) -> torch.Tensor:
+    """The int32 accumulator's scale ``s_x · s_w`` (float64: the product of two float32 scales is exact)."""
+    return _f64(x_scale) * _f64(w_scale)
+
+
+def gemm(x_scale: Scale, w_scale: Scale, out_scale: Scale, qdtype: QuantDType, qpp: Qpp,
+         factor: float = 1.0) -> dict:
+    """§6: conv / linear / matmul requantize their exact accumulator by ``s_x · s_w · factor / s_out`` (per
+    output channel for a per-channel weight); ``factor`` is a positive scalar multiply after the GEMM (attention's
+    ``1/sqrt(d)``) folded into the multiplier."""
+    return requantize(accumulator_scale(x_scale, w_scale) * factor / _f64(out_scale), qdtype, qpp)
+
+
+# -- §10: add, sub, cat, x ± k, x · k, x · y ------------------------------------------------------------------
+def _rescale_pairs(in_scales: list[Scale], out_scale: Scale, qpp: Qpp) -> list[tuple[int, int]]:
+    s_out = _first(out_scale)
+    return [multiplier(_first(s) / s_out, qpp) for s in in_scales]
+
+
+def add(in_scales: list[Scale], out_scale: Scale, qdtype: QuantDType, qpp: Qpp) -> dict:
+    """§10 add / sub: each input rescaled by ``s_i / s_out`` (per-tensor scales, float64 division of the float32
+    scales) into ``F`` extra fractional bits of profile ``qpp``, summed, rounded once:
+    ``{"multipliers", "shifts", "frac_bits", "out_dtype"}``."""
+    pairs = _rescale_pairs(in_scales, out_scale, qpp)
+    return {"multipliers": [p[0] for p in pairs], "shifts": [p[1] for p in pairs],
+            "frac_bits": get_march().spec.qpp(qpp).elementwise_frac_bits, "out_dtype": qdtype.value}
+
+
+def cat(in_scales: list[Scale], out_scale: Scale, qdtype: QuantDType, qpp: Qpp, dim: int) -> dict:
+    """§10 cat: each input requantized alone by ``s_i / s_out`` (no sum, no ``F``)."""
+    pairs = _rescale_pairs(in_scales, out_scale, qpp)
+    return {"multipliers": [p[0] for p in pairs], "shifts": [p[1] for p in pairs], "out_dtype": qdtype.value,
+            "dim": dim}
+
+
+def add_constant(x_scale: Scale, k: float, out_scale: Scale, qdtype: QuantDType, qpp: Qpp, negate: bool) -> dict:
+    """§10 ``±x + k`` for a scalar constant ``k``: ``x`` rescaled as in :func:`add`, ``k`` entering as
+    ``rhe(k · 2**F / s_out)`` in the sum's ``F`` fractional bits, so the result is rounded once; ``negate``
+    subtracts ``x`` (``k - x``)."""
+    attrs = add([x_scale], out_scale, qdtype, qpp)
+    attrs.update(addend=constant_addend(k, _first(out_scale), attrs["frac_bits"]), negate=negate)
+    return attrs
+
+
+def scale_by_constant(k: float, x_scale: Scale, out_scale: Scale, qdtype: QuantDType, qpp: Qpp) -> dict:
+    """§10 ``x · k`` (and ``x / (1/k)``) for a nonzero scalar ``k``: one requantize by ``|k| · s_x / s_out``,
+    the sign in ``negative``."""
+    if k == 0:
+        raise QuantLensError("multiplication by 0 has no integer rule (the result is a constant 0).")
+    m = abs(k) * _first(x_scale) / _first(out_scale)
+    return {**requantize(torch.tensor(m, dtype=torch.float64), qdtype, qpp), "negative": k < 0}
+
+
+def mul(x_scale: Scale, y_scale: Scale, out_scale: Scale, qdtype: QuantDType, qpp: Qpp) -> dict:
+    """§10 ``x · y`` of two tensors: the exact integer product requantized by ``s_x · s_y / s_out``."""
+    return requantize(_f64(x_scale) * _f64(y_scale) / _f64(out_scale), qdtype, qpp)
+
+
+# -- §10.2: sums and averages ---------------------------------------------------------------------------------
+def average(x_scale: Scale, count: int, out_scale: Scale, qdtype: QuantDType, qpp: Qpp) -> dict:
+    """§10.2 sum / mean / average pools: the exact integer sum of ``count`` codes requantized by
+    ``s_x / (count · s_out)`` (``count`` 1 for a sum)."""
+    return requantize(_f64(x_scale) / (count * _f64(out_scale)), qdtype, qpp)
+
+
+# -- §10.1, §10.3, §10.4, §11: elementwise and resize ---------------------------------------------------------
+def clamp(lo: float | None, hi: float | None, x_scale: Scale, out_scale: Scale, qdtype: QuantDType,
+          qpp: Qpp) -> dict:
+    """Clamp / hardtanh / relu6: the bounds as codes of the input grid (``clamp_codes``), then a requantize by
+    ``s_x / s_out``: ``{"lo", "hi", **requantize}``."""
+    codes_lo, codes_hi = clamp_codes(lo, hi, _first(x_scale))
+    return {"lo": codes_lo, "hi": codes_hi, **move(x_scale, out_scale, qdtype, qpp)}
+
+
+def sign_op(x_scale: Scale, out_scale: Scale, qdtype: QuantDType, qpp: Qpp) -> dict:
+    """``|q|`` and ``-q`` are exact on integers; the result is requantized by ``s_x / s_out``."""
+    return move(x_scale, out_scale, qdtype, qpp)
+
+
+def bilinear(x_scale: Scale, out_scale: Scale, qdtype: QuantDType, qpp: Qpp) -> dict:
+    """§11 bilinear resize: ``A_h · q · A_wᵀ`` with weights in 2**-8 fixed point per axis (exact), then one
+    requantize by ``s_x · 2**-16 / s_out``."""
+    return requantize(_f64(x_scale) * 2.0**-BILINEAR_WEIGHT_BITS / _f64(out_scale), qdtype, qpp)
+
+
+def channel_affine(a: torch.Tensor, b: torch.Tensor, x_scale: Scale, out_scale: Scale, qdtype: QuantDType,
+                   qpp: Qpp) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """§10.3 a per-channel affine ``a·x + b`` (BatchNorm on its own) as a depthwise 1x1 GEMM: int8 weights
+    ``±127`` at ``s_w = |a|/127``, an int32 bias at ``s_x·s_w``, one per-channel requantize. Returns
+    ``(weight codes, bias codes, {"channel_dim": 1, **requantize})``."""
+    s_x = _f64(x_scale).reshape(-1)[0]
+    w_q, bias_q, s_w = channel_affine_params(a.to(torch.float64), b.to(torch.float64), float(s_x))
+    attrs = {"channel_dim": 1, **requantize(s_x * s_w / _f64(out_scale), qdtype, qpp)}
+    return w_q, bias_q, attrs
+
+
+def prelu(alpha: torch.Tensor, x_scale: Scale, out_scale: Scale, qdtype: QuantDType, qpp: Qpp) -> dict:
+    """§10.4 ``x >= 0 ? x : α·x`` for slopes ``alpha`` (float64, one or per channel): the ``q >= 0`` requantize
+    ``s_x / s_out``, and per slope the multiplier of ``|α|·s_x/s_out`` with the sign folded into the integers."""
+    s_x = _f64(x_scale).reshape(-1)[0]
+    s_out = _f64(out_scale)
+    # α = 0: the sign 0 zeroes the integers; any valid multiplier will do
+    neg = [multiplier(float(abs(v) * s_x / s_out), qpp) if v != 0 else multiplier(1.0, qpp)
+           for v in alpha.tolist()]
+    pos = requantize(s_x / s_out, qdtype, qpp)
+    return {**pos, "neg_multiplier": [m for m, _ in neg], "neg_shift": [s for _, s in neg],
+            "neg_sign": [1 if v > 0 else -1 if v < 0 else 0 for v in alpha.tolist()], "channel_dim": 1}
+
+
+def fill_code(value: float, x_scale: Scale, qdtype: QuantDType) -> int:
+    """§11 a constant written into a quantized tensor (masked_fill, constant pad): its code on the tensor's grid,
+    saturated."""
+    return constant_code(float(value), _first(x_scale), qdtype)

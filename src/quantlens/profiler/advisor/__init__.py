@@ -1,0 +1,39 @@
+"""Abnormal-layer advisor: rules over the per-layer comparison, each finding with advice.
+
+One rule is one small function ``rule(ctx) -> list[Finding]`` in :data:`RULES`, which :func:`advise` runs in
+order; the thresholds are constants of :mod:`.base`, documented in ``docs/profiler.md`` and repeated in the
+report header.
+
+* :mod:`.base`: the thresholds, :class:`Finding`, :class:`AdvisorContext` and the rules' shared helpers;
+* :mod:`.general`: the rules for every analysis type;
+* :mod:`.deployed`: the rules of ``pre_export``'s tables and of the integer stages (``export``, ``convert``);
+* :mod:`.consistency`: ``consistency_level``, the ``ConsistencyStrategy`` level that removes ``convert``'s
+  mismatches.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from quantlens.profiler.advisor import consistency, deployed, general
+from quantlens.profiler.advisor.base import THRESHOLDS, AdvisorContext, Finding, Rule, registrar
+
+__all__ = ["Finding", "AdvisorContext", "RULES", "register_rule", "advise", "THRESHOLDS"]
+
+#: every rule by name, in the order :func:`advise` runs them: the built-in ones, then those added by
+#: :func:`register_rule`
+RULES: dict[str, Rule] = {**general.RULES, **deployed.RULES, **consistency.RULES}
+
+
+def register_rule(name: str) -> Callable[[Rule], Rule]:
+    """A decorator adding a rule ``(AdvisorContext) -> list[Finding]`` to :data:`RULES` under ``name`` (a
+    built-in rule's name replaces that rule)."""
+    return registrar(RULES)(name)
+
+
+def advise(ctx: AdvisorContext, rules: dict[str, Rule] | None = None) -> list[Finding]:
+    """Every finding of every rule, rule by rule in registry order, rows in execution order."""
+    findings: list[Finding] = []
+    for rule in (rules or RULES).values():
+        findings.extend(rule(ctx))
+    return findings

@@ -1,0 +1,135 @@
+"""The advisor's ``consistency_level`` rule (``convert``): which ``ConsistencyStrategy`` level removes the
+same-input mismatches found, op sites grouped by cause."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quantlens.kernels import TABLE_OP_IO
+from quantlens.march.opset import IR_OPS, Category, op_def
+from quantlens.profiler.advisor.base import AdvisorContext, Finding, Rule, finding, registrar
+from quantlens.profiler.compare import LayerRow
+from quantlens.quantization.consistency import MAX_LEVEL as MAX_CONSISTENCY_LEVEL
+
+#: this module's rules, in the order :func:`~quantlens.profiler.advisor.advise` runs them
+RULES: dict[str, Rule] = {}
+_rule = registrar(RULES)
+
+#: convert: how many op sites a consistency-level suggestion names (the first ones, in execution order)
+CONSISTENCY_SITES_SHOWN = 4
+#: the IR ops whose integer rule rescales their inputs to the output scale (§10): exact with shared scales
+_RESCALING_ELEMENTWISE = frozenset({"add", "sub", "cat"})
+
+
+@dataclass(frozen=True)
+class _Cause:
+    """One reason for same-input mismatches and the consistency level that removes it."""
+
+    level: int
+    what: str  # what the listed op sites have in common
+    why: str  # why the level removes it
+
+
+_CAUSES = {
+    "requant16": _Cause(0, "int16 outputs requantized with the cheap 16-bit multiplier (qpp default)",
+                        "level 0 converts with the high-precision requantize everywhere (qpp high_precision)"),
+    "elementwise": _Cause(2, "add/sub/cat, whose integer rule rescales each input to the output scale",
+                          "level 2 gives the inputs and the output of every add/sub/cat one shared (power-of-two) "
+                          "scale, so the kernel does not rescale at all (level 1 only makes the QAT forward round "
+                          "like the add rule)"),
+    "table": _Cause(3, "lookup-table ops (softmax, gelu, layer_norm, sigmoid, ...), whose tables round "
+                       "differently from the float op + fake quant",
+                    "level 3 computes the same lookup tables in the QAT forward (straight-through gradients)"),
+    "gemm": _Cause(1, "GEMMs (conv/linear/matmul) within 1 LSB on the same input: the QAT model accumulates in "
+                      "float, the kernel exactly in int32",
+                   "from level 1 the QAT model in VALIDATION accumulates exactly on the integers too"),
+    "other": _Cause(1, "integer rules the QAT model computes in float",
+                    "from level 1 the QAT model computes the integer rules (pools, clamp, mul, ...) like the kernels"),
+}
+#: why the top level is suggested for a mismatch the model's own level should already remove
+_BIT_EXACT_WHY = (f"level {MAX_CONSISTENCY_LEVEL} computes every integer rule exactly, in training as in VALIDATION "
+                  "(bit-exact)")
+
+
+def _op_category(name: str):
+    ir = IR_OPS.get(name)
+    if ir is not None:
+        return ir.category
+    op = op_def(name)
+    return None if op is None else (Category.TABLE if op.table else op.category)
+
+
+def _mismatch_causes(row: LayerRow, default_qpp: bool) -> list[str]:
+    """The causes (keys of :data:`_CAUSES`) of one row's same-input mismatch, cheapest level first."""
+    op = row.analy_op_type
+    category = _op_category(op) or _op_category(row.base_op_type)
+    causes = ["requant16"] if row.quant_dtype == "qint16" and default_qpp and category is not Category.TABLE else []
+    if op in _RESCALING_ELEMENTWISE or (op not in IR_OPS and row.base_op_type in _RESCALING_ELEMENTWISE):
+        causes.append("elementwise")
+    elif category is Category.TABLE or op in TABLE_OP_IO:
+        causes.append("table")
+    elif category is Category.GEMM:
+        if row.same_input_lsb_verdict == "within 1 LSB":  # more is not the accumulation (saturation rules)
+            causes.append("gemm")
+    else:
+        causes.append("other")
+    return causes
+
+
+def _sites(rows: list[LayerRow]) -> str:
+    shown = ", ".join(f"'{r.op_name}' ({r.analy_op_type})" for r in rows[:CONSISTENCY_SITES_SHOWN])
+    more = len(rows) - CONSISTENCY_SITES_SHOWN
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+@_rule("consistency_level")
+def consistency_level(ctx: AdvisorContext) -> list[Finding]:
+    """convert: the op sites whose own kernel is not bit-exact, grouped by the ``ConsistencyStrategy`` level that
+    removes the mismatch; only levels above the model's own are suggested (a mismatch the model's level should
+    already remove points to level 4, which is bit-exact by construction). At level 4 any mismatch is a bug."""
+    if ctx.analysis_type != "convert":
+        return []
+    info = ctx.consistency
+    current = -1 if info is None or info.level is None else info.level
+    default_qpp = info is None or info.qpp != "high_precision"
+    built = "off" if current < 0 else f"level {current}"
+    inexact = [r for r in ctx.comparison if r.same_input_lsb_verdict not in ("", "bit-exact")]
+    if current >= MAX_CONSISTENCY_LEVEL:
+        mismatched = inexact or [r for r in ctx.comparison if r.lsb_verdict not in ("", "bit-exact")]
+        if not mismatched:
+            return []
+        first = ctx.comparison.first_diverged or mismatched[0]
+        return [finding(
+            "consistency_level", first,
+            f"the model was built with consistency level {current}, so the quantized IR should equal the QAT model "
+            f"bit for bit, yet {len(mismatched)} op sites are not bit-exact: {_sites(mismatched)}; first diverged "
+            f"op: '{ctx.comparison.first_diverged.op_name if ctx.comparison.first_diverged else '(none)'}', first "
+            f"inexact op: '{ctx.comparison.first_inexact.op_name if ctx.comparison.first_inexact else '(none)'}'",
+            f"this is a quantlens bug: report it with this analysis (abnormal_layer_advisor.txt, "
+            f"compare_per_layer_out.txt) and the first diverged op '{first.op_name}'; no consistency level above "
+            f"{current} exists",
+        )]
+    groups: dict[str, list[LayerRow]] = {}
+    for row in inexact:
+        for key in _mismatch_causes(row, default_qpp):
+            groups.setdefault(key, []).append(row)
+    out = []
+    for key in sorted(groups, key=lambda k: (_CAUSES[k].level, list(_CAUSES).index(k))):
+        cause, rows = _CAUSES[key], groups[key]
+        level, why = cause.level, cause.why
+        if level <= current:  # the model's level should already remove it: level 4 is bit-exact by construction
+            if key == "requant16":
+                continue
+            level, why = MAX_CONSISTENCY_LEVEL, (f"consistency {built} should already remove this; "
+                                                 f"{_BIT_EXACT_WHY}")
+        retrain = ("needs retraining: levels 1-4 change what the QAT forward computes, so prepare and QAT-train "
+                   "(fine-tune) the model again with it, then export and convert") if level >= 1 else \
+            ("no retraining needed: prepare again with it, load the trained weights (or calibrate), export and "
+             "convert; rows still inexact afterwards point to the higher levels")
+        out.append(finding(
+            "consistency_level", rows[0],
+            f"{len(rows)} op sites not bit-exact on the same input (model built with consistency {built}): "
+            f"{cause.what}: {_sites(rows)}",
+            f"ConsistencyStrategy.set_consistency_level({level}) before prepare: {why}; {retrain}",
+        ))
+    return out

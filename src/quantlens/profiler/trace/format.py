@@ -1,0 +1,145 @@
+"""The trace's on-disk format, declared once: the file names, the format version, the alignment of tensor data
+and the fields of ``trace.json`` (:class:`TraceIndex`, one :class:`TracedSite` per op site, one
+:class:`TensorStat` per tensor). The writer (:mod:`.writer`) and the reader (:mod:`.reader`) both read it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quantlens.errors import QuantLensError
+from quantlens.profiler.model_access import IntegerStats, QuantErrorStats
+
+__all__ = ["TRACE_FILE", "OUTPUTS_FILE", "STATISTIC_FILE", "TENSORS_DIR", "TRACE_FORMAT", "ALIGN", "tensor_file",
+           "TensorStat", "TracedSite", "TraceIndex"]
+
+TRACE_FILE = "trace.json"
+OUTPUTS_FILE = "outputs.safetensors"
+#: the statistics as a table (written next to the trace, see ``report.write_statistic``)
+STATISTIC_FILE = "statistic.txt"
+#: the folder of the per-site tensor files
+TENSORS_DIR = "tensors"
+#: the on-disk layout's version (see :mod:`quantlens.profiler.trace`); TraceReader reads this one only
+TRACE_FORMAT = 2
+#: tensor data starts at multiples of this many bytes, in the files and in the writer's buffers (a GEMM re-run
+#: on differently aligned memory may round differently)
+ALIGN = 64
+
+
+def tensor_file(index: int) -> str:
+    """The file of the op site executed ``index``-th, relative to the trace folder."""
+    return f"{TENSORS_DIR}/{index:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class TensorStat:
+    """Statistics of one tensor (over its finite values; counts of NaN and Inf separately)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    min: float | None
+    max: float | None
+    mean: float | None
+    var: float | None
+    nan: int = 0
+    inf: int = 0
+
+    @property
+    def absmax(self) -> float | None:
+        return None if self.min is None else max(abs(self.min), abs(self.max))
+
+    @property
+    def nonfinite(self) -> bool:
+        return self.nan > 0 or self.inf > 0
+
+
+@dataclass
+class TracedSite:
+    """One executed op site, as stored in ``trace.json``."""
+
+    index: int
+    name: str
+    op_type: str
+    module_type: str | None
+    file: str
+    quant_dtype: str = "float"
+    scale: float | list[float] | None = None
+    weight_scale: float | list[float] | None = None
+    input_dtypes: list[str] = field(default_factory=list)
+    boundary: str = ""
+    fused_into: str | None = None
+    producer: str | None = None
+    index_producing: bool = False
+    stats: dict[str, TensorStat] = field(default_factory=dict)
+    quant_error: QuantErrorStats | None = None
+    same_input_note: str = ""
+    int_stats: IntegerStats | None = None  # IR sites (see IntegerStats); absent from older traces
+    scale_axis: int | None = None  # channel axis of a per-channel ``scale``
+    #: keys not stored in ``file`` but in an earlier site's: key -> ``[file, key]`` (format 2)
+    refs: dict[str, list[str]] = field(default_factory=dict)
+    #: keys stored as integer codes: key -> the float32 scale; the tensor is ``codes.float() * scale``, exactly
+    #: (format 2; a value on the per-tensor grid of qint8/qint16, checked when written)
+    codes: dict[str, float] = field(default_factory=dict)
+    #: keys whose statistics are kept but not their values: the outputs of a member of a fused group in a trace
+    #: made with a same-input source (the analysis trace). Such a value exists only inside the fused op on the
+    #: device and the comparison reads the group's last op; storing it was a sixth of a CNN trace's bytes
+    stats_only: list[str] = field(default_factory=list)
+
+    @property
+    def per_tensor_scale(self) -> float | None:
+        return self.scale if isinstance(self.scale, float) else None
+
+    def outputs(self) -> list[str]:
+        return sorted((k for k in self.stats if k.startswith("out")), key=lambda k: int(k[3:]))
+
+    def float_outputs(self) -> list[str]:
+        return [k for k in self.outputs() if self.stats[k].dtype.startswith(("float", "bfloat"))]
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TracedSite":
+        data = dict(data)
+        data["stats"] = {k: TensorStat(**{**v, "shape": tuple(v["shape"])}) for k, v in data["stats"].items()}
+        if data.get("quant_error") is not None:
+            data["quant_error"] = QuantErrorStats(**data["quant_error"])
+        if data.get("int_stats") is not None:
+            data["int_stats"] = IntegerStats(**data["int_stats"])
+        return cls(**data)
+
+
+@dataclass
+class TraceIndex:
+    """The fields of ``trace.json`` (besides ``"format"``, :data:`TRACE_FORMAT`): the model's label and
+    description, the fingerprint of the bad case it ran on, its output names and its op sites."""
+
+    model: str
+    description: str
+    input_digest: str
+    outputs: list[str]
+    sites: list[TracedSite]
+
+    def to_json(self) -> str:
+        """The text of ``trace.json``."""
+        data = {
+            "format": TRACE_FORMAT,
+            "model": self.model,
+            "description": self.description,
+            "input_digest": self.input_digest,
+            "outputs": list(self.outputs),
+            "sites": [vars(s) for s in self.sites],
+        }
+        # (vars + default=vars: the JSON of dataclasses.asdict, without its deep copies)
+        return json.dumps(data, indent=1, allow_nan=True, default=vars) + "\n"
+
+    @classmethod
+    def read(cls, path: Path) -> "TraceIndex":
+        """``trace.json`` at ``path``; a trace of another format is refused with a message to re-run ``run()``."""
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("format") != TRACE_FORMAT:
+            raise QuantLensError(
+                f"{path} has trace format {data.get('format')!r}; this version of quantlens reads format "
+                f"{TRACE_FORMAT} only (format 2 stores a tensor another op site already stored as a reference to "
+                "it). Re-run QuantAnalysis.run() to write the trace again.")
+        return cls(model=data["model"], description=data["description"],
+                   input_digest=data.get("input_digest", ""), outputs=data["outputs"],
+                   sites=[TracedSite.from_json(s) for s in data["sites"]])

@@ -1,0 +1,135 @@
+"""Reading a trace back (:class:`TraceReader`): its index, and each op site's tensors loaded on demand with
+references followed and integer codes turned back into their float values."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from quantlens.errors import QuantLensError
+from quantlens.profiler.trace.format import ALIGN, OUTPUTS_FILE, TRACE_FILE, TracedSite, TraceIndex
+
+__all__ = ["TraceReader", "SiteTensors"]
+
+
+class TraceReader:
+    """Reads a trace written by :class:`~.writer.TraceWriter`; also the same-input source of the analysis run."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.dir = Path(directory)
+        path = self.dir / TRACE_FILE
+        if not path.is_file():
+            raise QuantLensError(
+                f"No complete trace in {self.dir} ({TRACE_FILE} is missing). Call QuantAnalysis.run() first "
+                "(run(run_baseline_model=True) for the baseline trace), and let it finish."
+            )
+        index = TraceIndex.read(path)
+        self.label: str = index.model
+        self.description: str = index.description
+        self.output_names: list[str] = index.outputs
+        self.input_digest: str = index.input_digest
+        self.sites: list[TracedSite] = index.sites
+        self.by_name: dict[str, TracedSite] = {s.name: s for s in self.sites}
+        self._by_file: dict[str, TracedSite] = {s.file: s for s in self.sites}
+
+    def tensors(self, name: str) -> "SiteTensors":
+        """The site's tensors by key (``in<pos>``, ``out<i>``, ``weight``, ``same<i>``, ``samepre<i>``), a
+        mapping that loads each one when it is read (references resolved)."""
+        return SiteTensors(self, self.by_name[name])
+
+    def _load(self, site: TracedSite, keys: list[str]) -> list[torch.Tensor]:
+        """The tensors ``keys`` of ``site``, references followed, each file opened once."""
+        where: dict[str, list[tuple[int, str]]] = {}
+        for i, key in enumerate(keys):
+            file, stored = site.refs.get(key, (site.file, key))
+            where.setdefault(file, []).append((i, stored))
+        out: list[Any] = [None] * len(keys)
+        for file, items in where.items():
+            owner = self._by_file.get(file)
+            codes = owner.codes if owner is not None else {}
+            missing = [stored for _, stored in items if owner is not None and stored in owner.stats_only]
+            if missing:
+                where = (f"the site is fused into '{owner.fused_into}', whose output is the group's value. Read that "
+                         "site's tensors instead." if owner.fused_into else
+                         "the trace was made for a comparison with a model that fuses this op site into a larger "
+                         "op, where nothing reads its value. Trace this model again for this comparison: "
+                         "QuantAnalysis.run() (with run_baseline_model=True).")
+                raise QuantLensError(f"The trace in {self.dir} keeps only the statistics of '{missing[0]}' at op site "
+                                     f"'{owner.name}': {where}")
+            with safe_open(str(self.dir / file), framework="pt") as f:
+                for i, stored in items:
+                    t = f.get_tensor(stored)
+                    if stored in codes:  # integer codes on the site's grid: exactly the float32 values stored
+                        t = t.to(torch.float32).mul_(torch.tensor(codes[stored], dtype=torch.float32))
+                    elif t.data_ptr() % ALIGN:
+                        # the same alignment wherever the tensor lies in its file: a GEMM re-run on it (the
+                        # same-input run) may round differently on differently aligned memory
+                        t = t.clone()
+                    out[i] = t
+        return out
+
+    def inputs(self, site: str) -> dict[int, torch.Tensor] | None:
+        """The site's incoming float tensors by leaf position (loads only those)."""
+        if site not in self.by_name:
+            return None
+        s = self.by_name[site]
+        keys = [k for k in s.stats if k.startswith("in") and not self._stats_only(s, k)]
+        return {int(k[2:]): t for k, t in zip(keys, self._load(s, keys))}
+
+    def _stats_only(self, site: TracedSite, key: str) -> bool:
+        """Whether only the statistics of ``key`` are kept (references followed): an input a fused group's member
+        takes from another member, in a baseline traced for a model that fuses them (see ``TracedSite``)."""
+        file, stored = site.refs.get(key, (site.file, key))
+        owner = self._by_file.get(file)
+        return owner is not None and stored in owner.stats_only
+
+    def outputs(self) -> dict[str, torch.Tensor]:
+        return load_file(str(self.dir / OUTPUTS_FILE))
+
+    def site_outputs(self, site: str) -> list[torch.Tensor] | None:
+        """The site's output tensors (``out0``, ``out1`` ...), or None for a site the trace does not have."""
+        if site not in self.by_name:
+            return None
+        s = self.by_name[site]
+        return self._load(s, s.outputs())
+
+    def fused_members(self, site: str) -> set[str]:
+        """The sites fused into ``site`` (a conv and BatchNorm before their ReLU), transitively."""
+        out, todo = set(), [site]
+        while todo:
+            tail = todo.pop()
+            for s in self.sites:
+                if s.fused_into == tail and s.name not in out:
+                    out.add(s.name)
+                    todo.append(s.name)
+        return out
+
+
+class SiteTensors(Mapping):
+    """One traced site's tensors by key, each loaded from disk when it is read (see :meth:`TraceReader.tensors`)."""
+
+    def __init__(self, reader: TraceReader, site: TracedSite):
+        self._reader, self._site = reader, site
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._site.stats:
+            raise KeyError(key)
+        if key not in self._cache:
+            self._cache[key] = self._reader._load(self._site, [key])[0]
+        return self._cache[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._site.stats)
+
+    def __len__(self) -> int:
+        return len(self._site.stats)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._site.stats

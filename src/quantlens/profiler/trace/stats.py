@@ -1,0 +1,62 @@
+"""What a trace computes from tensors: each stored tensor's statistics (:func:`tensor_stat`, run by the writer
+thread) and the fingerprint of the bad case a trace was made on (:func:`input_digest`)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from quantlens.profiler._sums import CHUNK, chunks, sum64
+from quantlens.profiler.trace.format import TensorStat
+
+__all__ = ["tensor_stat", "input_digest"]
+
+
+def tensor_stat(t: torch.Tensor, scratch: Callable[[int], torch.Tensor] | None = None) -> TensorStat:
+    """``scratch(nbytes)``, when given, lends a byte buffer for the variance pass's temporary (the writer
+    thread reuses one instead of allocating an activation-sized tensor per call)."""
+    x = t.detach()
+    shape, dtype = tuple(x.shape), str(x.dtype).replace("torch.", "")
+    if x.numel() == 0:
+        return TensorStat(shape, dtype, None, None, None, None)
+    nan = inf = 0
+    x = x.reshape(-1)
+    lo = hi = None
+    if x.is_floating_point():
+        # one pass decides finiteness: aminmax propagates NaN, and an Inf is one of the extremes
+        lo, hi = torch.aminmax(x)
+        if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
+            nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+            x = x[torch.isfinite(x)]
+            lo = hi = None
+            if x.numel() == 0:
+                return TensorStat(shape, dtype, None, None, None, None, nan, inf)
+    # A few cheap passes with float64 accumulation, and no float64 copy of a large activation.
+    if x.dtype not in (torch.float32, torch.float64):
+        x, lo, hi = x.double(), None, None
+    if lo is None:
+        lo, hi = torch.aminmax(x)
+    mean = sum64(x) / x.numel()
+    if scratch is not None and x.is_contiguous():
+        # chunk by chunk: the writer thread's temporary is one chunk (a few activations' temporaries would be
+        # a tenth of a traced run's memory)
+        buf = scratch(min(x.numel(), CHUNK) * x.element_size()).view(x.dtype)
+        var = sum(sum64(torch.sub(c, mean, out=buf[:c.numel()]).square_()) for c in chunks(x)) / x.numel()
+    else:
+        var = sum64((x - mean).square_()) / x.numel()
+    return TensorStat(shape, dtype, float(lo), float(hi), mean, var, nan, inf)
+
+
+def input_digest(example: Any) -> str:
+    """A fingerprint of the tensors of one call's inputs (values, shapes, dtypes), to tell whether two traces
+    were made on the same bad case."""
+    h = hashlib.sha256()
+    for leaf in pytree.tree_leaves(example):
+        if isinstance(leaf, torch.Tensor):
+            t = leaf.detach().cpu().contiguous()
+            h.update(f"{tuple(t.shape)}{t.dtype}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]

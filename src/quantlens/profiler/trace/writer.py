@@ -1,0 +1,317 @@
+"""The trace writer: a trace sink that streams every op site of a traced forward to disk (see
+:mod:`quantlens.profiler.trace` for the folder's layout).
+
+Every op site's tensors are copied as soon as the op has run and handed to a writer thread, which computes
+their statistics and writes them to disk while the model runs on; the copies waiting for it are bounded
+(:data:`QUEUE_BYTES`), so tracing needs a few layers' worth of extra memory, not the network's. ``trace.json``
+is written last: a trace without it is incomplete and is refused by the reader.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from quantlens._io import atomic_write_text
+from quantlens.errors import QuantLensError
+from quantlens.profiler._sums import CHUNK, chunks
+from quantlens.profiler.model_access import SiteEvent
+from quantlens.profiler.trace._files import save_tensors, write_safetensors
+from quantlens.profiler.trace._folder import staging_dir, swap_in
+from quantlens.profiler.trace._pool import BufferPool, copy_into, layout_bytes
+from quantlens.profiler.trace.format import (
+    ALIGN,
+    OUTPUTS_FILE,
+    TENSORS_DIR,
+    TRACE_FILE,
+    TensorStat,
+    TracedSite,
+    TraceIndex,
+    tensor_file,
+)
+from quantlens.profiler.trace.stats import tensor_stat
+
+__all__ = ["TraceWriter", "QUEUE_BYTES"]
+
+#: the most bytes of tensor copies waiting for the writer thread; the traced forward waits when it is reached
+#: (one item larger than this is still taken, alone)
+QUEUE_BYTES = 24 * 1024 * 1024
+#: the integer grids whose values may be stored as codes: quant dtype -> (qmin, qmax, code dtype)
+_CODE_DTYPES = {"qint8": (-128, 127, torch.int8), "qint16": (-32768, 32767, torch.int16)}
+
+
+def _scale_value(scale: torch.Tensor | None) -> float | list[float] | None:
+    if scale is None:
+        return None
+    values = [float(v) for v in scale.detach().reshape(-1)]
+    return values[0] if len(values) == 1 and scale.dim() == 0 else values
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter (None where torch keeps none: inference tensors)."""
+    try:
+        return t._version
+    except (RuntimeError, AttributeError):
+        return None
+
+
+@dataclass
+class _Job:
+    """One op site's copies on their way to disk (see :class:`TraceWriter`)."""
+
+    site: TracedSite
+    tensors: dict[str, torch.Tensor]  # the copies to store, by key
+    order: list[str]  # every key of the site, stored or referenced, in the trace's order
+    nbytes: int
+    quant_error: Callable[[], Any] | None = None  # computed by the writer thread (see torch_probe)
+    stats: dict[str, TensorStat] = field(default_factory=dict)
+    encode: dict[str, tuple[float, int, int, torch.dtype]] = field(default_factory=dict)  # key -> grid
+    buffer: torch.Tensor | None = None  # the pool buffer holding the copies
+    stats_only: frozenset[str] = frozenset()  # keys whose statistics are computed but which are not written
+
+
+def _encode(x: torch.Tensor, scale: float, qmin: int, qmax: int, dtype: torch.dtype,
+            scratch: Callable[[int], torch.Tensor], codes_buf: Callable[[int], torch.Tensor]) -> torch.Tensor | None:
+    """Integer codes ``c`` with ``c.float() * scale == x`` elementwise (value equality: -0.0 comes back as 0.0),
+    or None where ``x`` is not exactly on that grid (NaN, Inf, off-grid values, out of range)."""
+    if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() == 0:
+        return None
+    s = torch.tensor(scale, dtype=torch.float32)
+    size = torch.empty((), dtype=dtype).element_size()
+    codes = codes_buf(x.numel() * size).view(dtype)[:x.numel()]
+    buf = scratch(min(x.numel(), CHUNK) * 4).view(torch.float32)
+    done = 0
+    for c in chunks(x):  # (a chunk's temporary, not an activation's)
+        q = torch.div(c, s, out=buf[:c.numel()]).round_()
+        lo, hi = torch.aminmax(q)
+        if not (bool(lo >= qmin) and bool(hi <= qmax)):  # NaN fails both
+            return None
+        codes[done:done + c.numel()].copy_(q)
+        if not torch.equal(q.mul_(s), c):
+            return None
+        done += c.numel()
+    return codes.view(x.shape)
+
+
+class TraceWriter:
+    """A trace sink that streams every op site to ``directory`` (see :mod:`quantlens.profiler.trace`).
+
+    :meth:`on_site` runs in the traced forward: it copies the site's tensors that are not already stored
+    (references, format 2) and queues them; a writer thread computes their statistics (and a
+    deferred output quantization split) and writes the site's file. The forward waits only when the copies
+    waiting reach :data:`QUEUE_BYTES`. :meth:`finish` waits for the thread and writes the index; :meth:`close`
+    stops it without finishing (after an error). A writer-thread error is raised in the forward's thread.
+    """
+
+    #: the probes hand the output quantization split over as a callable for the writer thread to compute
+    deferred_quant_error = True
+
+    def __init__(self, directory: str | os.PathLike, label: str, description: str, save_inputs: bool = True,
+                 queue_bytes: int = QUEUE_BYTES, values_not_needed: frozenset[str] = frozenset()):
+        #: where the trace ends up; it is written to the sibling staging folder :attr:`dir` and moved here by
+        #: :meth:`finish`, so until then ``target`` keeps the previous complete trace (an interrupted run
+        #: changes nothing there)
+        self.target = Path(directory)
+        self.dir = staging_dir(self.target)
+        #: inputs are what the same-input run of the *other* model needs; without it only model inputs
+        #: (QuantStub inputs) are kept, the rest are the previous ops' outputs anyway
+        self.save_inputs = save_inputs
+        #: op sites whose outputs are kept as statistics only: the other model's fused-group internals
+        #: (``ModelAccess.group_internal_sites``), which its comparison and same-input run never read
+        self.values_not_needed = values_not_needed
+        self.label = label
+        self.description = description
+        self.sites: list[TracedSite] = []
+        (self.dir / TENSORS_DIR).mkdir(parents=True, exist_ok=True)
+        self.queue_bytes = queue_bytes
+        #: id(tensor) -> (weak reference, version, file, key) of every tensor stored so far
+        self._stored: dict[int, tuple[Any, int, str, str]] = {}
+        self._jobs: list[_Job] = []
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pool = BufferPool(queue_bytes)
+        self._scratch: dict[str, torch.Tensor] = {}  # the writer thread's reusable temporaries
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # -- the forward's side ---------------------------------------------------------------------------------
+    def _ref(self, t: torch.Tensor) -> list[str] | None:
+        entry = self._stored.get(id(t))
+        if entry is None:
+            return None
+        wref, version, file, key = entry
+        if wref() is not t or _version(t) != version:
+            return None
+        return [file, key]
+
+    def _remember(self, t: torch.Tensor, file: str, key: str) -> None:
+        version = _version(t)
+        if version is None:
+            return
+        try:
+            wref = weakref.ref(t)
+        except TypeError:
+            return
+        self._stored[id(t)] = (wref, version, file, key)
+
+    def on_site(self, event: SiteEvent) -> None:
+        self._raise_error()
+        inputs = event.inputs if self.save_inputs or event.boundary == "input" else {}
+        tensors: dict[str, torch.Tensor] = {f"in{pos}": t for pos, t in inputs.items()}
+        tensors.update({f"out{i}": t for i, t in enumerate(event.outputs)})
+        if event.weight is not None:
+            tensors["weight"] = event.weight
+        for i, t in enumerate(event.same_input or []):
+            tensors[f"same{i}"] = t
+        for i, t in enumerate(event.same_input_pre or []):
+            tensors[f"samepre{i}"] = t
+        owned = {k for k in tensors if k.startswith("same")} if event.same_input_owned else set()
+        file = tensor_file(event.index)
+        refs: dict[str, list[str]] = {}
+        stored: dict[str, torch.Tensor] = {}
+        seen: dict[int, str] = {}  # within the site: the same tensor under two keys is stored once
+        for key, t in tensors.items():
+            ref = self._ref(t)
+            if ref is None and id(t) in seen:
+                ref = [file, seen[id(t)]]
+            if ref is not None:
+                refs[key] = ref
+            else:
+                stored[key] = t
+                seen[id(t)] = key
+        quant_error = event.quant_error
+        site = TracedSite(
+            index=event.index, name=event.name, op_type=event.op_type, module_type=event.module_type, file=file,
+            quant_dtype=event.quant_dtype, scale=_scale_value(event.scale),
+            weight_scale=_scale_value(event.weight_scale), input_dtypes=list(event.input_dtypes),
+            boundary=event.boundary, fused_into=event.fused_into, producer=event.producer,
+            index_producing=event.index_producing, stats={},
+            quant_error=None if callable(quant_error) else quant_error, same_input_note=event.same_input_note,
+            int_stats=event.int_stats, scale_axis=event.scale_axis, refs=refs,
+        )
+        # a deferred output quantization split holds the op's value before its fake quant: copied like the rest
+        qerr_tensor = getattr(quant_error, "tensor", None) if callable(quant_error) else None
+        if isinstance(qerr_tensor, torch.Tensor):
+            stored["\0qerr"] = qerr_tensor
+        keep = {k: t.detach() for k, t in stored.items() if k in owned}  # queued as they are (see SiteEvent)
+        to_copy = {k: t for k, t in stored.items() if k not in owned}
+        nbytes, held = layout_bytes(to_copy), sum(t.numel() * t.element_size() for t in keep.values())
+        buffer = self._pool.take(nbytes, lambda: self._error is not None, held)
+        self._raise_error()
+        copied = copy_into(buffer, to_copy)
+        copies = {k: copied[k] if k in copied else keep[k] for k in stored}  # the site's key order
+        nbytes += held
+        if isinstance(qerr_tensor, torch.Tensor):
+            quant_error.tensor = copies.pop("\0qerr")
+            del stored["\0qerr"]
+        # (a fused member's value is not needed by the comparison, and nothing reads an analysis trace's inputs)
+        fused_member = bool(event.fused_into) and not self.save_inputs
+        stats_only = frozenset(k for k in stored if k.startswith(("out", "same"))) \
+            if fused_member or event.name in self.values_not_needed else frozenset()
+        site.stats_only = sorted(stats_only)
+        for key, t in stored.items():
+            # An analysis trace's fused member: a later site holding the same tensor stores it itself (that site
+            # may be compared). A value only the other model's fused ops hold is read by nothing, and neither is
+            # a later key holding it (a group member's input): that key refers to these statistics.
+            if key not in stats_only or not fused_member:
+                self._remember(t, file, key)
+        job = _Job(site, copies, list(tensors), nbytes, quant_error if callable(quant_error) else None,
+                   buffer=buffer, stats_only=stats_only)
+        grid = _CODE_DTYPES.get(event.quant_dtype)
+        if grid is not None and site.per_tensor_scale is not None and not event.fused_into:
+            # the site's values on its output grid go to disk as integer codes (checked exactly when written)
+            job.encode = {k: (site.per_tensor_scale, *grid) for k in copies if k.startswith(("out", "same"))
+                          and not k.startswith("samepre")}
+        self.sites.append(site)
+        self._jobs.append(job)
+        self._start()
+        self._queue.put(job)
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            self.close()
+            if isinstance(error, (KeyboardInterrupt, SystemExit)):
+                raise error
+            # (a QuantLensError, so that the forward's callers do not take it for the model's own error)
+            raise QuantLensError(f"Writing the {self.label} trace to {self.dir} failed: {type(error).__name__}: "
+                                 f"{error}") from error
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name=f"quantlens-trace-{self.label}", daemon=True)
+            self._thread.start()
+
+    # -- the writer thread ----------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                if self._error is None and not self._closed:
+                    self._write_job(job)
+            except BaseException as exc:  # handed to the forward's thread
+                self._error = exc
+            finally:
+                job.tensors, job.quant_error = {}, None
+                if job.buffer is not None:
+                    self._pool.give(job.buffer, job.nbytes)
+                    job.buffer = None
+
+    def _scratch_of(self, name: str) -> Callable[[int], torch.Tensor]:
+        def get(nbytes: int) -> torch.Tensor:
+            buf = self._scratch.get(name)
+            if buf is None or buf.numel() < nbytes:
+                buf = self._scratch[name] = torch.empty(-(-max(nbytes, 1) // ALIGN) * ALIGN, dtype=torch.uint8)
+            return buf
+        return get
+
+    def _write_job(self, job: _Job) -> None:
+        stat_scratch = self._scratch_of("stat")
+        job.stats = {k: tensor_stat(v, stat_scratch) for k, v in job.tensors.items()}
+        payload = {k: v for k, v in job.tensors.items() if k not in job.stats_only}
+        for key, (scale, qmin, qmax, dtype) in job.encode.items():
+            codes = _encode(payload[key], scale, qmin, qmax, dtype, stat_scratch, self._scratch_of(f"codes:{key}"))
+            if codes is not None:
+                payload[key] = codes
+                job.site.codes[key] = scale
+        write_safetensors(self.dir / job.site.file, payload)
+        if job.quant_error is not None:
+            job.site.quant_error = job.quant_error()
+
+    def _drain(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def close(self) -> None:
+        """Stop the writer thread (queued sites are dropped); the staging folder keeps what was written."""
+        self._closed = True
+        self._drain()
+        self._pool.clear()
+        self._scratch = {}
+
+    def finish(self, outputs: dict[str, torch.Tensor], input_digest: str = "") -> Path:
+        """Save the model outputs and the index; the trace is complete once this returns."""
+        self._drain()
+        self._raise_error()
+        stats: dict[str, dict[str, TensorStat]] = {job.site.file: job.stats for job in self._jobs}
+        for job in self._jobs:  # the statistics in the trace's key order, references' from their stored copy
+            job.site.stats = {k: (stats[job.site.refs[k][0]][job.site.refs[k][1]] if k in job.site.refs
+                                  else job.stats[k]) for k in job.order}
+        self._jobs, self._stored, self._scratch = [], {}, {}
+        self._pool.clear()
+        save_tensors(outputs, self.dir / OUTPUTS_FILE)
+        index = TraceIndex(self.label, self.description, input_digest, list(outputs), self.sites)
+        atomic_write_text(self.dir / TRACE_FILE, index.to_json())
+        swap_in(self.dir, self.target)
+        return self.target / TRACE_FILE

@@ -1,0 +1,90 @@
+"""Measuring a configuration: prepare -> calibrate -> evaluate (and, on request, its latency estimate), each
+configuration once, the values kept in the progress file."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from quantlens.quantization.fake_quantize import calibrate
+from quantlens.quantization.prepare import prepare
+from quantlens.search.goal import Goal
+from quantlens.search.progress import Progress, selection_key
+from quantlens.search.promotion import Promotion
+from quantlens.search.setter import MixedPrecisionQconfigSetter
+
+__all__ = ["Builder", "Measurer"]
+
+
+@dataclass(frozen=True, eq=False)
+class Builder:
+    """Builds the calibrated model of a set of promotions on top of ``base_setter``."""
+
+    model: nn.Module
+    example_inputs: Any
+    batches: list
+    base_setter: Any
+
+    def __call__(self, selection: Sequence[Promotion]) -> nn.Module:
+        setter = MixedPrecisionQconfigSetter(selection, self.base_setter)
+        # every configuration re-runs prepare and calibrate: their warnings would repeat once per measurement
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            prepared = prepare(self.model, self.example_inputs, setter, check_result_dir=None)
+            calibrate(prepared, self.batches)
+        return prepared
+
+
+class Measurer:
+    """The metric (:meth:`measure`) and latency estimate (:meth:`latency_of`) of a set of promotions, each
+    computed once and saved to the progress file as it finishes (a resumed search replays them)."""
+
+    def __init__(self, build: Builder, evaluate: Callable[[nn.Module], float], goal: Goal, latency: bool,
+                 progress: Progress):
+        self.build = build
+        self.evaluate = evaluate
+        self.goal = goal
+        self.latency = latency
+        self.progress = progress
+        self._metrics = progress.data["measurements"]
+        self._cycles = progress.data["latency"]
+
+    @property
+    def count(self) -> int:
+        """How many configurations have been measured (this run and the runs it resumed)."""
+        return len(self._metrics)
+
+    def measure(self, selection: Sequence[Promotion], prepared: nn.Module | None = None) -> float:
+        """``evaluate`` of the calibrated model of ``selection`` (``prepared`` when already built); a non-finite
+        value counts as the worst."""
+        key = selection_key(selection)
+        if key not in self._metrics:
+            prepared = prepared if prepared is not None else self.build(selection)
+            with torch.no_grad():
+                value = float(self.evaluate(prepared))
+            if not math.isfinite(value):
+                value = self.goal.worst
+            self._metrics[key] = value
+            self.progress.save()
+        return self._metrics[key]
+
+    def latency_of(self, selection: Sequence[Promotion]) -> int | None:
+        """The quantized IR's latency estimate of ``selection`` in cycles (None without ``latency``)."""
+        if not self.latency:
+            return None
+        key = selection_key(selection)
+        if key not in self._cycles:
+            # imported here: only latency=True needs export and convert
+            from quantlens.compiler import convert, export
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                q_ir = convert(export(self.build(selection), self.build.example_inputs))
+            self._cycles[key] = int(q_ir.latency_estimate().cycles)
+            self.progress.save()
+        return self._cycles[key]
