@@ -110,7 +110,7 @@ class FakeQuantize(nn.Module):
 
     def _learned_forward(self, x: torch.Tensor) -> torch.Tensor:
         from quantlens.march import get_march
-        from quantlens.quantization.emulation import _ste
+        from quantlens.quantization.emulation.core import _ste
 
         self.start_learning()
         s = self.learned_scale.clamp(min=get_march().spec.min_scale)
