@@ -42,11 +42,8 @@ from quantlens.quantization.table_overrides import (
     LayerNormOverride,
     SoftmaxOverride,
     TableOverride,
-    _arg,
-    _float_leaves,
-    _layer_norm_call,
-    _softmax_call,
 )
+from quantlens.quantization.table_overrides.calls import _arg, _float_leaves, _layer_norm_call, _softmax_call
 
 __all__ = ["TableOpSpec", "TABLE_OP_SPECS", "table_op_spec"]
 
