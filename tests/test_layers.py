@@ -130,3 +130,13 @@ def test_the_check_finds_an_upward_import_inside_a_function(tmp_path):
         "quantlens.march.spec:1 -> quantlens._io (base -> base)",
         "quantlens.quantization.emulation:1 -> quantlens.profiler.metrics (quantization -> profiler)",
     ], edges
+
+
+#: rooms a reader can know: no module of src/ above this many lines (docs/architecture.md, "A budget that stays")
+MAX_LINES = 500
+
+
+def test_no_module_is_over_the_line_budget():
+    long = {str(p.relative_to(SRC)): n for p in (SRC / "quantlens").rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert long == {}, f"modules over {MAX_LINES} lines (split them along their seams): {long}"
