@@ -16,7 +16,6 @@ This package imports nothing above it: only :mod:`quantlens.march`, the base mod
 
 from quantlens.kernels import ops as _ops  # noqa: F401  (registers the custom ops)
 from quantlens.kernels._int import bit_length, div_round_half_even, rshift_rhe_var
-from quantlens.kernels.functions import ELEMENTWISE_OPS, TABLE_FUNCTIONS, TableFunction, real_function
 from quantlens.kernels.int_ops import (
     LayerNormConstants,
     div_multiplier,
@@ -46,6 +45,7 @@ from quantlens.kernels.tables import (
     rsqrt_mantissa_table,
     segmented_lookup,
 )
+from quantlens.march.functions import ELEMENTWISE_OPS, TABLE_FUNCTIONS, TableFunction, real_function
 
 __all__ = [
     "Table256",

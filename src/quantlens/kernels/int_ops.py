@@ -17,7 +17,6 @@ import torch
 
 from quantlens.errors import QuantLensError
 from quantlens.kernels._int import bit_length, div_round_half_even, rshift_rhe_var
-from quantlens.kernels.functions import int16_uses_table, real_function
 from quantlens.kernels.tables import (
     SegmentedTable,
     Table256,
@@ -27,6 +26,7 @@ from quantlens.kernels.tables import (
     rsqrt_mantissa_table,
 )
 from quantlens.march import Qpp, QuantDType
+from quantlens.march.functions import int16_uses_table, real_function
 from quantlens.march.numerics import quantize_multiplier, requantize, saturate
 
 __all__ = [

@@ -99,6 +99,9 @@ class IROp:
     #: how the cost model charges it in the quantized IR, and a table op's vector passes besides its lookups
     cost: Cost = Cost.PASS
     table_passes: int = 0
+    #: its integer rule rescales every input to the output scale (§10: add, sub, cat), so inputs that share the
+    #: output's scale make it exact (consistency level 2's shared scales)
+    rescales_inputs: bool = False
 
 
 @dataclass(frozen=True)
@@ -161,11 +164,11 @@ _IR_ROWS: list[IROp] = [
     IROp("matmul", G, "§6-§9", level="both", cost=Cost.GEMM),
     IROp("sdpa", G, "§6, §13.6", convert=False, note="decomposed at prepare; export sees matmul/softmax"),
     # elementwise
-    IROp("add", E, "§10", level="both", cost=Cost.RESCALED_SUM),
-    IROp("sub", E, "§10", level="both", cost=Cost.RESCALED_SUM),
+    IROp("add", E, "§10", level="both", cost=Cost.RESCALED_SUM, rescales_inputs=True),
+    IROp("sub", E, "§10", level="both", cost=Cost.RESCALED_SUM, rescales_inputs=True),
     IROp("mul", E, "§10", level="both", cost=Cost.PASS_REQUANT),
     IROp("div", E, "§10, §13.5", note="by a constant: a multiplier; by a tensor: the int_div table"),
-    IROp("cat", E, "§10", level="both", cost=Cost.CAT),
+    IROp("cat", E, "§10", level="both", cost=Cost.CAT, rescales_inputs=True),
     IROp("neg", E, "§10"),
     IROp("abs", E, "§10"),
     IROp("clamp", E, "§10", level="both", cost=Cost.PASS_REQUANT),

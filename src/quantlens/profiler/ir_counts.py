@@ -10,13 +10,14 @@ import torch.nn.functional as F
 from quantlens.compiler.ir import Node
 from quantlens.kernels import dtype_from_range, real_function
 from quantlens.march.numerics import quantize
+from quantlens.march.opset import Category, ops_in
 from quantlens.profiler.model_access import IntegerStats
 
 __all__ = ["count_node", "nonfinite_count"]
 
 
 #: the GEMM nodes of the quantized IR whose exact accumulator ``docs/march.md`` §6 saturates to int32 once
-_GEMMS = {"conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "linear", "matmul"}
+_GEMMS = ops_in(Category.GEMM, level="quantized")
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 

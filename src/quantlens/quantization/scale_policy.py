@@ -29,14 +29,16 @@ from dataclasses import dataclass, field
 import torch
 
 from quantlens.march import get_march
+from quantlens.march.opset import IR_OPS, OPS
 
 __all__ = [
     "ScaleGroup", "RESCALED_OPS", "pow2_ceil", "is_pow2", "build_scale_groups", "install_scale_policy",
     "forward_scope", "group_scale", "sync_groups",
 ]
 
-#: op types whose integer rule rescales every input to the output scale (docs/march.md §10; stack is a cat)
-RESCALED_OPS = frozenset({"add", "sub", "rsub", "cat", "concat", "stack"})
+#: op types whose integer rule rescales every input to the output scale (docs/march.md §10; stack is a cat): those
+#: lowering to an IR op the op set marks ``rescales_inputs``
+RESCALED_OPS = frozenset(d.name for d in OPS.values() if any(IR_OPS[i].rescales_inputs for i in d.ir if i in IR_OPS))
 
 
 @dataclass

@@ -11,7 +11,7 @@ the tracer gives the op site, as in :data:`quantlens.march.opset.OPS`):
 * how many quantized tensor inputs it reads, and what an int16 input gets.
 
 An elementwise op's float op, real function and int16 rule are declared below quantization, in
-:data:`quantlens.kernels.functions.TABLE_FUNCTIONS` (the integer kernels evaluate those functions); its entry here
+:data:`quantlens.march.functions.TABLE_FUNCTIONS` (the integer kernels evaluate those functions); its entry here
 takes them from there and adds the call parameters and the override. ``pre_export`` and :mod:`.table_overrides`
 read this registry. The IR ops the overrides emit are declared in :data:`quantlens.kernels.ops.TABLE_OP_IO`;
 ``export`` records which float op a ``lut`` / ``segment_lut`` node emulates (``attrs["reference"]``:
@@ -19,7 +19,7 @@ read this registry. The IR ops the overrides emit are declared in :data:`quantle
 IR op with an ONNX converter taking ``params`` as its attributes. The op set (:mod:`quantlens.march.opset`)
 declares ``table=True`` exactly for the keys of :data:`TABLE_OP_SPECS` (``tests/test_table_ops.py`` checks it).
 
-To add an elementwise table op: one :data:`~quantlens.kernels.functions.TABLE_FUNCTIONS` entry (its float op,
+To add an elementwise table op: one :data:`~quantlens.march.functions.TABLE_FUNCTIONS` entry (its float op,
 and its real function when the two differ), its call parameters below (:data:`_ELEMENTWISE_CALLS`) when it has
 any, an :data:`quantlens.march.opset.OPS` row with ``table=True``, and a rule row in ``docs/march.md`` §13.4.
 """
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from quantlens.errors import QuantLensError
-from quantlens.kernels.functions import TABLE_FUNCTIONS
+from quantlens.march.functions import TABLE_FUNCTIONS
 from quantlens.quantization.overrides import OverrideCall
 from quantlens.quantization.record import OpSiteRecord
 from quantlens.quantization.table_overrides import (
@@ -221,7 +221,7 @@ _ELEMENTWISE_CALLS: dict[str, dict[str, Any]] = {
 }
 
 _SPECS = [
-    # elementwise (§13.4): the float op and real function of kernels.functions.TABLE_FUNCTIONS, in its order
+    # elementwise (§13.4): the float op and real function of march.functions.TABLE_FUNCTIONS, in its order
     *(_elementwise(op_type, **_ELEMENTWISE_CALLS.get(op_type, {})) for op_type in TABLE_FUNCTIONS),
     # the composite table ops (§13.5-§13.7)
     TableOpSpec("div", DivOverride, float_fn=_div_float, inputs=2, int16=""),

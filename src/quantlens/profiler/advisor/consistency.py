@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from quantlens.kernels import TABLE_OP_IO
-from quantlens.march.opset import IR_OPS, Category, op_def
+from quantlens.march.opset import IR_OPS, Category, op_def, ops_in
 from quantlens.profiler.advisor.base import AdvisorContext, Finding, Rule, finding, registrar
 from quantlens.profiler.compare import LayerRow
 from quantlens.quantization.consistency import MAX_LEVEL as MAX_CONSISTENCY_LEVEL
@@ -18,7 +18,7 @@ _rule = registrar(RULES)
 #: convert: how many op sites a consistency-level suggestion names (the first ones, in execution order)
 CONSISTENCY_SITES_SHOWN = 4
 #: the IR ops whose integer rule rescales their inputs to the output scale (§10): exact with shared scales
-_RESCALING_ELEMENTWISE = frozenset({"add", "sub", "cat"})
+_RESCALING_ELEMENTWISE = ops_in(rescales_inputs=True)
 
 
 @dataclass(frozen=True)
