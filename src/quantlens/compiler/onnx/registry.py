@@ -7,23 +7,10 @@ package imports them all; the mapping table is in ``docs/ir.md``.
 
 from __future__ import annotations
 
-from typing import Callable
-
-from quantlens.compiler.ir import Node
-from quantlens.compiler.onnx.builder import _Builder
+from quantlens._registry import make_registry
 
 __all__ = ["ONNX_CONVERTERS", "onnx_converter"]
 
-#: IR op -> converter ``fn(builder, node)`` that writes its ONNX nodes
-ONNX_CONVERTERS: dict[str, Callable[["_Builder", Node], None]] = {}
-
-
-def onnx_converter(*ops: str):
-    """Decorator: register the decorated ``fn(builder, node)`` as the ONNX converter of each IR op in ``ops``
-    (replacing an earlier one)."""
-    def register(fn):
-        for op in ops:
-            ONNX_CONVERTERS[op] = fn
-        return fn
-
-    return register
+#: IR op -> converter ``fn(builder, node)`` that writes its ONNX nodes. ``@onnx_converter(op, ...)`` registers
+#: one (a user's converter may replace a built-in one on purpose).
+ONNX_CONVERTERS, onnx_converter = make_registry("ONNX converter for IR op", replace=True)

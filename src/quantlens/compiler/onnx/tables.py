@@ -23,10 +23,9 @@ op the table emulates instead.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
+from quantlens._registry import make_registry
 from quantlens.compiler.ir import Node
 from quantlens.compiler.onnx.builder import _Builder, _onnx_dtype
 from quantlens.compiler.onnx.registry import ONNX_CONVERTERS, onnx_converter
@@ -37,18 +36,11 @@ from quantlens.kernels.tables import SegmentedTable, Table256, recip_mantissa_ta
 __all__ = ["EXACT_TABLE_EXPORTS"]
 
 #: table op name -> ``(builder, node) -> bool`` (False: not exact here; the float reference is written instead)
-EXACT_TABLE_EXPORTS: dict[str, Callable[[_Builder, Node], bool]] = {}
+#: table op -> its exact export ``fn(builder, node) -> bool`` (False: outside what it covers)
+EXACT_TABLE_EXPORTS, _exact = make_registry("exact ONNX export of table op")
 
 _MANT = 24
 _POW2_RANGE = 256  # 2**e for e in [-256, 256]: every exponent the kernels use
-
-
-def _exact(*ops: str):
-    def register(fn):
-        for op in ops:
-            EXACT_TABLE_EXPORTS[op] = fn
-        return fn
-    return register
 
 
 # -- helpers: float64 integers ------------------------------------------------------------------------------------

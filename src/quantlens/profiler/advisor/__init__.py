@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+from quantlens._registry import make_registry
 from quantlens.profiler.advisor import consistency, deployed, general
-from quantlens.profiler.advisor.base import THRESHOLDS, AdvisorContext, Finding, Rule, registrar
+from quantlens.profiler.advisor.base import THRESHOLDS, AdvisorContext, Finding, Rule
 
 __all__ = ["Finding", "AdvisorContext", "RULES", "register_rule", "advise", "THRESHOLDS"]
 
@@ -28,7 +29,7 @@ RULES: dict[str, Rule] = {**general.RULES, **deployed.RULES, **consistency.RULES
 def register_rule(name: str) -> Callable[[Rule], Rule]:
     """A decorator adding a rule ``(AdvisorContext) -> list[Finding]`` to :data:`RULES` under ``name`` (a
     built-in rule's name replaces that rule)."""
-    return registrar(RULES)(name)
+    return make_registry("advisor rule", table=RULES, replace=True)[1](name)
 
 
 def advise(ctx: AdvisorContext, rules: dict[str, Rule] | None = None) -> list[Finding]:

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from quantlens._registry import make_registry
 from quantlens.profiler.compare import LayerComparison, LayerRow
 
 __all__ = ["Finding", "AdvisorContext", "Rule", "registrar", "THRESHOLDS", "INT8_RANGE_LIMIT", "INT16_RANGE_LIMIT",
@@ -67,16 +68,9 @@ Rule = Callable[[AdvisorContext], list[Finding]]
 
 
 def registrar(table: dict[str, Rule]) -> Callable[[str], Callable[[Rule], Rule]]:
-    """A decorator factory: ``@registrar(table)("name")`` on a rule adds it to ``table`` under that name (the
-    tables keep the rules in the order they are registered, which is the order :func:`advise` runs them)."""
-    def register(name: str) -> Callable[[Rule], Rule]:
-        def deco(func: Rule) -> Rule:
-            table[name] = func
-            return func
-
-        return deco
-
-    return register
+    """``@registrar(table)("name")`` on a rule adds it to ``table`` under that name (the tables keep the rules
+    in the order they are registered, which is the order :func:`advise` runs them); a repeated name is an error."""
+    return make_registry("advisor rule", table=table)[1]
 
 
 def num(v: float | None) -> str:
