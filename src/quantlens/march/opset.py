@@ -116,6 +116,8 @@ class OpDef:
     #: pre_export computes it by a lookup table (``TABLE`` ops without one stay float, and convert refuses them)
     table: bool = False
     gemm: bool = False
+    #: a GEMM's output channel dim (its per-channel weight's axis in the output); None: per-tensor operands
+    channel_dim: int | None = None
     weight_args: tuple[int, ...] = ()
     bias_args: tuple[int, ...] = ()
     index_producing: bool = False
@@ -259,9 +261,10 @@ _OP_ROWS: list[OpDef] = [
     OpDef("quant_stub", B, "§12", ("fake_quant",)),
     OpDef("dequant_stub", B, "§12", ("fake_quant",)),
     # GEMM
-    *_rows("conv1d conv2d linear", G, "§6-§9", gemm=True, weight_args=(1,), bias_args=(2,)),
+    *_rows("conv1d conv2d", G, "§6-§9", gemm=True, weight_args=(1,), bias_args=(2,), channel_dim=1),
+    OpDef("linear", G, "§6-§9", ("linear",), gemm=True, weight_args=(1,), bias_args=(2,), channel_dim=-1),
     *_rows("conv_transpose1d conv_transpose2d", G, "§6-§9", gemm=True, weight_args=(1,), bias_args=(2,),
-           note="weight per channel along axis 1"),
+           channel_dim=1, note="weight per channel along axis 1"),
     *_rows("matmul bmm mm", G, "§6-§9", ("matmul",), gemm=True),
     OpDef("scaled_dot_product_attention", G, "§6, §13.6", ("matmul", "int_softmax"), gemm=True,
           note="decomposed at prepare into matmul, softmax (table) and matmul"),

@@ -33,7 +33,7 @@ from quantlens.compiler.kernels_int import storage_dtype
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType
 from quantlens.march.numerics import dequantize, quantize
-from quantlens.march.opset import IR_OPS, Category
+from quantlens.march.opset import IR_OPS, Category, ops_in
 from quantlens.profiler.ablation.ir_cache import IRAblationCache, IRCachedAblations
 from quantlens.profiler.ablation.torch_cache import CachedAblations
 from quantlens.profiler.ir_counts import count_node, nonfinite_count
@@ -55,7 +55,7 @@ __all__ = ["IRModelAccess", "SiteOverride"]
 #: pseudo producer of a model input (the same tensor on both sides of an analysis)
 _INPUT = "<input>"
 #: the IR's nodes that only move or round values: a site's displayed op type is its last other node
-_PLUMBING = {"fake_quant", "requantize", "quantize", "dequantize"}
+_PLUMBING = ops_in(Category.QUANTIZER, Category.BOUNDARY)  # fake_quant, requantize, quantize, dequantize
 
 
 @dataclass

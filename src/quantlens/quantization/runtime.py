@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from quantlens.errors import QuantLensError
+from quantlens.march.opset import OPS
 from quantlens.quantization.emulation import EmuCall, IntegerEmulator
 from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, int32_bias
 from quantlens.quantization.op_rules import OpKind
@@ -273,9 +274,9 @@ def tensor_leaves(value: Any) -> list:
     return pytree.tree_leaves(value)
 
 
-#: GEMM op types -> the channel dim of their output (None: per-tensor operands)
-GEMM_CHANNEL_DIM = {"conv1d": 1, "conv2d": 1, "conv_transpose1d": 1, "conv_transpose2d": 1, "linear": -1,
-                    "matmul": None, "bmm": None, "mm": None}
+#: GEMM op types -> the channel dim of their output (None: per-tensor operands): the op set's GEMMs that lower to
+#: one GEMM IR op (sdpa, a composite of two, is decomposed at prepare)
+GEMM_CHANNEL_DIM = {d.name: d.channel_dim for d in OPS.values() if d.gemm and len(d.ir) == 1}
 
 
 def emulator_for(state: QuantState) -> IntegerEmulator | None:
