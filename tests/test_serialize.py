@@ -325,3 +325,56 @@ def test_missing_file_and_folder(tmp_path):
     assert "folder" in _load_error(tmp_path)
     with pytest.raises(QuantLensError, match="folder"):
         save(_synthetic_module(), tmp_path)
+
+
+class _DeadOutputs(torch.nn.Module):
+    """``.values`` of max(dim) / topk / sort: their indices outputs are computed and never read."""
+
+    def __init__(self):
+        super().__init__()
+        from quantlens.quantization import DeQuantStub, QuantStub
+
+        self.quant, self.dequant, self.fc = QuantStub(), DeQuantStub(), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(self.quant(x))
+        top = torch.topk(h, 3, dim=1).values
+        return self.dequant(torch.max(h, dim=1).values.unsqueeze(1) + top[:, :1] + torch.sort(h, dim=1)[0][:, :1])
+
+
+def test_unread_outputs_of_multi_output_ops_save_and_load(tmp_path):
+    """Both IRs keep a type for every output of a kept node (read or not), so the files save writes load and run
+    the same (the quantized IR's unread indices used to be of unknown type, refused only at load)."""
+    from quantlens.compiler import convert, export
+    from quantlens.quantization import calibrate, prepare
+    from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    model = calibrate(prepare(_DeadOutputs(), (x,), default_calibration_qconfig_setter, check_result_dir=None),
+                      [(torch.randn(4, 8),) for _ in range(2)])
+    qat_ir = export(model, (x,))
+    for ir in (qat_ir, convert(qat_ir)):
+        assert all(v.dtype != "unknown" for v in ir.graph.values.values())
+        indices = [n.outputs[1] for n in ir.graph.nodes if n.op in ("topk", "sort", "max_dim")]
+        assert len(indices) == 3 and all(ir.graph.values[i].dtype == "int64" for i in indices)
+        back = load(save(ir, tmp_path / f"{ir.kind}.qlir"))
+        assert torch.equal(back(x), ir(x))
+
+
+def test_save_refuses_what_load_would_refuse_and_writes_nothing(tmp_path):
+    """A module changed after export into something the IR does not allow (here a value of unknown type) is
+    refused by save itself, naming the value, and no file (nor temporary file) is left."""
+    from quantlens.compiler import export
+    from quantlens.compiler.ir import ValueInfo
+    from quantlens.quantization import calibrate, prepare
+    from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+
+    x = torch.randn(4, 8)
+    model = calibrate(prepare(_DeadOutputs(), (x,), default_calibration_qconfig_setter, check_result_dir=None),
+                      [(torch.randn(4, 8),)])
+    ir = export(model, (x,))
+    name = next(n.outputs[1] for n in ir.graph.nodes if n.op == "topk")
+    ir.graph.values[name] = ValueInfo((), "unknown")
+    with pytest.raises(QuantLensError, match=rf"was not written: load would refuse.*{name}.*dtype 'unknown'"):
+        save(ir, tmp_path / "m.qlir")
+    assert list(tmp_path.iterdir()) == []

@@ -162,7 +162,10 @@ def _drop_dead(graph: Graph) -> None:
             live.update(i for i in node.inputs if i)
     graph.nodes = kept[::-1]
     graph.constants = {k: v for k, v in graph.constants.items() if k in live}
-    graph.values = {k: v for k, v in graph.values.items() if k in live or k in graph.inputs}
+    # every output of a kept node keeps its type, read or not (topk's indices after `.values`): the quantized IR
+    # and the saved file then describe it, rather than a value of unknown type that load refuses
+    produced = {o for node in graph.nodes for o in node.outputs}
+    graph.values = {k: v for k, v in graph.values.items() if k in live or k in produced or k in graph.inputs}
 
 
 # -- padding, standalone batch norm, prelu / leaky_relu, relu6, functionalized in-place writes -----------------

@@ -20,6 +20,7 @@ from quantlens.compiler.serialize.schema import (
     METADATA_KEY,
     _file_checksum,
 )
+from quantlens.compiler.serialize.validate import _Invalid, _module_from_header
 from quantlens.errors import QuantLensError
 
 
@@ -38,6 +39,7 @@ def save(module: Module, path: str | os.PathLike) -> Path:
         raise QuantLensError(f"save: '{path}' is a folder; give a file path such as '{path / 'model.qlir'}'.")
     constants = _tensors_for_file(module.graph)
     text = json.dumps(_header(module, constants), allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+    _check_loadable(text, constants, path)
     metadata = {METADATA_KEY: text, CHECKSUM_KEY: _file_checksum(text, constants)}
     atomic_write(path, lambda tmp: save_file(constants, tmp, metadata=metadata), fsync=True)
     return path
@@ -129,3 +131,16 @@ def _writer() -> str:
         return f"quantlens {version('quantlens')}"
     except Exception:  # noqa: BLE001 - informational only
         return "quantlens"
+
+
+def _check_loadable(text: str, constants: dict[str, torch.Tensor], path: Path) -> None:
+    """Hold the header to the loader's own rules before anything is written: a file ``save`` writes always
+    loads (else the failure would surface only when someone reads the file back)."""
+    try:
+        _module_from_header(json.loads(text), constants)
+    except _Invalid as exc:
+        raise QuantLensError(
+            f"save: '{path}' was not written: load would refuse this module ({exc}). The module was changed after "
+            "export / convert into something the IR does not allow; export and convert it again (if it came "
+            "straight from them, this is a quantlens bug: please report it with the model)."
+        ) from None
