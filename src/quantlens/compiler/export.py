@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from quantlens.compiler.ir import InputLeaf, Module, ValueInfo
-from quantlens.compiler.lowering import lower_exported_program
+from quantlens.compiler.lowering import decompose_unlowered, lower_exported_program
 from quantlens.errors import QuantLensError
 from quantlens.kernels import TABLE_OP_IO
 from quantlens.quantization.fake_quantize import FakeQuantize
@@ -170,11 +170,12 @@ def export(
             # In-place ops (x += y, x.mul_(2), x[:, 0] = 0, clamp_) become their functional forms; an empty
             # decomposition table decomposes nothing else.
             ep = ep.run_decompositions({})
-    graph = lower_exported_program(ep, [names[i] for i in tensor_positions])
+            ep = decompose_unlowered(ep)  # an op with no lowering rule: torch's own decomposition, before refusing
+    # Ops after a DeQuantStub are host post-processing: they stay float through convert, and any aten op may be one.
+    host_sites = frozenset(s.name for s in model._quantlens_state.record.sites.values() if s.after_dequant)
+    graph = lower_exported_program(ep, [names[i] for i in tensor_positions], host_sites)
     if dynamic_batch:
         _check_dynamic_batch(graph, [names[tensor_positions[k]] for k in batched])
-    # Ops after a DeQuantStub are host post-processing: they stay float through convert.
-    host_sites = {s.name for s in model._quantlens_state.record.sites.values() if s.after_dequant}
     for node in graph.nodes:
         if node.site in host_sites:
             node.attrs["host"] = True

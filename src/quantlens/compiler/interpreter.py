@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from quantlens._registry import make_registry
+from quantlens.compiler.host_ops import call_host_aten
 from quantlens.compiler.ir import Graph, Module, Node
 from quantlens.compiler.lowering import TORCH_OPS
 from quantlens.errors import QuantLensError
@@ -30,6 +31,11 @@ QAT_KERNELS, qat_kernel = make_registry("qat IR kernel for op")
 def call_torch_op(torch_op, node: Node, inputs: list) -> Any:
     """Call an aten/custom op with the node's inputs (tensor schema args, in order) and attrs (the rest)."""
     return call_op(torch_op, node.attrs, inputs)
+
+
+@qat_kernel("host_aten")
+def _host_aten(node: Node, inputs: list):
+    return call_host_aten(node.attrs, inputs, node.site)
 
 
 @qat_kernel("split")

@@ -28,6 +28,20 @@ _SDPA_SIGNATURE = inspect.signature(
 )
 
 
+def _repeat_heads(t: torch.Tensor, heads: int, site: str) -> torch.Tensor:
+    """``t`` (..., kv_heads, L, E) with each head repeated ``heads // kv_heads`` times, as torch's sdpa does for
+    ``enable_gqa=True``; by expand + reshape (data movement, no new values to quantize)."""
+    kv_heads = t.shape[-3]
+    if heads % kv_heads:
+        raise QuantLensError(f"Op site '{site}': scaled_dot_product_attention with enable_gqa=True needs the query "
+                             f"heads ({heads}) to be a multiple of the key/value heads ({kv_heads}).")
+    if heads == kv_heads:
+        return t
+    lead, (length, width) = t.shape[:-3], t.shape[-2:]
+    return t.unsqueeze(-3).expand(*lead, kv_heads, heads // kv_heads, length, width).reshape(
+        *lead, heads, length, width)
+
+
 class SdpaDecomposition(SiteOverride):
     """``softmax(q @ kᵀ · scale, masked) @ v`` with fake quants on the scaled scores and the probabilities.
 
@@ -48,11 +62,8 @@ class SdpaDecomposition(SiteOverride):
         bound.apply_defaults()
         a = bound.arguments
         q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
-        if a["enable_gqa"]:
-            raise QuantLensError(
-                f"Op site '{call.site}': scaled_dot_product_attention with enable_gqa=True is not supported; "
-                "repeat the key/value heads explicitly."
-            )
+        if a["enable_gqa"]:  # grouped-query attention: each key/value head serves a group of query heads
+            k, v = (_repeat_heads(t, q.shape[-3], call.site) for t in (k, v))
         scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
         emulator = current_emulator()
         q_fq, k_fq, v_fq = (list(call.input_fqs) + [None] * 3)[:3]

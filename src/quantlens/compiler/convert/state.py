@@ -154,6 +154,10 @@ class _Converter:
             if self.is_host_op(node):
                 self.host_op(node)
                 continue
+            if self.is_integer_math(node):  # index arithmetic (position ids: cumsum of a mask): exact as it is;
+                # the quantized IR's kernel of an op is its integer rule on codes, so it runs with torch's semantics
+                self.host_op(node)
+                continue
             converter = CONVERTERS.get(node.op)
             if converter is None:
                 raise QuantLensError(
@@ -197,8 +201,18 @@ class _Converter:
             and any(self.src.values[v].dtype.startswith("float") for v in data)
         )
 
+    def is_integer_math(self, node: Node) -> bool:
+        """An op on integer / bool values only (no quantized value, no float) with integer / bool results."""
+        data = [v for v in node.inputs if v]
+        values = [self.src.values.get(v) for v in data + list(node.outputs)]
+        return (node.op != "fake_quant" and bool(data)
+                and all(v in self.float_values or self.is_const(v) for v in data)
+                and all(info is not None and info.dtype not in ("unknown", "") and not info.dtype.startswith(
+                    ("float", "bfloat")) for info in values))
+
     def host_op(self, node: Node) -> None:
-        """Kept as a float op with the qat IR's semantics (``attrs["host"]``): it runs on the host, not the NPU."""
+        """Kept as an op with the qat IR's semantics (``attrs["host"]``): float post-processing after the boundary,
+        or integer index math (exact wherever it runs)."""
         ins = [_index_input(self, node, v) for v in node.inputs]
         outs = [self.fresh(o) for o in node.outputs]
         self.out.nodes.append(Node(node.op, ins, outs, {**node.attrs, "host": True}, node.site))

@@ -16,10 +16,12 @@ import operator
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 import quantlens.march.numerics  # noqa: F401  (registers torch.ops.quantlens.fake_quant)
+from quantlens.compiler.host_ops import encode_call
 from quantlens.compiler.ir import Graph, Node, ValueInfo
-from quantlens.compiler.lowering import compute  # noqa: F401 (fills LOWERINGS)
+from quantlens.compiler.lowering import compute, forms, recurrence  # noqa: F401 (fill LOWERINGS)
 from quantlens.compiler.lowering.movement import _quantlens_custom, _static_dim
 from quantlens.compiler.lowering.rules import (
     LOWERINGS,
@@ -37,9 +39,49 @@ from quantlens.compiler.lowering.rules import (
     aten,
 )
 from quantlens.errors import QuantLensError
-from quantlens.march.opset import IR_OPS
+from quantlens.march.opset import IR_OPS, Category
 
-__all__ = ["lower_exported_program", "LOWERINGS", "TORCH_OPS"]
+__all__ = ["lower_exported_program", "decompose_unlowered", "LOWERINGS", "TORCH_OPS"]
+
+
+def _unlowered(ep: torch.export.ExportedProgram) -> set:
+    return {n.target for n in ep.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+            and n.target.namespace == "aten" and n.target not in LOWERINGS and _reads_a_node(n)}
+
+
+def _reads_a_node(node: fx.Node) -> bool:
+    """Whether an op reads another node; one that does not (``zeros``, ``full``: an LSTM's initial state) is folded
+    to a constant by lowering, so decomposing it would only cost a full retrace (each ``run_decompositions`` traces
+    the whole graph again)."""
+    return any(isinstance(a, fx.Node) for a in pytree.tree_leaves((node.args, node.kwargs)))
+
+
+def decompose_unlowered(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Decompose every aten op that has no lowering rule with torch's own decomposition tables (core ATen first,
+    then torch's full table), until each op lowers or has no decomposition (then lowering refuses it, naming it).
+    The decomposed nodes keep the op site of the op they replace (torch.export carries node metadata through)."""
+    from torch._decomp import core_aten_decompositions, decomposition_table
+
+    tables = (core_aten_decompositions(), decomposition_table)
+    tried: set = set()
+    for _ in range(8):  # a decomposition may produce ops that decompose further
+        todo = {}
+        for op in _unlowered(ep) - tried:
+            fn = next((t[op] for t in tables if op in t), None)
+            if fn is not None:
+                todo[op] = fn
+        if not todo:
+            break
+        tried |= set(todo)
+        ep = ep.run_decompositions(todo)
+    return ep
+
+
+def decomposes(op) -> bool:
+    """Whether an aten overload has a lowering rule or a decomposition in torch's tables (one level deep)."""
+    from torch._decomp import core_aten_decompositions, decomposition_table
+
+    return op in LOWERINGS or op in core_aten_decompositions() or op in decomposition_table
 
 
 # Nodes that only depend on constants are evaluated at export (BatchNorm folding, position ids, masks).
@@ -83,8 +125,72 @@ def _try_fold(ctx: _Ctx, node: fx.Node) -> bool:
     return True
 
 
-def lower_exported_program(ep: torch.export.ExportedProgram, input_names: list[str]) -> Graph:
-    """Lower an exported program whose user inputs are flat tensors named ``input_names``."""
+# Values computable at export that pass through fake quants (rotary tables: cos(fq(positions @ inv_freq)), ALiBi
+# slopes, a parametrized weight): a fake quant of a constant, and a data move of such a value, stay in the graph
+# (their consumers need to know the value is on a grid) and their value is also known; an op computing from known
+# values only is folded to a constant (its own output fake quant follows it, as in the QAT model).
+_KEEP_WHEN_KNOWN = {Category.MOVEMENT, Category.LOOKUP, Category.INDEX, Category.QUANTIZER, Category.BOUNDARY}
+
+
+def _known_args(ctx: _Ctx, args) -> bool | None:
+    """None: an argument is computed at run time; else whether one of them (all constant or known) is known."""
+    found = False
+    for a in pytree.tree_leaves(args):
+        if not isinstance(a, fx.Node):
+            continue
+        names = ctx.names.get(a)
+        for name in names if isinstance(names, list) else [names]:
+            if name in ctx.known:
+                found = True
+            elif not ctx.is_const(name):
+                return None
+    return found
+
+
+def _known_value(ctx: _Ctx, arg):
+    if isinstance(arg, fx.Node):
+        names = ctx.names[arg]
+        pick = lambda n: ctx.known[n] if n in ctx.known else ctx.graph.constants[n]  # noqa: E731
+        return [pick(n) for n in names] if isinstance(names, list) else pick(names)
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_known_value(ctx, a) for a in arg)
+    return arg
+
+
+def _lower_known(ctx: _Ctx, node: fx.Node, rule) -> bool:
+    """Lower or fold ``node`` when its inputs are constants and known values (see above); False: not such a node."""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return False
+    known = _known_args(ctx, (node.args, node.kwargs))
+    if known is None or not (known or getattr(node.target, "namespace", None) == "quantlens"):
+        return False  # computed at run time, or constants only (plain folding's job, or a table op's)
+    result = node.target(*_known_value(ctx, node.args), **{k: _known_value(ctx, v) for k, v in node.kwargs.items()})
+    first = len(ctx.graph.nodes)
+    if rule is not None:
+        rule(ctx, node)
+        emitted = ctx.graph.nodes[first:]
+        if all(n.op in IR_OPS and IR_OPS[n.op].category in _KEEP_WHEN_KNOWN for n in emitted):
+            names = ctx.names[node]
+            for name, value in zip(names if isinstance(names, list) else [names],
+                                   result if isinstance(result, (tuple, list)) else [result]):
+                if isinstance(value, torch.Tensor):
+                    ctx.known[name] = value
+            return True
+        del ctx.graph.nodes[first:]
+    if isinstance(result, torch.Tensor):
+        ctx.names[node] = ctx.const(result, "folded")
+    elif isinstance(result, (tuple, list)) and all(isinstance(r, torch.Tensor) for r in result):
+        ctx.names[node] = [ctx.const(r, "folded") for r in result]
+    else:
+        raise QuantLensError(f"export: op {node.target} at op site '{_site(node) or '<unknown>'}' ({_source(node)}) "
+                             "computes from constants only but returned no tensor; please report this.")
+    return True
+
+
+def lower_exported_program(ep: torch.export.ExportedProgram, input_names: list[str],
+                           host_sites: frozenset[str] = frozenset()) -> Graph:
+    """Lower an exported program whose user inputs are flat tensors named ``input_names``. An op with no lowering
+    rule at one of ``host_sites`` (after the DeQuantStub) becomes a float ``host_aten`` node."""
     graph = Graph(nodes=[], inputs=list(input_names), outputs=[], constants={}, values={})
     ctx = _Ctx(graph)
     sig = ep.graph_signature
@@ -118,6 +224,10 @@ def lower_exported_program(ep: torch.export.ExportedProgram, input_names: list[s
         rule = LOWERINGS.get(node.target)
         if rule is None and getattr(node.target, "namespace", None) == "quantlens":
             rule = _quantlens_custom
+        if _lower_known(ctx, node, rule):
+            continue
+        if rule is None and _site(node) in host_sites and isinstance(node.target, torch._ops.OpOverload):
+            rule = _host_aten
         if rule is None:
             raise QuantLensError(
                 f"export: the op {node.target} is not supported by the quantlens IR (op site "
@@ -132,6 +242,12 @@ def lower_exported_program(ep: torch.export.ExportedProgram, input_names: list[s
         raise QuantLensError(f"export: lowering produced IR ops {undeclared} that quantlens.march.opset does not declare "
                              "as qat IR ops; please report this.")
     return graph
+
+
+def _host_aten(ctx: _Ctx, node: fx.Node) -> None:
+    inputs, attrs = encode_call(node, lambda a: _value(ctx, a))
+    _emit(ctx, node, "host_aten", inputs, attrs, n_out=len(node.meta["val"]) if isinstance(
+        node.meta.get("val"), (tuple, list)) else 1)
 
 
 _SHAPE_ASSERTS = {"_assert_scalar", "sym_constrain_range_for_size", "_assert_tensor_metadata"}

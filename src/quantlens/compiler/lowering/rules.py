@@ -25,6 +25,8 @@ class _Ctx:
     graph: Graph
     names: dict[fx.Node, Any] = field(default_factory=dict)  # fx node -> value name (or list, or python value)
     counter: int = 0
+    #: value name -> its tensor, for values computed in the graph from constants only (see the driver)
+    known: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def fresh(self, base: str) -> str:
         self.counter += 1

@@ -1,0 +1,79 @@
+"""Host ops: any aten op after the model's DeQuantStub (float post-processing) in the IR, as ``host_aten`` nodes.
+
+The NPU computes up to the DeQuantStub; what follows runs on the host in float, so no integer rule is asked of it
+and any op torch.export captures is fine. An op with an IR lowering keeps it (``attrs["host"]``); an op with none
+becomes one ``host_aten`` node that names the aten overload and the call's other arguments:
+``{"target": "aten::topk.default", "args": [{"input": 0}, 3], "kwargs": {}}``. Running it looks the overload up in
+``torch.ops.aten`` / ``torch.ops.prims`` only (a data file names an op; it never carries code).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+from quantlens.errors import QuantLensError
+
+__all__ = ["encode_call", "call_host_aten"]
+
+#: the operator namespaces a host op may name: torch's own (a decomposition may leave a prims op)
+_NAMESPACES = ("aten", "prims")
+_DTYPE = "dtype"
+_INPUT = "input"
+
+
+def encode_call(node: fx.Node, value_of) -> tuple[list[str], dict[str, Any]]:
+    """``(inputs, attrs)`` of a ``host_aten`` node for an fx call of an aten overload; ``value_of(fx_node)`` gives
+    the IR value name of a tensor argument."""
+    inputs: list[str] = []
+
+    def enc(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            inputs.append(value_of(a))
+            return {_INPUT: len(inputs) - 1}
+        if isinstance(a, (list, tuple)):
+            return [enc(x) for x in a]
+        if isinstance(a, torch.dtype):
+            return {_DTYPE: str(a).replace("torch.", "")}
+        if isinstance(a, (torch.device, torch.layout, torch.memory_format)):
+            return None  # host ops run on the CPU with default layouts
+        if a is None or isinstance(a, (bool, int, float, str)):
+            return a
+        raise QuantLensError(f"export: host op {node.target} takes an argument of type {type(a).__name__} that the "
+                             "IR cannot record.")
+
+    target = node.target
+    name = f"{target.namespace}::{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    args = [enc(a) for a in node.args]
+    kwargs = {k: enc(v) for k, v in node.kwargs.items() if k not in ("device", "layout", "pin_memory",
+                                                                       "memory_format")}
+    return inputs, {"target": name, "args": args, "kwargs": kwargs}
+
+
+def _overload(target: str, site: str):
+    namespace, _, rest = target.partition("::")
+    name, _, overload = rest.partition(".")
+    packet = getattr(getattr(torch.ops, namespace), name, None) if namespace in _NAMESPACES else None
+    op = getattr(packet, overload or "default", None) if packet is not None else None
+    if not isinstance(op, torch._ops.OpOverload):
+        raise QuantLensError(f"host op at op site '{site}': {target!r} is not an aten operator of this torch "
+                             f"({torch.__version__}); the IR names aten ops only. Export the model again.")
+    return op
+
+
+def call_host_aten(attrs: dict, inputs: list, site: str) -> Any:
+    """Run a ``host_aten`` node: its aten overload on ``inputs`` and the recorded arguments."""
+
+    def dec(a: Any) -> Any:
+        if isinstance(a, dict) and set(a) == {_INPUT}:
+            return inputs[a[_INPUT]]
+        if isinstance(a, dict) and set(a) == {_DTYPE}:
+            return getattr(torch, a[_DTYPE])
+        if isinstance(a, list):
+            return [dec(x) for x in a]
+        return a
+
+    op = _overload(attrs["target"], site)
+    return op(*[dec(a) for a in attrs["args"]], **{k: dec(v) for k, v in attrs["kwargs"].items()})

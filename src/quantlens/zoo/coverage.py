@@ -1,0 +1,174 @@
+"""Run one model through every stage and measure each stage against the one before it (the coverage sweep).
+
+prepare -> calibration -> pre_export -> export (qat IR) -> convert (quantized IR) -> save -> load -> to_onnx ->
+onnxruntime at its default options. :func:`run_stages` returns a :class:`CoverageResult`: the first stage that
+failed (with its error) and the cosine of each neighbouring pair, measured on one held-out batch:
+
+* ``pre_export`` vs the fake-quant model (calibrated, VALIDATION state),
+* ``qat IR`` vs ``pre_export``,
+* ``quantized IR`` vs ``qat IR`` (consistency strategy off),
+* ``loaded`` vs ``quantized IR`` (save -> load must not change a number),
+* ``onnxruntime`` (default options) vs ``qat IR``.
+
+``benchmarks/bench_coverage.py`` runs it over :mod:`quantlens.zoo.architectures` and writes ``docs/coverage.md``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from quantlens.compiler import convert, export, load, save, to_onnx
+from quantlens.errors import QuantLensError
+from quantlens.quantization import calibrate, pre_export, prepare
+from quantlens.quantization.qconfig_template import (
+    calibration_8bit_weight_16bit_act_qconfig_setter,
+    default_calibration_qconfig_setter,
+)
+
+__all__ = ["STAGES", "PAIRS", "THRESHOLDS", "CoverageResult", "run_stages", "cosine", "float_leaves"]
+
+#: the stages in order; a result's ``failed_stage`` is one of them
+STAGES = ("float", "prepare", "calibration", "pre_export", "export", "convert", "save/load", "to_onnx",
+          "onnxruntime")
+#: the agreements measured: (name, model measured, model it is meant to keep)
+PAIRS = (("pre_export vs fake quant", "pre_export", "calibration"),
+         ("qat IR vs pre_export", "export", "pre_export"),
+         ("quantized IR vs qat IR", "convert", "export"),
+         ("loaded vs quantized IR", "save/load", "convert"),
+         ("onnxruntime vs qat IR", "onnxruntime", "export"))
+#: the least cosine each agreement must reach (issue #22's must-show)
+THRESHOLDS = {"pre_export vs fake quant": 0.99, "qat IR vs pre_export": 0.9999, "quantized IR vs qat IR": 0.998,
+              "loaded vs quantized IR": 1.0, "onnxruntime vs qat IR": 0.999}
+SETTERS = {"int8": default_calibration_qconfig_setter, "w8a16": calibration_8bit_weight_16bit_act_qconfig_setter}
+
+
+@dataclass
+class CoverageResult:
+    """One model's run: the first failing stage (None: all passed), its error, and the pair cosines."""
+
+    name: str
+    qconfig: str
+    failed_stage: str | None = None
+    error: str = ""
+    agreements: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        """Every stage ran and every agreement reached its threshold."""
+        return self.failed_stage is None and all(
+            self.agreements.get(name, -1.0) >= THRESHOLDS[name] - 1e-9 for name in THRESHOLDS)
+
+    def below(self) -> list[str]:
+        """The agreements under their threshold."""
+        return [name for name in THRESHOLDS if name in self.agreements and self.agreements[name] < THRESHOLDS[name]]
+
+
+def float_leaves(out: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a model output (any pytree: tuples, dicts, ``ModelOutput``)."""
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+
+
+def cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """Cosine of the concatenated flattened leaves (1.0 when both are all zeros)."""
+    if len(a) != len(b):
+        raise QuantLensError(f"cosine: {len(a)} output tensors against {len(b)}")
+    x = torch.cat([t.detach().double().flatten() for t in a])
+    y = torch.cat([t.detach().double().flatten() for t in b])
+    nx, ny = x.norm(), y.norm()
+    if nx == 0 and ny == 0:
+        return 1.0
+    if nx == 0 or ny == 0:
+        return 0.0
+    return float((x @ y) / (nx * ny))
+
+
+def _call(model: Callable, inputs: Any) -> list[torch.Tensor]:
+    with torch.no_grad():
+        out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+    return float_leaves(out)
+
+
+def _onnx_outputs(path: Path, ir, inputs: Any) -> list[torch.Tensor]:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()  # onnxruntime's default options (ORT_ENABLE_ALL)
+    options.log_severity_level = 3
+    options.intra_op_num_threads = torch.get_num_threads()
+    sess = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+    feeds = {name: t.numpy() for name, t in zip(ir.graph.inputs, tensors)}
+    outs = sess.run(None, feeds)
+    return [torch.from_numpy(o) for o in outs if o.dtype.kind == "f"]
+
+
+def run_stages(name: str, model: torch.nn.Module, example: Any, batches: list, held_out: Any,
+               qconfig: str = "int8", *, onnx: bool = True) -> CoverageResult:
+    """Take ``model`` through every stage (see the module docstring); never raises for a stage's failure."""
+    result = CoverageResult(name, qconfig)
+    outs: dict[str, list[torch.Tensor]] = {}
+    state: dict[str, Any] = {}
+
+    def float_stage():
+        return model.eval()
+
+    def prepare_stage():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return prepare(model, example, SETTERS[qconfig], check_result_dir=None)
+
+    def calibration_stage():
+        return calibrate(state["prepare"], batches)
+
+    def pre_export_stage():
+        return pre_export(state["calibration"], example_inputs=example)
+
+    def export_stage():
+        return export(state["pre_export"], example)
+
+    def convert_stage():
+        return convert(state["export"])
+
+    with tempfile.TemporaryDirectory(prefix="quantlens_coverage_") as tmp:
+        def save_stage():
+            return load(save(state["convert"], Path(tmp) / "model.qlir"))
+
+        def onnx_stage():
+            return to_onnx(state["export"], Path(tmp) / "model.onnx")
+
+        steps = [("float", float_stage), ("prepare", prepare_stage), ("calibration", calibration_stage),
+                 ("pre_export", pre_export_stage), ("export", export_stage), ("convert", convert_stage),
+                 ("save/load", save_stage)]
+        if onnx:
+            steps.append(("to_onnx", onnx_stage))
+        for stage, step in steps:
+            start = time.perf_counter()
+            try:
+                state[stage] = step()
+                if stage not in ("prepare", "to_onnx"):
+                    outs[stage] = _call(state[stage], held_out)
+            except Exception as exc:  # noqa: BLE001 - the sweep records every failure, whatever its type
+                result.failed_stage, result.error = stage, f"{type(exc).__name__}: {exc}"
+                break
+            finally:
+                result.seconds[stage] = time.perf_counter() - start
+        if onnx and result.failed_stage is None:
+            try:
+                outs["onnxruntime"] = _onnx_outputs(state["to_onnx"], state["export"], held_out)
+            except Exception as exc:  # noqa: BLE001
+                result.failed_stage, result.error = "onnxruntime", f"{type(exc).__name__}: {exc}"
+    for pair, measured, reference in PAIRS:
+        if measured in outs and reference in outs:
+            result.agreements[pair] = cosine(outs[measured], outs[reference])
+    return result

@@ -1,0 +1,171 @@
+"""Coverage by construction (issue #22): the mechanisms that let models nobody here wrote go through export.
+
+* values computed from constants through fake quants are folded (rotary tables: cos of positions x inv_freq);
+* an aten op with no lowering rule is decomposed with torch's own tables, its pieces keeping the op site;
+* integer index math (position ids from a cumsum of the mask) runs exactly, on the host, in the quantized IR;
+* any aten op after the DeQuantStub is a float host op (``host_aten``), through save/load;
+* grouped-query attention (sdpa ``enable_gqa=True``) repeats the key/value heads.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantlens.compiler import convert, export, load, save, to_onnx
+from quantlens.errors import QuantLensError
+from quantlens.quantization import DeQuantStub, QuantStub, calibrate, pre_export, prepare
+from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+
+
+def _through(model, example, batches=None):
+    prepared = calibrate(prepare(model, example, default_calibration_qconfig_setter, check_result_dir=None),
+                         batches or [example])
+    tables = pre_export(prepared, example_inputs=example)
+    qat_ir = export(tables, example)
+    return prepared, tables, qat_ir, convert(qat_ir)
+
+
+def _cos(a, b):
+    return float(F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
+
+
+class Rotary(nn.Module):
+    """A rotary-embedding block: the cos/sin tables depend on the sequence length only."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (100 ** (torch.arange(0, 8, 2).float() / 8)), persistent=False)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1], dtype=torch.float32)
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        x = self.proj(x)
+        return x * emb.cos() + x.flip(-1) * emb.sin()
+
+
+def test_values_computed_from_constants_through_fake_quants_are_folded():
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 8)
+    _, tables, qat_ir, quantized = _through(Rotary().eval(), (x,))
+    ops = [n.op for n in qat_ir.graph.nodes]
+    assert "cos" not in ops and "sin" not in ops  # folded: no lowering rule was needed
+    with torch.no_grad():
+        assert torch.equal(qat_ir(x), tables(x))  # the fold computes what the QAT model computes
+        assert _cos(quantized(x), qat_ir(x)) > 0.998
+
+
+class SamePadding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 4, padding="same")  # aten.conv2d.padding: no rule; torch decomposes it
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def test_an_op_without_a_rule_is_decomposed_and_keeps_its_op_site():
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 8, 8)
+    _, tables, qat_ir, quantized = _through(SamePadding().eval(), (x,))
+    convs = [n for n in qat_ir.graph.nodes if n.op == "conv2d"]
+    assert len(convs) == 1 and convs[0].site == "conv"
+    assert all(n.site == "conv" for n in qat_ir.graph.nodes if n.op == "pad")  # the decomposition's explicit pad
+    with torch.no_grad():
+        assert torch.equal(qat_ir(x), tables(x))
+        assert _cos(quantized(x), qat_ir(x)) > 0.998
+
+
+class PositionIds(nn.Module):
+    """RoBERTa's position ids: a cumsum of the padding mask (integer math) into an embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(20, 8)
+        self.positions = nn.Embedding(20, 8)
+
+    def forward(self, ids):
+        mask = ids.ne(0).int()
+        position_ids = torch.cumsum(mask, dim=1).type_as(mask) * mask + 1
+        return self.tokens(ids) + self.positions(position_ids.long())
+
+
+def test_integer_index_math_runs_exactly_in_the_quantized_ir():
+    ids = torch.tensor([[3, 4, 5, 0, 0], [6, 7, 8, 9, 1]])
+    _, tables, qat_ir, quantized = _through(PositionIds().eval(), (ids,))
+    cumsums = [n for n in quantized.graph.nodes if n.op == "cumsum"]
+    assert cumsums and all(n.attrs.get("host") for n in cumsums)
+    with torch.no_grad():
+        assert torch.equal(qat_ir(ids), tables(ids))
+        assert _cos(quantized(ids), qat_ir(ids)) > 0.998
+
+
+class HostTail(nn.Module):
+    """Post-processing after the DeQuantStub with ops the IR has no rule for."""
+
+    def __init__(self):
+        super().__init__()
+        self.quant, self.dequant = QuantStub(), DeQuantStub()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        y = self.dequant(self.fc(self.quant(x)))
+        return torch.logcumsumexp(y, dim=1), torch.special.erfinv(torch.tanh(y) * 0.5)
+
+
+def test_any_aten_op_after_the_dequant_stub_is_a_float_host_op(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randn(3, 6)
+    _, tables, qat_ir, quantized = _through(HostTail().eval(), (x,))
+    host = [n for n in qat_ir.graph.nodes if n.op == "host_aten"]
+    # (torch's decomposition turns erfinv into prims.erf_inv)
+    assert {n.attrs["target"].split(".")[0] for n in host} == {"aten::logcumsumexp", "prims::erf_inv"}
+    assert all(n.attrs.get("host") for n in host)
+    loaded = load(save(quantized, tmp_path / "m.qlir"))
+    with torch.no_grad():
+        for got, want in zip(qat_ir(x), tables(x)):
+            assert torch.equal(got, want)
+        for got, want in zip(loaded(x), quantized(x)):
+            assert torch.equal(got, want)
+        y = quantized(x)
+    assert _cos(y[0], qat_ir(x)[0]) > 0.998
+    pytest.importorskip("onnx")
+    with pytest.raises(QuantLensError, match="host_aten"):
+        to_onnx(qat_ir, tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_a_host_op_naming_something_other_than_an_aten_op_is_refused():
+    from quantlens.compiler.host_ops import call_host_aten
+
+    with pytest.raises(QuantLensError, match="not an aten operator"):
+        call_host_aten({"target": "builtins::eval.default", "args": [], "kwargs": {}}, [], "site")
+    with pytest.raises(QuantLensError, match="not an aten operator"):
+        call_host_aten({"target": "aten::no_such_op.default", "args": [], "kwargs": {}}, [], "site")
+
+
+class GroupedQueryAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 8), nn.Linear(16, 8)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, 4, 4).transpose(1, 2)
+        k = self.k(x).view(b, n, 2, 4).transpose(1, 2)
+        v = self.v(x).view(b, n, 2, 4).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def test_grouped_query_attention_repeats_the_key_value_heads():
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    model = GroupedQueryAttention().eval()
+    prepared, tables, qat_ir, quantized = _through(model, (x,))
+    with torch.no_grad():
+        want = model(x)
+        assert _cos(prepared(x), want) > 0.99
+        assert torch.equal(qat_ir(x), tables(x))
+        assert _cos(quantized(x), qat_ir(x)) > 0.998
