@@ -169,3 +169,111 @@ def test_grouped_query_attention_repeats_the_key_value_heads():
         assert _cos(prepared(x), want) > 0.99
         assert torch.equal(qat_ir(x), tables(x))
         assert _cos(quantized(x), qat_ir(x)) > 0.998
+
+
+class ExportBranch(nn.Module):
+    """Takes another branch under torch.export, as transformers' mask builders do."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if torch.compiler.is_exporting() or torch.compiler.is_compiling():
+            y = y + 1.0
+        return y
+
+
+def test_traced_forwards_take_the_branch_export_takes():
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    model = ExportBranch().eval()
+    prepared, tables, qat_ir, quantized = _through(model, (x,))
+    sites = prepared._quantlens_state.record.sites
+    assert "add_0" in sites  # recorded at prepare, so calibrated and found again by export
+    assert not torch.compiler.is_compiling() and not torch.compiler.is_exporting()  # the flags are restored
+    with torch.no_grad():
+        assert torch.equal(qat_ir(x), tables(x))
+        assert _cos(qat_ir(x), model(x) + 1.0) > 0.999
+
+
+class Select(nn.Module):
+    """where between a quantized value and a constant, and a comparison of a quantized value with a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.quant = QuantStub()
+
+    def forward(self, x):
+        x = self.quant(x)
+        return torch.where(x > 0.25, x, torch.tensor(-1.0))
+
+
+def test_where_and_comparisons_with_constants_convert_to_codes():
+    from quantlens.quantization import FakeQuantState, set_fake_quantize
+
+    x = torch.tensor([[-1.0, 0.0, 0.24, 0.26, 0.5, 1.0]])
+    prepared = calibrate(prepare(Select().eval(), (x,), default_calibration_qconfig_setter, check_result_dir=None),
+                         [(x,)])
+    set_fake_quantize(prepared, FakeQuantState.VALIDATION)
+    quantized = convert(export(prepared, (x,)))
+    ops = [n.op for n in quantized.graph.nodes]
+    assert "gt" in ops and "where" in ops
+    gt = next(n for n in quantized.graph.nodes if n.op == "gt")
+    # the constant enters in codes: 0.25 / s_x, with s_x = 1/127 (symmetric int8 over max |x| = 1)
+    bound = float(quantized.graph.constants[gt.inputs[1]])
+    assert bound == pytest.approx(0.25 * 127, rel=1e-6)
+    with torch.no_grad():
+        got, want = quantized(x), prepared(x)
+    # codes of x: [-127, 0, 30, 33, 64, 127] -> 30/127 = 0.236 <= 0.25 < 33/127 = 0.260
+    assert torch.equal(got > -0.5, torch.tensor([[False, False, False, True, True, True]]))
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+class BiasedAttention(nn.Module):
+    """sdpa with additive float masks: a learned relative-position bias (Swin), and a 0 / finfo.min padding mask
+    (what transformers builds) whose blocked entries must mask out without stretching the scores' grid."""
+
+    def __init__(self, padding: bool):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.bias = nn.Parameter(torch.randn(1, 2, 5, 5) * 0.5)
+        self.padding = padding
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        if not self.padding:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+        blocked = torch.zeros(n, n, dtype=torch.bool)
+        blocked[:, -1] = True
+        mask = torch.where(blocked, torch.finfo(torch.float32).min, 0.0)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_an_additive_mask_gets_its_own_grid_and_blocked_entries_mask_out(padding):
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8)
+    model = BiasedAttention(padding).eval()
+    prepared, tables, qat_ir, quantized = _through(model, (x,), [(torch.randn(2, 5, 8),) for _ in range(3)])
+    override = next(iter(prepared._quantlens_state.overrides.values()))
+    assert override.additive_mask and override.softmax_input_fq is override.mask_fq
+    assert float(override.mask_fq.scale.max()) < 1.0  # finfo.min did not stretch the masked scores' grid
+    with torch.no_grad():
+        assert _cos(prepared(x), model(x)) > 0.99
+        assert torch.equal(qat_ir(x), tables(x))
+        assert _cos(quantized(x), qat_ir(x)) > 0.998
+
+
+def test_constant_tensor_addend_codes_by_hand():
+    from quantlens.march import Qpp, rules
+
+    k = torch.tensor([0.3, -3.4e38, -0.125, 0.375])
+    codes, scale = rules.constant_addend_codes(k, torch.tensor(0.25), Qpp.DEFAULT)  # F = 0
+    assert codes.tolist() == [1, -2**31, 0, 2]  # rhe(1.2), saturated, rhe(-0.5) = 0, rhe(1.5) = 2
+    assert float(scale) == 0.25
+    codes, scale = rules.constant_addend_codes(k, torch.tensor(0.25), Qpp.HIGH_PRECISION)  # F = 8
+    assert codes.tolist() == [307, -2**31, -128, 384]  # k * 2**8 / 0.25 = k * 1024
+    assert float(scale) == 0.25 / 256

@@ -313,9 +313,10 @@ def layer_norm_constants(
 
 def int_layer_norm(
     q: torch.Tensor, normalized_ndim: int, gain: torch.Tensor, bias: torch.Tensor, eps_term: int,
-    frac_bits: int, shift: int, out_dtype: QuantDType,
+    frac_bits: int, shift: int, out_dtype: QuantDType, center: bool = True,
 ) -> torch.Tensor:
-    """Integer layer_norm over the last ``normalized_ndim`` dims (``docs/march.md`` §13.7).
+    """Integer layer_norm over the last ``normalized_ndim`` dims (``docs/march.md`` §13.7); ``center=False``: the
+    RMS norm (§13.7.1), the same steps with ``mu = 0``.
 
     ``mu = rhe(sum(q) * 2**P / N)``; ``c = q * 2**P - mu``; ``V = sum(c**2) + eps_term`` (``V = 0`` counts as
     1); ``k = floor((bitlen(V) - 23) / 2)``; ``m = V * 2**-2k`` in ``[2**22, 2**24)`` (rounded right shift or
@@ -337,7 +338,7 @@ def int_layer_norm(
         # mu = rhe(sum * 2**P / n): the float64 quotient is the exact one correctly rounded; an exact tie k + 1/2 is
         # representable, and a non-tie is at least 1 / (2n) > 2**-30 from one while |quotient| < 2**23 errs by at
         # most 2**-30, so torch.round (half to even) rounds both the same.
-        mu = torch.round(x.sum(dim=-1, keepdim=True).mul_(float(1 << p)).div_(n))
+        mu = torch.round(x.sum(dim=-1, keepdim=True).mul_(float(1 << p)).div_(n)) if center else 0.0
         c = x.mul_(float(1 << p)).sub_(mu)
         v = torch.linalg.vecdot(c, c).unsqueeze(-1).add_(int(eps_term)).clamp_(min=1)
         # bitlen(V) is frexp's exponent b; V * 2**-2k is a power-of-two scaling (exact), torch.round half to even.
@@ -349,7 +350,7 @@ def int_layer_norm(
     else:
         q64 = q.to(torch.int64)
         x = q64.reshape(*shape[:lead], n)
-        mu = div_round_half_even(x.sum(dim=-1, keepdim=True) * (1 << p), n)
+        mu = div_round_half_even(x.sum(dim=-1, keepdim=True) * (1 << p), n) if center else 0
         c = x * (1 << p) - mu
         v = ((c * c).sum(dim=-1, keepdim=True) + int(eps_term)).clamp(min=1)
         k = torch.div(bit_length(v) - (_MANT - 1), 2, rounding_mode="floor")

@@ -14,6 +14,8 @@ op                          integer kernel
 ``quantlens::int_div``      ``x / y`` by the mantissa reciprocal of ``y``
 ``quantlens::int_softmax``  softmax: exp table, sum, mantissa reciprocal, requantize
 ``quantlens::int_layer_norm`` layer norm: mean, variance, mantissa rsqrt, per-channel gain and bias
+``quantlens::int_rms_norm``   RMS norm and L2 normalization: the layer norm without the mean
+``quantlens::int_vector_norm`` L2 norm: exact sum of squares, mantissa square root, 31-bit requantize
 ==========================  ===========================================================================
 """
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from quantlens.kernels.int_ops import int_div, int_layer_norm, int_reciprocal, int_softmax
+from quantlens.kernels.norm_ops import int_rms_norm, int_vector_norm
 from quantlens.kernels.tables import SegmentedTable, Table256, lut256_lookup, segmented_lookup
 from quantlens.march import QuantDType
 from quantlens.march.numerics import dequantize, quantize
@@ -50,6 +53,8 @@ TABLE_OP_IO: dict[str, TableOpIO] = {
     "int_softmax": TableOpIO(("x",), ("scale_in",), "softmax"),
     "int_layer_norm": TableOpIO(("x",), ("scale_in",)),
     "int_div": TableOpIO(("x", "y"), ("scale_x", "scale_y"), "div"),
+    "int_rms_norm": TableOpIO(("x",), ("scale_in",)),
+    "int_vector_norm": TableOpIO(("x",), ("scale_in",)),
 }
 
 
@@ -183,3 +188,39 @@ def _int_layer_norm(x: torch.Tensor, scale_in: torch.Tensor, scale_out: torch.Te
 @_int_layer_norm.register_fake
 def _(x, scale_in, scale_out, gain, bias, params, normalized_ndim, in_qmin, in_qmax, out_qmin, out_qmax):
     return torch.empty_like(x)
+
+
+# --- RMS norm, L2 normalization, L2 norm -----------------------------------------------------------------------
+
+
+@torch.library.custom_op("quantlens::int_rms_norm", mutates_args=())
+def _int_rms_norm(x: torch.Tensor, scale_in: torch.Tensor, scale_out: torch.Tensor, gain: torch.Tensor,
+                  bias: torch.Tensor, params: torch.Tensor, normalized_ndim: int, in_qmin: int, in_qmax: int,
+                  out_qmin: int, out_qmax: int) -> torch.Tensor:
+    """As ``int_layer_norm`` without the mean: ``params = [eps_term, shift, frac_bits]``."""
+    eps_term, shift, frac_bits = (int(v) for v in params.tolist())
+    q = _q(x, scale_in, in_qmin, in_qmax)
+    out = int_rms_norm(q, normalized_ndim, gain, bias, eps_term, frac_bits, shift,
+                       dtype_from_range(out_qmin, out_qmax))
+    return _dq(out, scale_out, x)
+
+
+@_int_rms_norm.register_fake
+def _(x, scale_in, scale_out, gain, bias, params, normalized_ndim, in_qmin, in_qmax, out_qmin, out_qmax):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("quantlens::int_vector_norm", mutates_args=())
+def _int_vector_norm(x: torch.Tensor, scale_in: torch.Tensor, scale_out: torch.Tensor, params: torch.Tensor,
+                     dim: list[int], keepdim: bool, in_qmin: int, in_qmax: int, out_qmin: int,
+                     out_qmax: int) -> torch.Tensor:
+    """``||x||_2`` over ``dim`` (empty: every dim); ``params = [M, shift]``."""
+    multiplier, shift = (int(v) for v in params.tolist())
+    q = _q(x, scale_in, in_qmin, in_qmax)
+    out = int_vector_norm(q, list(dim), keepdim, multiplier, shift, dtype_from_range(out_qmin, out_qmax))
+    return _dq(out, scale_out, x)
+
+
+@_int_vector_norm.register_fake
+def _(x, scale_in, scale_out, params, dim, keepdim, in_qmin, in_qmax, out_qmin, out_qmax):
+    return x.sum(dim=list(dim) or list(range(x.dim())), keepdim=keepdim)

@@ -122,6 +122,10 @@ class OpDef:
     bias_args: tuple[int, ...] = ()
     index_producing: bool = False
     output_from_weight: bool = False
+    #: a function call's float tensor inputs that are activations (the first ones); the later ones are constants
+    #: its integer rule reads in float (batch_norm's statistics and affine, layer_norm's gamma/beta), which get no
+    #: fake quant. 0: every float tensor input is an activation
+    activation_inputs: int = 0
     note: str = ""
 
     def stages(self) -> frozenset[Stage]:
@@ -154,6 +158,8 @@ _IR_ROWS: list[IROp] = [
     IROp("fake_quant", Q, "§5"),
     IROp("quantize", B, "§5, §12", level="quantized"),
     IROp("dequantize", B, "§5, §12", level="quantized"),
+    IROp("host_aten", B, "§12", convert=False, onnx=False,
+         note="any aten op after the DeQuantStub with no IR lowering: float, on the host (compiler/host_ops.py)"),
     IROp("requantize", Q, "§8", level="quantized", cost=Cost.REQUANTIZE),
     # GEMM
     IROp("conv1d", G, "§6-§9", level="both", cost=Cost.GEMM),
@@ -176,7 +182,8 @@ _IR_ROWS: list[IROp] = [
     IROp("clamp", E, "§10", level="both", cost=Cost.PASS_REQUANT),
     IROp("hardtanh", E, "§10"),
     IROp("masked_fill", E, "§11"),
-    IROp("where", E, "", convert=False, shared_kernel=True, note="selects between float values; no integer rule"),
+    IROp("where", E, "§11", level="both", shared_kernel=True,
+         note="a select: each value operand moved to the output grid (a constant: its code on it)"),
     IROp("upsample_bilinear2d", E, "§10.1"),
     IROp("batch_norm", E, "§10.2", note="not folded into a conv/linear: a per-channel affine"),
     IROp("channel_affine", E, "§10.2", level="quantized", cost=Cost.PASS_REQUANT),
@@ -197,6 +204,8 @@ _IR_ROWS: list[IROp] = [
     IROp("adaptive_avg_pool1d", R, "§10", note="even windows only"),
     IROp("avg_pool1d", R, "§10"),
     IROp("sum_int", R, "§10", level="quantized", cost=Cost.SUM),
+    IROp("cumsum", R, "§10.2"),
+    IROp("cumsum_int", R, "§10.2", level="quantized", cost=Cost.SUM),
     IROp("avg_pool2d_int", R, "§10", level="quantized", cost=Cost.AVG_POOL),
     IROp("avg_pool1d_int", R, "§10", level="quantized", cost=Cost.AVG_POOL),
     # float nonlinear ops: in the qat IR only when pre_export left them float (no table)
@@ -211,6 +220,8 @@ _IR_ROWS: list[IROp] = [
     IROp("int_div", T, "§13.5", level="both", cost=Cost.TABLE, table_passes=2),
     IROp("int_softmax", T, "§13.6", level="both", cost=Cost.TABLE, table_passes=4),
     IROp("int_layer_norm", T, "§13.7", level="both", cost=Cost.TABLE, table_passes=4),
+    IROp("int_rms_norm", T, "§13.7.1", level="both", cost=Cost.TABLE, table_passes=3),
+    IROp("int_vector_norm", T, "§13.7.2", level="both", cost=Cost.TABLE, table_passes=2),
     # movement: values keep their grid
     IROp("reshape", M, "§11", level="both", shared_kernel=True, cost=Cost.FREE),
     IROp("permute", M, "§11", level="both", shared_kernel=True),
@@ -263,6 +274,9 @@ _OP_ROWS: list[OpDef] = [
     # GEMM
     *_rows("conv1d conv2d", G, "§6-§9", gemm=True, weight_args=(1,), bias_args=(2,), channel_dim=1),
     OpDef("linear", G, "§6-§9", ("linear",), gemm=True, weight_args=(1,), bias_args=(2,), channel_dim=-1),
+    # transformers' GPT-2 ``Conv1D``: addmm(bias, x2d, weight[in, out]) = linear(x2d, weightᵀ, bias)
+    OpDef("addmm", G, "§6-§9", ("permute", "linear"), gemm=True, weight_args=(2,), bias_args=(0,), channel_dim=-1,
+          note="beta = alpha = 1; the weight is [in, out] (per-channel along its axis 1)"),
     *_rows("conv_transpose1d conv_transpose2d", G, "§6-§9", gemm=True, weight_args=(1,), bias_args=(2,),
            channel_dim=1, note="weight per channel along axis 1"),
     *_rows("matmul bmm mm", G, "§6-§9", ("matmul",), gemm=True),
@@ -277,22 +291,32 @@ _OP_ROWS: list[OpDef] = [
     OpDef("clip", E, "§10", ("clamp",)),
     OpDef("relu6", E, "§10", ("hardtanh",)),
     OpDef("div", T, "§10, §13.5", ("div", "int_div"), table=True),
-    OpDef("where", E, "", ("where",), note="a select between float values has no integer rule"),
+    OpDef("where", E, "§11", ("where",), note="a select: operands moved to the output grid, then picked"),
     OpDef("interpolate", E, "§10.1, §11", ("upsample_nearest1d", "upsample_nearest2d", "upsample_bilinear2d"),
           note="nearest 1-d and 2-d, bilinear 2-d"),
     # reductions
     *_rows("mean sum avg_pool2d adaptive_avg_pool2d adaptive_avg_pool1d", R, "§10"),
     OpDef("avg_pool1d", R, "§10", ("avg_pool1d",)),
+    OpDef("cumsum", R, "§10.2", ("cumsum",), note="exact running sums of the codes, one requantize"),
     # nonlinear: tables
     *_rows("sigmoid tanh exp gelu silu softplus reciprocal sqrt rsqrt log pow erf hardswish hardsigmoid elu", T,
            "§13.4", ("lut", "segment_lut"), table=True),
     OpDef("softmax", T, "§13.6", ("int_softmax",), table=True),
-    OpDef("layer_norm", T, "§13.7", ("int_layer_norm",), table=True),
+    OpDef("layer_norm", T, "§13.7", ("int_layer_norm",), table=True, activation_inputs=1),
+    OpDef("rms_norm", T, "§13.7.1", ("int_rms_norm",), table=True, activation_inputs=1),
+    OpDef("normalize", T, "§13.7.1", ("permute", "int_rms_norm"), table=True, note="p = 2"),
+    *_rows("linalg_vector_norm norm", T, "§13.7.2", ("int_vector_norm",), table=True, note="p = 2 ('fro')"),
     OpDef("log_softmax", T, "", ("log_softmax",), note="no table yet"),
-    OpDef("batch_norm", E, "§10.2", ("batch_norm",), note="folded into a preceding conv/linear, else an affine"),
+    OpDef("batch_norm", E, "§10.2", ("batch_norm",), activation_inputs=1,
+          note="folded into a preceding conv/linear, else an affine"),
     OpDef("leaky_relu", E, "§10.3", ("leaky_relu",)),
-    *_rows("square group_norm", T, "", (),
+    *_rows("square", T, "", (),
            note="no integer rule yet"),
+    OpDef("group_norm", C, "§10.3, §13.7",
+          note="decomposed at prepare into reshape, layer_norm (table, no affine), reshape, batch_norm (affine)"),
+    OpDef("instance_norm", C, "§10.3, §13.7",
+          note="decomposed at prepare: group_norm with a group per channel, or batch_norm on running statistics"),
+    OpDef("glu", C, "§13.4", note="decomposed at prepare into chunk, sigmoid (table) and mul"),
     # movement
     *_rows("view reshape flatten unflatten squeeze unsqueeze view_as reshape_as", M, "§11", ("reshape",)),
     *_rows("permute transpose t movedim swapaxes", M, "§11", ("permute",)),

@@ -35,8 +35,8 @@ from quantlens.march.spec import Qpp, QuantDType, get_march
 
 __all__ = [
     "multiplier", "requantize", "move", "accumulator_scale", "gemm", "add", "cat", "add_constant",
-    "scale_by_constant", "mul", "average", "clamp", "sign_op", "bilinear", "channel_affine", "prelu", "fill_code",
-    "BILINEAR_WEIGHT_BITS",
+    "constant_addend_codes", "scale_by_constant", "mul", "average", "clamp", "sign_op", "bilinear", "channel_affine", "prelu", "fill_code",
+    "BILINEAR_WEIGHT_BITS", "vector_norm",
 ]
 
 Scale = Union[torch.Tensor, float]
@@ -126,6 +126,18 @@ def add_constant(x_scale: Scale, k: float, out_scale: Scale, qdtype: QuantDType,
     return attrs
 
 
+def constant_addend_codes(k: torch.Tensor, out_scale: Scale, qpp: Qpp) -> tuple[torch.Tensor, torch.Tensor]:
+    """§10 ``x ± K`` for a constant tensor ``K`` (a relative-position bias, a 0 / finfo.min mask): ``K`` enters the
+    sum like a scalar addend, as int32 codes ``sat32(rhe(K · 2**F / s_out))`` on the grid ``s_out / 2**F``, an
+    input of :func:`add` whose multiplier is exactly ``2**-F``. A -3.4e38 fill saturates to the int32 minimum, and
+    the sum to the output's lowest code. Returns ``(codes, scale)``."""
+    frac = get_march().spec.qpp(qpp).elementwise_frac_bits
+    s_out = torch.tensor(_first(out_scale), dtype=torch.float64)
+    steps = torch.round(k.detach().to(torch.float64) * 2.0**frac / s_out)  # torch.round: half to even
+    codes = steps.clamp(QuantDType.qint32.qmin, QuantDType.qint32.qmax).to(torch.int32)
+    return codes, (s_out / 2.0**frac).to(torch.float32)
+
+
 def scale_by_constant(k: float, x_scale: Scale, out_scale: Scale, qdtype: QuantDType, qpp: Qpp) -> dict:
     """§10 ``x · k`` (and ``x / (1/k)``) for a nonzero scalar ``k``: one requantize by ``|k| · s_x / s_out``,
     the sign in ``negative``."""
@@ -189,6 +201,14 @@ def prelu(alpha: torch.Tensor, x_scale: Scale, out_scale: Scale, qdtype: QuantDT
     pos = requantize(s_x / s_out, qdtype, qpp)
     return {**pos, "neg_multiplier": [m for m, _ in neg], "neg_shift": [s for _, s in neg],
             "neg_sign": [1 if v > 0 else -1 if v < 0 else 0 for v in alpha.tolist()], "channel_dim": 1}
+
+
+def vector_norm(x_scale: Scale, out_scale: Scale, qdtype: QuantDType) -> dict:
+    """§13.7.2 ``||x||_2``: the square root of the exact sum of squared codes (a mantissa rsqrt) is requantized by
+    ``s_x / s_out`` with the 31-bit multiplier (the root carries 23 bits): ``{"multiplier", "shift", "out_dtype"}``
+    with one int each."""
+    m, shift = quantize_multiplier(_first(x_scale) / _first(out_scale), Qpp.HIGH_PRECISION)
+    return {"multiplier": m, "shift": shift, "out_dtype": qdtype.value}
 
 
 def fill_code(value: float, x_scale: Scale, qdtype: QuantDType) -> int:

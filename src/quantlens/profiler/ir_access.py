@@ -106,6 +106,13 @@ class IRModelAccess(ModelAccess):
         """The level recorded in the IR's meta by export (kept by convert and by save/load)."""
         return ConsistencyInfo.from_meta(self.module.meta, f"{self.label} model ({self.kind} IR meta)")
 
+    def computed_rules(self) -> str | None:
+        """The qat IR computes float + fake quant at every level, the quantized IR the integer rules."""
+        level = self.consistency().level
+        if level is None or level < 1:
+            return None
+        return "none" if self.kind == "qat" else "exact"
+
     # -- values ------------------------------------------------------------------------------------------
     def value_info(self, name: str):
         """The ``ValueInfo`` of an IR value (shape, dtype, integer grid), or None."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Protocol
 
@@ -187,6 +187,13 @@ class ConsistencyInfo:
     qpp: str = "default"  # the requantize precision profile: "default" or "high_precision"
     known: bool = True
     source: str = ""  # where it was read: "analysis model (quantized IR meta)", ...
+    #: what the pair's baseline computes of the level's integer rules (levels 1-4; :meth:`ModelAccess.
+    #: computed_rules`): "none" (float + fake quant: a qat IR, or the ``export`` pair's pre_export model run as
+    #: export traces it), "rounded" (a QAT forward below level 4: GEMMs rounded from float32), "exact"; None:
+    #: not a pair, or no rules at this level
+    baseline_rules: str | None = None
+    #: what the pair compares at this level, for the report line (set by :meth:`of_pair`)
+    pair_note: str = ""
 
     @property
     def needs_retraining(self) -> bool:
@@ -210,7 +217,8 @@ class ConsistencyInfo:
 
     def line(self) -> str:
         """The report header line: the description and where it was read."""
-        return self.describe() + (f" [from the {self.source}]" if self.source else "")
+        return self.describe() + (f" [from the {self.source}]" if self.source else "") + \
+            (f"; {self.pair_note}" if self.pair_note else "")
 
     @classmethod
     def from_config(cls, config: Any, source: str = "") -> "ConsistencyInfo":
@@ -236,7 +244,25 @@ class ConsistencyInfo:
         """What an analysis reports: the analysis model's level where it carries one, else the baseline's (an
         ONNX model is analysed against the qat IR it was written from)."""
         infos = [info for info in (analysis.consistency(), baseline.consistency()) if info is not None]
-        return next((info for info in infos if info.known), infos[0] if infos else None)
+        info = next((info for info in infos if info.known), infos[0] if infos else None)
+        rules = getattr(baseline, "computed_rules", lambda: None)()
+        if info is None or rules is None:
+            return info
+        return replace(info, baseline_rules=rules, pair_note=_pair_note(info.level, rules,
+                                                                        getattr(analysis, "kind", None)))
+
+
+def _pair_note(level: int | None, rules: str, analysis_kind: str | None) -> str:
+    """What a deployed pair compares at consistency level 1-4, given what its baseline computes of the rules."""
+    if rules != "none" or analysis_kind not in ("qat", "quantized"):
+        return ""
+    if analysis_kind == "qat":
+        return (f"baseline run as export traces it: float + fake quant, without the integer rules of level {level} "
+                "(the qat IR computes that at every level)")
+    # (no quote marks: the line is compared with its HTML rendering)
+    return (f"baseline: the qat IR, float + fake quant at every level: the integer rules of level {level} (which "
+            "the QAT model and the quantized IR compute) show here as same-input differences, not faults; the "
+            "pre_export model as baseline checks the quantized IR bit for bit")
 
 
 class ModelAccess(ABC):
@@ -299,4 +325,11 @@ class ModelAccess(ABC):
     def consistency(self) -> "ConsistencyInfo | None":
         """The consistency level the model was built with (``ConsistencyStrategy``); None where no level applies
         (a float model)."""
+        return None
+
+    def computed_rules(self) -> str | None:
+        """What this model's forwards compute of its consistency level's integer rules (levels 1-4): ``"none"``
+        (float + fake quant: the qat IR at every level), ``"rounded"`` (the rules, GEMMs rounded from a float32
+        sum: a QAT forward below level 4), ``"exact"`` (the rules bit for bit: VALIDATION, the quantized IR);
+        None where no rule applies (strategy off, level 0, a float or ONNX model)."""
         return None

@@ -79,6 +79,16 @@ def check_weights_correspond(baseline, analysis, kind: AnalysisType) -> None:
     )
 
 
+def _set_integer_rules(kind: AnalysisType, *accesses: ModelAccess) -> None:
+    """Each torch model of the pair runs what the other model is meant to equal: for ``export``, float + fake quant
+    (export traces the forward without the consistency level's integer rules, so the qat IR computes that at every
+    level); for every other pair, the model's own forward (at levels 1-4 with the integer rules, which the
+    quantized IR equals bit for bit)."""
+    for access in accesses:
+        if hasattr(access, "integer_rules"):
+            access.integer_rules = kind is not AnalysisType.EXPORT
+
+
 def check_deployed_pair(kind: AnalysisType, baseline: ModelAccess, analysis: ModelAccess) -> None:
     """export: the analysis model is the qat IR; convert: the quantized IR. Their baseline is the stage
     before (or an earlier torch stage of the same model); IR analyses get their baseline as the reference
@@ -88,6 +98,7 @@ def check_deployed_pair(kind: AnalysisType, baseline: ModelAccess, analysis: Mod
     from quantlens.profiler.onnx_access import OnnxModelAccess
 
     is_ir = isinstance(analysis, IRModelAccess)
+    _set_integer_rules(kind, baseline, analysis)
     if (kind is AnalysisType.ONNXRUNTIME) != isinstance(analysis, OnnxModelAccess):
         raise QuantLensError(
             f"QuantAnalysis('{kind.value}'): " + ("analysis_model must be the ONNX model written by "

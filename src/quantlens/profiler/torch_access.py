@@ -21,10 +21,12 @@ from quantlens.profiler.model_access import (
     TraceSink,
 )
 from quantlens.profiler.torch_probe import FloatProbe, Probe, RuntimeProbe
+from quantlens.quantization.consistency import without_integer_rules
 from quantlens.quantization.fake_quantize import FakeQuantize
 from quantlens.quantization.prepare import is_prepared, use_runtime
 from quantlens.quantization.qat_modules import frozen_folds
 from quantlens.quantization.record import call_model, inputs_to, model_device
+from quantlens.quantization.runtime import emulator_for
 from quantlens.quantization.tracer import OpSiteTracer
 
 __all__ = ["TorchModelAccess"]
@@ -49,6 +51,10 @@ class TorchModelAccess(ModelAccess):
         self.prepared = is_prepared(model)
         self.state = model._quantlens_state if self.prepared else None
         self._frozen_modules: list[nn.Module] | None = None  # set while :meth:`ablation` runs
+        #: whether the forwards compute the consistency level's integer rules (levels 1-4) as the prepared model's
+        #: own forward does; False: float + fake quant, what export traces (the ``export`` pair's baseline, set by
+        #: :func:`~.pair_checks.check_deployed_pair`, so that it is compared with the qat IR it is meant to equal)
+        self.integer_rules = True
 
     def describe(self) -> str:
         name = type(self.model).__name__
@@ -96,6 +102,24 @@ class TorchModelAccess(ModelAccess):
         return ConsistencyInfo.from_config(getattr(self.state, "consistency", None),
                                            f"{self.label} model (prepared model state)")
 
+    def computed_rules(self) -> str | None:
+        """What the forwards compute of the model's consistency level (see :meth:`ModelAccess.computed_rules`)."""
+        if not self.prepared:
+            return None
+        config = getattr(self.state, "consistency", None)
+        if config is None or not config.emulate_integer_rules:
+            return None
+        emulator = emulator_for(self.state) if self.integer_rules else None
+        return "none" if emulator is None else "exact" if emulator.exact else "rounded"
+
+    def _probe_runtime(self, probe: Probe) -> RuntimeProbe:
+        """The prepared model's runtime reporting every site to ``probe``; without the integer rules when
+        :attr:`integer_rules` is off (as :func:`~quantlens.quantization.consistency.without_integer_rules`)."""
+        runtime = RuntimeProbe(self.state, probe)
+        if not self.integer_rules:
+            runtime.emulator = None  # float + fake quant, as export traces the forward
+        return runtime
+
     # -- running ------------------------------------------------------------------------------------------
     @contextmanager
     def _profiling(self) -> Iterator[None]:
@@ -122,7 +146,10 @@ class TorchModelAccess(ModelAccess):
         example = self.on_device(example)
         with self._profiling():
             if sink is None and indices is None and override is None:
-                return call_model(self.model, example)
+                if self.integer_rules or not self.prepared:
+                    return call_model(self.model, example)
+                with without_integer_rules(self.model):
+                    return call_model(self.model, example)
             probe = Probe(sink, same_input if self.prepared else None, indices, override)
             wants_index_ops = getattr(sink, "wants_index_ops", False)
             # an empty replacement table changes nothing: no mode (every torch call would pass through it)
@@ -131,7 +158,7 @@ class TorchModelAccess(ModelAccess):
                 with mode, OpSiteTracer(self.model, FloatProbe(probe)):
                     return call_model(self.model, example)
             # The prepared model's forward picks up this runtime instead of a plain one (see prepare).
-            with mode, use_runtime(self.model, RuntimeProbe(self.state, probe)):
+            with mode, use_runtime(self.model, self._probe_runtime(probe)):
                 return call_model(self.model, example)
 
     # -- ablation ------------------------------------------------------------------------------------------

@@ -16,16 +16,24 @@ off   nothing: the QAT forward is float math + fake quant              no       
 3     2 + the lookup tables computed in the QAT forward (STE)          yes                   default
 4     3 + the training forward sums GEMMs exactly too (bit-exact QAT)  yes                   default
 ===== ================================================================ ===================== =================
+
+What each stage computes at levels 1-4: the prepared model's QAT/VALIDATION forward computes the integer rules (the
+emulation), and so does the quantized IR; the qat IR computes float + fake quant at every level (``export`` traces
+the forward with the rules off: :func:`without_integer_rules` runs that forward in eager), so it differs from both
+by exactly those rules. The profiler's ``export`` pair therefore runs its pre_export baseline without them, and its
+``convert`` pair on a qat IR baseline does not count them as faults (``docs/consistency.md``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 from quantlens.errors import QuantLensError
 from quantlens.march import Qpp
 
-__all__ = ["ConsistencyStrategy", "ConsistencyConfig", "MAX_LEVEL"]
+__all__ = ["ConsistencyStrategy", "ConsistencyConfig", "MAX_LEVEL", "without_integer_rules"]
 
 MAX_LEVEL = 4
 #: the boolean switches of :class:`ConsistencyConfig`, in the order the levels add them
@@ -129,3 +137,21 @@ class ConsistencyStrategy:
     def config(cls) -> ConsistencyConfig:
         """The switches that ``prepare`` will record."""
         return cls._config
+
+
+@contextlib.contextmanager
+def without_integer_rules(model) -> Iterator[None]:
+    """Run the prepared ``model``'s forwards in this block without its consistency level's integer rules: float +
+    fake quant, what ``export`` traces (the qat IR computes that at every level). Below level 1 it changes nothing.
+
+    The block installs a plain runtime (``use_runtime``), so it replaces any runtime installed outside it."""
+    from quantlens.quantization.prepare import is_prepared, use_runtime
+    from quantlens.quantization.runtime import Runtime
+
+    if not is_prepared(model):
+        raise QuantLensError(f"without_integer_rules expects a model returned by quantlens.quantization.prepare, "
+                             f"got {type(model).__name__}.")
+    runtime = Runtime(model._quantlens_state)
+    runtime.emulator = None
+    with use_runtime(model, runtime):
+        yield

@@ -23,6 +23,8 @@ from quantlens.quantization.qconfig import QuantSpec
 
 __all__ = ["SdpaDecomposition", "DECOMPOSITIONS"]
 
+#: additive mask entries at or below this are "masked out": exp(x - max) is 0 in float32 far above it
+_BLOCKED = -1e4
 _SDPA_SIGNATURE = inspect.signature(
     lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False: None
 )
@@ -46,16 +48,24 @@ class SdpaDecomposition(SiteOverride):
     """``softmax(q @ kᵀ · scale, masked) @ v`` with fake quants on the scaled scores and the probabilities.
 
     A boolean mask (True = attend) sets masked scores to the most negative integer of the scores' grid, so
-    the float and integer models mask identically. A float (additive) mask is added to the scores before their
-    fake quant: keep it small (large negative fill values stretch the scores' scale); prefer a boolean mask.
+    the float and integer models mask identically. A float (additive) mask is added to the quantized scores, and
+    the sum has its own fake quant (``mask_fq``); its entries <= -1e4 (``finfo.min`` fills) mask out like False.
     """
 
     def __init__(self, spec: QuantSpec):
         super().__init__()
         self.scores_fq = FakeQuantize(spec)
         self.probs_fq = FakeQuantize(spec)
+        #: the scores after an additive (float) mask; used only where the site is called with one
+        self.mask_fq = FakeQuantize(spec)
+        self.additive_mask = False
         #: set by pre_export: the march's integer softmax (a table site override) for the probabilities
         self.softmax_table: SiteOverride | None = None
+
+    @property
+    def softmax_input_fq(self) -> FakeQuantize:
+        """The fake quant whose grid the softmax reads: the masked scores' with an additive mask, else the scores'."""
+        return self.mask_fq if self.additive_mask else self.scores_fq
 
     def compute(self, call: OverrideCall):
         bound = _SDPA_SIGNATURE.bind(*call.args, **call.kwargs)
@@ -78,16 +88,22 @@ class SdpaDecomposition(SiteOverride):
         if a["is_causal"]:
             length, source = scores.shape[-2], scores.shape[-1]
             mask = torch.ones(length, source, dtype=torch.bool, device=scores.device).tril()
-        if mask is not None and not mask.dtype == torch.bool:
-            scores = scores + mask
-            mask = None
         scores = self.scores_fq(scores) if emulator is None else emulator.quantize_output(scores, self.scores_fq)
+        self.additive_mask = mask is not None and not mask.dtype == torch.bool
+        if self.additive_mask:
+            # q @ kᵀ·scale keeps its own grid (one GEMM requantize); the bias (relative positions, ALiBi) is an add
+            # onto it with its own output grid. Entries <= _BLOCKED are masked out (exp underflows to 0 there in
+            # float32 too): they become the lowest code rather than stretching the grid to -3.4e38.
+            blocked = mask <= _BLOCKED
+            scores = self.mask_fq(scores + mask.masked_fill(blocked, 0.0))
+            mask = torch.logical_not(blocked)
+        fq = self.softmax_input_fq
         if mask is not None:
-            lowest = self.scores_fq.scale.reshape(()) * self.scores_fq.dtype.qmin
+            lowest = fq.scale.reshape(()) * fq.dtype.qmin
             scores = scores.masked_fill(torch.logical_not(mask), lowest)
         if self.softmax_table is not None:
             table_call = OverrideCall(f"{call.site}.softmax", "softmax", (scores, -1), {}, None,
-                                      [self.scores_fq], self.probs_fq, torch.softmax)
+                                      [fq], self.probs_fq, torch.softmax)
             probs = self.softmax_table.compute(table_call)
         else:
             probs = torch.softmax(scores, dim=-1)

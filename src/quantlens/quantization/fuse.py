@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from torch import nn
 
 from quantlens.quantization.op_rules import OpKind
+from quantlens.quantization.qat_modules import float_base
 from quantlens.quantization.record import ModelRecord, OpSiteRecord
 
 __all__ = ["FusedGroup", "UnfusedPattern", "find_fusions"]
 
-_BN_HEADS = {"Conv1d": "BatchNorm1d", "Conv2d": "BatchNorm2d", "Linear": "BatchNorm1d"}
+#: the float class a conv/linear computes as (``qat_modules.float_base``) -> the BatchNorm class folded into it
+_BN_HEADS = {nn.Conv1d: "BatchNorm1d", nn.Conv2d: "BatchNorm2d", nn.Linear: "BatchNorm1d"}
 
 
 @dataclass(frozen=True)
@@ -69,13 +71,15 @@ def find_fusions(record: ModelRecord, model: nn.Module) -> tuple[list[FusedGroup
             continue
         members = [site.name]
         bn_name = None
-        expected_bn = _BN_HEADS.get(site.module_type or "")
+        head = modules.get(site.name) if site.is_module else None
+        base = float_base(head) if head is not None and type(head).__name__ == site.module_type else None
+        expected_bn = _BN_HEADS.get(base)  # (each head has its conv/linear + BatchNorm class in qat_modules)
         nxt = _single_consumer(record, site.name)
         if expected_bn is not None:
             bn_candidates = [record.sites[c] for c in record.consumers(site.name)]
             bn_like = [c for c in bn_candidates if (c.module_type or "").startswith("BatchNorm")]
             if nxt is not None and nxt.module_type == expected_bn and not _shared(record, site) \
-                    and not _shared(record, nxt) and type(modules.get(site.name)).__name__ == site.module_type:
+                    and not _shared(record, nxt):
                 bn_name = nxt.name
                 members.append(nxt.name)
                 nxt = _single_consumer(record, nxt.name)

@@ -37,6 +37,9 @@ __all__ = [
     "canonical_op_name",
     "register_recurrent_module",
     "is_recurrent_module",
+    "computes_as",
+    "COMPUTES_REGISTERED_OP",
+    "WEIGHT_CHANNEL_AXIS",
 ]
 
 
@@ -118,6 +121,7 @@ register_module_op(nn.ConvTranspose2d, "conv_transpose2d", Q, gemm=True)
 register_module_op(nn.Linear, "linear", Q, gemm=True)
 register_module_op(nn.Embedding, "embedding", Q, output_from_weight=True)
 register_module_op(nn.LayerNorm, "layer_norm", Q)
+register_module_op(nn.RMSNorm, "rms_norm", Q)
 register_module_op(nn.BatchNorm1d, "batch_norm", Q)
 register_module_op(nn.BatchNorm2d, "batch_norm", Q)
 register_module_op(nn.GELU, "gelu", Q)
@@ -189,14 +193,50 @@ def function_rule(op_name: str) -> OpRule:
     """The rule for a function op; unknown ops are QUANTIZED with ``known=False``."""
     rule = _FUNCTION_RULES.get(op_name)
     if rule is None:
-        return OpRule(op_type=op_name, kind=OpKind.QUANTIZED, known=False)
+        return OpRule(op_type=op_name, kind=OpKind.QUANTIZED, known=False, **_WEIGHTED_FUNCTIONS.get(op_name, {}))
     return rule
 
 
+#: functions outside the op set whose weight operand is known: a parameter passed there is a weight, so it gets a
+#: weight fake quant at the site like F.linear's, while the op itself has no integer rule (an op set row of the same
+#: name takes precedence, and must declare the same ``weight_args`` / ``bias_args``)
+_WEIGHTED_FUNCTIONS: dict[str, dict] = {}  # (addmm, its first user, now has its op set row)
+
+
 def module_rule(module: nn.Module) -> OpRule | None:
-    """The rule for a leaf module, or ``None`` for modules whose forward is traced op by op."""
-    for cls in type(module).__mro__:
+    """The rule for a leaf module, or ``None`` for modules whose forward is traced op by op.
+
+    A subclass of a registered module is that op only while it computes through the registered class's own
+    methods (:func:`computes_as`); one with a ``forward`` of its own is traced op by op: the
+    ``F.conv1d(x, self.weight, ...)`` it calls is an op site whose parameter weight gets a weight fake quant there,
+    and a LayerNorm subclass that permutes around ``super().forward`` (ConvNeXt's channels_first norm) is its
+    permutes and an ``F.layer_norm`` site, so its table normalizes the axis the module really normalizes."""
+    module_type = type(module)
+    for cls in module_type.__mro__:
         rule = _MODULE_RULES.get(cls)
         if rule is not None:
+            if cls is not module_type and not computes_as(module_type, cls):
+                return None
             return rule
     return None
+
+
+#: the methods through which a registered module computes its op
+_COMPUTE_METHODS = ("forward", "_conv_forward")
+#: a class attribute by which a module class declares that its forward computes the op of the registered class it
+#: derives from (the QAT classes: the same op on fake-quantized operands)
+COMPUTES_REGISTERED_OP = "_quantlens_computes_registered_op"
+
+
+def computes_as(module_type: type, base: type) -> bool:
+    """Whether instances of ``module_type`` (a subclass of ``base``) compute ``base``'s op: the class overrides none
+    of ``base``'s compute methods (a ``__init__`` of its own, or the class ``torch.nn.utils.parametrize`` makes,
+    still computes ``base``'s op), or it declares :data:`COMPUTES_REGISTERED_OP`."""
+    if getattr(module_type, COMPUTES_REGISTERED_OP, False):
+        return True
+    return all(getattr(module_type, m, None) is getattr(base, m, None) for m in _COMPUTE_METHODS)
+
+
+#: the output-channel axis of a functional op's weight operand where it is not axis 0, so a per-channel weight fake
+#: quant runs along the output channels (one requantize multiplier and one int32 bias scale per output channel)
+WEIGHT_CHANNEL_AXIS: dict[str, int] = {"addmm": 1}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from quantlens.march import QuantDType, get_march
+from quantlens.march.opset import op_def
 from quantlens.quantization.fuse import FusedGroup
 from quantlens.quantization.op_rules import OpKind
 from quantlens.quantization.qconfig import QConfig, QuantSpec
@@ -95,7 +96,7 @@ def build_plans(
         is_head = group is not None and site.name == group.head
         is_tail = group is not None and site.name == group.last
         qc = qconfigs.get(site.name)
-        data_inputs = [i for i in site.inputs if not _is_weight_input(site, i)]
+        data_inputs = [i for i in _activation_inputs(site) if not _is_weight_input(site, i)]
         in_dtypes = [out_dtype.get(i.producer) if i.producer else None for i in data_inputs]
 
         if group is not None and not is_head and not is_tail:  # e.g. the BatchNorm of conv-bn-relu
@@ -107,12 +108,8 @@ def build_plans(
             continue
 
         if site.kind is OpKind.PASSTHROUGH and not is_tail:
-            inherited = in_dtypes[0] if in_dtypes else None
-            out_dtype[site.name] = inherited
-            plans[site.name] = SitePlan(
-                site.name, site.op_type, site.kind, OutputMode.INHERIT,
-                input_dtypes=[_dt(d) for d in in_dtypes], output_dtype=_dt(inherited),
-            )
+            plans[site.name], out_dtype[site.name] = _movement_plan(record, site, qc, data_inputs, in_dtypes,
+                                                                    qconfigs, requests)
             continue
 
         if qc is None or qc.output is None:
@@ -205,6 +202,63 @@ def _plan_inputs(site, plan, qc, data_inputs, in_dtypes, module_weight_dtypes, r
                 requests.append(FakeQuantRequest(key, wspec, is_weight=True))
         plan.bias_position = next((i.position for i in site.inputs if i.position in site.bias_args
                                    and plan.weight_fq), None)
+
+
+def _movement_plan(record, site, qc, data_inputs, in_dtypes, qconfigs, requests) -> tuple[SitePlan, QuantDType | None]:
+    """A passthrough site's plan (its output inherits its first input's grid) and that output's dtype."""
+    plan = SitePlan(site.name, site.op_type, site.kind, OutputMode.INHERIT)
+    if _quantizes_float_input(record, site, qc, in_dtypes, qconfigs):
+        in_dtypes = _quantize_float_inputs(site, plan, qc, data_inputs, in_dtypes, requests)
+    inherited = in_dtypes[0] if in_dtypes else None
+    plan.input_dtypes, plan.output_dtype = [_dt(d) for d in in_dtypes], _dt(inherited)
+    return plan, inherited
+
+
+def _quantizes_float_input(record: ModelRecord, site: OpSiteRecord, qc: QConfig | None, in_dtypes: list,
+                           qconfigs: dict[str, QConfig]) -> bool:
+    """Whether a data-movement site quantizes a float input itself: a float value (a model input, a constant, a
+    float site's output) is quantized where the integer region first consumes it, whatever op that is. A pad,
+    view or getitem that takes the network's float input is that place when its values reach a quantized op
+    (otherwise the op that follows would quantize a value the movement op already moved in float: the qat IR
+    would run a movement op on a float tensor, which has no integer form)."""
+    if qc is None or qc.output is None or site.boundary or site.after_dequant or None not in in_dtypes:
+        return False
+    stack, seen = record.consumers(site.name), {site.name}
+    while stack:  # through movement ops, to a quantized op with a qconfig
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        consumer = record.sites[name]
+        if consumer.kind is OpKind.PASSTHROUGH and not consumer.boundary:
+            stack.extend(record.consumers(name))
+        elif consumer.kind is OpKind.QUANTIZED and not consumer.boundary and not consumer.after_dequant:
+            if qconfigs.get(name) is not None and qconfigs[name].output is not None:
+                return True
+    return False
+
+
+def _quantize_float_inputs(site, plan, qc, data_inputs, in_dtypes, requests) -> list:
+    """Input fake quants at a data-movement site for its float inputs; returns the inputs' dtypes after them."""
+    act = _activation_spec(qc)
+    dtypes = []
+    for inp, dtype in zip(data_inputs, in_dtypes):
+        if dtype is None:
+            key = fq_key(site.name, f"in{inp.position}")
+            plan.input_fq[inp.position] = key
+            requests.append(FakeQuantRequest(key, act))
+            dtype = act.dtype
+        dtypes.append(dtype)
+    return dtypes
+
+
+def _activation_inputs(site: OpSiteRecord) -> list:
+    """The float tensor inputs that carry activations. A function call of an op whose integer rule reads its later
+    tensors as constants (batch_norm's statistics and affine, layer_norm's gamma/beta: the op set's
+    ``OpDef.activation_inputs``) has only its first ones; the others get no fake quant."""
+    op = op_def(site.op_type)
+    count = op.activation_inputs if op is not None and not site.is_module else 0
+    return site.inputs[:count] if count else site.inputs
 
 
 def _is_weight_input(site: OpSiteRecord, inp) -> bool:

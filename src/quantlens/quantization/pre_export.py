@@ -303,7 +303,7 @@ def _attention_softmax_tables(state: QuantState, rebuild: bool = False) -> None:
         if isinstance(override, SdpaDecomposition):
             length = state.record.sites[name].inputs[1].shape[-2] if len(state.record.sites[name].inputs) > 1 else 16
             override.softmax_table = SoftmaxOverride(
-                f"{name}.softmax", "softmax", [override.scores_fq], override.probs_fq, {"length": int(length)}
+                f"{name}.softmax", "softmax", [override.softmax_input_fq], override.probs_fq, {"length": int(length)}
             )
             override.softmax_table.rebuild_on_change = rebuild
 

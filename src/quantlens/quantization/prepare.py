@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import warnings as _warnings
 from typing import Any, Iterable, Iterator
 
@@ -29,6 +30,7 @@ from quantlens.quantization.decompositions import DECOMPOSITIONS
 from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
 from quantlens.quantization.fuse import FusedGroup, UnfusedPattern, find_fusions
 from quantlens.quantization.observers import FixedScaleObserver
+from quantlens.quantization.op_rules import WEIGHT_CHANNEL_AXIS
 from quantlens.quantization.plan import OutputMode, SitePlan, build_plans
 from quantlens.quantization.qat_modules import fused_class_for, qat_class_for
 from quantlens.quantization.qconfig import QConfig, QuantSpec
@@ -176,9 +178,10 @@ def prepare(
         raise QuantLensError(f"prepare expects a torch.nn.Module, got {type(model).__name__}.")
     if is_prepared(model):
         raise QuantLensError("prepare: this model is already prepared; pass the float model instead.")
-    prepared = copy.deepcopy(model)
+    prepared = _copy_model(model)
     was_training = prepared.training
     prepared.eval()  # recording must not update BatchNorm statistics or sample dropout masks
+    folded = _fold_parametrizations(prepared)  # (after eval(): spectral norm folds without a power iteration)
     # The model runs on copies: a forward that changes its input in place (x.mul_(2)) leaves the user's
     # example inputs as they were.
     device = model_device(model)  # (example inputs held elsewhere, e.g. on the CPU, move to the model)
@@ -200,9 +203,10 @@ def prepare(
     }
     weight_dtypes = _swap_modules(prepared, record, groups, assignment.qconfigs)
     plans, requests, plan_warnings = build_plans(record, groups, assignment.qconfigs, fixed, weight_dtypes)
+    requests = _weight_channel_axes(plans, requests)
 
     refusals = stage_refusals(record, groups)
-    warnings = list(assignment.warnings) + plan_warnings + list(refusals.values())
+    warnings = folded + list(assignment.warnings) + plan_warnings + list(refusals.values())
     if refusals:
         # One console line; model_check_result.txt lists every op site with its source line.
         sites = list(refusals)
@@ -233,6 +237,15 @@ def prepare(
     return prepared
 
 
+def _copy_model(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model``. A tensor that a hook computed and left on a module (the hook-based
+    ``torch.nn.utils.weight_norm``'s ``weight`` before any no-grad forward) is no graph leaf, which deepcopy
+    refuses; it is copied detached (its hook computes it afresh at every forward, and prepare folds that hook)."""
+    memo = {id(v): v.detach().clone() for m in model.modules() for v in m.__dict__.values()
+            if isinstance(v, torch.Tensor) and not v.is_leaf}
+    return copy.deepcopy(model, memo)
+
+
 def _copy_inputs(example: Any) -> Any:
     """``example`` with every tensor leaf cloned (containers rebuilt, other leaves as they are)."""
     return pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, example)
@@ -258,7 +271,7 @@ def _write_check_report(prepared: nn.Module, example: Any, directory: Any) -> No
 def stage_refusals(record: ModelRecord, groups: list[FusedGroup] = ()) -> dict[str, str]:
     """Op site name -> one line for each op site whose op a later stage refuses (the op set's stage support), with its source line.
 
-    Host post-processing (after a DeQuantStub) stays float, so only export and ONNX matter there; a BatchNorm
+    Host post-processing (after a DeQuantStub) stays float (any aten op), so only ONNX matters there; a BatchNorm
     folded into its conv/linear is no op of its own."""
     folded = {g.bn for g in groups if g.bn is not None}
     lines: dict[str, str] = {}
@@ -269,8 +282,8 @@ def stage_refusals(record: ModelRecord, groups: list[FusedGroup] = ()) -> dict[s
         if site.known and op is None:
             continue  # a module op type the op set does not list (QuantStub, DeQuantStub)
         stages = [s for s in Stage if s is not Stage.FAKE_QUANT] if op is None else op.refused_by()
-        if site.after_dequant:
-            stages = [s for s in stages if s in (Stage.EXPORT, Stage.ONNX)]
+        if site.after_dequant:  # export keeps any aten op there as a float host op; ONNX needs a form for it
+            stages = [s for s in stages if s is Stage.ONNX]
         if not stages:
             continue
         why = f"no integer rule in march {get_march().spec.name}" if op is None else (op.note or "not supported")
@@ -325,10 +338,60 @@ def _apply_module_qconfigs(
     qconfigs.update(applied)
 
 
+def _fold_parametrizations(model: nn.Module) -> list[str]:
+    """Fold every weight reparametrization of ``model`` (prepare's copy) into a plain parameter, in place, and
+    return one check-report line for each: ``torch.nn.utils.parametrizations.weight_norm`` / ``spectral_norm``
+    (any ``torch.nn.utils.parametrize`` parametrization) and the hook-based ``torch.nn.utils.weight_norm`` /
+    ``spectral_norm``. The NPU computes with the weight they produce, so that weight is what gets quantized; QAT
+    then trains it directly (the module keeps its class, its op site and its name)."""
+    from torch.nn.utils import parametrize, remove_spectral_norm, remove_weight_norm
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    notes = []
+    for name, module in list(model.named_modules()):
+        where = f"module '{name or '<root>'}' ({type(module).__name__})"
+        if parametrize.is_parametrized(module):
+            for tensor in list(module.parametrizations.keys()):
+                kinds = ", ".join(type(p).__name__ for p in module.parametrizations[tensor])
+                parametrize.remove_parametrizations(module, tensor, leave_parametrized=True)
+                notes.append(f"{where}: its parametrized '{tensor}' ({kinds}) was folded into a plain parameter, "
+                             "which is quantized and trained in its place; the user's model keeps the parametrization.")
+        hooks = [h for h in module._forward_pre_hooks.values() if isinstance(h, (WeightNorm, SpectralNorm))]
+        for hook in hooks:
+            remove = remove_weight_norm if isinstance(hook, WeightNorm) else remove_spectral_norm
+            remove(module, hook.name)
+            notes.append(f"{where}: its '{hook.name}' ({type(hook).__name__} hook) was folded into a plain parameter, "
+                         "which is quantized and trained in its place; the user's model keeps the hook.")
+    return notes
+
+
+def _weight_channel_axes(plans: dict[str, SitePlan], requests: list) -> list:
+    """A functional op whose weight's output channels are not axis 0 (``torch.addmm``'s ``[in, out]``) gets its
+    per-channel weight fake quant along them (``op_rules.WEIGHT_CHANNEL_AXIS``)."""
+    axis_of = {key: WEIGHT_CHANNEL_AXIS[p.op_type] for p in plans.values() if p.op_type in WEIGHT_CHANNEL_AXIS
+               for key in p.weight_fq.values()}
+    return [dataclasses.replace(r, spec=QuantSpec(r.spec.dtype, r.spec.observer, ch_axis=axis_of[r.key]))
+            if r.key in axis_of and r.spec.ch_axis is not None else r for r in requests]
+
+
+def _aliases(model: nn.Module, name: str) -> list[str]:
+    """Every qualified name of the submodule ``name`` (a module registered twice, ``self.conv1 = conv`` and
+    ``nn.Sequential(conv, ...)``, has two; its op sites use the first, as ``tracer.module_qualnames`` does)."""
+    target = model.get_submodule(name)
+    return [n for n, m in model.named_modules(remove_duplicate=False) if m is target] or [name]
+
+
+def _replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` in the place of the submodule ``name`` under each of its names, so it is still one module."""
+    for alias in _aliases(model, name):
+        _set_submodule(model, alias, new)
+
+
 def _swap_modules(
     model: nn.Module, record: ModelRecord, groups: list[FusedGroup], qconfigs: dict[str, QConfig]
 ) -> dict[str, QuantDType]:
-    """Replace weighted modules by QAT classes (fused with their BatchNorm where grouped)."""
+    """Replace weighted modules by QAT classes (fused with their BatchNorm where grouped), under every name."""
     bn_of = {g.head: g.bn for g in groups if g.bn is not None}
     weight_dtypes: dict[str, QuantDType] = {}
     for site in record.sites.values():
@@ -345,13 +408,13 @@ def _swap_modules(
             cls = fused_class_for(module)
             bn = model.get_submodule(bn_of[site.name])
             new = cls.from_modules(module, bn, wspec)
-            _set_submodule(model, bn_of[site.name], nn.Identity())
+            _replace_module(model, bn_of[site.name], nn.Identity())
         else:
             cls = qat_class_for(module)
             if cls is None:
                 continue
             new = cls.from_float(module, wspec)
-        _set_submodule(model, site.module_name, new)
+        _replace_module(model, site.module_name, new)
         weight_dtypes[site.name] = wspec.dtype
     return weight_dtypes
 

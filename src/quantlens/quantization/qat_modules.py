@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantlens.quantization.fake_quantize import FakeQuantize, int32_bias
+from quantlens.quantization.op_rules import computes_as
 from quantlens.quantization.qconfig import QuantSpec
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "QATLinearBn1d",
     "qat_class_for",
     "fused_class_for",
+    "float_base",
     "frozen_folds",
 ]
 
@@ -60,6 +62,9 @@ class _WeightQuantMixin:
     """Shared by every QAT class: the weight fake quant and the int32 bias rule."""
 
     weight_fake_quant: FakeQuantize
+    #: (``op_rules.COMPUTES_REGISTERED_OP``) a QAT class computes its float base's op, on fake-quantized operands,
+    #: although it overrides ``forward``: the tracer keeps it one op site
+    _quantlens_computes_registered_op = True
 
     def _init_qat(self, weight_spec: QuantSpec) -> None:
         self.weight_fake_quant = FakeQuantize(weight_spec, is_weight=True)
@@ -229,9 +234,52 @@ _FUSED_CLASSES = {nn.Conv1d: QATConvBn1d, nn.Conv2d: QATConvBn2d, nn.Linear: QAT
 
 
 def qat_class_for(module: nn.Module) -> type | None:
-    """The QAT class for an exact float module type (subclasses of nn.Conv2d etc. are not swapped)."""
-    return _QAT_CLASSES.get(type(module))
+    """The QAT class for a float module, by what it computes: ``nn.Conv1d`` -> ``QATConv1d``; a subclass that
+    computes as its registered base (an ``__init__`` of its own, a parametrized class) -> a QAT class derived from
+    both, so the user's class and its methods stay; ``None`` for a subclass with a ``forward`` of its own (its ops
+    are traced one by one and a functional conv/linear quantizes the weight at its op site)."""
+    return _class_for(module, _QAT_CLASSES)
 
 
 def fused_class_for(module: nn.Module) -> type | None:
-    return _FUSED_CLASSES.get(type(module))
+    """The conv/linear + BatchNorm class for a float module, by what it computes (as :func:`qat_class_for`)."""
+    return _class_for(module, _FUSED_CLASSES)
+
+
+def float_base(module: nn.Module) -> type | None:
+    """The registered float class (``nn.Conv2d`` ...) whose op ``module`` computes, or ``None``."""
+    base = next((c for c in type(module).__mro__ if c in _QAT_CLASSES), None)
+    return base if base is not None and computes_as(type(module), base) else None
+
+
+def _class_for(module: nn.Module, table: dict[type, type]) -> type | None:
+    base = float_base(module)
+    qat = table.get(base) if base is not None else None
+    if qat is None or type(module) is base:
+        return qat
+    return _derived_class(qat, type(module))
+
+
+#: (QAT class, user's float class) -> the QAT class derived from both
+_DERIVED: dict[tuple[type, type], type] = {}
+
+
+def _derived_class(qat: type, user: type) -> type:
+    cls = _DERIVED.get((qat, user))
+    if cls is None:
+        cls = type(f"{qat.__name__}_{user.__name__}", (qat, user),
+                   {"__module__": __name__, "__reduce_ex__": _reduce_derived})
+        _DERIVED[(qat, user)] = cls
+    return cls
+
+
+def _reduce_derived(self, protocol):
+    """A derived class is made at prepare, so pickle (``torch.save`` of a prepared model) rebuilds it from its two
+    bases, which are importable."""
+    qat, user = type(self).__bases__
+    return _new_derived, (qat, user), self.__getstate__()
+
+
+def _new_derived(qat: type, user: type) -> nn.Module:
+    cls = _derived_class(qat, user)
+    return cls.__new__(cls)

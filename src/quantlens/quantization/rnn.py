@@ -26,6 +26,10 @@ Op site names (``docs/quantization.md``, "Recurrent layers"):
 Every call of a cell, and every time step of a layer, reuses the same op site names (the tracer restarts the op
 counters of a recurrent module at each call, and of a layer scope at each step), so one set of quantizers is
 shared by all time steps, whatever the sequence length.
+
+At export, ``torch.export`` traces three time steps of each layer and direction; the IR repeats them for the rest
+(``rnn_fold.py``), so export time no longer grows with the traced length while the IR keeps one node per gate op
+and time step.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from quantlens.errors import QuantLensError
+from quantlens.quantization.norm_decompositions import NORM_DECOMPOSED_FUNCTIONS
+from quantlens.quantization.rnn_fold import folds, run_folded
 
 if TYPE_CHECKING:  # pragma: no cover
     from quantlens.quantization.tracer import OpSiteTracer
@@ -112,6 +118,25 @@ def _scope(tracer: "OpSiteTracer", sub: str) -> str:
     return f"{module}.{sub}" if module and sub else (module or sub)
 
 
+def _direction(tracer, step, steps, time_dim, state, scope, order) -> list[list]:
+    """One layer in one direction: the state after each time step of ``order``. Each step runs in a fresh
+    ``scope`` (one set of op sites for all steps) and selects its input there; export traces three steps and
+    folds the rest (``rnn_fold.py``)."""
+
+    def run(t, state):
+        with tracer.fresh_scope(scope):
+            return step(steps.select(time_dim, t) if isinstance(steps, torch.Tensor) else steps[t], state)
+
+    if folds(tracer, len(order), state):
+        return run_folded(tracer, run, order, state, [] if isinstance(steps, torch.Tensor) else
+                          [steps[t] for t in order[1:]])
+    after = []
+    for t in order:
+        state = run(t, state)
+        after.append(state)
+    return after
+
+
 def _sequence(tracer, kind, input, states, params, has_biases, num_layers, dropout, train, bidirectional,
               batch_first):
     """All layers and directions of ``nn.LSTM`` / ``nn.GRU``, layer by layer, each unrolled over time."""
@@ -133,16 +158,19 @@ def _sequence(tracer, kind, input, states, params, has_biases, num_layers, dropo
                 else None
             state = [s[index] for s in states]
             scope = _scope(tracer, f"l{layer}" + ("_reverse" if direction else ""))
+            drop = dropout if train and layer > 0 else 0.0
+
+            def step(x, state, w_ih=w_ih, w_hh=w_hh, b_ih=b_ih, b_hh=b_hh, w_hr=w_hr, drop=drop):
+                if drop:
+                    x = F.dropout(x, drop, training=True)
+                if kind == "lstm":
+                    return list(_lstm_step(x, state[0], state[1], w_ih, w_hh, b_ih, b_hh, w_hr))
+                return [_gru_step(x, state[0], w_ih, w_hh, b_ih, b_hh)]
+
+            order = list(range(length)) if direction == 0 else list(reversed(range(length)))
+            after = _direction(tracer, step, steps, time_dim, state, scope, order)
             out = [None] * length
-            for t in (range(length) if direction == 0 else reversed(range(length))):
-                with tracer.fresh_scope(scope):
-                    x = steps.select(time_dim, t) if isinstance(steps, torch.Tensor) else steps[t]
-                    if dropout and train and layer > 0:
-                        x = F.dropout(x, dropout, training=True)
-                    if kind == "lstm":
-                        state = list(_lstm_step(x, state[0], state[1], w_ih, w_hh, b_ih, b_hh, w_hr))
-                    else:
-                        state = [_gru_step(x, state[0], w_ih, w_hh, b_ih, b_hh)]
+            for t, state in zip(order, after):
                 out[t] = state[0]
             for final, value in zip(finals, state):
                 final.append(value)
@@ -166,4 +194,5 @@ DECOMPOSED_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "gru_cell": gru_cell,
     "lstm": lstm,
     "gru": gru,
+    **NORM_DECOMPOSED_FUNCTIONS,  # group_norm, instance_norm, glu (norm_decompositions.py)
 }

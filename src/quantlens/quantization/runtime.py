@@ -100,7 +100,9 @@ class Runtime(SiteHandler):
             if pos < len(leaves) and is_float_tensor(leaves[pos]):
                 leaves[pos] = self.fq[key](leaves[pos])
         if plan.bias_position is not None and plan.bias_position < len(leaves):
-            in_fq = first or next((self._mark(x) for x in leaves if is_float_tensor(x)), None)
+            data = (x for pos, x in enumerate(leaves) if is_float_tensor(x) and pos != plan.bias_position
+                    and pos not in plan.weight_fq)  # (torch.addmm(bias, x, w) passes the bias first)
+            in_fq = first or next((self._mark(x) for x in data), None)
             w_fq = self.fq[next(iter(plan.weight_fq.values()))]
             leaves[plan.bias_position] = int32_bias(leaves[plan.bias_position], in_fq, w_fq)
         args, kwargs = pytree.tree_unflatten(leaves, spec)

@@ -44,6 +44,17 @@ from quantlens.quantization.table_overrides import (
     TableOverride,
 )
 from quantlens.quantization.table_overrides.calls import _arg, _float_leaves, _layer_norm_call, _softmax_call
+from quantlens.quantization.table_overrides.norms import (
+    NormalizeOverride,
+    RmsNormOverride,
+    VectorNormOverride,
+    normalize_float,
+    normalize_site,
+    rms_norm_float,
+    rms_norm_site,
+    vector_norm_float,
+    vector_norm_params,
+)
 
 __all__ = ["TableOpSpec", "TABLE_OP_SPECS", "table_op_spec"]
 
@@ -228,6 +239,13 @@ _SPECS = [
     TableOpSpec("softmax", SoftmaxOverride, float_fn=_softmax_float, site_params=_softmax_site, int16=""),
     TableOpSpec("layer_norm", LayerNormOverride, float_fn=_layer_norm_float, site_params=_layer_norm_site,
                 needs_call_args=True, int16=""),
+    # the RMS norm, L2 normalization and L2 norm (§13.7.1, §13.7.2: table_overrides/norms.py)
+    TableOpSpec("rms_norm", RmsNormOverride, float_fn=rms_norm_float, site_params=rms_norm_site,
+                needs_call_args=True, int16=""),
+    TableOpSpec("normalize", NormalizeOverride, float_fn=normalize_float, site_params=normalize_site,
+                needs_call_args=True, int16=""),
+    *(TableOpSpec(name, VectorNormOverride, float_fn=vector_norm_float, params_from_call=vector_norm_params,
+                  needs_call_args=True, int16="") for name in ("linalg_vector_norm", "norm")),
 ]
 
 #: every table op type, by the op site's op type

@@ -190,6 +190,7 @@ class OpSiteTracer(TorchFunctionMode):
         self.root = root
         self.handler = handler
         self.qualnames = qualnames if qualnames is not None else module_qualnames(root)
+        self._by_state: dict[int, str] | None = None  # id(module.__dict__) -> name, made on a proxy's first call
         self._reset()
 
     def _reset(self) -> None:
@@ -207,11 +208,17 @@ class OpSiteTracer(TorchFunctionMode):
             _module_hooks.register_module_forward_pre_hook(self._pre_hook),
             _module_hooks.register_module_forward_hook(self._post_hook, always_call=True),
         ]
+        # Libraries branch on torch.compiler.is_compiling() / is_exporting() (transformers builds its attention
+        # masks another way under torch.export), so every traced forward takes export's branch: the op sites
+        # prepare records are the ones export meets, and calibration observes the ops the IR will run.
+        self._was = (torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag)
+        torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = True
         return super().__enter__()
 
     def __exit__(self, *exc):
         for handle in self._handles:
             handle.remove()
+        torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = self._was
         return super().__exit__(*exc)
 
     # -- function ops ---------------------------------------------------------------------------------------
@@ -262,6 +269,8 @@ class OpSiteTracer(TorchFunctionMode):
             self.frames.append(_Frame("skip"))
             return None
         qualname = self.qualnames.get(id(module))
+        if qualname is None:
+            qualname = self._proxied_qualname(module)
         if qualname is None:  # a module outside the traced model: its ops belong to the enclosing module
             self.frames.append(_Frame("skip"))
             return None
@@ -288,6 +297,15 @@ class OpSiteTracer(TorchFunctionMode):
         self.frames.append(_Frame("leaf", site, args if new_args is None else new_args, annotation))
         self.leaf_depth += 1
         return new_args
+
+    def _proxied_qualname(self, module: nn.Module) -> str | None:
+        """The name of the model's module that ``module`` stands in for: torch.export (non-strict) calls a proxy in
+        place of each module of a model where one module is registered under two names; the proxy shares the
+        module's ``__dict__``, its state (``torch.fx.experimental.proxy_tensor._ModuleStackTracer``)."""
+        if self._by_state is None:
+            self._by_state = {id(m.__dict__): self.qualnames[id(m)] for m in self.root.modules()
+                              if id(m) in self.qualnames}
+        return self._by_state.get(id(module.__dict__))
 
     def _post_hook(self, module: nn.Module, args: tuple, output: Any):
         if not self.frames:

@@ -113,49 +113,35 @@ def _onnx_outputs(path: Path, ir, inputs: Any) -> list[torch.Tensor]:
     return [torch.from_numpy(o) for o in outs if o.dtype.kind == "f"]
 
 
+def _steps(model, example, batches, qconfig: str, folder: Path, onnx: bool) -> list[tuple[str, Callable]]:
+    """(stage, step) in order; a step takes the results so far ({stage: model}) and returns the stage's model."""
+    def prepare_stage(_):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return prepare(model, example, SETTERS[qconfig], check_result_dir=None)
+
+    steps = [("float", lambda _: model.eval()), ("prepare", prepare_stage),
+             ("calibration", lambda st: calibrate(st["prepare"], batches)),
+             ("pre_export", lambda st: pre_export(st["calibration"], example_inputs=example)),
+             ("export", lambda st: export(st["pre_export"], example)),
+             ("convert", lambda st: convert(st["export"])),
+             ("save/load", lambda st: load(save(st["convert"], folder / "model.qlir")))]
+    if onnx:
+        steps.append(("to_onnx", lambda st: to_onnx(st["export"], folder / "model.onnx")))
+    return steps
+
+
 def run_stages(name: str, model: torch.nn.Module, example: Any, batches: list, held_out: Any,
                qconfig: str = "int8", *, onnx: bool = True) -> CoverageResult:
     """Take ``model`` through every stage (see the module docstring); never raises for a stage's failure."""
     result = CoverageResult(name, qconfig)
     outs: dict[str, list[torch.Tensor]] = {}
     state: dict[str, Any] = {}
-
-    def float_stage():
-        return model.eval()
-
-    def prepare_stage():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return prepare(model, example, SETTERS[qconfig], check_result_dir=None)
-
-    def calibration_stage():
-        return calibrate(state["prepare"], batches)
-
-    def pre_export_stage():
-        return pre_export(state["calibration"], example_inputs=example)
-
-    def export_stage():
-        return export(state["pre_export"], example)
-
-    def convert_stage():
-        return convert(state["export"])
-
     with tempfile.TemporaryDirectory(prefix="quantlens_coverage_") as tmp:
-        def save_stage():
-            return load(save(state["convert"], Path(tmp) / "model.qlir"))
-
-        def onnx_stage():
-            return to_onnx(state["export"], Path(tmp) / "model.onnx")
-
-        steps = [("float", float_stage), ("prepare", prepare_stage), ("calibration", calibration_stage),
-                 ("pre_export", pre_export_stage), ("export", export_stage), ("convert", convert_stage),
-                 ("save/load", save_stage)]
-        if onnx:
-            steps.append(("to_onnx", onnx_stage))
-        for stage, step in steps:
+        for stage, step in _steps(model, example, batches, qconfig, Path(tmp), onnx):
             start = time.perf_counter()
             try:
-                state[stage] = step()
+                state[stage] = step(state)
                 if stage not in ("prepare", "to_onnx"):
                     outs[stage] = _call(state[stage], held_out)
             except Exception as exc:  # noqa: BLE001 - the sweep records every failure, whatever its type

@@ -369,9 +369,13 @@ THIRD_PARTY_MODELS: dict[str, ThirdPartyModel] = {
 
 
 def load_third_party(name: str) -> ThirdPartyModel:
-    """The entry of ``name`` (see :data:`THIRD_PARTY_MODELS`); raises naming the package to install."""
-    if name not in THIRD_PARTY_MODELS:
-        raise QuantLensError(f"Unknown third-party model {name!r}; known: {sorted(THIRD_PARTY_MODELS)}.")
-    entry = THIRD_PARTY_MODELS[name]
+    """The entry of ``name`` (see :data:`THIRD_PARTY_MODELS` and ``third_party_more.MORE_THIRD_PARTY_MODELS``);
+    raises naming the package to install."""
+    from quantlens.zoo.third_party_more import MORE_THIRD_PARTY_MODELS  # it imports this module's helpers
+
+    known = {**THIRD_PARTY_MODELS, **MORE_THIRD_PARTY_MODELS}
+    if name not in known:
+        raise QuantLensError(f"Unknown third-party model {name!r}; known: {sorted(known)}.")
+    entry = known[name]
     _package_dir(entry.package)
     return entry

@@ -14,13 +14,15 @@ from quantlens.compiler.convert.state import (
 )
 from quantlens.compiler.ir import Node
 from quantlens.errors import QuantLensError
-from quantlens.march import rules
+from quantlens.march import QuantDType, rules
 
 
 @converter("add", "sub", "cat")
 def _rescaled(c, node):
     if node.op in ("add", "sub") and any(_scalar(c, v) is not None for v in node.inputs):
         return _add_constant(c, node)
+    if node.op in ("add", "sub") and any(c.is_const(v) and v not in c.q for v in node.inputs):
+        return _add_constant_tensor(c, node)
     # an empty constant (torch.zeros(1, 0) padding a cat to a multiple) adds nothing and has no grid
     values = [v for v in node.inputs if not (c.is_const(v) and c.src.constants[v].numel() == 0)]
     infos = [c.int_input(node, v) for v in values]
@@ -31,6 +33,21 @@ def _rescaled(c, node):
     else:
         attrs = rules.add(scales, out_scale, qdtype, c.qpp)
     c.emit(node, node.op, [i.name for i in infos], attrs, qdtype, out_scale)
+
+
+def _add_constant_tensor(c: _Converter, node: Node) -> None:
+    """``x ± K`` for a float constant tensor ``K``: ``K`` enters as int32 codes on the sum's fractional grid
+    (``rules.constant_addend_codes``), then the add rule of two inputs."""
+    a, b = node.inputs
+    qdtype, out_scale = _required_grid(c, node)
+    k_first = c.is_const(a) and a not in c.q
+    x = c.int_input(node, b if k_first else a)
+    k = c.src.constants[a if k_first else b]
+    codes, k_scale = rules.constant_addend_codes(k, out_scale, c.qpp)
+    k_name = c.const(codes, f"{node.outputs[0]}_addend")
+    c.out.values[k_name].qdtype = QuantDType.qint32.value
+    inputs, scales = ([k_name, x.name], [k_scale, x.scale]) if k_first else ([x.name, k_name], [x.scale, k_scale])
+    c.emit(node, node.op, inputs, rules.add(scales, out_scale, qdtype, c.qpp), qdtype, out_scale)
 
 
 def _add_constant(c: _Converter, node: Node) -> None:
@@ -84,6 +101,17 @@ def _reduce(c, node):
     attrs = {"dim": dims, "keepdim": node.attrs.get("keepdim", False),
              **rules.average(x.scale, divisor, out_scale, qdtype, c.qpp)}
     c.emit(node, "sum_int", [x.name], attrs, qdtype, out_scale)
+
+
+@converter("cumsum")
+def _cumsum(c, node):
+    """§10.2 running sums: the exact integer running sum of the codes along ``dim``, each requantized by
+    ``s_x / s_out`` (the sum rule)."""
+    x = c.int_input(node, node.inputs[0])
+    _per_tensor(c, node, x, "cumsum")
+    qdtype, out_scale = _required_grid(c, node)
+    attrs = {"dim": int(node.attrs["dim"]), **rules.average(x.scale, 1, out_scale, qdtype, c.qpp)}
+    c.emit(node, "cumsum_int", [x.name], attrs, qdtype, out_scale)
 
 
 @converter("clamp", "hardtanh")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from quantlens.compiler.convert.state import (
     _DIM_PRESERVING,
     _INDEX_OUTPUTS,
@@ -18,7 +20,7 @@ from quantlens.compiler.ir import Node, ValueInfo
 from quantlens.compiler.kernels_int import storage_dtype
 from quantlens.errors import QuantLensError
 from quantlens.march import rules
-from quantlens.march.numerics import interpolation_weights
+from quantlens.march.numerics import interpolation_weights, quantize
 from quantlens.march.opset import Category, ops_in
 
 
@@ -107,9 +109,35 @@ def _embedding(c, node):
     c.emit(node, "embedding", [table.name, ids], {}, table.qdtype, table.scale)
 
 
+_ORDER_COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
+
+
+def _compare_with_constant(c, node) -> bool:
+    """``x <= 0.5`` on a per-tensor quantized ``x``: the codes are compared with the constant divided by the scale
+    (``q·s <= k  <=>  q <= k/s`` for a positive scale). False when the node is not such a comparison."""
+    if len(node.inputs) != 2:
+        return False
+    (x, k), swapped = node.inputs, False
+    if k in c.q and x not in c.q:
+        (k, x), swapped = node.inputs, True
+    if x not in c.q or not c.is_const(k) or c.q[x].scale.numel() != 1 or c.src.constants[k].numel() != 1:
+        return False
+    info = c.q[x]
+    bound = c.const((c.src.constants[k].double() / info.scale.double()).float().reshape(()),
+                    f"{node.outputs[0]}_in_codes")
+    name = c.fresh(node.outputs[0])
+    c.out.nodes.append(Node(node.op, [bound, info.name] if swapped else [info.name, bound], [name],
+                            dict(node.attrs), node.site))
+    c.out.values[name] = c.src.values.get(node.outputs[0], ValueInfo((), "unknown"))
+    c.float_values[node.outputs[0]] = name
+    return True
+
+
 @converter(*sorted(ops_in(Category.INDEX, level="qat")))
 def _non_numeric(c, node):
     """Ops whose result is an index or a mask: computed on the integer values (order is preserved)."""
+    if node.op in _ORDER_COMPARISONS and _compare_with_constant(c, node):
+        return
     if any(v in c.q for v in node.inputs) and node.op not in ("argmax",):
         raise QuantLensError(
             f"convert: op '{node.op}' at op site '{node.site}' compares quantized values with float ones; "
@@ -151,3 +179,36 @@ def _scatter(c, node):
     c.out.nodes.append(Node(node.op, [x.name, src.name], [name], dict(node.attrs), node.site))
     c.out.values[name] = ValueInfo(c.src.values[node.outputs[0]].shape, c.out.values[x.name].dtype, x.qdtype.value)
     c.q[node.outputs[0]] = QInfo(name, x.qdtype, x.scale, x.axis)
+
+
+def _operand_on_grid(c, node, value: str, qdtype, scale) -> str:
+    """One value operand of a select, as codes on the output grid: a quantized value moved there (§8, one
+    requantize when its grid differs), a constant quantized onto it (§11's constant code, saturated)."""
+    if value in c.q:
+        info = c.q[value]
+        _per_tensor(c, node, info, f"'{node.op}'")
+        if info.same_grid(qdtype, scale):
+            return info.name
+        name = c.fresh(f"{value}_to_{node.outputs[0]}")
+        attrs = {**rules.move(info.scale, scale, qdtype, c.qpp), "axis": None}
+        c.out.nodes.append(Node("requantize", [info.name], [name], attrs, node.site))
+        c.out.values[name] = ValueInfo(c.src.values[value].shape, str(storage_dtype(qdtype.value)).replace(
+            "torch.", ""), qdtype.value)
+        return name
+    if c.is_const(value):
+        codes = quantize(c.src.constants[value].float(), scale.to(torch.float32), qdtype, None,
+                         storage_dtype(qdtype.value))
+        return c.const(codes, f"{node.outputs[0]}_codes")
+    raise QuantLensError(
+        f"convert: '{node.op}' at op site '{node.site}' selects '{value}', a float value computed in the model that "
+        "has no grid; quantize it (give its producer an int8/int16 output) or select between constants.")
+
+
+@converter("where")
+def _where(c, node):
+    """§11 select: ``where(cond, a, b)`` picks codes of ``a`` and ``b`` moved to the output grid; exact, since a
+    fake quant after the select equals the select of the fake-quantized operands."""
+    qdtype, scale = _required_grid(c, node)
+    cond = _index_input(c, node, node.inputs[0])
+    operands = [_operand_on_grid(c, node, v, qdtype, scale) for v in node.inputs[1:]]
+    c.emit(node, "where", [cond, *operands], {}, qdtype, scale)

@@ -123,6 +123,7 @@ for _name in ("mean", "sum"):
     _register(getattr(aten, _name).default,
               lambda ctx, node, _op=_name: _emit(ctx, node, _op, [_value(ctx, node.args[0])],
                                                  {"dim": None, "keepdim": False}))
+_register(aten.cumsum.default, _generic("cumsum", aten.cumsum.default, ("self",), ("dim",)))
 _register(aten.amax.default, _generic("amax", aten.amax.default, ("self",), ("dim", "keepdim")))
 _register(aten.max.dim, _generic("max_dim", aten.max.dim, ("self",), ("dim", "keepdim"), n_out=2))
 _register(aten.argmax.default, _generic("argmax", aten.argmax.default, ("self",), ("dim", "keepdim")))

@@ -30,6 +30,12 @@ def _reduce(b: _Builder, node: Node) -> None:
     b.add(op, inputs, node.outputs[0], keepdims=int(bool(node.attrs.get("keepdim", False))))
 
 
+@onnx_converter("cumsum")
+def _cumsum(b: _Builder, node: Node) -> None:
+    x = b.cast(b.value(node.inputs[0]), b.out_dtype(node))
+    b.add("CumSum", [x, b.scalar(int(node.attrs["dim"]), "int64", f"{node.outputs[0]}/axis")], node.outputs[0])
+
+
 @onnx_converter("max_dim")
 def _max_dim(b: _Builder, node: Node) -> None:
     x = b.value(node.inputs[0])

@@ -232,9 +232,10 @@ def _softmax(b: _Builder, node: Node) -> bool:
 
 # -- layer norm ---------------------------------------------------------------------------------------------------
 @_exact("int_layer_norm")
-def _layer_norm(b: _Builder, node: Node) -> bool:
+def _layer_norm(b: _Builder, node: Node, center: bool = True) -> bool:
     """The kernel's int64 path (``int_ops.int_layer_norm``), valid for every site it accepts (its ``P`` keeps
-    ``sum(c**2) < 2**61``); ``u`` in float64, exact as the kernel proves (``|c * r| < 2**47``)."""
+    ``sum(c**2) < 2**61``); ``u`` in float64, exact as the kernel proves (``|c * r| < 2**47``). ``center=False``:
+    ``int_rms_norm`` (no mean)."""
     constants = _constants(b, node)
     shape = b.shape(node.inputs[0])
     if constants is None or shape is None or any(not isinstance(v, int) or v < 0 for v in shape[1:]):
@@ -252,8 +253,11 @@ def _layer_norm(b: _Builder, node: Node) -> bool:
     rows = f.op("Reshape", q, b.ints([0] * lead + [-1], f"{f.out}/rows"), dtype="int64")
     last = b.ints([-1], f"{f.out}/last")
     scaled = f.op("Mul", rows, f.const(1 << p, "int64"), dtype="int64")
-    mu = f.rhe_div_int64(f.op("ReduceSum", scaled, last, keepdims=1, dtype="int64"), f.const(n, "int64"))
-    c = f.op("Sub", scaled, mu, dtype="int64")
+    if center:
+        mu = f.rhe_div_int64(f.op("ReduceSum", scaled, last, keepdims=1, dtype="int64"), f.const(n, "int64"))
+        c = f.op("Sub", scaled, mu, dtype="int64")
+    else:
+        c = scaled
     v = f.op("Add", f.op("ReduceSum", f.op("Mul", c, c, dtype="int64"), last, keepdims=1, dtype="int64"),
              f.const(eps_term, "int64"), dtype="int64")
     v = f.op("Max", v, f.const(1, "int64"), dtype="int64")
@@ -279,6 +283,11 @@ def _layer_norm(b: _Builder, node: Node) -> bool:
     y = f.op("Reshape", y, f.op("Shape", x, dtype="int64"), dtype="int64")
     f.dequantize(y, node.inputs[2], int(a["out_qmin"]), int(a["out_qmax"]))
     return True
+
+
+@_exact("int_rms_norm")
+def _rms_norm(b: _Builder, node: Node) -> bool:
+    return _layer_norm(b, node, center=False)
 
 
 # -- pre_export's table ops: exact where this module can write their integer arithmetic (the elementwise tables,

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from quantlens.kernels.integer._common import acc64, exact, int_kernel, magnitude, requant
 
-__all__ = ["sum_kernel", "avg_pool2d_kernel", "avg_pool1d_kernel"]
+__all__ = ["sum_kernel", "cumsum_kernel", "avg_pool2d_kernel", "avg_pool1d_kernel"]
 
 
 def _sum_dtype(q: torch.Tensor, terms: int) -> tuple[torch.dtype, float]:
@@ -22,6 +22,16 @@ def sum_kernel(inputs: list, attrs: dict, site: str = "") -> torch.Tensor:
     q = inputs[0]
     dtype, bound = _sum_dtype(q, max(1, q.numel()))  # at most numel terms per sum
     acc = torch.sum(q.to(dtype), dim=attrs["dim"], keepdim=attrs["keepdim"])
+    return requant(attrs, acc, bound=bound, consume=acc.dtype == torch.float64)
+
+
+@int_kernel("cumsum_int")
+def cumsum_kernel(inputs: list, attrs: dict, site: str = "") -> torch.Tensor:
+    """§10.2 ``cumsum``: the exact running sums of the codes along ``dim``, each requantized like a sum."""
+    q = inputs[0]
+    dim = int(attrs["dim"])
+    dtype, bound = _sum_dtype(q, max(1, q.shape[dim] if q.dim() else 1))
+    acc = torch.cumsum(q.to(dtype), dim=dim)
     return requant(attrs, acc, bound=bound, consume=acc.dtype == torch.float64)
 
 

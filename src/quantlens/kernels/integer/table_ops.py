@@ -17,6 +17,7 @@ from quantlens.kernels.int_ops import int_div, int_layer_norm, int_reciprocal, i
 from quantlens.kernels.integer._aten import call_op
 from quantlens.kernels.integer._cache import prepared
 from quantlens.kernels.integer._common import int_kernel, storage_dtype
+from quantlens.kernels.norm_ops import int_rms_norm
 from quantlens.kernels.ops import TABLE_OP_IO, dtype_from_range, table_torch_op
 from quantlens.kernels.tables import SegmentedTable, Table256, lut256_lookup, segmented_lookup
 from quantlens.march import QuantDType
@@ -111,9 +112,15 @@ def _direct_layer_norm(q, c, a, derived):
                           dtype_from_range(a["out_qmin"], a["out_qmax"]))
 
 
+def _direct_rms_norm(q, c, a, derived):
+    eps_term, shift, frac_bits = _params(c)
+    return int_rms_norm(q[0], a["normalized_ndim"], c["gain"], c["bias"], eps_term, frac_bits, shift,
+                        dtype_from_range(a["out_qmin"], a["out_qmax"]))
+
+
 _DIRECT_TABLE = {"lut": lambda q, c, a, d: _direct_lut(q[0], c, a, d), "segment_lut": _direct_segment_lut,
                  "int_reciprocal": _direct_reciprocal, "int_div": _direct_div, "int_softmax": _direct_softmax,
-                 "int_layer_norm": _direct_layer_norm}
+                 "int_layer_norm": _direct_layer_norm, "int_rms_norm": _direct_rms_norm}
 
 
 class _TableSite:

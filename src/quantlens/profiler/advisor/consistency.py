@@ -76,6 +76,30 @@ def _mismatch_causes(row: LayerRow, default_qpp: bool) -> list[str]:
     return causes
 
 
+def _defined_by_level(level: int, baseline_rules: str | None) -> frozenset[str]:
+    """The causes (keys of :data:`_CAUSES`) whose same-input mismatch is exactly what consistency ``level``
+    defines, because the baseline does not compute that integer rule while the quantized IR does:
+
+    * ``"none"`` (the qat IR: float + fake quant at every level): the GEMMs' exact sums, the requantize (the cheap
+      multiplier of int16 outputs too) and the other integer rules; add/sub/cat at level 1 only (from level 2 their
+      shared scale makes the integer add equal the float one, so a mismatch there is not the level's);
+    * ``"rounded"`` (a QAT forward below level 4): the GEMMs, whose float32 sum is rounded to integers.
+
+    Lookup tables are in the qat IR too, so their mismatches are never the level's."""
+    if level < 1 or baseline_rules not in ("none", "rounded"):
+        return frozenset()
+    if baseline_rules == "rounded":
+        return frozenset({"gemm"})
+    return frozenset({"requant16", "gemm", "other"} | ({"elementwise"} if level == 1 else set()))
+
+
+def _is_defined(row: LayerRow, default_qpp: bool, defined: frozenset[str]) -> bool:
+    """Whether every cause of the row's same-input mismatch is one the level defines (a row without a known
+    cause, e.g. a GEMM more than 1 LSB off, never is)."""
+    causes = set(_mismatch_causes(row, default_qpp))
+    return bool(causes) and causes <= defined
+
+
 def _sites(rows: list[LayerRow]) -> str:
     shown = ", ".join(f"'{r.op_name}' ({r.analy_op_type})" for r in rows[:CONSISTENCY_SITES_SHOWN])
     more = len(rows) - CONSISTENCY_SITES_SHOWN
@@ -86,16 +110,23 @@ def _sites(rows: list[LayerRow]) -> str:
 def consistency_level(ctx: AdvisorContext) -> list[Finding]:
     """convert: the op sites whose own kernel is not bit-exact, grouped by the ``ConsistencyStrategy`` level that
     removes the mismatch; only levels above the model's own are suggested (a mismatch the model's level should
-    already remove points to level 4, which is bit-exact by construction). At level 4 any mismatch is a bug."""
+    already remove points to level 4, which is bit-exact by construction). At level 4 any mismatch is a bug.
+    Against a baseline that does not compute the level's integer rules (the qat IR at levels 1-4), the rows that
+    differ by exactly those rules are what the level defines and are not reported (:func:`_defined_by_level`)."""
     if ctx.analysis_type != "convert":
         return []
     info = ctx.consistency
     current = -1 if info is None or info.level is None else info.level
     default_qpp = info is None or info.qpp != "high_precision"
     built = "off" if current < 0 else f"level {current}"
-    inexact = [r for r in ctx.comparison if r.same_input_lsb_verdict not in ("", "bit-exact")]
+    # a baseline without the level's integer rules (the qat IR) differs from the quantized IR by exactly them:
+    # those rows (and what they change downstream) are what the level defines, not a fault to fix
+    defined = _defined_by_level(current, getattr(info, "baseline_rules", None))
+    inexact = [r for r in ctx.comparison if r.same_input_lsb_verdict not in ("", "bit-exact")
+               and not _is_defined(r, default_qpp, defined)]
     if current >= MAX_CONSISTENCY_LEVEL:
-        mismatched = inexact or [r for r in ctx.comparison if r.lsb_verdict not in ("", "bit-exact")]
+        mismatched = inexact or ([] if defined else
+                                 [r for r in ctx.comparison if r.lsb_verdict not in ("", "bit-exact")])
         if not mismatched:
             return []
         first = ctx.comparison.first_diverged or mismatched[0]

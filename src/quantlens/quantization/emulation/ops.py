@@ -124,6 +124,21 @@ def _reduce(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
     return Deferred(compute)
 
 
+@emulates("cumsum")
+def _cumsum(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
+    x = _single(call)
+    dim = call.arg(1, "dim")
+    if x is None or dim is None or call.arg(2, "dtype") is not None:
+        return None
+    q, x_fq = x
+    qpp = emu.qpp
+
+    def compute(fq):
+        return _kernel("cumsum_int", {"dim": int(dim), **rules.average(x_fq.scale, 1, fq.scale, fq.dtype, qpp)},
+                       [q], call.site)
+    return Deferred(compute)
+
+
 def _pool_window(call: EmuCall, q: torch.Tensor) -> tuple[str, dict, int] | None:
     """(kernel op, attrs, window count) of an average pool with fixed windows, as convert derives them."""
     op, m = call.op_type, call.module
@@ -308,3 +323,28 @@ def _masked_fill(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
     q, x_fq = x
     filled = q.masked_fill(mask, rules.fill_code(float(value), x_fq.scale, x_fq.dtype))
     return Deferred(lambda fq: emu.requantize_codes(filled, x_fq, fq))
+
+
+@emulates("where")
+def _where(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
+    """§11 select: each value operand moved to the output grid (a scalar: its code there), then picked."""
+    cond = call.arg(0, "condition")
+    operands = [_input(call, 1, "input"), _input(call, 2, "other")]
+    if not isinstance(cond, torch.Tensor) or any(o is None for o in operands) or all(o[1] is None for o in operands):
+        return None
+    if any(src is not None and src.scale.numel() != 1 for _, src in operands):
+        return None  # convert refuses a per-channel operand
+    qpp = emu.qpp
+
+    def compute(fq):
+        codes = []
+        for value, src in operands:
+            if src is None:
+                codes.append(torch.tensor(rules.fill_code(value, fq.scale, fq.dtype), dtype=torch.int64))
+            elif torch.equal(src.scale, fq.scale) and src.dtype == fq.dtype:
+                codes.append(value)
+            else:
+                attrs = {**rules.move(src.scale, fq.scale, fq.dtype, qpp), "axis": None}
+                codes.append(_kernel("requantize", attrs, [value], call.site))
+        return torch.where(cond, *codes)
+    return Deferred(compute)

@@ -59,6 +59,13 @@ class LayerNormOverride(TableOverride):
                         "constants were built from the old values). Run pre_export again on the updated model."
                     )
         x = _float_leaves(call)[0]
+        if tuple(x.shape[x.dim() - len(shape):]) != shape:
+            raise QuantLensError(
+                f"Op site '{self.site}' (layer_norm) normalizes the trailing dims {shape}, but its input has shape "
+                f"{tuple(x.shape)}: the integer layer_norm normalizes the last {len(shape)} dim(s) of its input. "
+                "Fix: call layer_norm on a tensor whose last dims are normalized_shape (permute the normalized "
+                "axis last first), or give the module a forward of its own that does (it is then traced op by op)."
+            )
         di, do = fqs[0].dtype, out_fq.dtype
         return torch.ops.quantlens.int_layer_norm(
             x, fqs[0].scale, out_fq.scale, self.gain, self.bias, self.params_q, self.normalized_ndim,
