@@ -277,3 +277,27 @@ def test_constant_tensor_addend_codes_by_hand():
     codes, scale = rules.constant_addend_codes(k, torch.tensor(0.25), Qpp.HIGH_PRECISION)  # F = 8
     assert codes.tolist() == [307, -2**31, -128, 384]  # k * 2**8 / 0.25 = k * 1024
     assert float(scale) == 0.25 / 256
+
+
+def test_mask_fills_do_not_stretch_a_grid_of_real_values():
+    from quantlens.quantization.fake_quantize import _without_fills
+
+    lowest = torch.finfo(torch.float32).min
+    mixed = torch.tensor([0.5, -1.0, lowest, 2.0])
+    assert _without_fills(mixed).tolist() == [0.5, -1.0, 0.0, 2.0]
+    pure = torch.tensor([0.0, lowest, 0.0])  # a 0 / finfo.min mask: its fills stay (the attention finds them)
+    assert torch.equal(_without_fills(pure), pure)
+    with_inf = torch.tensor([0.5, float("-inf")])  # -inf is not a fill: the non-finite checks report it
+    assert torch.equal(_without_fills(with_inf), with_inf)
+
+
+def test_an_add_input_on_a_mask_grid_saturates():
+    from quantlens.kernels.integer import INT_KERNELS
+    from quantlens.march import Qpp, QuantDType, rules
+
+    attrs = rules.add([torch.tensor(0.1), torch.tensor(2.7e36)], torch.tensor(0.1), QuantDType.qint8, Qpp.DEFAULT)
+    assert (attrs["multipliers"][1], attrs["shifts"][1]) == (2**31 - 1, 0)  # the saturating pair
+    scores = torch.tensor([10, -7, 127], dtype=torch.int8)
+    mask = torch.tensor([0, -128, -1], dtype=torch.int8)  # codes of a 0 / finfo.min mask (and one stray code)
+    out = INT_KERNELS["add"]([scores, mask], attrs, "site")
+    assert out.tolist() == [10, -128, -128]  # 0 adds nothing; any other code saturates to the lowest code

@@ -317,6 +317,7 @@ _OP_ROWS: list[OpDef] = [
     OpDef("instance_norm", C, "§10.3, §13.7",
           note="decomposed at prepare: group_norm with a group per channel, or batch_norm on running statistics"),
     OpDef("glu", C, "§13.4", note="decomposed at prepare into chunk, sigmoid (table) and mul"),
+    OpDef("baddbmm", C, "§6-§10", note="decomposed at prepare into matmul, a scale by alpha / beta, and add"),
     # movement
     *_rows("view reshape flatten unflatten squeeze unsqueeze view_as reshape_as", M, "§11", ("reshape",)),
     *_rows("permute transpose t movedim swapaxes", M, "§11", ("permute",)),

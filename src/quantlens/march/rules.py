@@ -96,18 +96,31 @@ def gemm(x_scale: Scale, w_scale: Scale, out_scale: Scale, qdtype: QuantDType, q
 
 
 # -- §10: add, sub, cat, x ± k, x · k, x · y ------------------------------------------------------------------
-def _rescale_pairs(in_scales: list[Scale], out_scale: Scale, qpp: Qpp) -> list[tuple[int, int]]:
+#: §10 a saturating input: its ratio ``s_i / s_out`` moves code 1 past the int32 range (a 0 / finfo.min mask's grid
+#: added to scores): it enters with ``M = 2**31 - 1`` and no shift, so 0 adds nothing and any other code saturates
+#: the int32 term, and the sum to the output's end (the fake quant of ``x + finfo.min`` is the lowest code too).
+_SATURATING_PAIR = (2**31 - 1, 0)
+
+
+def _rescale_pairs(in_scales: list[Scale], out_scale: Scale, qpp: Qpp, frac_bits: int = 0) -> list[tuple[int, int]]:
     s_out = _first(out_scale)
-    return [multiplier(_first(s) / s_out, qpp) for s in in_scales]
+    pairs = []
+    for s in in_scales:
+        ratio = _first(s) / s_out
+        saturating = ratio * 2.0**frac_bits >= 2.0**31
+        pairs.append((_SATURATING_PAIR[0], frac_bits) if saturating else multiplier(ratio, qpp))
+    return pairs
 
 
 def add(in_scales: list[Scale], out_scale: Scale, qdtype: QuantDType, qpp: Qpp) -> dict:
     """§10 add / sub: each input rescaled by ``s_i / s_out`` (per-tensor scales, float64 division of the float32
     scales) into ``F`` extra fractional bits of profile ``qpp``, summed, rounded once:
-    ``{"multipliers", "shifts", "frac_bits", "out_dtype"}``."""
-    pairs = _rescale_pairs(in_scales, out_scale, qpp)
+    ``{"multipliers", "shifts", "frac_bits", "out_dtype"}``. An input whose ratio moves code 1 past the int32 range
+    saturates (``_SATURATING_PAIR``)."""
+    frac = get_march().spec.qpp(qpp).elementwise_frac_bits
+    pairs = _rescale_pairs(in_scales, out_scale, qpp, frac)
     return {"multipliers": [p[0] for p in pairs], "shifts": [p[1] for p in pairs],
-            "frac_bits": get_march().spec.qpp(qpp).elementwise_frac_bits, "out_dtype": qdtype.value}
+            "frac_bits": frac, "out_dtype": qdtype.value}
 
 
 def cat(in_scales: list[Scale], out_scale: Scale, qdtype: QuantDType, qpp: Qpp, dim: int) -> dict:

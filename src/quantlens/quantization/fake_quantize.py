@@ -14,6 +14,7 @@ from quantlens.march import QuantDType
 from quantlens.march.numerics import fake_quant
 from quantlens.quantization.qconfig import QuantSpec
 from quantlens.quantization.scale_policy import group_scale, pow2_ceil, sync_groups
+from quantlens.quantization.tracing_state import export_tracing
 
 __all__ = ["FakeQuantState", "FakeQuantize", "set_fake_quantize", "calibrate", "int32_bias", "nonfinite_sites", "fake_quant_sites"]
 
@@ -43,6 +44,21 @@ _STATE_FLAGS = {
     FakeQuantState.QAT: (True, True),
     FakeQuantState.VALIDATION: (False, True),
 }
+
+
+def _without_fills(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its fill values (finite, at least half its dtype's largest magnitude: the ``finfo.min`` of an
+    attention mask) read as 0 by the observer, where ``x`` also holds real (nonzero) values: scores plus a mask, a
+    bias with masked entries. A fill is a mask, never a quantity: observed, it would stretch the grid until every
+    real value rounds to 0. The fake quant then saturates it to the grid's lowest code, which is how the integer
+    model masks (exp of the lowest code minus the max is ~0). A pure mask (fills and zeros) keeps its fills on its
+    grid, so the attention that reads it still finds them (``decompositions.SdpaDecomposition``)."""
+    if not x.is_floating_point():
+        return x
+    fills = (x.abs() >= torch.finfo(x.dtype).max / 2) & torch.isfinite(x)
+    if not bool(fills.any()) or not bool(((x != 0) & ~fills).any()):
+        return x
+    return x.masked_fill(fills, 0.0)
 
 
 class FakeQuantize(nn.Module):
@@ -130,7 +146,7 @@ class FakeQuantize(nn.Module):
             return x
         if self._learning():
             return self._learned_forward(x)
-        if self.learn_scale and not self.observe_enabled and not torch.compiler.is_compiling() \
+        if self.learn_scale and not self.observe_enabled and not export_tracing() \
                 and bool(self.learned_initialized):
             with torch.no_grad():  # VALIDATION / export: the latest learned value (an optimizer step moved it)
                 self.scale.copy_(self.learned_scale.detach().clamp(min=0).to(self.scale.dtype).reshape(
@@ -139,7 +155,7 @@ class FakeQuantize(nn.Module):
         # paused the observers, so an optimizer step can never leave a stale scale (not while torch.export traces:
         # its eager pass has refreshed them).
         weight_refresh = (self.is_weight and self.fake_quant_enabled and not self.observe_enabled
-                          and not torch.compiler.is_compiling())
+                          and not export_tracing())
         if weight_refresh:
             self._refresh_weight_scale(x)
         elif self.observe_enabled:
@@ -154,7 +170,7 @@ class FakeQuantize(nn.Module):
     def _observe(self, x: torch.Tensor) -> None:
         if self.is_weight:
             self.observer.reset()
-        self.observer(x)
+        self.observer(x if self.is_weight else _without_fills(x))
         try:
             scale = self.observer.calculate_scale().to(self.scale.device)
         except QuantLensError as exc:

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from quantlens.errors import QuantLensError
+from quantlens.quantization.gemm_decompositions import GEMM_DECOMPOSED_FUNCTIONS
 from quantlens.quantization.norm_decompositions import NORM_DECOMPOSED_FUNCTIONS
 from quantlens.quantization.rnn_fold import folds, run_folded
 
@@ -195,4 +196,5 @@ DECOMPOSED_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "lstm": lstm,
     "gru": gru,
     **NORM_DECOMPOSED_FUNCTIONS,  # group_norm, instance_norm, glu (norm_decompositions.py)
+    **GEMM_DECOMPOSED_FUNCTIONS,  # baddbmm (gemm_decompositions.py)
 }

@@ -21,6 +21,7 @@ from quantlens.quantization.op_rules import OpKind
 from quantlens.quantization.overrides import OverrideCall
 from quantlens.quantization.plan import OutputMode, SitePlan
 from quantlens.quantization.tracer import OpSiteTracer, SiteCall, SiteHandler, TensorMarks, is_float_tensor
+from quantlens.quantization.tracing_state import export_tracing
 
 if TYPE_CHECKING:
     from quantlens.quantization.prepare import QuantState
@@ -289,7 +290,7 @@ def emulator_for(state: QuantState) -> IntegerEmulator | None:
         return None
     if state.fake_quant_state not in (FakeQuantState.QAT, FakeQuantState.VALIDATION):
         return None
-    if torch.compiler.is_compiling():
+    if export_tracing():
         return None
     validation = state.fake_quant_state is FakeQuantState.VALIDATION
     exact = config.exact_validation if validation else config.exact_training

@@ -41,6 +41,7 @@ from quantlens.quantization.op_rules import (
     module_rule,
 )
 from quantlens.quantization.rnn import DECOMPOSED_FUNCTIONS
+from quantlens.quantization.tracing_state import enter_traced_forward, leave_traced_forward
 
 __all__ = ["SiteCall", "SiteHandler", "OpSiteTracer", "module_qualnames", "float_tensor_leaves", "user_source_location", "is_within",
            "TORCH_DIR", "TensorMarks"]
@@ -211,14 +212,14 @@ class OpSiteTracer(TorchFunctionMode):
         # Libraries branch on torch.compiler.is_compiling() / is_exporting() (transformers builds its attention
         # masks another way under torch.export), so every traced forward takes export's branch: the op sites
         # prepare records are the ones export meets, and calibration observes the ops the IR will run.
-        self._was = (torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag)
-        torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = True
+        # (quantlens' own code asks tracing_state.export_tracing() for the real answer)
+        self._saved_flags = enter_traced_forward()
         return super().__enter__()
 
     def __exit__(self, *exc):
         for handle in self._handles:
             handle.remove()
-        torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = self._was
+        leave_traced_forward(self._saved_flags)
         return super().__exit__(*exc)
 
     # -- function ops ---------------------------------------------------------------------------------------

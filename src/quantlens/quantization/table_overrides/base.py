@@ -12,10 +12,11 @@ from quantlens.errors import QuantLensError
 from quantlens.quantization.fake_quantize import FakeQuantize
 from quantlens.quantization.overrides import OverrideCall, SiteOverride
 from quantlens.quantization.table_overrides.report import LutSiteInfo
+from quantlens.quantization.tracing_state import export_tracing
 
 
 def _exporting() -> bool:
-    return torch.compiler.is_compiling()
+    return export_tracing()
 
 
 def _spec(op_type: str):
