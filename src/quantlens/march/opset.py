@@ -336,8 +336,8 @@ _OP_ROWS: list[OpDef] = [
     *_rows("max", M, "§11", ("max_dim", "amax"), index_producing=True),
     *_rows("topk sort", M, "§11", index_producing=True),
     *_rows("min", M, "§11", (), index_producing=True),
-    *_rows("repeat tile roll max_pool1d_with_indices max_pool2d_with_indices "
-           "amin", M, "§11", (), note="no lowering yet"),
+    *_rows("repeat tile", M, "§11", ("reshape", "expand"), note="a reshape, an expand and a reshape"),
+    *_rows("roll max_pool1d_with_indices max_pool2d_with_indices amin", M, "§11", (), note="no lowering yet"),
     OpDef("pad", M, "§11", ("pad",), note="constant (any value), reflect, replicate"),
     OpDef("prelu", E, "§10.3", ("prelu",), weight_args=(1,), note="slope per channel (int8 weight)"),
     OpDef("argmax", X, "§11", ("argmax",), index_producing=True),

@@ -223,6 +223,8 @@ def _quantizes_float_input(record: ModelRecord, site: OpSiteRecord, qc: QConfig 
     would run a movement op on a float tensor, which has no integer form)."""
     if qc is None or qc.output is None or site.boundary or site.after_dequant or None not in in_dtypes:
         return False
+    if site.calls > 1:  # a recurrent cell's steps: its state enters through the quantizers the steps share
+        return False
     stack, seen = record.consumers(site.name), {site.name}
     while stack:  # through movement ops, to a quantized op with a qconfig
         name = stack.pop()

@@ -157,6 +157,21 @@ def _known_value(ctx: _Ctx, arg):
     return arg
 
 
+def _rule_on_constants(ctx: _Ctx, node: fx.Node, rule) -> None:
+    """A fake quant (or table op) of known values reads them as constants: a weight split into q/k/v, sliced or
+    transposed before its fake quant is then quantized by convert as the constant it is, whatever moved it."""
+    swapped = {}
+    for arg in pytree.tree_leaves((node.args, node.kwargs)):
+        name = ctx.names.get(arg) if isinstance(arg, fx.Node) else None
+        if isinstance(name, str) and name in ctx.known and arg not in swapped:
+            swapped[arg] = name
+            ctx.names[arg] = ctx.const(ctx.known[name], "folded")
+    try:
+        rule(ctx, node)
+    finally:
+        ctx.names.update(swapped)
+
+
 def _lower_known(ctx: _Ctx, node: fx.Node, rule) -> bool:
     """Lower or fold ``node`` when its inputs are constants and known values (see above); False: not such a node."""
     if node.op != "call_function" or node.target is operator.getitem:
@@ -167,7 +182,10 @@ def _lower_known(ctx: _Ctx, node: fx.Node, rule) -> bool:
     result = node.target(*_known_value(ctx, node.args), **{k: _known_value(ctx, v) for k, v in node.kwargs.items()})
     first = len(ctx.graph.nodes)
     if rule is not None:
-        rule(ctx, node)
+        if getattr(node.target, "namespace", None) == "quantlens":
+            _rule_on_constants(ctx, node, rule)
+        else:
+            rule(ctx, node)
         emitted = ctx.graph.nodes[first:]
         if all(n.op in IR_OPS and IR_OPS[n.op].category in _KEEP_WHEN_KNOWN for n in emitted):
             names = ctx.names[node]

@@ -56,3 +56,28 @@ def _addmm(ctx, node):
 
 _register(aten.addmm.default, _addmm)
 TORCH_OPS.setdefault("linear", aten.linear.default)
+
+
+def _repeat(ctx, node):
+    """``x.repeat(r_0, ..., r_k)``: a reshape that puts a 1 before each dim, an ``expand`` of those to ``r_i``, and a
+    reshape that merges each pair (data movement: the values keep their grid). torch's own decomposition of repeat
+    leaves strides that a later ``view`` (wavlm's position bias) cannot take."""
+    bound = _normalized(node)
+    reps = [int(r) for r in bound["repeats"]]
+    shape = list(_info(bound["self"]).shape)
+    shape = [1] * (len(reps) - len(shape)) + shape
+    if any(d < 0 for d in shape):
+        raise QuantLensError(f"export: repeat at op site '{_site(node)}' ({_source(node)}) of a dynamic dim; export "
+                             "with static shapes (dynamic_batch=False).")
+    value, dtype = _value(ctx, bound["self"]), _info(node).dtype
+    steps = (("reshape", [d for s in shape for d in (1, s)]), ("expand", [d for r, s in zip(reps, shape)
+                                                                        for d in (r, s)]))
+    for op, new_shape in steps:
+        name = ctx.fresh(f"{node.name}_{op}")
+        ctx.graph.nodes.append(Node(op, [value], [name], {"shape": new_shape}, _site(node)))
+        ctx.graph.values[name] = ValueInfo(tuple(new_shape), dtype)
+        value = name
+    _emit(ctx, node, "reshape", [value], {"shape": [r * s for r, s in zip(reps, shape)]})
+
+
+_register(aten.repeat.default, _repeat)
