@@ -301,3 +301,42 @@ def test_an_add_input_on_a_mask_grid_saturates():
     mask = torch.tensor([0, -128, -1], dtype=torch.int8)  # codes of a 0 / finfo.min mask (and one stray code)
     out = INT_KERNELS["add"]([scores, mask], attrs, "site")
     assert out.tolist() == [10, -128, -128]  # 0 adds nothing; any other code saturates to the lowest code
+
+
+class BorderPool(nn.Module):
+    """PoolFormer's token mixer (count_include_pad=False) and EfficientNet-style ceil_mode windows."""
+
+    def __init__(self, ceil_mode=False):
+        super().__init__()
+        self.quant = QuantStub()
+        self.pool = nn.AvgPool2d(3, 2 if ceil_mode else 1, 1, ceil_mode=ceil_mode, count_include_pad=ceil_mode)
+
+    def forward(self, x):
+        return self.pool(self.quant(x))
+
+
+def test_average_pool_windows_of_different_counts_by_hand():
+    from quantlens.kernels.integer import INT_KERNELS
+    from quantlens.march import Qpp, QuantDType, rules
+
+    codes = torch.tensor([[1, 3], [5, 7]], dtype=torch.int8).reshape(1, 1, 2, 2)
+    divisors = [[1, 2, 1], [2, 4, 2], [1, 2, 1]]  # 2x2 windows, stride 1, padding 1, count_include_pad=False
+    attrs = {"kernel_size": [2, 2], "stride": [1, 1], "padding": [1, 1], "ceil_mode": False, "divisors": divisors,
+             **rules.average_by_window(torch.tensor(1.0), [1, 2, 4], torch.tensor(1.0), QuantDType.qint8,
+                                       Qpp.HIGH_PRECISION)}
+    assert attrs["divisor_values"] == [1, 2, 4]
+    out = INT_KERNELS["avg_pool2d_div_int"]([codes], attrs, "site")
+    # corners: one code each; edges (1+3)/2, (1+5)/2, (3+7)/2, (5+7)/2; centre 16/4
+    assert out[0, 0].tolist() == [[1, 2, 3], [3, 4, 5], [5, 6, 7]]
+
+
+@pytest.mark.parametrize("ceil_mode", [False, True])
+def test_average_pools_with_varying_windows_convert(ceil_mode):
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 8, 8)  # 8: ceil_mode adds a last window that overhangs the padded input
+    prepared, tables, qat_ir, quantized = _through(BorderPool(ceil_mode).eval(), (x,))
+    assert "avg_pool2d_div_int" in [n.op for n in quantized.graph.nodes]
+    with torch.no_grad():
+        got, want = quantized(x), qat_ir(x)
+    step = float(prepared._quantlens_state.fq[next(k for k in prepared._quantlens_state.fq if "pool" in k)].scale)
+    assert (got - want).abs().max() <= step * 1.001  # one requantize: within one output step

@@ -207,6 +207,8 @@ _IR_ROWS: list[IROp] = [
     IROp("cumsum", R, "§10.2"),
     IROp("cumsum_int", R, "§10.2", level="quantized", cost=Cost.SUM),
     IROp("avg_pool2d_int", R, "§10", level="quantized", cost=Cost.AVG_POOL),
+    IROp("avg_pool2d_div_int", R, "§10.2", level="quantized", cost=Cost.AVG_POOL,
+         note="windows of different counts: one multiplier per divisor"),
     IROp("avg_pool1d_int", R, "§10", level="quantized", cost=Cost.AVG_POOL),
     # float nonlinear ops: in the qat IR only when pre_export left them float (no table)
     *(IROp(name, T, "§13", convert=False, note="computed by a table after pre_export")

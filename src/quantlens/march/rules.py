@@ -35,7 +35,7 @@ from quantlens.march.spec import Qpp, QuantDType, get_march
 
 __all__ = [
     "multiplier", "requantize", "move", "accumulator_scale", "gemm", "add", "cat", "add_constant",
-    "constant_addend_codes", "scale_by_constant", "mul", "average", "clamp", "sign_op", "bilinear", "channel_affine", "prelu", "fill_code",
+    "constant_addend_codes", "average_by_window", "scale_by_constant", "mul", "average", "clamp", "sign_op", "bilinear", "channel_affine", "prelu", "fill_code",
     "BILINEAR_WEIGHT_BITS", "vector_norm",
 ]
 
@@ -170,6 +170,16 @@ def average(x_scale: Scale, count: int, out_scale: Scale, qdtype: QuantDType, qp
     """§10.2 sum / mean / average pools: the exact integer sum of ``count`` codes requantized by
     ``s_x / (count · s_out)`` (``count`` 1 for a sum)."""
     return requantize(_f64(x_scale) / (count * _f64(out_scale)), qdtype, qpp)
+
+
+def average_by_window(x_scale: Scale, divisors: list[int], out_scale: Scale, qdtype: QuantDType,
+                      qpp: Qpp) -> dict:
+    """§10.2 an average pool whose windows hold different counts (``count_include_pad=False`` at the border,
+    ``ceil_mode`` windows that overhang): the exact window sums, each requantized by ``s_x / (d · s_out)`` for its
+    window's divisor ``d``: one multiplier per distinct divisor, ``{"divisor_values", "multiplier", "shift"}``."""
+    values = sorted({int(d) for d in divisors})
+    reals = torch.tensor([_first(x_scale) / (d * _first(out_scale)) for d in values], dtype=torch.float64)
+    return {"divisor_values": values, **requantize(reals, qdtype, qpp)}
 
 
 # -- §10.1, §10.3, §10.4, §11: elementwise and resize ---------------------------------------------------------

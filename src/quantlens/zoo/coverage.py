@@ -33,7 +33,8 @@ from quantlens.quantization.qconfig_template import (
     default_calibration_qconfig_setter,
 )
 
-__all__ = ["STAGES", "PAIRS", "THRESHOLDS", "CoverageResult", "run_stages", "cosine", "float_leaves"]
+__all__ = ["STAGES", "PAIRS", "THRESHOLDS", "CoverageResult", "run_stages", "cosine", "float_leaves",
+           "third_party_case"]
 
 #: the stages in order; a result's ``failed_stage`` is one of them
 STAGES = ("float", "prepare", "calibration", "pre_export", "export", "convert", "save/load", "to_onnx",
@@ -158,3 +159,15 @@ def run_stages(name: str, model: torch.nn.Module, example: Any, batches: list, h
         if measured in outs and reference in outs:
             result.agreements[pair] = cosine(outs[measured], outs[reference])
     return result
+
+
+def third_party_case(name: str) -> tuple[torch.nn.Module, Any, list, Any]:
+    """``(model, example, calibration batches, held-out inputs)`` of a real model of ``quantlens.zoo.third_party``
+    (its evaluation inputs, or their first call for a model run call by call)."""
+    from quantlens.zoo.third_party import load_third_party
+
+    entry = load_third_party(name)
+    torch.manual_seed(0)
+    model = entry.build()
+    example, batches, evaluation, _ = entry.data()
+    return model, example, list(batches), evaluation[0] if entry.per_call else evaluation

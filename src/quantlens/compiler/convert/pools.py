@@ -1,6 +1,10 @@
-"""Average pools with fixed windows (``docs/march.md`` §10.2); others are refused with the reason."""
+"""Average pools (``docs/march.md`` §10.2): fixed windows by one multiplier, windows of different counts (border,
+``ceil_mode``) by one multiplier per divisor; uneven adaptive windows are refused with the reason."""
 
 from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
 
 from quantlens.compiler.convert.state import (
     _required_grid,
@@ -10,31 +14,27 @@ from quantlens.errors import QuantLensError
 from quantlens.march import rules
 
 
-def _pool_attrs(c, node) -> tuple[dict, int]:
+def _divisors(node, in_hw) -> torch.Tensor:
+    """The divisor torch uses at each output position of an avg_pool2d: the window's sum of ones over its average
+    of ones (both exact), whatever padding, ``count_include_pad``, ``ceil_mode`` or ``divisor_override`` say."""
+    a = node.attrs
+    ones = torch.ones(1, 1, *[int(n) for n in in_hw], dtype=torch.float64)
+    stride = a["stride"] or a["kernel_size"]
+    sums = F.avg_pool2d(ones, a["kernel_size"], stride, a["padding"], a["ceil_mode"], True, divisor_override=1)
+    means = F.avg_pool2d(ones, a["kernel_size"], stride, a["padding"], a["ceil_mode"], a["count_include_pad"],
+                         a.get("divisor_override"))
+    return torch.where(means > 0, sums / means.clamp(min=1e-300), torch.ones_like(sums)).round().to(torch.int64)[0, 0]
+
+
+def _pool_attrs(c, node) -> tuple[dict, int | torch.Tensor]:
+    """The sum pool's attrs and the divisor: one int, or a map of them where windows hold different counts."""
     if node.op == "avg_pool2d":
         a = node.attrs
-        if a.get("divisor_override") is not None or (a["padding"] != [0, 0] and a["count_include_pad"] is False):
-            raise QuantLensError(
-                f"convert: avg_pool2d at op site '{node.site}' with divisor_override or excluded padding has "
-                "varying window sizes; the march averages fixed windows."
-            )
-        kernel = a["kernel_size"]
-        stride = a["stride"] or kernel
-        # ceil_mode adds a last window that overhangs the padded input where the floor formula has none; torch
-        # divides that window by the elements it covers, the march by the kernel area
-        in_hw = c.src.values[node.inputs[0]].shape[-2:]
-        out_hw = c.src.values[node.outputs[0]].shape[-2:]
-        floor_hw = [(int(n) + 2 * int(p) - int(k)) // int(st) + 1
-                    for n, p, k, st in zip(in_hw, a["padding"], kernel, stride)]
-        if [int(o) for o in out_hw] != floor_hw:
-            raise QuantLensError(
-                f"convert: avg_pool2d at op site '{node.site}' with ceil_mode=True has windows that overhang the "
-                f"input ({tuple(int(n) for n in in_hw)} -> {tuple(int(o) for o in out_hw)}, {tuple(floor_hw)} "
-                "without ceil_mode): they average fewer elements than the kernel, and the march averages fixed "
-                "windows. Use ceil_mode=False, or pad the input so that the windows tile it."
-            )
-        return {"kernel_size": kernel, "stride": stride, "padding": a["padding"], "ceil_mode": a["ceil_mode"],
-                "count_include_pad": True}, kernel[0] * kernel[1]
+        divisors = _divisors(node, c.src.values[node.inputs[0]].shape[-2:])
+        attrs = {"kernel_size": a["kernel_size"], "stride": a["stride"] or a["kernel_size"], "padding": a["padding"],
+                 "ceil_mode": a["ceil_mode"], "count_include_pad": True}
+        first = int(divisors.reshape(-1)[0])
+        return attrs, first if bool((divisors == first).all()) else divisors
     in_h, in_w = c.src.values[node.inputs[0]].shape[-2:]
     out_h, out_w = node.attrs["output_size"]
     if in_h % out_h or in_w % out_w:
@@ -52,6 +52,11 @@ def _avg_pool(c, node):
     x = c.int_input(node, node.inputs[0])
     qdtype, out_scale = _required_grid(c, node)
     attrs, count = _pool_attrs(c, node)
+    if isinstance(count, torch.Tensor):  # windows of different counts (border, ceil_mode): a divisor per window
+        attrs.update(rules.average_by_window(x.scale, count.reshape(-1).tolist(), out_scale, qdtype, c.qpp))
+        attrs["divisors"] = count.tolist()
+        c.emit(node, "avg_pool2d_div_int", [x.name], attrs, qdtype, out_scale)
+        return
     attrs.update(rules.average(x.scale, count, out_scale, qdtype, c.qpp))
     c.emit(node, "avg_pool2d_int", [x.name], attrs, qdtype, out_scale)
 

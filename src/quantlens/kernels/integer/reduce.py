@@ -45,6 +45,22 @@ def avg_pool2d_kernel(inputs: list, attrs: dict, site: str = "") -> torch.Tensor
     return requant(attrs, acc, bound=bound, consume=acc.dtype == torch.float64)
 
 
+@int_kernel("avg_pool2d_div_int")
+def avg_pool2d_div_kernel(inputs: list, attrs: dict, site: str = "") -> torch.Tensor:
+    """The exact sum of each window, requantized by the multiplier of that window's divisor (``divisors``: the
+    [H_out][W_out] map; ``divisor_values`` with one ``multiplier`` / ``shift`` each)."""
+    a = attrs
+    k = a["kernel_size"]
+    dtype, bound = _sum_dtype(inputs[0], k[0] * k[-1] if isinstance(k, (list, tuple)) else k * k)
+    acc = F.avg_pool2d(inputs[0].to(dtype), k, a["stride"], a["padding"], a["ceil_mode"], True, divisor_override=1)
+    divisors = torch.tensor(a["divisors"], dtype=torch.int64, device=acc.device)
+    out = None
+    for value, mult, shift in zip(a["divisor_values"], a["multiplier"], a["shift"]):
+        part = requant({"multiplier": [mult], "shift": [shift], "out_dtype": a["out_dtype"]}, acc, bound=bound)
+        out = part if out is None else torch.where(divisors == value, part, out)
+    return out
+
+
 @int_kernel("avg_pool1d_int")
 def avg_pool1d_kernel(inputs: list, attrs: dict, site: str = "") -> torch.Tensor:
     """The exact sum of each window (zero padding counts), then one requantize by ``s_in / (k · s_out)``."""
