@@ -458,7 +458,10 @@ def test_every_ir_op_has_an_onnx_mapping_and_a_docs_row():
     # pre_export table ops (quantlens::*) are registered when met; they are not part of the static op set
     ops = {op for op, fn in TORCH_OPS.items() if getattr(fn, "namespace", "aten") != "quantlens"} | set(QAT_KERNELS)
     ops.add("fake_quant")
-    assert ops - set(ONNX_CONVERTERS) == set()
+    from quantlens.march.opset import IR_OPS
+
+    # an op the op set declares without an ONNX form (host_aten) is refused by to_onnx with its name
+    assert {op for op in ops if op not in IR_OPS or IR_OPS[op].onnx} - set(ONNX_CONVERTERS) == set()
     docs = (Path(__file__).resolve().parents[1] / "docs" / "ir.md").read_text()
     qat_table = docs.split("### Op set", 1)[1].split("## The quantized IR", 1)[0]
     onnx_table = docs.split("### Other ops", 1)[1]

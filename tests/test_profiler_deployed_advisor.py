@@ -176,19 +176,22 @@ def test_table_error_at_pre_export(tmp_path):
 
 
 class Block(nn.Module):
-    def __init__(self, export_gain: float):
+    def __init__(self, export_gain: float, signal: str = "fake"):
         super().__init__()
-        self.fc, self.export_gain = nn.Linear(8, 8), export_gain
+        self.fc, self.export_gain, self.signal = nn.Linear(8, 8), export_gain, signal
 
     def forward(self, x):
-        return self.fc(x) * (self.export_gain if torch.compiler.is_exporting() else 1.0)
+        y = self.fc(x)
+        under_export = (torch._guards.detect_fake_mode(y) is not None if self.signal == "fake"
+                        else torch.compiler.is_exporting())
+        return y * (self.export_gain if under_export else 1.0)
 
 
 class ExportGain(nn.Module):
-    def __init__(self, export_gain: float):
+    def __init__(self, export_gain: float, signal: str = "fake"):
         super().__init__()
         self.quant, self.dequant = QuantStub(), DeQuantStub()
-        self.blk, self.fc2 = Block(export_gain), nn.Linear(8, 4)
+        self.blk, self.fc2 = Block(export_gain, signal), nn.Linear(8, 4)
         _init(self)
 
     def forward(self, x):
@@ -199,9 +202,14 @@ def test_export_path_differs(tmp_path):
     x = _data(6)
     pre, qat_ir, _ = _ir(ExportGain(1.05), x)
     found, table = _findings(pre, qat_ir, "export", x, tmp_path / "a", "export_path_differs")
-    assert found and found[0].op_name == "blk.mul_0" and "torch.compiler.is_exporting()" in found[0].advice
+    assert found and found[0].op_name == "blk.mul_0" and "detect_fake_mode" in found[0].advice
     pre, qat_ir, _ = _ir(ExportGain(1.0), x)
     found, table = _findings(pre, qat_ir, "export", x, tmp_path / "b", "export_path_differs")
+    assert not found
+    assert all(r.same_input_lsb_verdict in ("", "bit-exact") for r in table)
+    # an is_exporting() branch is no difference: every traced forward takes it, as export does
+    pre, qat_ir, _ = _ir(ExportGain(1.05, signal="is_exporting"), x)
+    found, table = _findings(pre, qat_ir, "export", x, tmp_path / "c", "export_path_differs")
     assert not found
     assert all(r.same_input_lsb_verdict in ("", "bit-exact") for r in table)
 

@@ -142,10 +142,11 @@ def export_path_differs(ctx: AdvisorContext) -> list[Finding]:
         out.append(finding(
             "export_path_differs", row,
             f"the exported op differs from the torch model on the same input: {what}",
-            "the code under torch.export takes another path than the eager model: look for "
-            "torch.compiler.is_exporting() / torch.jit.is_tracing() / torch.fx checks, library code with an "
-            "export-specific branch or decomposition, or state captured as a constant at export; make both paths "
-            "compute the same (or export the eager path)",
+            "the code under torch.export takes another path than the eager model (not a torch.compiler."
+            "is_exporting() / is_compiling() branch: quantlens runs every traced forward with those true, as export "
+            "does): look for checks on fake tensors (torch._guards.detect_fake_mode), torch.jit.is_tracing() or "
+            "torch.fx proxies, library code with an export-specific decomposition, or state captured as a constant "
+            "at export; make both paths compute the same (or export the eager path)",
         ))
     return out
 
