@@ -151,10 +151,6 @@ def test_prepare_and_calibrate_keep_the_task(name):
     assert (metrics[key] >= bound) if op == ">=" else (metrics[key] <= bound), metrics
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="prepare's _fold_parametrizations calls torch's remove_parametrizations on its deep "
-                   "copy, which deletes the 'weight' property from the parametrized class that the copy shares "
-                   "with the user's model (quantlens core, reported)")
 def test_prepare_leaves_the_float_fcpe_usable():
     entry = _entry("fcpe")
     model = entry.build()

@@ -329,3 +329,20 @@ def test_module_registered_under_two_names_is_prepared_once():
     weight_fqs = [n for n, m in prepared.named_modules() if n.endswith("weight_fake_quant")]
     assert weight_fqs == ["conv1.weight_fake_quant", "seq.2.weight_fake_quant"]  # one set of fake quants
     assert agreement >= 0.998
+
+
+def test_folding_a_parametrization_leaves_the_users_model_working():
+    from torch.nn.utils.parametrizations import weight_norm
+
+    from quantlens.quantization import prepare
+    from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(4, 3))).eval()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        before = model(x)
+    prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None)
+    with torch.no_grad():
+        assert torch.equal(model(x), before)  # its class still has the parametrized 'weight'
+    assert torch.nn.utils.parametrize.is_parametrized(model[0], "weight")

@@ -352,6 +352,11 @@ def _fold_parametrizations(model: nn.Module) -> list[str]:
     for name, module in list(model.named_modules()):
         where = f"module '{name or '<root>'}' ({type(module).__name__})"
         if parametrize.is_parametrized(module):
+            # torch generated one class per parametrized module, which the deep copy shares with the user's module,
+            # and removing a parametrization deletes its property from that class: give the copy its own class
+            cls = type(module)
+            module.__class__ = type(cls.__name__, cls.__bases__, {
+                k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")})
             for tensor in list(module.parametrizations.keys()):
                 kinds = ", ".join(type(p).__name__ for p in module.parametrizations[tensor])
                 parametrize.remove_parametrizations(module, tensor, leave_parametrized=True)

@@ -70,7 +70,8 @@ class CoverageResult:
 
     def below(self) -> list[str]:
         """The agreements under their threshold."""
-        return [name for name in THRESHOLDS if name in self.agreements and self.agreements[name] < THRESHOLDS[name]]
+        return [name for name in THRESHOLDS
+                if name in self.agreements and self.agreements[name] < THRESHOLDS[name] - 1e-9]
 
 
 def float_leaves(out: Any) -> list[torch.Tensor]:
