@@ -334,10 +334,18 @@ def test_uneven_and_varying_windows_are_refused():
     # excluded padding divides windows by varying counts
     with pytest.raises(QuantLensError, match="avg_pool1d.*varying"):
         _pipeline(_Fn(lambda s, x: F.avg_pool1d(x, 3, 2, 1, count_include_pad=False)), (1, 2, 8))
-    # 2-d ceil_mode: the last window overhangs 6x6 (3x3 windows where the floor gives 2x2), with and without padding
+
+
+
+def test_avg_pool2d_ceil_mode_overhang_converts_with_a_divisor_per_window():
+    """6x6, kernel 3, stride 2, ceil_mode: the last window overhangs (3x3 windows where the floor gives 2x2) and
+    torch divides it by the elements it covers; convert gives each window its divisor's multiplier (§10.2)."""
     for pad in (0, 1):
-        with pytest.raises(QuantLensError, match="avg_pool2d at op site .*ceil_mode=True.*overhang"):
-            _pipeline(_Fn(lambda s, x, pad=pad: F.avg_pool2d(x, 3, 2, pad, ceil_mode=True)), (1, 2, 6, 6))
+        prepared, fq_model, qat_ir, q_ir, x = _pipeline(
+            _Fn(lambda s, x, pad=pad: F.avg_pool2d(x, 3, 2, pad, ceil_mode=True)), (1, 2, 6, 6))
+        assert q_ir.statistics().get("avg_pool2d_div_int") == 1
+        errors = _compare(fq_model, qat_ir, q_ir, x)
+        assert max(errors) <= ONE_STEP, errors
 
 
 def test_avg_pool2d_ceil_mode_without_overhang_converts():
