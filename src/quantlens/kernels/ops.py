@@ -178,10 +178,16 @@ def _int_layer_norm(x: torch.Tensor, scale_in: torch.Tensor, scale_out: torch.Te
                     bias: torch.Tensor, params: torch.Tensor, normalized_ndim: int, in_qmin: int, in_qmax: int,
                     out_qmin: int, out_qmax: int) -> torch.Tensor:
     """``params = [eps_term, shift, frac_bits]``; ``gain``/``bias`` per normalized element."""
+    return _normalized(int_layer_norm, x, scale_in, scale_out, gain, bias, params, normalized_ndim, in_qmin,
+                       in_qmax, out_qmin, out_qmax)
+
+
+def _normalized(kernel, x, scale_in, scale_out, gain, bias, params, normalized_ndim, in_qmin, in_qmax, out_qmin,
+                out_qmax) -> torch.Tensor:
+    """The table ops of the layer-norm family: the input's codes through ``kernel``, dequantized."""
     eps_term, shift, frac_bits = (int(v) for v in params.tolist())
     q = _q(x, scale_in, in_qmin, in_qmax)
-    out = int_layer_norm(q, normalized_ndim, gain, bias, eps_term, frac_bits, shift,
-                         dtype_from_range(out_qmin, out_qmax))
+    out = kernel(q, normalized_ndim, gain, bias, eps_term, frac_bits, shift, dtype_from_range(out_qmin, out_qmax))
     return _dq(out, scale_out, x)
 
 
@@ -198,11 +204,8 @@ def _int_rms_norm(x: torch.Tensor, scale_in: torch.Tensor, scale_out: torch.Tens
                   bias: torch.Tensor, params: torch.Tensor, normalized_ndim: int, in_qmin: int, in_qmax: int,
                   out_qmin: int, out_qmax: int) -> torch.Tensor:
     """As ``int_layer_norm`` without the mean: ``params = [eps_term, shift, frac_bits]``."""
-    eps_term, shift, frac_bits = (int(v) for v in params.tolist())
-    q = _q(x, scale_in, in_qmin, in_qmax)
-    out = int_rms_norm(q, normalized_ndim, gain, bias, eps_term, frac_bits, shift,
-                       dtype_from_range(out_qmin, out_qmax))
-    return _dq(out, scale_out, x)
+    return _normalized(int_rms_norm, x, scale_in, scale_out, gain, bias, params, normalized_ndim, in_qmin, in_qmax,
+                       out_qmin, out_qmax)
 
 
 @_int_rms_norm.register_fake

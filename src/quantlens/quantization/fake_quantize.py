@@ -55,7 +55,11 @@ def _without_fills(x: torch.Tensor) -> torch.Tensor:
     grid, so the attention that reads it still finds them (``decompositions.SdpaDecomposition``)."""
     if not x.is_floating_point():
         return x
-    fills = (x.abs() >= torch.finfo(x.dtype).max / 2) & torch.isfinite(x)
+    limit = torch.finfo(x.dtype).max / 2
+    lo, hi = torch.aminmax(x.detach())  # one pass in the usual case: no value anywhere near a fill
+    if not (bool(lo <= -limit) or bool(hi >= limit)):
+        return x
+    fills = (x.abs() >= limit) & torch.isfinite(x)
     if not bool(fills.any()) or not bool(((x != 0) & ~fills).any()):
         return x
     return x.masked_fill(fills, 0.0)

@@ -77,13 +77,6 @@ def decompose_unlowered(ep: torch.export.ExportedProgram) -> torch.export.Export
     return ep
 
 
-def decomposes(op) -> bool:
-    """Whether an aten overload has a lowering rule or a decomposition in torch's tables (one level deep)."""
-    from torch._decomp import core_aten_decompositions, decomposition_table
-
-    return op in LOWERINGS or op in core_aten_decompositions() or op in decomposition_table
-
-
 # Nodes that only depend on constants are evaluated at export (BatchNorm folding, position ids, masks).
 _NEVER_FOLD = {"fake_quant"}
 
@@ -93,29 +86,14 @@ def _try_fold(ctx: _Ctx, node: fx.Node) -> bool:
         return False
     if getattr(node.target, "namespace", None) == "quantlens":
         return False
-
-    def all_const(a):
-        if isinstance(a, fx.Node):
-            v = ctx.names.get(a)
-            if isinstance(v, list):
-                return all(ctx.is_const(x) for x in v)
-            return ctx.is_const(v)
-        if isinstance(a, (list, tuple)):
-            return all(all_const(x) for x in a)
-        return True
-
-    if not all_const(list(node.args) + list(node.kwargs.values())):
+    if _known_args(ctx, (node.args, node.kwargs)) is not False:  # constants only (no known value)
         return False
+    result = node.target(*_known_value(ctx, node.args), **{k: _known_value(ctx, v) for k, v in node.kwargs.items()})
+    return _store_folded(ctx, node, result)
 
-    def materialise(a):
-        if isinstance(a, fx.Node):
-            v = ctx.names[a]
-            return [ctx.graph.constants[x] for x in v] if isinstance(v, list) else ctx.graph.constants[v]
-        if isinstance(a, (list, tuple)):
-            return type(a)(materialise(x) for x in a)
-        return a
 
-    result = node.target(*materialise(node.args), **{k: materialise(v) for k, v in node.kwargs.items()})
+def _store_folded(ctx: _Ctx, node: fx.Node, result) -> bool:
+    """``node``'s folded result as constant(s); False when it is not a tensor or a sequence of them."""
     if isinstance(result, torch.Tensor):
         ctx.names[node] = ctx.const(result, "folded")
     elif isinstance(result, (tuple, list)) and all(isinstance(r, torch.Tensor) for r in result):
@@ -195,11 +173,7 @@ def _lower_known(ctx: _Ctx, node: fx.Node, rule) -> bool:
                     ctx.known[name] = value
             return True
         del ctx.graph.nodes[first:]
-    if isinstance(result, torch.Tensor):
-        ctx.names[node] = ctx.const(result, "folded")
-    elif isinstance(result, (tuple, list)) and all(isinstance(r, torch.Tensor) for r in result):
-        ctx.names[node] = [ctx.const(r, "folded") for r in result]
-    else:
+    if not _store_folded(ctx, node, result):
         raise QuantLensError(f"export: op {node.target} at op site '{_site(node) or '<unknown>'}' ({_source(node)}) "
                              "computes from constants only but returned no tensor; please report this.")
     return True
