@@ -89,7 +89,9 @@ def write_markdown(rows: list[dict], path: Path, threads: int, jobs: int) -> Non
              f"({jobs} model(s) at a time, {threads} torch thread each). Each model goes through prepare → "
              "calibration (4 batches) → pre_export → export → convert → save → load → to_onnx → onnxruntime at its "
              "default options; each column is the cosine of a stage's output against the stage it must keep, on one "
-             "held-out batch (✗: under the threshold in the header).", ""]
+             "held-out batch (✗: under the threshold in the header). Why the models below \"quantized IR vs qat IR\" "
+             "miss it (every op within one step of the qat IR on the same input): "
+             "[coverage_floor.md](coverage_floor.md).", ""]
     for title, group in (("transformers architectures (tiny random configs)", arch),
                          ("Real pretrained models from pip wheels", real)):
         if not group:

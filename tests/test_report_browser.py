@@ -155,7 +155,7 @@ def test_profiler_page(browser, reports):
     expected_points = [
         [r.Cosine for r in compared] + [r.same_input_cosine for r in compared],
         [r.Atol for r in compared] + [r.same_input_atol for r in compared],
-        [r.same_input_sqnr for r in compared],
+        [r.same_input_sqnr for r in compared] + [r.same_input_worst_channel_sqnr for r in compared],
         [r.same_input_in_scale for r in compared],
         [v for r in compared for v in (r.base_min, r.base_max, r.analy_min, r.analy_max)],
     ]
@@ -206,6 +206,7 @@ def test_profiler_page(browser, reports):
     # sorting: numbers, then text; the fused rows (no value) last in both directions
     _check_sort(driver, "layers", "Cosine")
     _check_sort(driver, "layers", "same-in SQNR")
+    _check_sort(driver, "layers", "same-in worst-ch SQNR")
     _check_sort(driver, "layers", "error kind", numeric=False)
     _no_errors(driver)
 

@@ -8,6 +8,12 @@ Per op: the **accumulated** error (analysis output vs baseline output: everythin
 **same-input** error (the analysis op re-run on the baseline's input vs the baseline output: only what this op
 adds). A layer whose same-input error is large is where precision is lost; one with a large accumulated but
 small same-input error only inherits it.
+
+Per channel: a whole-tensor SQNR is dominated by the channels with the most energy, so a few crushed channels
+(per-tensor weights on a conv whose channels differ 100x in range) hardly move it. Rows of ops with a channel axis
+(:func:`channel_axis`: conv, transposed conv, linear, and the fused groups they head) also get the SQNR of their
+worst channel (accumulated, same-input, and same-input before the output's rounding) and the share of channels
+below :data:`~quantlens.profiler.metrics.SAME_INPUT_SQNR_LIMIT`, from the same tensors as the row's metrics.
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ import torch
 from quantlens._finite import all_finite
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType
-from quantlens.profiler.metrics import compute_all, in_scale_units
+from quantlens.march.opset import op_def
+from quantlens.profiler.metrics import SAME_INPUT_SQNR_LIMIT, channel_sqnr, compute_all, in_scale_units
 from quantlens.profiler.trace.format import TracedSite
 from quantlens.profiler.trace.reader import TraceReader
 
-__all__ = ["LayerRow", "LayerComparison", "compare_traces", "check_site_match", "COLUMNS"]
+__all__ = ["LayerRow", "LayerComparison", "compare_traces", "check_site_match", "COLUMNS", "channel_axis",
+           "SAME_INPUT_SQNR_LIMIT"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,18 @@ class LayerRow:
     same_input_sqnr: float | None = None
     same_input_atol: float | None = None
     same_input_in_scale: float | None = None  # same-input Atol / scale
+    #: per channel (ops with a channel axis only, see :func:`channel_axis`; None elsewhere): the SQNR (dB) of the
+    #: worst channel, accumulated and same-input; the same-input one before the op's output fake quant (the
+    #: op's own arithmetic: its weights, inputs quantized at the op); the share (0..1) of channels whose
+    #: same-input SQNR (accumulated where there is no same-input run) is below SAME_INPUT_SQNR_LIMIT. Channels
+    #: whose baseline is all zero have no SQNR and count in none of them (see metrics.channel_sqnr)
+    worst_channel_sqnr: float | None = None
+    same_input_worst_channel_sqnr: float | None = None
+    same_input_inner_worst_channel_sqnr: float | None = None
+    channels_below: float | None = None
+    #: whether the weight of the op that computes the row's value (a fused group's conv/linear) is quantized per
+    #: channel (True) or per tensor (False); None: no weight fake quant recorded (no weight, a float op, an IR)
+    weight_per_channel: bool | None = None
     base_min: float | None = None
     base_max: float | None = None
     base_mean: float | None = None
@@ -90,6 +110,10 @@ class LayerRow:
     #: baseline's value lay at least two steps inside the range (saturation the fake quant did not do)
     requant_saturated_ratio: float | None = None
     note: str = ""
+    #: whether the op's values reach a compared output (False: it cannot explain the outputs' error and is never
+    #: ranked; None: not known) and whether every input of the op is a model input (``profiler.reach``)
+    reaches_output: bool | None = None
+    host_side: bool = False
 
     @property
     def compared(self) -> bool:
@@ -153,8 +177,14 @@ class LayerComparison(Sequence[LayerRow]):
         if column not in COLUMNS:
             raise QuantLensError(f"Unknown column {column!r}; expected one of {list(COLUMNS)}.")
         lower_is_worse = column.lower().endswith(("cosine", "sqnr"))
-        rows = [r for r in self.rows if isinstance(getattr(r, column), float) and not math.isnan(getattr(r, column))]
+        rows = [r for r in self.rows if isinstance(getattr(r, column), float) and not math.isnan(getattr(r, column))
+                and r.reaches_output is not False]  # an op no compared output depends on is never ranked
         return sorted(rows, key=lambda r: getattr(r, column) if lower_is_worse else -getattr(r, column))
+
+    @property
+    def unreached(self) -> list[LayerRow]:
+        """The rows whose op reaches no compared output (listed apart, never ranked)."""
+        return [r for r in self.rows if r.reaches_output is False]
 
     def to_dicts(self) -> list[dict]:
         return [asdict(r) for r in self.rows]
@@ -273,14 +303,22 @@ def compare_traces(base: TraceReader, analy: TraceReader, prefixes: Iterable[str
     check_site_match(base, analy, strict=not deployed)
     prefixes = [prefixes] if isinstance(prefixes, str) else list(prefixes or [])
     types = [types] if isinstance(types, str) or isinstance(types, type) else list(types or [])
+    # the op that computes a fused group's value (its first member: the conv/linear) gives the group's last op,
+    # where the group is compared, its channel axis and weight facts
+    heads: dict[str, TracedSite] = {}
+    for site in analy.sites:
+        if site.fused_into:
+            heads.setdefault(site.fused_into, site)
     rows = []
     for site in analy.sites:
         b = base.by_name.get(site.name)
         if b is None or not _selected(site, b, prefixes, types):
             continue
-        rows.append(_row(base, analy, b, site, deployed))
+        if analy.by_name[site.name] is not site:
+            continue  # a site that runs several times (recurrent steps): one row, its last run, as for an IR
+        rows.append(_row(base, analy, b, site, deployed, heads.get(site.name, site)))
     only_b = [(s.name, s.op_type + (f" (fused into {s.fused_into})" if s.fused_into else ""))
-              for s in base.sites if s.name not in analy.by_name]
+              for s in base.sites if s.name not in analy.by_name and base.by_name[s.name] is s]
     only_a = [(s.name, s.op_type) for s in analy.sites if s.name not in base.by_name]
     return LayerComparison(rows, base.description, analy.description, only_b, only_a)
 
@@ -336,7 +374,58 @@ def extra_saturation(base: list[torch.Tensor], analy: list[torch.Tensor], dtype:
     return float((((qy <= dt.qmin) | (qy >= dt.qmax)) & inside).sum()) / x.numel()
 
 
-def _row(base: TraceReader, analy: TraceReader, b: TracedSite, a: TracedSite, deployed: bool = False) -> LayerRow:
+def channel_axis(op_type: str, shape: Sequence[int], weight_shape: Sequence[int] | None = None) -> int | None:
+    """The channel axis (non-negative) of an output of ``shape`` computed by an op of ``op_type``, from the op
+    facts (:attr:`OpDef.channel_dim <quantlens.march.opset.OpDef.channel_dim>`: the axis of a GEMM's per-channel
+    weight in its output: 1 for conv and transposed conv, the last for linear); None for an op without one
+    (elementwise, tables, matmul of two activations ...), and for an output without the batch dim the op fact
+    counts with (an unbatched conv: its output has one dim fewer than its weight, ``weight_shape``)."""
+    d = op_def(op_type)
+    if d is None or d.channel_dim is None or len(shape) < 2:
+        return None
+    if d.channel_dim >= 0:  # counted from the front: the output must have the batch dim in front of it
+        if len(shape) < d.channel_dim + 2 or (weight_shape is not None and len(weight_shape) != len(shape)):
+            return None
+    return d.channel_dim % len(shape)
+
+
+def _channel_figures(x: list[torch.Tensor], y: list[torch.Tensor], axis: int | None) -> torch.Tensor | None:
+    """Per-channel SQNR of a single-output pair along ``axis`` (None without an axis or with several outputs)."""
+    if axis is None or len(x) != 1 or len(y) != 1:
+        return None
+    return channel_sqnr(x[0], y[0], axis)
+
+
+def _worst(sqnr: torch.Tensor | None) -> float | None:
+    return None if sqnr is None else float(sqnr.min())
+
+
+def _below(sqnr: torch.Tensor | None) -> float | None:
+    return None if sqnr is None else float((sqnr < SAME_INPUT_SQNR_LIMIT).sum()) / sqnr.numel()
+
+
+def _output_axis(owner: TracedSite, a: TracedSite, out: list[torch.Tensor]) -> int | None:
+    """The channel axis of the row's single output ``out``, from the op that computes it (``owner``)."""
+    if len(out) != 1:
+        return None
+    shape = tuple(out[0].shape)
+    head_out = owner.stats.get("out0")
+    if owner is not a and (head_out is None or tuple(head_out.shape) != shape):
+        return None  # the group's last op changed the shape: the head's axis says nothing about its output
+    weight = owner.stats.get("weight")
+    return channel_axis(owner.op_type, shape, weight.shape if weight is not None else None)
+
+
+def _weight_per_channel(site: TracedSite) -> bool | None:
+    """Per-channel weight scales are a list (one per channel), a per-tensor one a float (trace writer)."""
+    return None if site.weight_scale is None else isinstance(site.weight_scale, list)
+
+
+def _row(base: TraceReader, analy: TraceReader, b: TracedSite, a: TracedSite, deployed: bool = False,
+         owner: TracedSite | None = None) -> LayerRow:
+    """The row of op site ``a`` (``b``: the baseline's); ``owner``: the site computing its value (a fused
+    group's first member; ``a`` itself by default)."""
+    owner = owner or a
     bmin, bmax, bmean = _range(b)
     amin, amax, amean = _range(a)
     scale = a.per_tensor_scale
@@ -349,6 +438,7 @@ def _row(base: TraceReader, analy: TraceReader, b: TracedSite, a: TracedSite, de
         input_dtypes=", ".join(a.input_dtypes), boundary=a.boundary, producer=a.producer or "",
         fused_into=a.fused_into or "", nonfinite=_nonfinite(b, a),
         input_min=stub_in.min if stub_in else None, input_max=stub_in.max if stub_in else None,
+        weight_per_channel=_weight_per_channel(owner),
     )
     if qe is not None:
         row.update(raw_error_kind=qe.dominant if qe.clip_sq_err + qe.round_sq_err > 0 else "",
@@ -368,6 +458,9 @@ def _row(base: TraceReader, analy: TraceReader, b: TracedSite, a: TracedSite, de
         return LayerRow(**row, note="mismatch shape" if keys or a.float_outputs() else "no float output")
     row.update(values)
     row["atol_in_scale"] = in_scale_units(values["Atol"], scale)
+    axis = _output_axis(owner, a, base_out)
+    per_channel = _channel_figures(base_out, analy_out, axis)
+    row.update(worst_channel_sqnr=_worst(per_channel), channels_below=_below(per_channel))
     if deployed and a.quant_dtype != "qint32":
         # (an int32 high-precision output's LSB is the accumulator's: one input step upstream is thousands of them,
         # so only its same-input verdict below says something)
@@ -383,6 +476,11 @@ def _row(base: TraceReader, analy: TraceReader, b: TracedSite, a: TracedSite, de
                    same_input_in_scale=in_scale_units(same_values["Atol"], scale))
         pre = [at[f"samepre{i}"].double() for i in range(len(keys)) if f"samepre{i}" in at]
         row.update(_split(base_out, pre if len(pre) == len(keys) else same, same, a.quant_dtype, scale))
+        same_channels = _channel_figures(base_out, same, axis)
+        if same_channels is not None:
+            row.update(same_input_worst_channel_sqnr=_worst(same_channels), channels_below=_below(same_channels))
+        if len(pre) == len(keys):
+            row["same_input_inner_worst_channel_sqnr"] = _worst(_channel_figures(base_out, pre, axis))
         if deployed:
             lsb = lsb_report(base_out, same, a.scale, a.scale_axis)
             row.update(same_input_lsb_verdict=lsb.get("verdict", ""), same_input_lsb_hist=lsb.get("hist", ""))

@@ -25,12 +25,12 @@ import jinja2
 from markupsafe import Markup
 
 from quantlens._io import atomic_write_text
-from quantlens.profiler.advisor.base import SAME_INPUT_SQNR_LIMIT, THRESHOLDS, Finding
+from quantlens.profiler.advisor.base import THRESHOLDS, Finding
 from quantlens.profiler.charts import bar_chart, hist_buckets, histogram_chart, line_chart, lsb_histogram
-from quantlens.profiler.compare import LayerComparison, LayerRow
+from quantlens.profiler.compare import SAME_INPUT_SQNR_LIMIT, LayerComparison, LayerRow
 from quantlens.profiler.formatting import fmt
 
-__all__ = ["render_html", "write_html", "worst_ops", "TABLE_COLUMNS", "render_bad_case_html", "write_bad_case_html",
+__all__ = ["render_html", "write_html", "worst_ops", "worst_channel_ops", "TABLE_COLUMNS", "render_bad_case_html", "write_bad_case_html",
            "refresh_sensitivity", "sensitivity_tables", "row_id"]
 
 _TEMPLATES = Path(__file__).parent / "templates"
@@ -40,7 +40,9 @@ TABLE_COLUMNS = (
     ("op_name", "op name"), ("index", "#"), ("analy_op_type", "op type"), ("shape", "shape"),
     ("quant_dtype", "dtype"), ("scale", "scale"), ("Cosine", "Cosine"), ("SQNR", "SQNR"), ("Atol", "Atol"),
     ("atol_in_scale", "Atol/scale"), ("same_input_cosine", "same-in Cosine"), ("same_input_sqnr", "same-in SQNR"),
-    ("same_input_in_scale", "same-in Atol/scale"), ("error_kind", "error kind"), ("clipped_ratio", "clipped"),
+    ("same_input_in_scale", "same-in Atol/scale"), ("worst_channel_sqnr", "worst-ch SQNR"),
+    ("same_input_worst_channel_sqnr", "same-in worst-ch SQNR"), ("channels_below", f"ch < {SAME_INPUT_SQNR_LIMIT:g} dB"),
+    ("error_kind", "error kind"), ("clipped_ratio", "clipped"),
     ("base_min", "base min"), ("base_max", "base max"), ("analy_min", "analy min"), ("analy_max", "analy max"),
     ("note", "note"),
 )
@@ -65,7 +67,9 @@ def _charts(rows: list[LayerRow]) -> list[Markup]:
         ("Atol (max |baseline - analysis|) along the network",
          [("accumulated", "#1f77b4", col("Atol")), ("same input", "#ff7f0e", col("same_input_atol"))], ""),
         ("Same-input error: what each op adds",
-         [("same-input SQNR (dB)", "#d62728", col("same_input_sqnr"))], "lower is worse; no point: no error"),
+         [("same-input SQNR (dB)", "#d62728", col("same_input_sqnr")),
+          ("same-input SQNR of the worst channel (dB)", "#e377c2", col("same_input_worst_channel_sqnr"))],
+         "lower is worse; no point: no error"),
         ("Same-input error in output quantization steps",
          [("same-input Atol / scale", "#9467bd", col("same_input_in_scale"))], ""),
         ("Output ranges",
@@ -101,6 +105,16 @@ def lsb_rows(comparison: LayerComparison) -> list[dict]:
 def worst_ops(comparison: LayerComparison, count: int) -> list[LayerRow]:
     """The ops that add the most error themselves (same-input SQNR), leaving out those that add none."""
     return [r for r in comparison.ranked("same_input_sqnr") if math.isfinite(r.same_input_sqnr)][:count]
+
+
+def worst_channel_ops(comparison: LayerComparison, count: int) -> list[LayerRow]:
+    """The ops whose worst channel (same input) loses the most, leaving out those that lose nothing."""
+    ranked = comparison.ranked("same_input_worst_channel_sqnr")
+    return [r for r in ranked if math.isfinite(r.same_input_worst_channel_sqnr)][:count]
+
+
+#: columns whose cell is marked when below the same-input SQNR limit
+_MARKED = ("same_input_sqnr", "same_input_worst_channel_sqnr")
 
 
 def _sort_key(value) -> str:
@@ -202,7 +216,7 @@ def render_html(comparison: LayerComparison, findings: list[Finding], title: str
 
     def cell(row: LayerRow, key: str) -> dict:
         value = getattr(row, key)
-        bad = key == "same_input_sqnr" and isinstance(value, float) and value < SAME_INPUT_SQNR_LIMIT
+        bad = key in _MARKED and isinstance(value, float) and value < SAME_INPUT_SQNR_LIMIT
         return {"text": fmt(value), "sort": _sort_key(value), "bad": bad}
 
     table = [(row_id(r.index), [cell(r, key) for key, _ in TABLE_COLUMNS]) for r in comparison]
@@ -211,7 +225,8 @@ def render_html(comparison: LayerComparison, findings: list[Finding], title: str
         title=title, baseline=comparison.baseline, analysis=comparison.analysis,
         consistency=comparison.consistency.line() if getattr(comparison, "consistency", None) is not None else "",
         headers=[h for _, h in TABLE_COLUMNS], table=table, charts=_charts(compared), findings=findings,
-        thresholds=THRESHOLDS, worst=worst_ops(comparison, 10), lsb=comparison.lsb_summary(),
+        thresholds=THRESHOLDS, worst=worst_ops(comparison, 10), worst_channel=worst_channel_ops(comparison, 10),
+        channel_limit=SAME_INPUT_SQNR_LIMIT, lsb=comparison.lsb_summary(),
         lsb_rows=lsb_rows(comparison), only_in_baseline=comparison.only_in_baseline,
         only_in_analysis=comparison.only_in_analysis, sensitivity=sensitivity, rows_by_name=_rows_by_name(comparison),
     )

@@ -12,9 +12,18 @@ every input it takes from another site replaced by that site's value in the base
 grid in the quantized IR); model inputs are the same on both sides. So the error a site *adds* is separated
 from the error it inherits.
 
+**Sites that run several times** (a recurrent layer's time steps share their op sites): each run is an
+*occurrence*, ending at a node with the op of the site's last node whose value another site reads. A site is
+reported at its last occurrence (one row), and its program is that occurrence's nodes. An input from an earlier
+occurrence (the recurrent state: step ``t`` reads step ``t - 1``) takes the baseline's value of that occurrence,
+counted from the end (a first step folded into constants has no node in the quantized IR). Traced without a
+same-input source (as the baseline), an IR also reports the earlier occurrences that a program reads (with all
+later ones of their site, so that counting from the end still pairs them); a torch model reports every call.
+
 **Mixing stages (sensitivity).** :class:`SiteOverride` lets another model's run take this IR's value for one op
 site: the reference model (the torch model for ``export``, the qat IR for ``convert``) runs, and at the chosen
-site its value is replaced by this IR's program run on the reference's own values there.
+site its value is replaced by this IR's program run on the reference's own values there. A site that runs several
+times is not mixed (its program is its last occurrence's, and a torch reference does not say which call is last).
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ from quantlens.profiler.ablation.ir_cache import IRAblationCache, IRCachedAblati
 from quantlens.profiler.ablation.torch_cache import CachedAblations
 from quantlens.profiler.ir_counts import count_node, nonfinite_count
 from quantlens.profiler.ir_module import as_ir_module, call_ir
+from quantlens.profiler.ir_programs import INPUT as _INPUT
+from quantlens.profiler.ir_programs import Program, SitePrograms, Source
 from quantlens.profiler.model_access import (
     AnalysisType,
     ConsistencyInfo,
@@ -52,22 +63,8 @@ from quantlens.quantization.record import inputs_to
 
 __all__ = ["IRModelAccess", "SiteOverride"]
 
-#: pseudo producer of a model input (the same tensor on both sides of an analysis)
-_INPUT = "<input>"
 #: the IR's nodes that only move or round values: a site's displayed op type is its last other node
 _PLUMBING = ops_in(Category.QUANTIZER, Category.BOUNDARY)  # fake_quant, requantize, quantize, dequantize
-
-
-@dataclass
-class _Program:
-    """What one op site computes in an IR: its nodes, the values it takes from outside (value name ->
-    ``(producer site, output index)``, ``(_INPUT, name)`` for model inputs, ``None`` when the value is an
-    intermediate of another site), and the names of its value."""
-
-    site: str
-    nodes: list[int]
-    externals: dict[str, tuple[str, Any] | None]
-    outputs: list[str]
 
 
 class IRModelAccess(ModelAccess):
@@ -84,9 +81,10 @@ class IRModelAccess(ModelAccess):
         for i, site in enumerate(self.attributed):
             if site and site != "output":  # "output": the boundary dequantizes (the model outputs are compared)
                 self.last[site] = i
-        self.producer = {out: i for i, node in enumerate(self.nodes) for out in node.outputs}
+        #: occurrences and programs of the sites (:mod:`.ir_programs`)
+        self.structure = SitePrograms(self.nodes, self.attributed, self.last, graph.outputs, graph.constants)
+        self.producer, self.ends = self.structure.producer, self.structure.ends
         self._index = {id(node): i for i, node in enumerate(self.nodes)}  # the hooks get nodes, not positions
-        self._programs: dict[tuple[str, frozenset], _Program] = {}
         #: sites in the order their values are complete
         self.sites = sorted(self.last, key=self.last.get)
         self.reference: ModelAccess | None = None  # set by QuantAnalysis for sensitivity (see SiteOverride)
@@ -170,30 +168,11 @@ class IRModelAccess(ModelAccess):
         return (significant or computing or [nodes[-1].op])[-1]
 
     # -- programs ----------------------------------------------------------------------------------------
-    def program(self, site: str, fused: frozenset[str] = frozenset()) -> _Program:
-        key = (site, fused)
-        if key in self._programs:
-            return self._programs[key]
-        members = {site} | set(fused)
-        nodes = [i for i, s in enumerate(self.attributed) if s in members and i <= self.last[site]]
-        inside = {out for i in nodes for out in self.nodes[i].outputs}
-        constants = self.module.graph.constants
-        externals: dict[str, tuple[str, Any] | None] = {}
-        for i in nodes:
-            for name in self.nodes[i].inputs:
-                if not name or name in inside or name in constants or name in externals:
-                    continue
-                p = self.producer.get(name)
-                if p is None:
-                    externals[name] = (_INPUT, name)
-                    continue
-                owner = self.attributed[p]
-                externals[name] = (owner, self.nodes[p].outputs.index(name)) if self.last.get(owner) == p else None
-        prog = _Program(site, nodes, externals, list(self.nodes[self.last[site]].outputs))
-        self._programs[key] = prog
-        return prog
+    def program(self, site: str, fused: frozenset[str] = frozenset()) -> Program:
+        """What the site's last occurrence computes (with the ``fused`` sites feeding it): :mod:`.ir_programs`."""
+        return self.structure.program(site, fused)
 
-    def run_program(self, prog: _Program, values: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list | None]:
+    def run_program(self, prog: Program, values: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list | None]:
         """Run a site's program on ``values`` (this IR's representation of its externals); returns the site's
         float value and, when its last node is a fake quant, the value before it."""
         env = run_nodes(self.module, [self.nodes[i] for i in prog.nodes], dict(values))
@@ -214,6 +193,8 @@ class IRModelAccess(ModelAccess):
             return self._unflatten(self.module.run(feeds))
         live: dict[str, torch.Tensor] = {}
         wanted = self._live_values(same_input) if same_input is not None else set()
+        # a baseline: the earlier occurrences that a same-input run reads
+        earlier = self.structure.earlier_read(self.sites) if same_input is None and sink is not None else ()
         count = [0]
         stats: dict[str, IntegerStats] = {}  # per site, until its event is sent
 
@@ -223,11 +204,17 @@ class IRModelAccess(ModelAccess):
                     live[name] = value
             i = self._index[id(node)]
             site = self.attributed[i]
-            if site and sink is not None:
-                count_node(node, inputs, outs, stats, site, self.module.kind == "quantized", self._flat_cache)
-            if not site or self.last.get(site) != i or sink is None:
+            if not site or sink is None:
                 return
-            sink.on_site(self.site_event(site, count[0], outs, feeds, live, same_input, stats.pop(site, None)))
+            count_node(node, inputs, outs, stats, site, self.module.kind == "quantized", self._flat_cache)
+            if self.last.get(site) == i:
+                event = self.site_event(site, count[0], outs, feeds, live, same_input, stats.pop(site, None))
+            elif i in earlier:
+                # an earlier occurrence, for the other model's same-input run (its integer counts go to the last)
+                event = self.site_event(site, count[0], outs, feeds, live, None, at=i)
+            else:
+                return
+            sink.on_site(event)
             count[0] += 1
 
         def substitute(node: Node, inputs: list, outs: list):
@@ -258,14 +245,17 @@ class IRModelAccess(ModelAccess):
         wanted = set()
         for site in self.sites:
             prog = self.program(site, _fused(source, site))
-            wanted.update(name for name, where in prog.externals.items() if where is None)
+            # (an earlier occurrence's value is this IR's own where the baseline does not have it)
+            wanted.update(name for name, where in prog.externals.items() if where is None or where.occurrence != -1)
         return wanted
 
     def site_event(self, site: str, index: int, outs: list, feeds: dict, live: dict,
-                   same_input: SameInputSource | None, int_stats: IntegerStats | None = None) -> SiteEvent:
-        """The profiler's event for a site whose last node produced ``outs`` (with its same-input output when
-        ``same_input`` is given); ``live`` holds this run's values that a site's program borrows."""
-        node = self.nodes[self.last[site]]
+                   same_input: SameInputSource | None, int_stats: IntegerStats | None = None,
+                   at: int | None = None) -> SiteEvent:
+        """The profiler's event for a site whose last node (or the node ``at`` ending an earlier occurrence)
+        produced ``outs`` (with its same-input output when ``same_input`` is given); ``live`` holds this run's
+        values that a site's program borrows."""
+        node = self.nodes[self.last[site] if at is None else at]
         qdtype, scale = self.site_grid(site)
         values = [self.to_float(n, o) for n, o in zip(node.outputs, outs)]
         prog = self.program(site)
@@ -294,13 +284,14 @@ class IRModelAccess(ModelAccess):
         prog = self.program(site, _fused(source, site))
         values, borrowed = {}, []
         for name, where in prog.externals.items():
-            if where is None:  # an intermediate of another site: this IR's own value
+            base = None if where is None or where.site == _INPUT else _site_outputs(source, where)
+            if where is None or (base is None and where.occurrence != -1 and name in live):
+                # an intermediate of another site, or an earlier occurrence the baseline does not hold: this IR's own
                 values[name] = live[name]
                 borrowed.append(name)
-            elif where[0] == _INPUT:
+            elif where.site == _INPUT:
                 values[name] = feeds[name]
             else:
-                base = _site_outputs(source, where[0])
                 if base is None or where[1] >= len(base):
                     return None, None, f"the baseline has no value for '{where[0]}'"
                 info = self.value_info(name)
@@ -379,9 +370,15 @@ def _fused(source: SameInputSource | None, site: str) -> frozenset[str]:
     return frozenset(members(site)) if members is not None else frozenset()
 
 
-def _site_outputs(source: SameInputSource, site: str) -> list[torch.Tensor] | None:
+def _site_outputs(source: SameInputSource, where: Source) -> list[torch.Tensor] | None:
+    """The baseline's value of ``where``'s site at its occurrence (an earlier one only from a source keeping them
+    all: ``TraceReader.site_outputs(site, occurrence)``)."""
     getter = getattr(source, "site_outputs", None)
-    return getter(site) if getter is not None else None
+    if getter is None:
+        return None
+    if where.occurrence == -1:
+        return getter(where.site)
+    return getter(where.site, occurrence=where.occurrence) if hasattr(source, "occurrence_count") else None
 
 
 @dataclass
@@ -397,8 +394,8 @@ class SiteOverride:
 
     def __post_init__(self):
         self._programs = {s: self.ir.program(s) for s in self.sites if s in self.ir.last}
-        self._needed = {w[0] for p in self._programs.values() for w in p.externals.values()
-                        if w is not None and w[0] != _INPUT}
+        self._needed = {w.site for p in self._programs.values() for w in p.externals.values()
+                        if w is not None and w.site != _INPUT}
         self._inputs: dict[str, torch.Tensor] | None = None
 
     def on_site_value(self, site: str, values: list[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -407,9 +404,12 @@ class SiteOverride:
         prog = self._programs.get(site)
         if prog is None:
             return None
+        if len(self.ir.ends[site]) > 1:
+            # its program is its last occurrence's, and a reference run does not say which of its calls is the last
+            return None
         feeds = {}
         for name, where in prog.externals.items():
-            if where is None:
+            if where is None or where.occurrence != -1:
                 return None  # takes another site's intermediate: cannot be mixed, keep the reference's value
             if where[0] == _INPUT:
                 if self._inputs is None or name not in self._inputs:

@@ -102,7 +102,8 @@ def _acc_saturation(node: Node, inputs: list, outs: list) -> tuple[int, int]:
 
 def _table_clipping(node: Node, inputs: list, flat_cache: dict | None = None) -> tuple[int, int]:
     """``(clipped, numel)``: input codes of a ``lut``/``segment_lut`` node at a limit of its input type (the range
-    its table is built for) where the function is not flat beyond it. Such inputs were clipped to that range,
+    its table is built for) where the function is not flat beyond it, and (``segment_lut``) codes outside the
+    domain its segments were built for where the function is not the constant tail (:func:`_outside_domain`). Such inputs were clipped to that range,
     and a wider range would have given other outputs. A limit counts as flat when the op's real function,
     rounded to the output type, is constant from the limit out to one more input range beyond it (sigmoid,
     tanh: clipping their saturated tails costs nothing)."""
@@ -118,11 +119,39 @@ def _table_clipping(node: Node, inputs: list, flat_cache: dict | None = None) ->
         flat_lo, flat_hi = _flat_ends(node, inputs, lo, hi)
         if flat_cache is not None:
             flat_cache[key] = (flat_lo, flat_hi)
-    if flat_lo and flat_hi:
+    if flat_lo and flat_hi and node.op == "lut":
         return 0, x.numel()
     q = quantize(x, inputs[1], dtype_from_range(lo, hi)) if x.is_floating_point() else x
     clipped = (0 if flat_lo else int((q <= lo).sum())) + (0 if flat_hi else int((q >= hi).sum()))
+    if node.op == "segment_lut":
+        clipped += _outside_domain(node, inputs, q, lo, hi)
     return clipped, x.numel()
+
+
+def _outside_domain(node: Node, inputs: list, q: torch.Tensor, lo: int, hi: int) -> int:
+    """Input codes of a segmented table inside its input type but outside the domain its segments were built for
+    (``SegmentedTable``: such codes get the constant tails) where the op's real function, rounded to the output
+    step, is not that tail: the table was built for a narrower input range than the data."""
+    bounds, tails = inputs[3], inputs[6] if len(inputs) > 6 else None
+    if not isinstance(tails, torch.Tensor) or tails.numel() != 2:
+        return 0
+    first, last = int(bounds[0]), int(bounds[-1]) - 1
+    below, above = (q < first) & (q > lo), (q > last) & (q < hi)  # the type limits are counted above
+    if not bool(below.any() or above.any()):
+        return 0
+    ref = dict(node.attrs.get("reference") or {})
+    if "op" not in ref:
+        return 0  # no real function recorded: the tails cannot be judged
+    fn = real_function(ref.pop("op"), **ref)
+    s_in, s_out = float(inputs[1].reshape(-1)[0]), float(inputs[2].reshape(-1)[0])
+    out_min, out_max = int(node.attrs["out_qmin"]), int(node.attrs["out_qmax"])
+    count = 0
+    for mask, tail in ((below, tails[0]), (above, tails[1])):
+        codes = q[mask].to(torch.float64)
+        if codes.numel():
+            real = torch.round(fn(codes * s_in) / s_out).clamp(out_min, out_max)
+            count += int(((real - tail.to(torch.float64)).abs() >= 1).sum())  # tails are output codes
+    return count
 
 
 def _flat_ends(node: Node, inputs: list, lo: int, hi: int) -> tuple[bool, bool]:

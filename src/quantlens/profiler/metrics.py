@@ -17,7 +17,8 @@ Atol       ``max |x - y|``                                                      
 =========  =====================================================================  ==============
 
 The error in units of an op's output scale (``Atol / scale``) is :func:`in_scale_units`; it is not a registry
-entry because it needs the scale as well as the two tensors.
+entry because it needs the scale as well as the two tensors. Per-channel SQNR (:func:`channel_sqnr`) is not one
+either: it needs the channel axis, and gives one value per channel.
 
 A tensor containing NaN/Inf gives NaN for every metric (the advisor reports NaN/Inf separately).
 """
@@ -32,10 +33,16 @@ import torch
 
 from quantlens._finite import all_finite
 from quantlens.errors import QuantLensError
+from quantlens.profiler._sums import CHUNK
 from quantlens.quantization.qconfig_template import METRIC_HIGHER_IS_WORSE, register_metric_direction
 
 __all__ = ["Metric", "METRICS", "register_metric", "get_metric", "metric_names", "compute_all", "in_scale_units",
-           "custom_metric"]
+           "custom_metric", "channel_sqnr", "SAME_INPUT_SQNR_LIMIT"]
+
+#: a same-input SQNR below this (dB) means the op itself loses precision (int8 on well-scaled data gives ~35-45);
+#: also the limit of the per-channel share ``channels_below`` (a channel below it is a damaged channel). The
+#: advisor's threshold of the same name is this one.
+SAME_INPUT_SQNR_LIMIT = 20.0
 
 
 @dataclass(frozen=True)
@@ -202,3 +209,42 @@ def in_scale_units(atol: float | None, scale: float | None) -> float | None:
     if atol is None or scale is None or scale <= 0:
         return None
     return atol / scale
+
+
+def _energy(t: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of a ``(before, channel, after)`` tensor per channel."""
+    if t.shape[2] == 1:  # channels last (a linear's output): a column sum
+        return t.reshape(t.shape[0], t.shape[1]).square().sum(0)
+    return torch.linalg.vector_norm(t, dim=2).square().sum(0)  # contiguous rows: no temporary
+
+
+def channel_sqnr(baseline: torch.Tensor, analysis: torch.Tensor, axis: int) -> torch.Tensor | None:
+    """The SQNR (dB) of each channel along ``axis``: ``20 log10(‖x_c‖ / ‖x_c - y_c‖)``, +inf for a channel the
+    analysis reproduces exactly, in channel order.
+
+    A channel whose baseline is all zero has no SQNR (there is no signal to compare its error with; e.g. a ReLU
+    channel dead on the bad case) and is left out of the result; its error still counts in the whole-tensor
+    SQNR. None when the shapes differ, the tensor is a scalar, a tensor holds NaN/Inf (the whole-tensor metrics
+    are NaN then) or no channel has signal.
+
+    One pass over each tensor: the values are viewed as ``(before, channel, after)`` and the norms taken over
+    ``after`` (contiguous), then summed over ``before``; the difference is made a slice of ``before`` at a time
+    (a small temporary, not a copy of the activation)."""
+    x, y = _prepare(baseline), _prepare(analysis)
+    if x.shape != y.shape or x.dim() == 0 or x.numel() == 0 or not (all_finite(x) and all_finite(y)):
+        return None
+    axis %= x.dim()
+    channels = x.shape[axis]
+    x3, y3 = x.reshape(math.prod(x.shape[:axis]), channels, -1), y.reshape(math.prod(x.shape[:axis]), channels, -1)
+    signal = torch.zeros(channels, dtype=torch.float64)
+    noise = torch.zeros_like(signal)
+    step = max(1, CHUNK // max(1, channels * x3.shape[2]))
+    for start in range(0, x3.shape[0], step):
+        part = x3[start:start + step]
+        signal += _energy(part)
+        noise += _energy(part - y3[start:start + step])
+    has_signal = signal > 0
+    if not bool(has_signal.any()):
+        return None
+    # noise 0 -> signal / 0 = +inf -> +inf dB: an exact channel (energies: 10 log10 of their ratio)
+    return 10.0 * torch.log10(signal[has_signal] / noise[has_signal])

@@ -5,6 +5,7 @@
     qa.run()                                        # traces both models on the bad case
     table = qa.compare_per_layer()                  # per-op metrics, same-input error, advisor, HTML
     sens = qa.sensitivity()                         # feeds sensitive_op_..._qconfig_setter(sens, topk=k)
+    joint = qa.joint_sensitivity(pairs=6)           # one op at a time, pairs, the share of the error explained
 
 Each method returns its result as data and writes its report files into ``out_dir`` (and nowhere else).
 """
@@ -28,9 +29,11 @@ from quantlens.profiler.bad_case import BadCaseResult, find_bad_case
 from quantlens.profiler.cached_attrs import install_cached_attrs
 from quantlens.profiler.compare import LayerComparison, check_site_match, compare_traces
 from quantlens.profiler.html import write_html
+from quantlens.profiler.joint_sensitivity import JointSensitivityResult, run_joint_sensitivity, write_joint_sensitivity
 from quantlens.profiler.model_access import AnalysisType, ConsistencyInfo, SiteEvent, parse_analysis_type
 from quantlens.profiler.outputs import PostProcess, named_outputs, unique_name
 from quantlens.profiler.pair_checks import check_deployed_pair, check_weights_correspond
+from quantlens.profiler.reach import SiteReach, mark, reached_only, site_reach
 from quantlens.profiler.report import (
     save_pt,
     write_advisor,
@@ -339,8 +342,11 @@ class QuantAnalysis:
         """
         comparison = compare_traces(*self._open_traces(), prefixes, types, deployed=self.analysis_type.deployed)
         comparison.consistency = self.consistency
+        comparison = mark(comparison, self._reach())
         findings = self.advise(comparison)
-        write_compare_text(comparison, self.out_dir / "compare_per_layer_out.txt")
+        self._last_comparison = comparison
+        write_compare_text(comparison, self.out_dir / "compare_per_layer_out.txt",
+                           sensitivity=getattr(self, "_last_sensitivity", None))
         write_compare_csv(comparison, self.out_dir / "compare_per_layer_out.csv")
         write_html(comparison, findings, self.out_dir / "profiler.html")
         return comparison
@@ -351,11 +357,31 @@ class QuantAnalysis:
         if comparison is None:
             comparison = compare_traces(*self._open_traces(), deployed=self.analysis_type.deployed)
             comparison.consistency = self.consistency
+        from quantlens.profiler.bias_check import bias_saturation
+
+        analysed = getattr(self.analysis, "model", None) or getattr(self.analysis, "module", None)
+        comparison = reached_only(comparison)  # an op no compared output depends on explains nothing
         ctx = AdvisorContext(comparison, self.analysis_type.value, self.analysis.fake_quant_state,
-                             self.consistency)
+                             self.consistency, bias=bias_saturation(analysed, comparison))
         findings = advise(ctx)
         write_advisor(findings, self.out_dir / "abnormal_layer_advisor.txt", self.consistency)
         return findings
+
+    def _reach(self) -> SiteReach:
+        """Which op sites reach a compared output and which are host-side, on the bad case (:mod:`.reach`): from
+        the analysis model when it has the structure (a prepared model, an IR), else the baseline; one forward,
+        cached per bad case."""
+        case = self._sensitivity_case()
+        key = input_digest(case)
+        cached = getattr(self, "_reach_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        structured = [a for a in (self.analysis, self.baseline)
+                      if getattr(a, "prepared", False) or hasattr(a, "module")]
+        access = structured[0] if structured else self.baseline
+        reach = site_reach(access, case)
+        self._reach_cache = (key, reach)
+        return reach
 
     def _sensitivity_case(self) -> Any:
         """The bad case for sensitivity, in a format both models take: the baseline's traced format when the
@@ -366,6 +392,29 @@ class QuantAnalysis:
             return traced
         return current
 
+    def _refuse_onnxruntime(self, what: str) -> None:
+        if self.analysis_type is AnalysisType.ONNXRUNTIME:
+            raise QuantLensError(
+                f"{what}() is not offered for 'onnxruntime': onnxruntime runs the whole graph, so one op site "
+                "cannot be switched on its own. Rank the integer ops with QuantAnalysis(qat_ir, quantized_ir, "
+                f"'convert').{what}().")
+
+    def joint_sensitivity(self, metric: str = "L1", pairs: int = 6,
+                          share_threshold: float = 0.5) -> JointSensitivityResult:
+        """Rank one quantizer at a time (``sensitivity()``'s rows), one op at a time (every quantizer the op's
+        integer kernel depends on, so its int32 bias is quantized as deployed) and pairs of the top ``pairs``
+        rows of both rankings (with their interaction), and say how much of the model's error the top rows
+        explain: ``warning`` when the best single row explains less than ``share_threshold`` of it
+        (:mod:`.joint_sensitivity`). Writes ``output_<name>_<metric>_joint_sensitivity.txt``/``.pt`` per output.
+        One process (no sharding)."""
+        self._refuse_onnxruntime("joint_sensitivity")
+        with loop_threads():
+            result = run_joint_sensitivity(self.baseline, self.analysis, self.analysis_type, self._sensitivity_case(),
+                                           self.post_process, metric, pairs, share_threshold, self.progress)
+        for table in result:
+            write_joint_sensitivity(table, self.out_dir)
+        return result
+
     def sensitivity(self, metric: str = "L1", reverse: bool = False, shard: bool | None = None) -> SensitivityResult:
         """Rank the analysis model's quantizers by their effect on each output, most sensitive first
         (``reverse=True``: least sensitive first). Writes ``output_<name>_<metric>_sensitive_ops.txt``/``.pt``
@@ -374,11 +423,7 @@ class QuantAnalysis:
         ``shard`` (default: whether ``torch.distributed`` is initialised): split the quantizers over the ranks
         and record each finished one in ``out_dir/sensitivity_progress/`` so an interrupted run resumes
         (:mod:`.sharding`); every rank returns the same result, rank 0 writes the files."""
-        if self.analysis_type is AnalysisType.ONNXRUNTIME:
-            raise QuantLensError(
-                "sensitivity() is not offered for 'onnxruntime': onnxruntime runs the whole graph, so one op site "
-                "cannot be switched on its own. Rank the integer ops with QuantAnalysis(qat_ir, quantized_ir, "
-                "'convert').sensitivity().")
+        self._refuse_onnxruntime("sensitivity")
         from quantlens.profiler.sharding import dist_rank_world, run_sharded_sensitivity
 
         group = dist_rank_world()
@@ -395,6 +440,10 @@ class QuantAnalysis:
         if not (shard and group is not None and group[0] != 0):  # sharded: rank 0 writes the report files
             for table in result:
                 write_sensitivity(table, self.out_dir)
+            self._last_sensitivity = result
+            comparison = getattr(self, "_last_comparison", None)
+            if comparison is not None and not reverse:  # its summary leads with the sensitivity ranking
+                write_compare_text(comparison, self.out_dir / "compare_per_layer_out.txt", sensitivity=result)
         if shard and group is not None:
             import torch.distributed as dist
 

@@ -20,7 +20,7 @@ import torch
 from quantlens._io import atomic_write, atomic_write_text, format_table
 from quantlens.profiler.advisor.base import THRESHOLDS, Finding
 from quantlens.profiler.bad_case import BadCaseResult
-from quantlens.profiler.compare import COLUMNS, LayerComparison
+from quantlens.profiler.compare import COLUMNS, SAME_INPUT_SQNR_LIMIT, LayerComparison
 from quantlens.profiler.formatting import fmt
 from quantlens.profiler.html import refresh_sensitivity, write_bad_case_html
 from quantlens.profiler.sensitivity import SensitivityTable
@@ -162,13 +162,42 @@ _TEXT_COLUMNS = (
     ("shape", "shape"), ("quant_dtype", "quant dtype"), ("scale", "scale"), ("Cosine", "Cosine"), ("L1", "L1"),
     ("Atol", "Atol"), ("atol_in_scale", "Atol/scale"), ("same_input_sqnr", "same-in SQNR"),
     ("same_input_atol", "same-in Atol"), ("same_input_in_scale", "same-in Atol/scale"),
-    ("error_kind", "error kind"), ("base_min", "base min"), ("base_max", "base max"), ("base_mean", "base mean"),
+    ("worst_channel_sqnr", "worst-ch SQNR"), ("same_input_worst_channel_sqnr", "same-in worst-ch SQNR"),
+    ("channels_below", f"ch < {SAME_INPUT_SQNR_LIMIT:g} dB"), ("error_kind", "error kind"), ("base_min", "base min"), ("base_max", "base max"), ("base_mean", "base mean"),
     ("analy_min", "analy min"), ("analy_max", "analy max"), ("analy_mean", "analy mean"), ("note", "note"),
 )
 
 
-def write_compare_text(comparison: LayerComparison, path: str | os.PathLike, top: int = 20) -> Path:
-    rows = [[fmt(getattr(r, key)) for key, _ in _TEXT_COLUMNS] for r in comparison]
+def _label(row) -> str:
+    return row.op_name + (" (host-side)" if row.host_side else "")
+
+
+def _sensitivity_lines(comparison: LayerComparison, sensitivity, top: int) -> list[str]:
+    """The summary's first ranking: each op's best sensitivity rank over the outputs (one quantizer at a time),
+    the ops that reach no compared output left out; nothing before ``sensitivity()`` has run."""
+    if not sensitivity:
+        return []
+    rows = {r.op_name: r for r in comparison}
+    best: dict[str, tuple[int, str, float, str]] = {}
+    for table in sensitivity:
+        for rank, row in enumerate(table):
+            if rows.get(row.op_name) is not None and rows[row.op_name].reaches_output is False:
+                continue
+            if row.op_name not in best or rank < best[row.op_name][0]:
+                best[row.op_name] = (rank, row.sensitive_type, row.value, f"{table.output} ({table.metric})")
+    ranked = sorted(best.items(), key=lambda kv: kv[1][0])[:top]
+    label = {name: _label(rows[name]) if name in rows else name for name, _ in ranked}
+    return [f"== Ops the outputs are most sensitive to (sensitivity, one quantizer at a time; top {len(ranked)}) ==",
+            wrap_table(["op name", "quantizer", "value", "output (metric)"],
+                       [[label[name], kind, fmt(value), out] for name, (_, kind, value, out) in ranked]), ""]
+
+
+def write_compare_text(comparison: LayerComparison, path: str | os.PathLike, top: int = 20,
+                       sensitivity=None) -> Path:
+    """``compare_per_layer_out.txt``: the per-layer table, then the summary: the sensitivity ranking first (when
+    ``sensitivity``, a :class:`~.sensitivity.SensitivityResult`, is given), the same-input ranking second, the
+    per-channel one, the LSB verdicts, and the ops listed apart (one side only, reaching no compared output)."""
+    rows = [[_label(r) if key == "op_name" else fmt(getattr(r, key)) for key, _ in _TEXT_COLUMNS] for r in comparison]
     ranked = [r for r in comparison.ranked("same_input_sqnr") if math.isfinite(r.same_input_sqnr)][:top]
     lines = [
         "quantlens per-layer comparison",
@@ -181,13 +210,42 @@ def write_compare_text(comparison: LayerComparison, path: str | os.PathLike, top
         "",
         wrap_table([h for _, h in _TEXT_COLUMNS], rows, keys=(0, 1)),
         "",
+        *_sensitivity_lines(comparison, sensitivity, top),
         f"== Ops that lose the most precision themselves (same-input SQNR, worst {len(ranked)}) ==",
         wrap_table(["op name", "op type", "quant dtype", "same-in SQNR", "same-in Atol/scale", "error kind"],
-                   [[r.op_name, r.analy_op_type, r.quant_dtype, fmt(r.same_input_sqnr), fmt(r.same_input_in_scale),
+                   [[_label(r), r.analy_op_type, r.quant_dtype, fmt(r.same_input_sqnr), fmt(r.same_input_in_scale),
                      r.error_kind] for r in ranked]) if ranked else "(no same-input results)",
     ]
-    lines += _lsb_lines(comparison) + _one_side_lines(comparison)
+    lines += _channel_lines(comparison, top) + _lsb_lines(comparison) + _one_side_lines(comparison)
+    if comparison.unreached:
+        lines += ["", "== Ops whose output reaches no compared output (not ranked: they cannot explain it) ==",
+                  ", ".join(f"{r.op_name} ({r.analy_op_type})" for r in comparison.unreached)]
     return atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+def _weights(per_channel: bool | None) -> str:
+    return {True: "per channel", False: "per tensor"}.get(per_channel, "")
+
+
+def _channel_lines(comparison: LayerComparison, top: int) -> list[str]:
+    """The ranking by the worst channel (same input), for the ops with per-channel figures (none: no lines)."""
+    ranked = comparison.ranked("same_input_worst_channel_sqnr")
+    if not ranked:
+        return []
+    ranked = [r for r in ranked if math.isfinite(r.same_input_worst_channel_sqnr)][:top]
+    headers = ["op name", "op type", "same-in SQNR", "same-in worst-ch SQNR", "before output rounding",
+               f"ch < {SAME_INPUT_SQNR_LIMIT:g} dB", "weights"]
+    rows = [[r.op_name, r.analy_op_type, fmt(r.same_input_sqnr), fmt(r.same_input_worst_channel_sqnr),
+             fmt(r.same_input_inner_worst_channel_sqnr), fmt(r.channels_below), _weights(r.weight_per_channel)]
+            for r in ranked]
+    return [
+        "", f"== Ops with the worst single channel (same-input worst-channel SQNR, worst {len(ranked)}) ==",
+        *textwrap.wrap("A whole-tensor SQNR is dominated by the strongest channels: an op can look healthy while some "
+                       "of its channels are crushed (per-tensor weights on channels of very different ranges). "
+                       f"'before output rounding': the worst channel of the op's own arithmetic; 'ch < "
+                       f"{SAME_INPUT_SQNR_LIMIT:g} dB': the share of channels below that.", TEXT_WIDTH),
+        wrap_table(headers, rows) if rows else "(no channel loses precision)",
+    ]
 
 
 def _consistency_lines(consistency) -> list[str]:

@@ -14,6 +14,10 @@ Same-input rule, per analysis op site:
    fake-quantized inside QAT modules as usual). An input that arrives already quantized by its producer is not
    re-quantized here: that rounding is the producer's output error, reported at the producer. So a bad layer
    shows up at itself, not at every consumer.
+
+A site that runs several times in one forward (a recurrent layer's time steps share their op sites) is reported
+at every run; its ``k``-th run takes the baseline's inputs of the baseline's ``k``-th run of the site (both
+models run the same Python code), where the source keeps every run (a trace, ``TraceReader.inputs(site, k)``).
 """
 
 from __future__ import annotations
@@ -238,6 +242,7 @@ class RuntimeProbe(Runtime):
         self._qerr: QuantErrorStats | None = None
         self._group_of = {m: g for g in state.groups for m in g.members}
         self._group_same: dict[str, torch.Tensor] = {}
+        self._runs: dict[str, int] = {}  # op site -> how many times it has run in this forward
 
     # -- the runtime's hooks ------------------------------------------------------------------------------
     def _finish(self, plan, output, inputs, kwargs, site, *rest):
@@ -313,9 +318,11 @@ class RuntimeProbe(Runtime):
             return out
         event = self.probe.event(site, args, kwargs, out)
         self._describe(event, site, plan, args, kwargs, out)
+        occurrence = self._runs.get(site.name, 0)
+        self._runs[site.name] = occurrence + 1
         if self.probe.same_input is not None:
             event.same_input, event.same_input_pre, event.same_input_note = self._same_input(
-                site, plan, args, kwargs, run)
+                site, plan, args, kwargs, run, occurrence)
             # computed on the baseline's inputs (loaded for this op) and kept by nobody once reported; a fused
             # member's result, which the next member reads, is not reported
             event.same_input_owned = True
@@ -343,11 +350,18 @@ class RuntimeProbe(Runtime):
         if data and data[0].producer is not None:
             event.producer = self.state.record.origin(data[0].producer)
 
-    def _same_input(self, site: SiteCall, plan: SitePlan | None, args, kwargs, run: Callable):
-        """The op on the baseline's inputs, with this site's own fake quants: ``(outputs, outputs before the
-        output fake quant or None, note)``."""
+    def _same_input(self, site: SiteCall, plan: SitePlan | None, args, kwargs, run: Callable, occurrence: int = 0):
+        """The op on the baseline's inputs (of the same run of the site, ``occurrence``), with this site's own fake
+        quants: ``(outputs, outputs before the output fake quant or None, note)``."""
         group = self._group_of.get(site.name)
-        base = self.probe.same_input.inputs(site.name)
+        source = self.probe.same_input
+        if hasattr(source, "occurrence_count"):  # keeps every run of a site (a trace)
+            base = source.inputs(site.name, occurrence=occurrence)
+            if base is None and source.occurrence_count(site.name):
+                return None, None, f"the baseline ran this op site {source.occurrence_count(site.name)} times, " \
+                    f"this is run {occurrence + 1}"
+        else:
+            base = source.inputs(site.name)
         if base is None:
             return None, None, "the baseline has no op site with this name"
         internal, note = self._fused_member_inputs(site, group)

@@ -6,9 +6,14 @@ report header.
 
 * :mod:`.base`: the thresholds, :class:`Finding`, :class:`AdvisorContext` and the rules' shared helpers;
 * :mod:`.general`: the rules for every analysis type;
+* :mod:`.per_channel`: per-tensor weights that crush some of an op's output channels (the per-channel figures);
 * :mod:`.deployed`: the rules of ``pre_export``'s tables and of the integer stages (``export``, ``convert``);
 * :mod:`.consistency`: ``consistency_level``, the ``ConsistencyStrategy`` level that removes ``convert``'s
-  mismatches.
+  mismatches (rounding only; a difference beyond it is ``integer_op_differs``, which names the mechanism);
+* :mod:`.runtime`: the ``onnxruntime`` pair: where onnxruntime starts to compute something else, and why.
+
+Advice fits the stage and the op: rules are keyed by analysis type, and :func:`.base.op_kind` (from the op set)
+decides what a finding may suggest (weights only for an op with weights, table advice only for a table op).
 """
 
 from __future__ import annotations
@@ -16,14 +21,15 @@ from __future__ import annotations
 from typing import Callable
 
 from quantlens._registry import make_registry
-from quantlens.profiler.advisor import consistency, deployed, general
+from quantlens.profiler.advisor import consistency, deployed, general, per_channel, runtime
 from quantlens.profiler.advisor.base import THRESHOLDS, AdvisorContext, Finding, Rule
 
 __all__ = ["Finding", "AdvisorContext", "RULES", "register_rule", "advise", "THRESHOLDS"]
 
 #: every rule by name, in the order :func:`advise` runs them: the built-in ones, then those added by
 #: :func:`register_rule`
-RULES: dict[str, Rule] = {**general.RULES, **deployed.RULES, **consistency.RULES}
+RULES: dict[str, Rule] = {**general.RULES, **per_channel.RULES, **deployed.RULES, **consistency.RULES,
+                           **runtime.RULES}
 
 
 def register_rule(name: str) -> Callable[[Rule], Rule]:

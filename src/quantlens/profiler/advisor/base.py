@@ -4,13 +4,18 @@ header), a finding, what a rule reads (:class:`AdvisorContext`) and the small he
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Callable
 
 from quantlens._registry import make_registry
+from quantlens.kernels import TABLE_OP_IO
+from quantlens.march.opset import IR_OPS, Category, op_def
 from quantlens.profiler.compare import LayerComparison, LayerRow
+from quantlens.profiler.metrics import SAME_INPUT_SQNR_LIMIT
 
-__all__ = ["Finding", "AdvisorContext", "Rule", "registrar", "THRESHOLDS", "INT8_RANGE_LIMIT", "INT16_RANGE_LIMIT",
+__all__ = ["Finding", "AdvisorContext", "Rule", "registrar", "THRESHOLDS", "OpKind", "op_kind", "row_category",
+           "ROUNDING_STEPS", "ROUNDING_VERDICTS", "CHANNEL_GAP_DB", "INT8_RANGE_LIMIT", "INT16_RANGE_LIMIT",
            "SAME_INPUT_SQNR_LIMIT", "ACC_SATURATION_LIMIT", "REQUANT_SATURATION_LIMIT", "TABLE_CLIP_LIMIT",
            "EXPORT_FLOAT_NOISE_SQNR", "TABLE_SQNR_LIMIT"]
 
@@ -18,8 +23,11 @@ __all__ = ["Finding", "AdvisorContext", "Rule", "registrar", "THRESHOLDS", "INT8
 INT8_RANGE_LIMIT = 128.0
 #: beyond this even an int16 step exceeds 1.0: the range itself is the problem
 INT16_RANGE_LIMIT = 32768.0
-#: a same-input SQNR below this (dB) means the op itself loses precision (int8 on well-scaled data gives ~35-45)
-SAME_INPUT_SQNR_LIMIT = 20.0
+# SAME_INPUT_SQNR_LIMIT (metrics, defined once: also the per-channel share's limit): a same-input SQNR below it (dB)
+# means the op itself loses precision (int8 on well-scaled data gives ~35-45)
+
+#: per_tensor_weight_channels: the worst channel this far (dB) below the whole output's SQNR is per-channel damage
+CHANNEL_GAP_DB = 10.0
 
 #: deployed stages: a fraction of GEMM accumulators beyond int32 above this is reported (any saturation is)
 ACC_SATURATION_LIMIT = 0.0
@@ -33,6 +41,12 @@ EXPORT_FLOAT_NOISE_SQNR = 120.0
 #: healthy tables measure >= 50 dB (int8 output, calibrated) and ~95 dB (int16)
 TABLE_SQNR_LIMIT = 40.0
 
+#: deployed stages: a same-input difference up to this many output steps is rounding (what a consistency level
+#: removes); beyond it the integer op computes something else (a table, a requantize, a saturation)
+ROUNDING_STEPS = 1.0
+#: the same-input verdicts of ``compare.lsb_report`` that rounding explains (``ROUNDING_STEPS``)
+ROUNDING_VERDICTS = frozenset({"within 1 LSB"})
+
 THRESHOLDS = {
     "int8 range limit": INT8_RANGE_LIMIT,
     "int16 range limit": INT16_RANGE_LIMIT,
@@ -43,6 +57,8 @@ THRESHOLDS = {
     "table input clip limit (fraction)": TABLE_CLIP_LIMIT,
     "export float noise SQNR (dB)": EXPORT_FLOAT_NOISE_SQNR,
     "pre_export table SQNR limit (dB)": TABLE_SQNR_LIMIT,
+    "rounding difference (steps)": ROUNDING_STEPS,
+    "per-channel gap (dB)": CHANNEL_GAP_DB,
 }
 
 
@@ -62,6 +78,12 @@ class AdvisorContext:
     fake_quant_state: str | None  # of the analysis model (None: not a prepared model)
     #: the consistency level the models were built with (``model_access.ConsistencyInfo``; None: not known)
     consistency: Any = None
+    #: op site -> its int32 bias's saturation (``profiler.bias_check.bias_saturation`` of the analysis model)
+    bias: dict = field(default_factory=dict)
+
+    def bias_saturated(self, op_name: str) -> bool:
+        entry = self.bias.get(op_name)
+        return entry is not None and entry.saturated > 0
 
 
 Rule = Callable[[AdvisorContext], list[Finding]]
@@ -92,3 +114,39 @@ def quantizes(row: LayerRow) -> bool:
 def finding(rule: str, row: LayerRow, info: str, advice: str) -> Finding:
     """A finding of ``rule`` at the op site of ``row``."""
     return Finding(rule, row.op_name, row.analy_op_type, info, advice)
+
+
+def row_category(row: LayerRow) -> Category | None:
+    """The op set's category of a row's op (the analysis op, else the baseline's): an IR op's, or a torch op's
+    (``TABLE`` for an op pre_export computes by a table)."""
+    for name in (row.analy_op_type, row.base_op_type):
+        ir = IR_OPS.get(name)
+        if ir is not None:
+            return ir.category
+        op = op_def(name)
+        if op is not None:
+            return Category.TABLE if op.table else op.category
+    return None
+
+
+class OpKind(str, Enum):
+    """What an op is, for advice: only an op with weights gets weight advice, only a table op table advice."""
+
+    WEIGHTED = "weighted"  #: conv / linear / embedding: its own quantized weight
+    TABLE = "table"  #: a nonlinear op the NPU computes by a lookup table
+    GEMM = "gemm"  #: a product of two activations (matmul, attention): no weight
+    ELEMENTWISE = "elementwise"  #: add/mul/...: integer arithmetic on rescaled inputs
+    OTHER = "other"
+
+
+def op_kind(row: LayerRow) -> OpKind:
+    """The :class:`OpKind` of a row, from the op set (never from op names)."""
+    for name in (row.analy_op_type, row.base_op_type):
+        op = op_def(name)
+        if op is not None and op.weight_args:
+            return OpKind.WEIGHTED
+    if row.analy_op_type in TABLE_OP_IO:
+        return OpKind.TABLE
+    category = row_category(row)
+    return {Category.TABLE: OpKind.TABLE, Category.GEMM: OpKind.GEMM, Category.LOOKUP: OpKind.WEIGHTED,
+            Category.ELEMENTWISE: OpKind.ELEMENTWISE}.get(category, OpKind.OTHER)

@@ -6,8 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from quantlens.kernels import TABLE_OP_IO
-from quantlens.march.opset import IR_OPS, Category, op_def, ops_in
-from quantlens.profiler.advisor.base import AdvisorContext, Finding, Rule, finding, registrar
+from quantlens.march.opset import IR_OPS, Category, ops_in
+from quantlens.profiler.advisor.base import AdvisorContext, Finding, Rule, finding, registrar, row_category
+
+# a row beyond rounding computes something else (a table built for another range, a saturation, a wrong
+# requantize), which no consistency level removes: the ``integer_op_differs`` rule names its mechanism instead
+from quantlens.profiler.advisor.deployed import ROUNDING_VERDICTS
 from quantlens.profiler.compare import LayerRow
 from quantlens.quantization.consistency import MAX_LEVEL as MAX_CONSISTENCY_LEVEL
 
@@ -51,26 +55,21 @@ _BIT_EXACT_WHY = (f"level {MAX_CONSISTENCY_LEVEL} computes every integer rule ex
                   "(bit-exact)")
 
 
-def _op_category(name: str):
-    ir = IR_OPS.get(name)
-    if ir is not None:
-        return ir.category
-    op = op_def(name)
-    return None if op is None else (Category.TABLE if op.table else op.category)
-
-
 def _mismatch_causes(row: LayerRow, default_qpp: bool) -> list[str]:
     """The causes (keys of :data:`_CAUSES`) of one row's same-input mismatch, cheapest level first."""
     op = row.analy_op_type
-    category = _op_category(op) or _op_category(row.base_op_type)
-    causes = ["requant16"] if row.quant_dtype == "qint16" and default_qpp and category is not Category.TABLE else []
+    category = row_category(row)
+    cheap16 = row.quant_dtype == "qint16" and default_qpp and category is not Category.TABLE
+    if row.same_input_lsb_verdict not in ROUNDING_VERDICTS:
+        # the cheap 16-bit multiplier of an int16 output is off by a few steps at most (§8)
+        return ["requant16"] if cheap16 and row.same_input_lsb_verdict == "within 4 LSB" else []
+    causes = ["requant16"] if cheap16 else []
     if op in _RESCALING_ELEMENTWISE or (op not in IR_OPS and row.base_op_type in _RESCALING_ELEMENTWISE):
         causes.append("elementwise")
     elif category is Category.TABLE or op in TABLE_OP_IO:
         causes.append("table")
     elif category is Category.GEMM:
-        if row.same_input_lsb_verdict == "within 1 LSB":  # more is not the accumulation (saturation rules)
-            causes.append("gemm")
+        causes.append("gemm")
     else:
         causes.append("other")
     return causes

@@ -10,14 +10,17 @@ from quantlens.profiler.advisor.base import (
     ACC_SATURATION_LIMIT,
     EXPORT_FLOAT_NOISE_SQNR,
     REQUANT_SATURATION_LIMIT,
+    ROUNDING_VERDICTS,
     TABLE_CLIP_LIMIT,
     TABLE_SQNR_LIMIT,
     AdvisorContext,
     Finding,
+    OpKind,
     Rule,
     abs_max,
     finding,
     num,
+    op_kind,
     registrar,
 )
 
@@ -171,4 +174,56 @@ def nonfinite_to_integer(ctx: AdvisorContext) -> list[Finding]:
                 "float preprocessing), or fix the float op upstream that produces them (division by zero, log of "
                 "<= 0, overflow)",
             ))
+    return out
+
+
+#: convert: what the integer op computes, by op kind, and where to look when it is more than rounding away from the
+#: baseline on the same input (the mechanism; retraining cannot remove such a difference)
+_MECHANISM = {
+    OpKind.WEIGHTED: ("the int32 accumulator and the per-channel requantize (multiplier, shift) of '{op}'",
+                      "check the bias and weight scales it was converted with (an int32 bias saturated by a tiny "
+                      "weight scale: pruned or all-zero channels), and the requantize parameters against the "
+                      "baseline's fake quant scales"),
+    OpKind.GEMM: ("the int32 accumulator and the requantize of '{op}' (a product of two activations)",
+                  "check both inputs' scales and the requantize parameters against the baseline's fake quant "
+                  "scales"),
+    OpKind.TABLE: ("the lookup table of '{op}' (its entries, and the input range it was built for)",
+                   "the table differs from the baseline's on the same input codes: rebuild it from the calibrated "
+                   "model (pre_export, then export and convert again), and check its input scale covers the data "
+                   "(table_input_clipped)"),
+    OpKind.ELEMENTWISE: ("the input rescale and the requantize of '{op}' (its multipliers and shifts)",
+                         "check the scales of its inputs and output against the baseline's fake quant scales (a stage "
+                         "that changed a scale after calibration: export and convert again from the calibrated "
+                         "model)"),
+    OpKind.OTHER: ("the integer rule of '{op}'",
+                   "compare the op's integer rule (docs/march.md) with the baseline on the failing elements"),
+}
+
+
+@_rule("integer_op_differs")
+def integer_op_differs(ctx: AdvisorContext) -> list[Finding]:
+    """convert: an integer op more than rounding away from the baseline on the same input, not already explained
+    by a saturation or table-clipping finding: the finding names the integer mechanism of that kind of op, never a
+    retraining level (the ``consistency_level`` rule covers rounding differences only)."""
+    if ctx.analysis_type != "convert":
+        return []
+    out = []
+    for row in ctx.comparison:
+        if row.same_input_lsb_verdict in ("", "bit-exact") or row.same_input_lsb_verdict in ROUNDING_VERDICTS:
+            continue
+        if (row.acc_saturated_ratio or 0) > ACC_SATURATION_LIMIT or \
+                (row.requant_saturated_ratio or 0) > REQUANT_SATURATION_LIMIT or \
+                (row.table_input_clipped_ratio or 0) > TABLE_CLIP_LIMIT:
+            continue  # the saturation / clipping rules name it
+        if ctx.bias_saturated(row.op_name):
+            continue  # bias_saturation names it
+        kind = op_kind(row)
+        where, advice = _MECHANISM[kind]
+        out.append(finding(
+            "integer_op_differs", row,
+            f"on the same input the integer op is {row.same_input_lsb_verdict} of the baseline, up to "
+            f"{num(row.same_input_in_scale)} output steps ({row.same_input_lsb_hist}): more than rounding, so no "
+            f"consistency level or retraining removes it; the mechanism: {where.format(op=row.op_name)}",
+            advice,
+        ))
     return out

@@ -14,10 +14,12 @@ from quantlens.profiler.advisor.base import (
     SAME_INPUT_SQNR_LIMIT,
     AdvisorContext,
     Finding,
+    OpKind,
     Rule,
     abs_max,
     finding,
     num,
+    op_kind,
     quantizes,
     registrar,
 )
@@ -89,35 +91,64 @@ def scale_coverage(ctx: AdvisorContext) -> list[Finding]:
     return out
 
 
+#: the analysis types whose op error is precision lost to quantization (the later stages' differences are
+#: mechanisms: tables, export paths, integer kernels, the runtime; their own rules name them)
+_PRECISION_STAGES = ("fake_quant", "pre_export")
+
+
+def _internal_advice(row, kind: OpKind, owner: str) -> str:
+    """What to do about rounding inside the op, by what the op is (weights only for an op with weights)."""
+    if kind is OpKind.WEIGHTED:
+        return (f"rounding inside the op dominates (its weights or its inputs quantized at the op): int16 weights "
+                f"for '{owner}' (a 'weight' row in the sensitive-op setter's table), per-channel weights if they are "
+                "per-tensor, or int16 inputs")
+    if kind is OpKind.TABLE:
+        return (f"the nonlinear op's input or output grid is too coarse: int16 output for '{row.op_name}' (an "
+                "'activation' row), a finer input scale (int16 for its producer), or, after pre_export, a table with "
+                "more entries or a narrower input range")
+    if kind is OpKind.GEMM:
+        return (f"'{row.op_name}' multiplies two activations (no weight): int16 for one of its inputs (an "
+                "'activation' row for its producer in the sensitive-op setter's table), or int16 output")
+    return (f"rounding of the inputs quantized at '{row.op_name}' dominates: int16 for its inputs (their producers) "
+            "or its output")
+
+
 @_rule("op_error")
 def op_error(ctx: AdvisorContext) -> list[Finding]:
-    """The op itself (fed the baseline's input) loses precision: a bad layer, clipping or rounding."""
+    """The op itself (fed the baseline's input) loses precision: a bad layer, clipping or rounding. Only for the
+    precision stages (``fake_quant``, ``pre_export``; a table of ``pre_export`` has its own rule, ``table_error``),
+    and the advice fits the op (:class:`~.base.OpKind`)."""
+    if ctx.analysis_type not in _PRECISION_STAGES:
+        return []
     out = []
-    heads: dict[str, str] = {}
+    heads: dict[str, object] = {}  # a fused group's last op -> its first (conv-bn-relu: the conv owns the weight)
     for row in ctx.comparison:
         if row.fused_into:
-            heads.setdefault(row.fused_into, row.op_name)
+            heads.setdefault(row.fused_into, row)
     for row in ctx.comparison:
         v = row.same_input_sqnr
         if v is None or math.isnan(v) or v >= SAME_INPUT_SQNR_LIMIT or row.quant_dtype == "float":
             continue
-        kind = row.error_kind or "rounding"
+        head = heads.get(row.op_name, row)
+        if ctx.bias_saturated(head.op_name):
+            continue  # bias_saturation names it (int16 weights would make it worse)
+        kind = op_kind(head)
+        if ctx.analysis_type == "pre_export" and kind is OpKind.TABLE:
+            continue  # table_error reads the table's own error
+        error = row.error_kind or "rounding"
         if (row.acc_saturated_ratio or 0) > ACC_SATURATION_LIMIT:
             advice = (f"the int32 accumulator of '{row.op_name}' saturates (see accumulator_saturation): int16 "
                       "weights would make it worse; shorten the reduction or use int8 activations at its input")
-        elif kind == "clipping":
+        elif error == "clipping":
             advice = "clipping-dominated: widen the output range (calibration data, fixed scale) before trying int16"
-        elif kind == "rounding":
+        elif error == "rounding":
             advice = (f"rounding-dominated: int16 output for '{row.op_name}' (an 'activation' row for it in the "
                       "sensitive-op setter's table, or ModuleNameQconfigSetter)")
         else:
-            owner = heads.get(row.op_name, row.op_name)
-            advice = (f"rounding inside the op dominates (its weights, inputs quantized at the op, or a lookup "
-                      f"table): int16 weights for '{owner}' (a 'weight' row in the sensitive-op setter's table); for a "
-                      "lookup table, int16 input/output or a narrower input range")
+            advice = _internal_advice(row, kind, head.op_name)
         out.append(finding("op_error", row,
-                            f"same-input SQNR {v:.1f} dB < {SAME_INPUT_SQNR_LIMIT:g} dB ({kind}-dominated, "
-                            f"{num(row.same_input_in_scale)} output steps)", advice))
+                            f"same-input SQNR {v:.1f} dB < {SAME_INPUT_SQNR_LIMIT:g} dB ({error}-dominated, "
+                            f"{num(row.same_input_in_scale)} output steps; op kind: {kind.value})", advice))
     return out
 
 
@@ -195,3 +226,25 @@ def fake_quant_disabled(ctx: AdvisorContext) -> list[Finding]:
                     f"the analysis model is in fake quant state '{ctx.fake_quant_state}': it does not quantize, so "
                     "the comparison shows no quantization error",
                     "call set_fake_quantize(model, FakeQuantState.VALIDATION) after calibration")]
+
+
+@_rule("bias_saturation")
+def bias_saturation(ctx: AdvisorContext) -> list[Finding]:
+    """A conv/linear whose int32 bias saturates: ``b / (s_in * s_w[c])`` beyond int32 (``docs/march.md`` §7.2),
+    so the op is wrong in those channels at every stage (fake quant, IR, NPU) whatever its output precision."""
+    rows = {row.op_name: row for row in ctx.comparison}
+    out = []
+    for name, entry in ctx.bias.items():
+        if entry.saturated == 0 or name not in rows:
+            continue
+        out.append(finding(
+            "bias_saturation", rows[name],
+            f"{entry.saturated} of {entry.channels} channels of the int32 bias of '{name}' saturate: |bias / "
+            f"(input scale x weight scale)| reaches {num(entry.worst_ratio)} x the int32 limit (a large bias over a "
+            "tiny scale product: pruned or near-zero weight channels get a tiny per-channel weight scale)",
+            f"give '{name}' a larger scale product: a per-tensor weight scale, or a floor on the per-channel weight "
+            "scale (a FixedScaleObserver / a minimum scale for the weight), or remove the pruned channels (their "
+            "output is the bias alone: fold it into the next op's bias); int16 weights make it worse (a smaller "
+            "weight scale)",
+        ))
+    return out

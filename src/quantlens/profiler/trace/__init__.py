@@ -26,6 +26,11 @@ and in a baseline traced for an analysis model that fuses it, see ``docs/profile
 plain safetensors files. Traces of format 1 (before references) are refused with
 a message to re-run ``run()``.
 
+An op site that ran several times in the forward (a recurrent layer's time steps) has one entry per reported run
+(a torch model reports every run; an IR its last, and as a baseline also the earlier ones a same-input run reads):
+:class:`TraceReader` gives the last one by name and the others by occurrence (``occurrences``, ``tensors(name,
+k)``, ``inputs(site, k)``, ``site_outputs(site, k)``).
+
 A new trace is written into the sibling folder ``.<name>.partial/`` and moved into place when complete, so an
 interrupted run leaves the previous complete trace as it was. Only the files named above are ever removed or
 replaced; anything else in the folder (a user's notes, ``tensors/README``) stays.

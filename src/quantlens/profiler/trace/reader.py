@@ -19,7 +19,12 @@ __all__ = ["TraceReader", "SiteTensors"]
 
 
 class TraceReader:
-    """Reads a trace written by :class:`~.writer.TraceWriter`; also the same-input source of the analysis run."""
+    """Reads a trace written by :class:`~.writer.TraceWriter`; also the same-input source of the analysis run.
+
+    An op site that ran several times in the forward (a recurrent layer's time steps) has one entry per run, its
+    *occurrences*, in ``sites``; ``by_name`` and every lookup by name alone give the last one, and the lookups
+    that take an ``occurrence`` give the others (``occurrence`` indexes the site's runs as a list does: 0 is the
+    first, -1 the last, -2 the one before; None is the last)."""
 
     def __init__(self, directory: str | os.PathLike):
         self.dir = Path(directory)
@@ -36,12 +41,33 @@ class TraceReader:
         self.input_digest: str = index.input_digest
         self.sites: list[TracedSite] = index.sites
         self.by_name: dict[str, TracedSite] = {s.name: s for s in self.sites}
+        #: every occurrence of each site, in execution order
+        self.occurrences: dict[str, list[TracedSite]] = {}
+        for s in self.sites:
+            self.occurrences.setdefault(s.name, []).append(s)
         self._by_file: dict[str, TracedSite] = {s.file: s for s in self.sites}
 
-    def tensors(self, name: str) -> "SiteTensors":
+    def occurrence_count(self, name: str) -> int:
+        """How many times the op site ran in the traced forward (0: not in the trace)."""
+        return len(self.occurrences.get(name, ()))
+
+    def occurrence(self, name: str, occurrence: int | None = None) -> TracedSite | None:
+        """The site's entry for one of its runs (see the class docstring), or None where it has no such run."""
+        runs = self.occurrences.get(name)
+        if not runs:
+            return None
+        if occurrence is None:
+            return runs[-1]
+        return runs[occurrence] if -len(runs) <= occurrence < len(runs) else None
+
+    def tensors(self, name: str, occurrence: int | None = None) -> "SiteTensors":
         """The site's tensors by key (``in<pos>``, ``out<i>``, ``weight``, ``same<i>``, ``samepre<i>``), a
-        mapping that loads each one when it is read (references resolved)."""
-        return SiteTensors(self, self.by_name[name])
+        mapping that loads each one when it is read (references resolved); of its last run unless ``occurrence``
+        says which."""
+        site = self.occurrence(name, occurrence)
+        if site is None:
+            raise KeyError(f"{name} (occurrence {occurrence})" if name in self.occurrences else name)
+        return SiteTensors(self, site)
 
     def _load(self, site: TracedSite, keys: list[str]) -> list[torch.Tensor]:
         """The tensors ``keys`` of ``site``, references followed, each file opened once."""
@@ -74,11 +100,12 @@ class TraceReader:
                     out[i] = t
         return out
 
-    def inputs(self, site: str) -> dict[int, torch.Tensor] | None:
-        """The site's incoming float tensors by leaf position (loads only those)."""
-        if site not in self.by_name:
+    def inputs(self, site: str, occurrence: int | None = None) -> dict[int, torch.Tensor] | None:
+        """The site's incoming float tensors by leaf position (loads only those), of its last run unless
+        ``occurrence`` says which; None for a site or run the trace does not have."""
+        s = self.occurrence(site, occurrence)
+        if s is None:
             return None
-        s = self.by_name[site]
         keys = [k for k in s.stats if k.startswith("in") and not self._stats_only(s, k)]
         return {int(k[2:]): t for k, t in zip(keys, self._load(s, keys))}
 
@@ -92,11 +119,12 @@ class TraceReader:
     def outputs(self) -> dict[str, torch.Tensor]:
         return load_file(str(self.dir / OUTPUTS_FILE))
 
-    def site_outputs(self, site: str) -> list[torch.Tensor] | None:
-        """The site's output tensors (``out0``, ``out1`` ...), or None for a site the trace does not have."""
-        if site not in self.by_name:
+    def site_outputs(self, site: str, occurrence: int | None = None) -> list[torch.Tensor] | None:
+        """The site's output tensors (``out0``, ``out1`` ...) of its last run unless ``occurrence`` says which, or
+        None for a site or run the trace does not have."""
+        s = self.occurrence(site, occurrence)
+        if s is None:
             return None
-        s = self.by_name[site]
         return self._load(s, s.outputs())
 
     def fused_members(self, site: str) -> set[str]:

@@ -1,0 +1,85 @@
+"""Issue #23 point 4: what does not matter is marked. An op whose output reaches no compared output (an unused
+pooler) is listed apart and never ranked; an op computed on the model's inputs alone is labelled host-side; the
+summary leads with the sensitivity ranking once sensitivity has run, the same-input ranking second."""
+
+import torch
+from torch import nn
+
+from quantlens.profiler import QuantAnalysis
+from quantlens.quantization import (
+    DeQuantStub,
+    FixedScaleObserver,
+    QConfig,
+    QuantSpec,
+    QuantStub,
+    calibrate,
+    prepare,
+)
+from quantlens.quantization.qconfig_template import ModuleNameQconfigSetter, default_calibration_qconfig_setter
+
+
+class WithPooler(nn.Module):
+    """An encoder whose pooler runs but whose output is dropped (as a wrapper that returns only the hidden
+    states does), and an additive mask computed from a model input."""
+
+    def __init__(self):
+        super().__init__()
+        self.quant, self.dequant = QuantStub(), DeQuantStub()
+        self.fc1, self.pool, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+
+    def forward(self, x, mask):
+        h = torch.relu(self.fc1(self.quant(x)))
+        pooled = torch.tanh(self.pool(h))  # noqa: F841 - computed, never used (the wrapper drops it)
+        bias = (1.0 - mask) * -10.0
+        return self.dequant(self.fc2(h) + bias)
+
+
+def _analysis(tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    x, mask = torch.randn(16, 8, generator=gen), (torch.rand(16, 4, generator=gen) > 0.3).float()
+    # the pooler's output scale is far too small: alone it would top the same-input ranking
+    planted = QConfig(output=QuantSpec("qint8", FixedScaleObserver.with_args(scale=1e-4)))
+    setter = (ModuleNameQconfigSetter({"pool": planted}), default_calibration_qconfig_setter)
+    model = WithPooler().eval()
+    prepared = calibrate(prepare(model, (x, mask), setter, check_result_dir=None), [(x, mask)])
+    qa = QuantAnalysis(model, prepared, "fake_quant", out_dir=tmp_path, progress=False)
+    qa.set_bad_case((x, mask))
+    qa.run()
+    return qa
+
+
+def test_an_op_reaching_no_output_is_listed_apart_and_never_ranked(tmp_path):
+    qa = _analysis(tmp_path)
+    table = qa.compare_per_layer()
+    assert table["pool"].same_input_sqnr < 10  # it does lose precision by itself ...
+    assert {r.op_name for r in table.unreached} >= {"pool", "tanh_0"}  # ... but nothing compared depends on it
+    assert table["fc2"].reaches_output and table["fc1"].reaches_output
+    ranked = [r.op_name for r in table.ranked("same_input_sqnr")]
+    assert "pool" not in ranked and "tanh_0" not in ranked
+    assert not [f for f in qa.advise(table) if f.op_name in ("pool", "tanh_0")]
+    text = (tmp_path / "compare_per_layer_out.txt").read_text()
+    assert "pool (linear)" in text.split("== Ops whose output reaches no compared output")[1]
+
+
+def test_host_side_ops_are_labelled(tmp_path):
+    qa = _analysis(tmp_path)
+    table = qa.compare_per_layer()
+    host = {r.op_name for r in table if r.host_side}
+    assert "rsub_0" in host and "fc1" not in host and "quant" not in host
+    assert "rsub_0 (host-side)" in (tmp_path / "compare_per_layer_out.txt").read_text()
+
+
+def test_summary_leads_with_sensitivity(tmp_path):
+    qa = _analysis(tmp_path)
+    qa.compare_per_layer()
+    before = (tmp_path / "compare_per_layer_out.txt").read_text()
+    assert "most sensitive to" not in before
+    qa.sensitivity()
+    after = (tmp_path / "compare_per_layer_out.txt").read_text()
+    summary = after.split("== Ops the outputs are most sensitive to")[1]
+    assert summary.index("same-input SQNR") > 0  # the same-input ranking comes second
+    assert "pool " not in summary.split("== Ops that lose")[0]  # an unreached op is not in the ranking
