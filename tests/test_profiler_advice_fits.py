@@ -8,7 +8,7 @@ from torch import nn
 from quantlens.compiler import convert, export
 from quantlens.profiler import QuantAnalysis
 from quantlens.profiler.advisor import RULES, AdvisorContext, advise
-from quantlens.profiler.advisor.base import OpKind, op_kind
+from quantlens.profiler.advisor.base import OpRole, op_role
 from quantlens.profiler.bias_check import bias_saturation
 from quantlens.profiler.compare import LayerComparison, LayerRow
 from quantlens.quantization import DeQuantStub, QuantStub, calibrate, pre_export, prepare
@@ -33,12 +33,12 @@ def _bad(i, name, op, **kw):  # an op that loses precision by itself, internal e
 
 
 def test_op_kind_comes_from_the_op_set():
-    kinds = {op: op_kind(_row(0, "x", op)) for op in ("linear", "conv2d", "matmul", "sigmoid", "softmax", "lut",
+    kinds = {op: op_role(_row(0, "x", op)) for op in ("linear", "conv2d", "matmul", "sigmoid", "softmax", "lut",
                                                        "add", "embedding", "relu")}
-    assert kinds == {"linear": OpKind.WEIGHTED, "conv2d": OpKind.WEIGHTED, "matmul": OpKind.GEMM,
-                     "sigmoid": OpKind.TABLE, "softmax": OpKind.TABLE, "lut": OpKind.TABLE,
-                     "add": OpKind.ELEMENTWISE, "embedding": OpKind.WEIGHTED, "relu": kinds["relu"]}
-    assert kinds["relu"] is not OpKind.WEIGHTED
+    assert kinds == {"linear": OpRole.WEIGHTED, "conv2d": OpRole.WEIGHTED, "matmul": OpRole.GEMM,
+                     "sigmoid": OpRole.TABLE, "softmax": OpRole.TABLE, "lut": OpRole.TABLE,
+                     "add": OpRole.ELEMENTWISE, "embedding": OpRole.WEIGHTED, "relu": kinds["relu"]}
+    assert kinds["relu"] is not OpRole.WEIGHTED
 
 
 def test_weight_advice_only_for_ops_with_weights():
@@ -91,6 +91,16 @@ def test_onnxruntime_rule_names_where_the_runtime_starts_to_differ():
     assert [f.op_name for f in found] == ["act"]  # fc only inherits act's error
     assert "float function it emulates" in found[0].info and "'convert'" in found[0].advice
     assert not _findings(rows, "convert", "onnxruntime_op_differs")
+
+
+def test_onnxruntime_rule_reads_through_movement_and_ignores_amplified_rounding():
+    rows = [_row(0, "add", "add", lsb_verdict="within 1 LSB", atol_in_scale=1.0),
+            _row(1, "ln", "layer_norm", lsb_verdict="diverged", atol_in_scale=21.0, producer="add"),  # amplifies
+            _row(2, "view", "view", lsb_verdict="", producer="ln"),  # movement: no verdict of its own
+            _row(3, "fc", "linear", lsb_verdict="diverged", atol_in_scale=30.0, producer="view"),
+            _row(4, "fc2", "linear", lsb_verdict="diverged", atol_in_scale=22945.0, producer="fc")]  # a fault
+    found = _findings(rows, "onnxruntime", "onnxruntime_op_differs")
+    assert [f.op_name for f in found] == ["fc2"] and "30 steps off" in found[0].info
 
 
 class PrunedConv(nn.Module):
@@ -196,3 +206,16 @@ def test_a_table_built_for_a_narrower_input_range_is_named(tmp_path):
     assert ("integer_op_differs", node.site) not in rules and \
         not [f for f in found if f.rule == "consistency_level" and f.op_name == node.site]
     assert table[node.site].table_input_clipped_ratio > 0.01
+
+
+def test_a_clean_onnx_file_gets_no_runtime_finding(tmp_path):
+    from quantlens.compiler import to_onnx
+    from quantlens.zoo.faults.tiny import Mlp, _prepared
+
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(4))
+    qat_ir = export(pre_export(_prepared(Mlp(seed=1), x)), (x,))
+    path = to_onnx(qat_ir, tmp_path / "model.onnx")
+    qa = QuantAnalysis(qat_ir, str(path), "onnxruntime", out_dir=tmp_path / "qa", progress=False)
+    qa.set_bad_case((x,))
+    qa.run()
+    assert not [f for f in qa.advise() if f.rule == "onnxruntime_op_differs"]

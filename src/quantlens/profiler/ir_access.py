@@ -295,6 +295,14 @@ class IRModelAccess(ModelAccess):
                 if base is None or where[1] >= len(base):
                     return None, None, f"the baseline has no value for '{where[0]}'"
                 info = self.value_info(name)
+                if info is not None and not _fits(base[where[1]].shape, info.shape):
+                    # the site means another value in the baseline (a conv quantizing its own input, its output
+                    # attributed to the fused BatchNorm's site): this IR's own value, said in the note
+                    if name not in live:
+                        return None, None, f"the baseline's value of '{where[0]}' has another shape"
+                    values[name] = live[name]
+                    borrowed.append(name)
+                    continue
                 if entering is not None and info is not None and info.qdtype:  # quantized to this IR's integers
                     entering[0] += nonfinite_count(base[where[1]])
                 # (the baseline's trace is held on the CPU)
@@ -427,3 +435,10 @@ class SiteOverride:
 
     def set_inputs(self, feeds: dict[str, torch.Tensor]) -> None:
         self._inputs = feeds
+
+
+def _fits(shape, static) -> bool:
+    """A baseline value's shape against an IR value's static shape (a dynamic dim, not an int >= 0, fits any)."""
+    if static is None:
+        return True
+    return len(shape) == len(static) and all(not isinstance(d, int) or d < 0 or d == n for n, d in zip(shape, static))

@@ -12,7 +12,7 @@ report header.
   mismatches (rounding only; a difference beyond it is ``integer_op_differs``, which names the mechanism);
 * :mod:`.runtime`: the ``onnxruntime`` pair: where onnxruntime starts to compute something else, and why.
 
-Advice fits the stage and the op: rules are keyed by analysis type, and :func:`.base.op_kind` (from the op set)
+Advice fits the stage and the op: rules are keyed by analysis type, and :func:`.base.op_role` (from the op set)
 decides what a finding may suggest (weights only for an op with weights, table advice only for a table op).
 """
 

@@ -14,7 +14,7 @@ from quantlens.march.opset import IR_OPS, Category, op_def
 from quantlens.profiler.compare import LayerComparison, LayerRow
 from quantlens.profiler.metrics import SAME_INPUT_SQNR_LIMIT
 
-__all__ = ["Finding", "AdvisorContext", "Rule", "registrar", "THRESHOLDS", "OpKind", "op_kind", "row_category",
+__all__ = ["Finding", "AdvisorContext", "Rule", "registrar", "THRESHOLDS", "OpRole", "op_role", "row_category",
            "ROUNDING_STEPS", "ROUNDING_VERDICTS", "CHANNEL_GAP_DB", "INT8_RANGE_LIMIT", "INT16_RANGE_LIMIT",
            "SAME_INPUT_SQNR_LIMIT", "ACC_SATURATION_LIMIT", "REQUANT_SATURATION_LIMIT", "TABLE_CLIP_LIMIT",
            "EXPORT_FLOAT_NOISE_SQNR", "TABLE_SQNR_LIMIT"]
@@ -129,7 +129,7 @@ def row_category(row: LayerRow) -> Category | None:
     return None
 
 
-class OpKind(str, Enum):
+class OpRole(str, Enum):
     """What an op is, for advice: only an op with weights gets weight advice, only a table op table advice."""
 
     WEIGHTED = "weighted"  #: conv / linear / embedding: its own quantized weight
@@ -139,14 +139,14 @@ class OpKind(str, Enum):
     OTHER = "other"
 
 
-def op_kind(row: LayerRow) -> OpKind:
-    """The :class:`OpKind` of a row, from the op set (never from op names)."""
+def op_role(row: LayerRow) -> OpRole:
+    """The :class:`OpRole` of a row, from the op set (never from op names)."""
     for name in (row.analy_op_type, row.base_op_type):
         op = op_def(name)
         if op is not None and op.weight_args:
-            return OpKind.WEIGHTED
+            return OpRole.WEIGHTED
     if row.analy_op_type in TABLE_OP_IO:
-        return OpKind.TABLE
+        return OpRole.TABLE
     category = row_category(row)
-    return {Category.TABLE: OpKind.TABLE, Category.GEMM: OpKind.GEMM, Category.LOOKUP: OpKind.WEIGHTED,
-            Category.ELEMENTWISE: OpKind.ELEMENTWISE}.get(category, OpKind.OTHER)
+    return {Category.TABLE: OpRole.TABLE, Category.GEMM: OpRole.GEMM, Category.LOOKUP: OpRole.WEIGHTED,
+            Category.ELEMENTWISE: OpRole.ELEMENTWISE}.get(category, OpRole.OTHER)

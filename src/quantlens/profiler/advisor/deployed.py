@@ -15,12 +15,12 @@ from quantlens.profiler.advisor.base import (
     TABLE_SQNR_LIMIT,
     AdvisorContext,
     Finding,
-    OpKind,
+    OpRole,
     Rule,
     abs_max,
     finding,
     num,
-    op_kind,
+    op_role,
     registrar,
 )
 
@@ -180,22 +180,22 @@ def nonfinite_to_integer(ctx: AdvisorContext) -> list[Finding]:
 #: convert: what the integer op computes, by op kind, and where to look when it is more than rounding away from the
 #: baseline on the same input (the mechanism; retraining cannot remove such a difference)
 _MECHANISM = {
-    OpKind.WEIGHTED: ("the int32 accumulator and the per-channel requantize (multiplier, shift) of '{op}'",
+    OpRole.WEIGHTED: ("the int32 accumulator and the per-channel requantize (multiplier, shift) of '{op}'",
                       "check the bias and weight scales it was converted with (an int32 bias saturated by a tiny "
                       "weight scale: pruned or all-zero channels), and the requantize parameters against the "
                       "baseline's fake quant scales"),
-    OpKind.GEMM: ("the int32 accumulator and the requantize of '{op}' (a product of two activations)",
+    OpRole.GEMM: ("the int32 accumulator and the requantize of '{op}' (a product of two activations)",
                   "check both inputs' scales and the requantize parameters against the baseline's fake quant "
                   "scales"),
-    OpKind.TABLE: ("the lookup table of '{op}' (its entries, and the input range it was built for)",
+    OpRole.TABLE: ("the lookup table of '{op}' (its entries, and the input range it was built for)",
                    "the table differs from the baseline's on the same input codes: rebuild it from the calibrated "
                    "model (pre_export, then export and convert again), and check its input scale covers the data "
                    "(table_input_clipped)"),
-    OpKind.ELEMENTWISE: ("the input rescale and the requantize of '{op}' (its multipliers and shifts)",
+    OpRole.ELEMENTWISE: ("the input rescale and the requantize of '{op}' (its multipliers and shifts)",
                          "check the scales of its inputs and output against the baseline's fake quant scales (a stage "
                          "that changed a scale after calibration: export and convert again from the calibrated "
                          "model)"),
-    OpKind.OTHER: ("the integer rule of '{op}'",
+    OpRole.OTHER: ("the integer rule of '{op}'",
                    "compare the op's integer rule (docs/march.md) with the baseline on the failing elements"),
 }
 
@@ -217,7 +217,7 @@ def integer_op_differs(ctx: AdvisorContext) -> list[Finding]:
             continue  # the saturation / clipping rules name it
         if ctx.bias_saturated(row.op_name):
             continue  # bias_saturation names it
-        kind = op_kind(row)
+        kind = op_role(row)
         where, advice = _MECHANISM[kind]
         out.append(finding(
             "integer_op_differs", row,

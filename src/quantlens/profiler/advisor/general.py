@@ -14,12 +14,12 @@ from quantlens.profiler.advisor.base import (
     SAME_INPUT_SQNR_LIMIT,
     AdvisorContext,
     Finding,
-    OpKind,
+    OpRole,
     Rule,
     abs_max,
     finding,
     num,
-    op_kind,
+    op_role,
     quantizes,
     registrar,
 )
@@ -96,17 +96,17 @@ def scale_coverage(ctx: AdvisorContext) -> list[Finding]:
 _PRECISION_STAGES = ("fake_quant", "pre_export")
 
 
-def _internal_advice(row, kind: OpKind, owner: str) -> str:
+def _internal_advice(row, kind: OpRole, owner: str) -> str:
     """What to do about rounding inside the op, by what the op is (weights only for an op with weights)."""
-    if kind is OpKind.WEIGHTED:
+    if kind is OpRole.WEIGHTED:
         return (f"rounding inside the op dominates (its weights or its inputs quantized at the op): int16 weights "
                 f"for '{owner}' (a 'weight' row in the sensitive-op setter's table), per-channel weights if they are "
                 "per-tensor, or int16 inputs")
-    if kind is OpKind.TABLE:
+    if kind is OpRole.TABLE:
         return (f"the nonlinear op's input or output grid is too coarse: int16 output for '{row.op_name}' (an "
                 "'activation' row), a finer input scale (int16 for its producer), or, after pre_export, a table with "
                 "more entries or a narrower input range")
-    if kind is OpKind.GEMM:
+    if kind is OpRole.GEMM:
         return (f"'{row.op_name}' multiplies two activations (no weight): int16 for one of its inputs (an "
                 "'activation' row for its producer in the sensitive-op setter's table), or int16 output")
     return (f"rounding of the inputs quantized at '{row.op_name}' dominates: int16 for its inputs (their producers) "
@@ -117,7 +117,7 @@ def _internal_advice(row, kind: OpKind, owner: str) -> str:
 def op_error(ctx: AdvisorContext) -> list[Finding]:
     """The op itself (fed the baseline's input) loses precision: a bad layer, clipping or rounding. Only for the
     precision stages (``fake_quant``, ``pre_export``; a table of ``pre_export`` has its own rule, ``table_error``),
-    and the advice fits the op (:class:`~.base.OpKind`)."""
+    and the advice fits the op (:class:`~.base.OpRole`)."""
     if ctx.analysis_type not in _PRECISION_STAGES:
         return []
     out = []
@@ -132,8 +132,8 @@ def op_error(ctx: AdvisorContext) -> list[Finding]:
         head = heads.get(row.op_name, row)
         if ctx.bias_saturated(head.op_name):
             continue  # bias_saturation names it (int16 weights would make it worse)
-        kind = op_kind(head)
-        if ctx.analysis_type == "pre_export" and kind is OpKind.TABLE:
+        kind = op_role(head)
+        if ctx.analysis_type == "pre_export" and kind is OpRole.TABLE:
             continue  # table_error reads the table's own error
         error = row.error_kind or "rounding"
         if (row.acc_saturated_ratio or 0) > ACC_SATURATION_LIMIT:
@@ -148,7 +148,7 @@ def op_error(ctx: AdvisorContext) -> list[Finding]:
             advice = _internal_advice(row, kind, head.op_name)
         out.append(finding("op_error", row,
                             f"same-input SQNR {v:.1f} dB < {SAME_INPUT_SQNR_LIMIT:g} dB ({error}-dominated, "
-                            f"{num(row.same_input_in_scale)} output steps; op kind: {kind.value})", advice))
+                            f"{num(row.same_input_in_scale)} output steps; op role: {kind.value})", advice))
     return out
 
 

@@ -1,0 +1,18 @@
+"""Remedies beyond int16 promotion (issue #24, ``docs/remedies.md``): each a way to make the integer model agree
+with the float one, applied to the float model or to the qconfig before ``prepare``.
+
+* :mod:`.equalize`: exact float transforms that move range between an op and the weights that consume its output:
+  cross-layer equalization (conv/linear -> ReLU -> conv/linear) and activation smoothing (LayerNorm -> linears).
+"""
+
+from quantlens.search.remedies.equalize import (
+    EqualizationPair,
+    activation_absmax,
+    cross_layer_equalization,
+    find_cle_pairs,
+    find_smoothing_pairs,
+    smooth_activations,
+)
+
+__all__ = ["EqualizationPair", "activation_absmax", "cross_layer_equalization", "find_cle_pairs",
+           "find_smoothing_pairs", "smooth_activations"]
