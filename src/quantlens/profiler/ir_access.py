@@ -417,8 +417,14 @@ class SiteOverride:
             return None
         feeds = {}
         for name, where in prog.externals.items():
-            if where is None or where.occurrence != -1:
-                return None  # takes another site's intermediate: cannot be mixed, keep the reference's value
+            if where is None:  # no site made it: a value computed from the IR's inputs alone (a mask) is recomputed
+                value = self._unsited(name)
+                if value is None:
+                    return None  # another site's intermediate: cannot be mixed, keep the reference's value
+                feeds[name] = value
+                continue
+            if where.occurrence != -1:
+                return None
             if where[0] == _INPUT:
                 if self._inputs is None or name not in self._inputs:
                     return None
@@ -435,6 +441,32 @@ class SiteOverride:
 
     def set_inputs(self, feeds: dict[str, torch.Tensor]) -> None:
         self._inputs = feeds
+        self._unsited_values: dict[str, torch.Tensor | None] = {}
+
+    def _unsited(self, name: str) -> torch.Tensor | None:
+        """A value no op site produced, recomputed from this run's IR inputs when every node it takes is
+        attributed to no site either (the attention mask's cast/index/expand); None otherwise."""
+        if self._inputs is None:
+            return None
+        cache = self.__dict__.setdefault("_unsited_values", {})
+        if name not in cache:
+            ir, graph = self.ir, self.ir.module.graph
+            needed, stack, seen = set(), [name], set()
+            while stack:
+                value = stack.pop()
+                if value in seen or value in graph.constants or value in self._inputs:
+                    continue
+                seen.add(value)
+                i = ir.producer.get(value)
+                if i is None or ir.attributed[i]:
+                    cache[name] = None
+                    break
+                needed.add(i)
+                stack.extend(v for v in ir.nodes[i].inputs if v)
+            else:
+                env = run_nodes(ir.module, [ir.nodes[i] for i in sorted(needed)], dict(self._inputs))
+                cache[name] = env.get(name)
+        return cache[name]
 
 
 def _fits(shape, static) -> bool:

@@ -108,6 +108,22 @@ register_fault(Fault(
     "layer 0's GELU table (int16 input) has an int8 output grid of 0.25", _coarse_gelu))
 
 
+# -- export ---------------------------------------------------------------------------------------------------
+def _scaling_captured() -> FaultCase:
+    pre, qat_ir = _clean_export()
+    pre = copy.deepcopy(pre)
+    # BertSelfAttention.scaling is a Python float read at every call: torch.export baked the value it had, and a
+    # user who changes it afterwards (a temperature, a rescaled head) runs another model than the IR
+    pre.bert.encoder.layer[2].attention.self.scaling *= 1.25
+    return FaultCase(pre, copy.deepcopy(qat_ir), _float_and_data()[1])
+
+
+register_fault(Fault(
+    "minilm_export_scaling_captured", "export", MODEL,
+    (f"{_LAYER}.2.attention.self.scaled_dot_product_attention_0",),
+    "layer 2's attention scaling changed after export: the IR keeps the exported value", _scaling_captured))
+
+
 # -- convert --------------------------------------------------------------------------------------------------
 def _requant_off_by_one() -> FaultCase:
     _, qat_ir = _clean_export()
