@@ -370,7 +370,9 @@ class QuantAnalysis:
     def _reach(self) -> SiteReach:
         """Which op sites reach a compared output and which are host-side, on the bad case (:mod:`.reach`): from
         the analysis model when it has the structure (a prepared model, an IR), else the baseline; one forward,
-        cached per bad case."""
+        cached per bad case. Without a bad case (traces compared from folders) nothing is claimed."""
+        if not self._has_bad_case:
+            return SiteReach(None, frozenset())
         case = self._sensitivity_case()
         key = input_digest(case)
         cached = getattr(self, "_reach_cache", None)
