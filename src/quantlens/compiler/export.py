@@ -70,11 +70,19 @@ def _capture_state(model: nn.Module):
         # weights even right after an optimizer step; torch.export then traces with every observer off.
         m.observe_enabled = m.is_weight
         m.fake_quant_enabled = True
+    import torch.fx.traceback as fx_traceback
+
+    # a site annotation some earlier traced forward left open would name this graph's site-less nodes (the mask
+    # ops of an attention) after that site: export starts with none, and puts back what it found
+    custom = fx_traceback.current_meta.get("custom")
+    stale = custom.pop("op_site", None) if isinstance(custom, dict) else None
     OpSiteTracer.annotate_sites = True
     try:
         yield
     finally:
         OpSiteTracer.annotate_sites = False
+        if stale is not None and isinstance(fx_traceback.current_meta.get("custom"), dict):
+            fx_traceback.current_meta["custom"]["op_site"] = stale
         for m, (obs, fq) in zip(fqs, saved):
             m.observe_enabled, m.fake_quant_enabled = obs, fq
         model.train(was_training)

@@ -2,7 +2,10 @@
 with the float one, applied to the float model or to the qconfig before ``prepare``.
 
 * :mod:`.equalize`: exact float transforms that move range between an op and the weights that consume its output:
-  cross-layer equalization (conv/linear -> ReLU -> conv/linear) and activation smoothing (LayerNorm -> linears).
+  cross-layer equalization (conv/linear -> ReLU -> conv/linear) and activation smoothing (LayerNorm -> linears);
+* :mod:`.observers`: ranges chosen per op site (percentile, KL, MSE clipping instead of min/max);
+* :mod:`.search`: :func:`search_remedies`, which measures each remedy, keeps what helps, and leaves int16 for what
+  the others cannot fix.
 """
 
 from quantlens.search.remedies.equalize import (
@@ -13,6 +16,9 @@ from quantlens.search.remedies.equalize import (
     find_smoothing_pairs,
     smooth_activations,
 )
+from quantlens.search.remedies.observers import RANGE_OBSERVERS, ObserverQconfigSetter
+from quantlens.search.remedies.search import RemedyResult, Trial, search_remedies
 
 __all__ = ["EqualizationPair", "activation_absmax", "cross_layer_equalization", "find_cle_pairs",
-           "find_smoothing_pairs", "smooth_activations"]
+           "find_smoothing_pairs", "smooth_activations", "RANGE_OBSERVERS", "ObserverQconfigSetter", "RemedyResult",
+           "Trial", "search_remedies"]

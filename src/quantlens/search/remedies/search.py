@@ -1,0 +1,166 @@
+"""``search_remedies``: from the profiler's findings to a measured fix (``docs/remedies.md``).
+
+Every candidate is measured (``prepare`` -> ``calibrate`` -> ``evaluate`` on the caller's held-out metric) and
+kept only when it helps; the remedies go cheapest first, so int16 is spent only on what the others leave:
+
+1. **equalization** (free at run time, exact in float): cross-layer equalization and LayerNorm smoothing, each
+   kept when the metric improves (:mod:`.equalize`);
+2. **ranges**: for the op sites the outputs are most sensitive to (the profiler's sensitivity on the current
+   model), each range observer of :data:`~.observers.RANGE_OBSERVERS`; the best is kept per site when it improves
+   the metric (:class:`~.observers.ObserverQconfigSetter`);
+3. **precision**: if the target is not reached, ``search_mixed_precision`` promotes op sites to int16 on top of
+   what 1-2 chose.
+
+The result (:class:`RemedyResult`) is what ``prepare`` takes: the transformed float model and a qconfig setter, and
+every trial with its measured value.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from quantlens.quantization import calibrate, prepare
+from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+from quantlens.search.remedies.equalize import (
+    cross_layer_equalization,
+    find_cle_pairs,
+    find_smoothing_pairs,
+    smooth_activations,
+)
+from quantlens.search.remedies.observers import RANGE_OBSERVERS, ObserverQconfigSetter
+
+__all__ = ["Trial", "RemedyResult", "search_remedies"]
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One measured candidate: the remedy (``kind``: "equalization", "range" or "int16"), where it applies, its
+    value of the metric, and whether it was kept."""
+
+    kind: str
+    name: str
+    site: str
+    value: float
+    kept: bool
+
+
+@dataclass(frozen=True)
+class RemedyResult:
+    """What the search chose: ``model`` (the float model after the kept transforms) and ``setter`` (ranges and
+    int16 promotions on top of the base setter) go to ``prepare`` unchanged; ``value`` is their metric."""
+
+    model: nn.Module
+    setter: Any
+    value: float
+    base_value: float
+    observers: dict[str, str]
+    int16: tuple = ()
+    trials: tuple[Trial, ...] = field(default_factory=tuple)
+
+    def reached(self, target: float, higher_is_better: bool = True) -> bool:
+        return self.value >= target if higher_is_better else self.value <= target
+
+
+class _Measure:
+    def __init__(self, example, batches, evaluate, higher_is_better):
+        self.example, self.batches, self.evaluate, self.higher = example, batches, evaluate, higher_is_better
+
+    def __call__(self, model: nn.Module, setter: Any) -> float:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # one prepare per candidate: its warnings would repeat
+            prepared = calibrate(prepare(model, self.example, setter, check_result_dir=None), self.batches)
+        with torch.no_grad():
+            return float(self.evaluate(prepared))
+
+    def better(self, a: float, b: float) -> bool:
+        return a > b if self.higher else a < b
+
+
+def _sensitive_sites(model, example, setter, measure: _Measure, count: int, out_dir: Path) -> list[str]:
+    """The ``count`` op sites whose activation quantization the outputs are most sensitive to."""
+    from quantlens.profiler import QuantAnalysis
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = calibrate(prepare(model, example, setter, check_result_dir=None), measure.batches)
+    qa = QuantAnalysis(model, prepared, "fake_quant", out_dir=out_dir, progress=False)
+    qa.set_bad_case(example)
+    sites: list[str] = []
+    for row in qa.sensitivity()[0]:
+        if row.sensitive_type == "activation" and row.op_name not in sites:
+            sites.append(row.op_name)
+    return sites[:count]
+
+
+def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: Sequence[Any],
+                    evaluate: Callable[[nn.Module], float], target: float, *,
+                    base_setter: Any = default_calibration_qconfig_setter, range_sites: int = 8,
+                    observers: Sequence[str] = tuple(RANGE_OBSERVERS), int16: bool = True,
+                    higher_is_better: bool = True, out_dir: str | os.PathLike = "remedies",
+                    int16_budget: int | None = None) -> RemedyResult:
+    """Equalization, then per-site ranges, then int16 promotion, each candidate measured and kept only when it
+    helps (see the module docstring); ``evaluate(prepared) -> float`` on a calibrated model, as for
+    ``search_mixed_precision``. ``model`` is not changed."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    measure = _Measure(example_inputs, list(calibration_batches), evaluate, higher_is_better)
+    trials: list[Trial] = []
+    best = base = measure(model, base_setter)
+
+    # 1. equalization: whole-model float transforms, exact
+    current = model
+    for name, find, apply in (
+            ("cross_layer_equalization", find_cle_pairs, lambda m: cross_layer_equalization(m, example_inputs)[0]),
+            ("smooth_activations", find_smoothing_pairs,
+             lambda m: smooth_activations(m, example_inputs, measure.batches)[0])):
+        if not find(current, example_inputs):
+            continue
+        candidate = apply(current)
+        value = measure(candidate, base_setter)
+        kept = measure.better(value, best)
+        trials.append(Trial("equalization", name, "", value, kept))
+        if kept:
+            current, best = candidate, value
+
+    # 2. ranges, per site, for the sites the outputs are most sensitive to
+    chosen: dict[str, str] = {}
+    if range_sites and not _reached(best, target, higher_is_better):
+        for site in _sensitive_sites(current, example_inputs, base_setter, measure, range_sites, out / "ranking"):
+            site_best = None
+            for name in observers:
+                value = measure(current, ObserverQconfigSetter({**chosen, site: name}, base_setter))
+                improves = measure.better(value, best) and (site_best is None or measure.better(value, site_best[1]))
+                trials.append(Trial("range", name, site, value, False))
+                if improves:
+                    site_best = (name, value)
+            if site_best is not None:
+                chosen[site] = site_best[0]
+                best = site_best[1]
+                trials.append(Trial("range", site_best[0], site, site_best[1], True))
+    setter = ObserverQconfigSetter(chosen, base_setter) if chosen else base_setter
+
+    # 3. precision: int16 on top of what equalization and ranges left
+    promotions: tuple = ()
+    if int16 and not _reached(best, target, higher_is_better):
+        from quantlens.search import search_mixed_precision
+
+        mp = search_mixed_precision(current, example_inputs, measure.batches, evaluate, target, base_setter=setter,
+                                    budget=int16_budget, out_dir=out / "int16", higher_is_better=higher_is_better,
+                                    progress=False)
+        promotions = tuple(mp.chosen)
+        if promotions:
+            setter = mp.setter()
+            best = mp.metric
+            trials += [Trial("int16", p.kind, p.site, best, True) for p in promotions]
+    return RemedyResult(current, setter, best, base, chosen, promotions, tuple(trials))
+
+
+def _reached(value: float, target: float, higher_is_better: bool) -> bool:
+    return value >= target if higher_is_better else value <= target
