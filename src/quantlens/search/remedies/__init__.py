@@ -3,11 +3,13 @@ with the float one, applied to the float model or to the qconfig before ``prepar
 
 * :mod:`.equalize`: exact float transforms that move range between an op and the weights that consume its output:
   cross-layer equalization (conv/linear -> ReLU -> conv/linear) and activation smoothing (LayerNorm -> linears);
+* :mod:`.bias_correction`: the mean output shift of weight rounding taken out of each conv/linear bias;
 * :mod:`.observers`: ranges chosen per op site (percentile, KL, MSE clipping instead of min/max);
 * :mod:`.search`: :func:`search_remedies`, which measures each remedy, keeps what helps, and leaves int16 for what
   the others cannot fix.
 """
 
+from quantlens.search.remedies.bias_correction import BiasCorrection, bias_correction
 from quantlens.search.remedies.equalize import (
     EqualizationPair,
     activation_absmax,
@@ -19,6 +21,6 @@ from quantlens.search.remedies.equalize import (
 from quantlens.search.remedies.observers import RANGE_OBSERVERS, ObserverQconfigSetter
 from quantlens.search.remedies.search import RemedyResult, Trial, search_remedies
 
-__all__ = ["EqualizationPair", "activation_absmax", "cross_layer_equalization", "find_cle_pairs",
+__all__ = ["BiasCorrection", "bias_correction", "EqualizationPair", "activation_absmax", "cross_layer_equalization", "find_cle_pairs",
            "find_smoothing_pairs", "smooth_activations", "RANGE_OBSERVERS", "ObserverQconfigSetter", "RemedyResult",
            "Trial", "search_remedies"]

@@ -4,7 +4,8 @@ Every candidate is measured (``prepare`` -> ``calibrate`` -> ``evaluate`` on the
 kept only when it helps; the remedies go cheapest first, so int16 is spent only on what the others leave:
 
 1. **equalization** (free at run time, exact in float): cross-layer equalization and LayerNorm smoothing, each
-   kept when the metric improves (:mod:`.equalize`);
+   kept when the metric improves (:mod:`.equalize`); then **bias correction** (:mod:`.bias_correction`), kept
+   when it improves the metric;
 2. **ranges**: for the op sites the outputs are most sensitive to (the profiler's sensitivity on the current
    model), each range observer of :data:`~.observers.RANGE_OBSERVERS`; the best is kept per site when it improves
    the metric (:class:`~.observers.ObserverQconfigSetter`);
@@ -28,6 +29,7 @@ from torch import nn
 
 from quantlens.quantization import calibrate, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+from quantlens.search.remedies.bias_correction import bias_correction
 from quantlens.search.remedies.equalize import (
     cross_layer_equalization,
     find_cle_pairs,
@@ -41,8 +43,8 @@ __all__ = ["Trial", "RemedyResult", "search_remedies"]
 
 @dataclass(frozen=True)
 class Trial:
-    """One measured candidate: the remedy (``kind``: "equalization", "range" or "int16"), where it applies, its
-    value of the metric, and whether it was kept."""
+    """One measured candidate: the remedy (``kind``: "equalization", "weights", "range" or "int16"), where it
+    applies, its value of the metric, and whether it was kept."""
 
     kind: str
     name: str
@@ -126,6 +128,15 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
         value = measure(candidate, base_setter)
         kept = measure.better(value, best)
         trials.append(Trial("equalization", name, "", value, kept))
+        if kept:
+            current, best = candidate, value
+
+    # weights: bias correction under the base setter's weight quantization
+    candidate, corrections = bias_correction(current, example_inputs, measure.batches, base_setter)
+    if corrections:
+        value = measure(candidate, base_setter)
+        kept = measure.better(value, best)
+        trials.append(Trial("weights", "bias_correction", "", value, kept))
         if kept:
             current, best = candidate, value
 
