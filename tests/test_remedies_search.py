@@ -110,3 +110,24 @@ def test_remedies_need_fewer_int16_sites_than_promotion_alone(tmp_path):
     result = search_remedies(model, batches[0], batches, evaluate, target, out_dir=tmp_path / "remedies")
     assert result.reached(target) and len(result.int16) <= 1
     assert not alone.reached or alone.num_int16 > len(result.int16), alone
+
+
+def test_a_search_started_again_replays_its_measurements(tmp_path):
+    model = Outliers().eval()
+    batches, held_out = _data()
+    evaluate = _cosine(model, held_out)
+    calls = []
+
+    def counting(prepared):
+        calls.append(1)
+        return evaluate(prepared)
+
+    first = search_remedies(model, batches[0], batches, counting, 0.998, out_dir=tmp_path, int16=False)
+    measured = len(calls)
+    assert measured > 3 and (tmp_path / "remedies_progress.json").is_file()
+    again = search_remedies(model, batches[0], batches, counting, 0.998, out_dir=tmp_path, int16=False)
+    assert len(calls) == measured  # nothing measured twice
+    assert (again.value, again.observers) == (first.value, first.observers)
+    other = [(b[0] * 1.01,) for b in batches]  # other data: the file's measurements do not apply
+    search_remedies(model, other[0], other, counting, 0.998, out_dir=tmp_path, int16=False)
+    assert len(calls) > measured

@@ -18,6 +18,8 @@ every trial with its measured value.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from quantlens._io import atomic_write_text
 from quantlens.quantization import calibrate, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.search.remedies.bias_correction import bias_correction
@@ -70,16 +73,36 @@ class RemedyResult:
         return self.value >= target if higher_is_better else self.value <= target
 
 
-class _Measure:
-    def __init__(self, example, batches, evaluate, higher_is_better):
-        self.example, self.batches, self.evaluate, self.higher = example, batches, evaluate, higher_is_better
+PROGRESS_FILE = "remedies_progress.json"
 
-    def __call__(self, model: nn.Module, setter: Any) -> float:
+
+class _Measure:
+    """Measures a configuration once: each value is written to ``out_dir/remedies_progress.json`` as it is
+    measured, under a fingerprint of the search's inputs, so a search started again with the same inputs replays
+    what it measured and continues."""
+
+    def __init__(self, example, batches, evaluate, higher_is_better, path: Path, fingerprint: str):
+        self.example, self.batches, self.evaluate, self.higher = example, batches, evaluate, higher_is_better
+        self.path, self.fingerprint = path, fingerprint
+        self.values: dict[str, float] = {}
+        if path.is_file():
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if data.get("fingerprint") == fingerprint:
+                self.values = {k: float(v) for k, v in data.get("measurements", {}).items()}
+        self.replayed = len(self.values)
+
+    def __call__(self, model: nn.Module, setter: Any, key: str) -> float:
+        if key in self.values:
+            return self.values[key]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # one prepare per candidate: its warnings would repeat
             prepared = calibrate(prepare(model, self.example, setter, check_result_dir=None), self.batches)
         with torch.no_grad():
-            return float(self.evaluate(prepared))
+            value = float(self.evaluate(prepared))
+        self.values[key] = value
+        atomic_write_text(self.path, json.dumps({"format": 1, "fingerprint": self.fingerprint,
+                                                 "measurements": self.values}, indent=1, sort_keys=True))
+        return value
 
     def better(self, a: float, b: float) -> bool:
         return a > b if self.higher else a < b
@@ -112,9 +135,17 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
     ``search_mixed_precision``. ``model`` is not changed."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    measure = _Measure(example_inputs, list(calibration_batches), evaluate, higher_is_better)
+    batches = list(calibration_batches)
+    inputs_key = _fingerprint(model, example_inputs, batches, target, range_sites, observers, base_setter,
+                             higher_is_better)
+    measure = _Measure(example_inputs, batches, evaluate, higher_is_better, out / PROGRESS_FILE, inputs_key)
     trials: list[Trial] = []
-    best = base = measure(model, base_setter)
+    applied: list[str] = []  # the kept float transforms, in order: part of every later key
+
+    def key(*parts: str) -> str:
+        return "|".join(["+".join(applied)] + list(parts))
+
+    best = base = measure(model, base_setter, key("base"))
 
     # 1. equalization: whole-model float transforms, exact
     current = model
@@ -125,20 +156,22 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
         if not find(current, example_inputs):
             continue
         candidate = apply(current)
-        value = measure(candidate, base_setter)
+        value = measure(candidate, base_setter, key(name))
         kept = measure.better(value, best)
         trials.append(Trial("equalization", name, "", value, kept))
         if kept:
             current, best = candidate, value
+            applied.append(name)
 
     # weights: bias correction under the base setter's weight quantization
     candidate, corrections = bias_correction(current, example_inputs, measure.batches, base_setter)
     if corrections:
-        value = measure(candidate, base_setter)
+        value = measure(candidate, base_setter, key("bias_correction"))
         kept = measure.better(value, best)
         trials.append(Trial("weights", "bias_correction", "", value, kept))
         if kept:
             current, best = candidate, value
+            applied.append("bias_correction")
 
     # 2. ranges, per site, for the sites the outputs are most sensitive to
     chosen: dict[str, str] = {}
@@ -146,7 +179,9 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
         for site in _sensitive_sites(current, example_inputs, base_setter, measure, range_sites, out / "ranking"):
             site_best = None
             for name in observers:
-                value = measure(current, ObserverQconfigSetter({**chosen, site: name}, base_setter))
+                trial = {**chosen, site: name}
+                value = measure(current, ObserverQconfigSetter(trial, base_setter),
+                                key("ranges", *(f"{s}={o}" for s, o in sorted(trial.items()))))
                 improves = measure.better(value, best) and (site_best is None or measure.better(value, site_best[1]))
                 trials.append(Trial("range", name, site, value, False))
                 if improves:
@@ -175,3 +210,17 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
 
 def _reached(value: float, target: float, higher_is_better: bool) -> bool:
     return value >= target if higher_is_better else value <= target
+
+
+def _fingerprint(model, example, batches, target, range_sites, observers, base_setter, higher_is_better) -> str:
+    """What the measurements depend on: the model's weights, the data, and the search's settings."""
+    from quantlens.search.progress import _hash_tree
+
+    h = hashlib.sha256()
+    _hash_tree(h, dict(model.state_dict()))
+    _hash_tree(h, example)
+    _hash_tree(h, batches)
+    h.update(json.dumps({"target": float(target), "range_sites": range_sites, "observers": list(observers),
+                         "base": getattr(base_setter, "name", repr(base_setter)), "higher": higher_is_better},
+                        sort_keys=True).encode())
+    return h.hexdigest()
