@@ -131,3 +131,23 @@ def test_a_search_started_again_replays_its_measurements(tmp_path):
     other = [(b[0] * 1.01,) for b in batches]  # other data: the file's measurements do not apply
     search_remedies(model, other[0], other, counting, 0.998, out_dir=tmp_path, int16=False)
     assert len(calls) > measured
+
+
+def test_findings_carry_the_measured_gain(tmp_path):
+    from quantlens.profiler import QuantAnalysis
+    from quantlens.search.remedies import findings_with_gains
+
+    model = Outliers().eval()
+    batches, held_out = _data()
+    result = search_remedies(model, batches[0], batches, _cosine(model, held_out), 0.998, out_dir=tmp_path / "s",
+                             int16=False)
+    int8 = calibrate(prepare(model, batches[0], check_result_dir=None), batches)
+    qa = QuantAnalysis(model, int8, "fake_quant", out_dir=tmp_path / "qa", progress=False)
+    qa.set_bad_case((held_out,))
+    qa.run()
+    measured = findings_with_gains(qa.advise(), result)
+    hits = [m for m in measured if m.measured]
+    assert hits and all(m.finding.op_name in result.observers for m in hits)
+    assert all(after > before for m in hits for _, _, before, after in m.measured)
+    assert "[measured: range" in hits[0].text
+    assert all("[not measured]" in m.text for m in measured if not m.measured)

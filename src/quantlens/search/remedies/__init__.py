@@ -5,6 +5,7 @@ with the float one, applied to the float model or to the qconfig before ``prepar
   cross-layer equalization (conv/linear -> ReLU -> conv/linear) and activation smoothing (LayerNorm -> linears);
 * :mod:`.bias_correction`: the mean output shift of weight rounding taken out of each conv/linear bias;
 * :mod:`.observers`: ranges chosen per op site (percentile, KL, MSE clipping instead of min/max);
+* :mod:`.gains`: the advisor's findings with the gain the search measured at their op site;
 * :mod:`.search`: :func:`search_remedies`, which measures each remedy, keeps what helps, and leaves int16 for what
   the others cannot fix.
 """
@@ -18,9 +19,10 @@ from quantlens.search.remedies.equalize import (
     find_smoothing_pairs,
     smooth_activations,
 )
+from quantlens.search.remedies.gains import MeasuredFinding, findings_with_gains
 from quantlens.search.remedies.observers import RANGE_OBSERVERS, ObserverQconfigSetter
 from quantlens.search.remedies.search import RemedyResult, Trial, search_remedies
 
 __all__ = ["BiasCorrection", "bias_correction", "EqualizationPair", "activation_absmax", "cross_layer_equalization", "find_cle_pairs",
            "find_smoothing_pairs", "smooth_activations", "RANGE_OBSERVERS", "ObserverQconfigSetter", "RemedyResult",
-           "Trial", "search_remedies"]
+           "Trial", "search_remedies", "MeasuredFinding", "findings_with_gains"]

@@ -54,6 +54,8 @@ class Trial:
     site: str
     value: float
     kept: bool
+    #: a kept remedy: the metric before it (its measured gain is ``value - before``)
+    before: float | None = None
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,7 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
         candidate = apply(current)
         value = measure(candidate, base_setter, key(name))
         kept = measure.better(value, best)
-        trials.append(Trial("equalization", name, "", value, kept))
+        trials.append(Trial("equalization", name, "", value, kept, best if kept else None))
         if kept:
             current, best = candidate, value
             applied.append(name)
@@ -168,7 +170,7 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
     if corrections:
         value = measure(candidate, base_setter, key("bias_correction"))
         kept = measure.better(value, best)
-        trials.append(Trial("weights", "bias_correction", "", value, kept))
+        trials.append(Trial("weights", "bias_correction", "", value, kept, best if kept else None))
         if kept:
             current, best = candidate, value
             applied.append("bias_correction")
@@ -188,8 +190,8 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
                     site_best = (name, value)
             if site_best is not None:
                 chosen[site] = site_best[0]
+                trials.append(Trial("range", site_best[0], site, site_best[1], True, best))
                 best = site_best[1]
-                trials.append(Trial("range", site_best[0], site, site_best[1], True))
     setter = ObserverQconfigSetter(chosen, base_setter) if chosen else base_setter
 
     # 3. precision: int16 on top of what equalization and ranges left
@@ -203,9 +205,21 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
         promotions = tuple(mp.chosen)
         if promotions:
             setter = mp.setter()
+            trials += _int16_trials(mp, best)
             best = mp.metric
-            trials += [Trial("int16", p.kind, p.site, best, True) for p in promotions]
     return RemedyResult(current, setter, best, base, chosen, promotions, tuple(trials))
+
+
+def _int16_trials(mp, start: float) -> list[Trial]:
+    """One kept trial per chosen promotion, with the metric the mixed-precision curve measured before and after
+    the step that added it (a promotion the pruning pass kept; steps that only removed one are skipped)."""
+    out, before = [], start
+    chosen = set(mp.chosen)
+    for point in mp.curve:
+        if point.added is not None and point.added in chosen:
+            out.append(Trial("int16", point.added.kind, point.added.site, point.metric, True, before))
+        before = point.metric
+    return out
 
 
 def _reached(value: float, target: float, higher_is_better: bool) -> bool:
