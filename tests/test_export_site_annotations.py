@@ -31,3 +31,14 @@ def test_export_ignores_a_stale_annotation():
         assert fx_traceback.current_meta["custom"].get("op_site") == "stale"  # what export found is put back
     finally:
         fx_traceback.current_meta["custom"].pop("op_site", None)
+
+
+def test_export_leaves_no_annotation_behind():
+    """The multitask zoo model (two input stubs) left 'quant_image' open after its export."""
+    from quantlens.zoo import example_inputs, get_model
+
+    example = example_inputs("multitask")
+    prepared = calibrate(prepare(get_model("multitask"), example, default_calibration_qconfig_setter,
+                                 check_result_dir=None), [example])
+    export(pre_export(prepared), example)
+    assert (fx_traceback.current_meta.get("custom") or {}).get("op_site") is None

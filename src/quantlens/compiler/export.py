@@ -81,8 +81,14 @@ def _capture_state(model: nn.Module):
         yield
     finally:
         OpSiteTracer.annotate_sites = False
-        if stale is not None and isinstance(fx_traceback.current_meta.get("custom"), dict):
-            fx_traceback.current_meta["custom"]["op_site"] = stale
+        # and leaves it as it found it: module-site annotations open in a pre hook and close in a post hook, so on
+        # a model whose calls do not nest (a multitask model's two input stubs) torch's annotate can restore a
+        # site name after the last one closed
+        after = fx_traceback.current_meta.get("custom")
+        if isinstance(after, dict):
+            after.pop("op_site", None)
+            if stale is not None:
+                after["op_site"] = stale
         for m, (obs, fq) in zip(fqs, saved):
             m.observe_enabled, m.fake_quant_enabled = obs, fq
         model.train(was_training)
