@@ -29,6 +29,7 @@ from quantlens.quantization import (
     prepare,
 )
 from quantlens.quantization.qconfig_template import ModuleNameQconfigSetter, default_calibration_qconfig_setter
+from quantlens.zoo.faults.tiny import TwoTables, WideSum  # the fault suite's models, planted here the same way
 
 Q16 = get_qconfig(out_dtype="qint16")
 
@@ -60,21 +61,6 @@ def _init(module, seed, std=0.5):
 
 def _fired(findings, rule, site):
     return [f for f in findings if f.rule == rule and f.op_name == site]
-
-
-class TwoTables(nn.Module):
-    """quant -> fc1 -> sigmoid -> fc2 -> tanh, both tables on int16 inputs; cat -> fc3 -> dequant."""
-
-    def __init__(self):
-        super().__init__()
-        self.quant, self.dequant = QuantStub(), DeQuantStub()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(32, 4)
-        _init(self, 0)
-
-    def forward(self, x):
-        a = torch.sigmoid(self.fc1(self.quant(x)))
-        b = torch.tanh(self.fc2(a))
-        return self.dequant(self.fc3(torch.cat([a, b], 1)))
 
 
 def test_pre_export_table_with_a_coarse_output_grid_is_found_first(tmp_path):
@@ -133,28 +119,6 @@ def test_export_path_that_differs_under_torch_export_is_found_first(tmp_path):
     found = _fired(findings, "export_path_differs", "blk.mul_0")
     assert found and "detect_fake_mode" in found[0].advice
     assert not [f for f in findings if f.rule == "export_path_differs" and not f.op_name.startswith("blk.")]
-
-
-class WideSum(nn.Module):
-    """quant -> fc0 (int16, ~constant 3 after the relu) -> big (1024 terms) -> relu -> fc2 -> dequant.
-
-    ``big``'s first four rows are ~0.5 everywhere: their int8 codes are ~127 (per-channel scale), the int16 input
-    codes ~31700, so the exact sum is ~4e9 > 2**31; its last four rows have random signs and stay far below."""
-
-    def __init__(self):
-        super().__init__()
-        self.quant, self.dequant = QuantStub(), DeQuantStub()
-        self.fc0, self.big, self.relu, self.fc2 = nn.Linear(8, 1024), nn.Linear(1024, 8), nn.ReLU(), nn.Linear(8, 4)
-        _init(self, 0, std=0.05)
-        gen = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            self.fc0.bias.fill_(3.0)
-            self.big.weight[:4] = 0.5 + 0.01 * torch.randn(4, 1024, generator=gen)
-            self.big.weight[4:] = 0.5 * torch.randn(4, 1024, generator=gen)
-
-    def forward(self, x):
-        h = torch.relu(self.fc0(self.quant(x)))
-        return self.dequant(self.fc2(self.relu(self.big(h))))
 
 
 def test_convert_accumulator_overflow_is_found_first(tmp_path):

@@ -33,6 +33,7 @@ from quantlens.quantization.qconfig_template import (
     default_calibration_qconfig_setter,
 )
 from quantlens.zoo import example_inputs, get_model, sample_batches
+from quantlens.zoo.faults import FAULTS
 
 
 def _fixed(scale, weight=False):
@@ -115,55 +116,14 @@ def test_bias_overflow_found_first_by_op_level(bias_overflow, tmp_path):
 
 
 # -- (b) two changes, each harmless, severe together -----------------------------------------------------------
-N, C = 8, 4
-
-
-class BranchNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q = QuantStub()
-        self.la = nn.Linear(N, C)
-        self.lb = nn.Linear(N, C)
-        self.relu = nn.ReLU()
-        self.ld = nn.Linear(N, C)
-        self.dq = DeQuantStub()
-
-    def forward(self, x):
-        x = self.q(x)
-        return self.dq(self.relu(self.la(x) + self.lb(x)) + self.ld(x))
-
-
-def _inputs(n, generator):
-    return (0.95 + 0.1 * torch.rand(n, N, generator=generator),)
-
-
 @pytest.fixture(scope="module")
 def interaction():
-    """Two linear branches ``la``, ``lb`` whose sum feeds a ReLU; in float the sum sits just below zero, at
-    ``-0.9 δ``. Every weight of ``la`` lies 0.55 steps above a grid point and every weight of ``lb`` 0.45 steps
-    above one (the per-channel scale is 1/127, set by the ±1 first column), so each one's int8 rounding raises
-    the sum by ``δ = 0.45 * 7 / 127`` for inputs near 1. Alone, either rounding lifts the sum to ``+0.1 δ``
-    (a small error past the ReLU); together to ``+1.1 δ``, eleven times as much. ``ld`` is a side branch with a
-    coarse output grid (0.04): an ordinary error that outranks each rounding alone but not the two together."""
-    torch.manual_seed(0)
-    model = BranchNet().eval()
-    step = 1 / 127
-    delta = 0.45 * (N - 1) * step
-    with torch.no_grad():
-        for r in range(C):
-            k = 5 + 3 * r
-            model.la.weight[r, 0], model.lb.weight[r, 0] = 1.0, -1.0
-            model.la.weight[r, 1:] = (k + 0.55) * step
-            model.lb.weight[r, 1:] = -(k + 0.45) * step
-            model.la.bias[r] = -(1 + (N - 1) * (k + 0.55) * step)
-            model.lb.bias[r] = (1 + (N - 1) * (k + 0.45) * step) - 0.9 * delta
-    generator = torch.Generator().manual_seed(1)
-    example = _inputs(16, generator)
-    # relu's fixed grid keeps a range for the positive values the rounded model produces (calibration sees none)
-    setter = ModuleNameQconfigSetter({"ld": _fixed(0.04, weight=True), "relu": _fixed(0.002)})
-    calib = prepare(model, example, (setter, default_calibration_qconfig_setter), check_result_dir=None)
-    calibrate_model(calib, [_inputs(16, generator) for _ in range(3)])
-    return model, calib, example
+    """The planted two-change interaction of the fault suite (``quantlens.zoo.faults.unseen``): two linear
+    branches ``la``, ``lb`` whose int8 weight roundings each lift a pre-ReLU sum sitting at ``-0.9 δ`` by ``δ``
+    (alone to ``+0.1 δ``, together to ``+1.1 δ``), and a side branch ``ld`` with a coarse output grid that
+    outranks each rounding alone but not the two together."""
+    case = FAULTS["fq_two_change_interaction"].build()
+    return case.baseline, case.analysis, case.bad_case
 
 
 def test_two_change_interaction_found_first_by_pairs(interaction, tmp_path):
