@@ -1,4 +1,4 @@
-"""The ``quantlens`` command line: ``quantlens analyze | report | inspect | sensitivity | compare``.
+"""The ``quantlens`` command line: ``quantlens analyze | report | inspect | sensitivity | compare | fix``.
 
 Each command is one small module of this package with ``add_parser(subparsers)`` and ``run(args) -> int``.
 Exit codes: 0 ok, 1 the analysis found problems (advisor findings, a diverged op), 2 usage or bad input.
@@ -33,7 +33,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from quantlens import __version__
-    from quantlens.cli import analyze, compare, inspect_ir, report, sensitivity
+    from quantlens.cli import analyze, compare, fix, inspect_ir, report, sensitivity
 
     parser = _Parser(prog="quantlens", description="PyTorch to integer NPU (int8/int16): run the stages, find "
                      "where precision is lost, inspect deployed IR files.",
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"quantlens {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for module in (analyze, report, inspect_ir, sensitivity, compare):
+    for module in (analyze, report, inspect_ir, sensitivity, compare, fix):
         module.add_parser(sub)
     return parser
 

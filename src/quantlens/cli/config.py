@@ -18,7 +18,7 @@ __all__ = ["Config", "load_config", "TEMPLATE", "REQUIRED", "OPTIONAL"]
 
 REQUIRED = ("float_model", "example_inputs", "calibration_data")
 OPTIONAL = ("evaluation_data", "calibration_qconfig_setter", "qat_qconfig_setter", "train_qat", "post_process",
-            "march", "dynamic_batch", "num_steps")
+            "march", "dynamic_batch", "num_steps", "evaluate", "higher_is_better")
 
 TEMPLATE = '''\
 """quantlens analyze configuration (written by `quantlens analyze --gen`).
@@ -99,6 +99,14 @@ def train_qat(model: torch.nn.Module) -> None:
     set_fake_quantize(model, FakeQuantState.VALIDATION)
 
 
+def evaluate(model: torch.nn.Module) -> float:
+    """The task metric of any stage's model (here: test accuracy; higher is better, or set
+    higher_is_better = False). `quantlens fix` searches remedies on it; delete it to use the output cosine
+    against the float model instead."""
+    with torch.no_grad():
+        return float((model(_data.x_test).argmax(1) == _data.y_test).float().mean())
+
+
 # Host-side post-processing applied to both models' outputs and compared like an output (None: none).
 post_process = None
 
@@ -124,6 +132,9 @@ class Config:
     march: Any = None
     dynamic_batch: bool = True
     num_steps: int | None = None
+    #: ``evaluate(model) -> float``: the task metric of any stage's model (``quantlens fix`` searches on it)
+    evaluate: Callable[[Any], float] | None = None
+    higher_is_better: bool = True
 
 
 def _as_factory(value: Any) -> Callable[[], Any]:
@@ -173,4 +184,12 @@ def load_config(path: str | Path, debug: bool = False) -> Config:
         march=get("march"),
         dynamic_batch=bool(get("dynamic_batch", True)),
         num_steps=get("num_steps"),
+        evaluate=_callable_or_none(path, "evaluate", get("evaluate")),
+        higher_is_better=bool(get("higher_is_better", True)),
     )
+
+
+def _callable_or_none(path: Path, name: str, value: Any) -> Callable | None:
+    if value is not None and not callable(value):
+        raise UsageError(f"CONFIG {path}: {name} must be a function, got {type(value).__name__}.")
+    return value

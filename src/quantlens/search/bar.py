@@ -10,8 +10,8 @@ __all__ = ["SearchBar"]
 class SearchBar:
     """A context manager around one rich task of ``total`` steps; ``enabled=False`` shows nothing."""
 
-    def __init__(self, total: int, enabled: bool):
-        self._bar = Progress(TextColumn("[bold]mixed precision[/] {task.description}"), BarColumn(),
+    def __init__(self, total: int, enabled: bool, label: str = "mixed precision"):
+        self._bar = Progress(TextColumn(f"[bold]{label}[/] {{task.description}}"), BarColumn(),
                              MofNCompleteColumn(), TimeElapsedColumn(), disable=not enabled, transient=False)
         self._total = total
         self._task = None

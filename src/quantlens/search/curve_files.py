@@ -11,7 +11,7 @@ from pathlib import Path
 
 from quantlens.search.result import CurvePoint, MixedPrecisionResult
 
-__all__ = ["CSV_FILE", "HTML_FILE", "write_curve"]
+__all__ = ["CSV_FILE", "HTML_FILE", "write_curve", "svg_plot"]
 
 CSV_FILE = "mixed_precision_curve.csv"
 HTML_FILE = "mixed_precision_curve.html"
@@ -29,9 +29,9 @@ def write_curve(result: MixedPrecisionResult, out_dir: str | os.PathLike) -> tup
             w.writerow([p.step, p.num_int16, p.added.site if p.added else "", p.added.kind if p.added else "",
                         p.removed.site if p.removed else "", p.removed.kind if p.removed else "",
                         repr(p.metric), "" if p.latency_cycles is None else p.latency_cycles, p.tried])
-    plots = [_svg_plot([(p.num_int16, p.metric) for p in result.curve], "int16 op sites", result.target)]
+    plots = [svg_plot([(p.num_int16, p.metric) for p in result.curve], "int16 op sites", result.target)]
     if all(p.latency_cycles is not None for p in result.curve):
-        plots.append(_svg_plot([(p.latency_cycles, p.metric) for p in result.curve], "latency estimate (cycles)",
+        plots.append(svg_plot([(p.latency_cycles, p.metric) for p in result.curve], "latency estimate (cycles)",
                                result.target))
     rows = "".join(
         f"<tr><td>{p.step}</td><td>{p.num_int16}</td><td>{_change(p)}</td>"
@@ -63,7 +63,8 @@ def _change(point: CurvePoint) -> str:
     return "base"
 
 
-def _svg_plot(points: list[tuple[float, float]], xlabel: str, target: float) -> str:
+def svg_plot(points: list[tuple[float, float]], xlabel: str, target: float) -> str:
+    """A line plot of ``points`` with the target as a dashed line (inline SVG)."""
     w, h, pad = 640, 320, 55
     xs, ys = [p[0] for p in points], [p[1] for p in points] + [target]
     finite = [y for y in ys if math.isfinite(y)]

@@ -21,7 +21,7 @@ from quantlens.quantization import calibrate, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.quantization.record import call_model
 
-__all__ = ["BiasCorrection", "bias_correction"]
+__all__ = ["BiasCorrection", "bias_correction", "has_correctable_layers"]
 
 _LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d)
 
@@ -59,6 +59,11 @@ def _input_means(model: nn.Module, names: list[str], batches: list) -> dict[str,
         for h in handles:
             h.remove()
     return {n: sums[n] / counts[n] for n in sums}
+
+
+def has_correctable_layers(model: nn.Module) -> bool:
+    """Whether ``model`` has a layer bias correction applies to (conv/linear, groups 1)."""
+    return any(isinstance(m, _LAYERS) and getattr(m, "groups", 1) == 1 for m in model.modules())
 
 
 def bias_correction(model: nn.Module, example: Any, batches: Iterable[Any],

@@ -3,11 +3,12 @@
 Every candidate is measured (``prepare`` -> ``calibrate`` -> ``evaluate`` on the caller's held-out metric) and
 kept only when it helps; the remedies go cheapest first, so int16 is spent only on what the others leave:
 
-1. **equalization** (free at run time, exact in float): cross-layer equalization and LayerNorm smoothing, each
-   kept when the metric improves (:mod:`.equalize`); then **bias correction** (:mod:`.bias_correction`), kept
-   when it improves the metric;
-2. **ranges**: for the op sites the outputs are most sensitive to (the profiler's sensitivity on the current
-   model), each range observer of :data:`~.observers.RANGE_OBSERVERS`; the best is kept per site when it improves
+1. **whole-model remedies**, in the order of the registry :data:`~.catalog.REMEDIES`: cross-layer equalization
+   and LayerNorm smoothing (free at run time, exact in float, :mod:`.equalize`), per-channel weights where the
+   setter has per-tensor ones (:mod:`.weights`), bias correction (:mod:`.bias_correction`); each measured on top of
+   those kept so far and kept when the metric improves;
+2. **ranges**: for the op sites of the advisor's findings that a range answers, then those the outputs are most
+   sensitive to (the profiler's sensitivity on the current model), each range observer of :data:`~.observers.RANGE_OBSERVERS`; the best is kept per site when it improves
    the metric (:class:`~.observers.ObserverQconfigSetter`);
 3. **precision**: if the target is not reached, ``search_mixed_precision`` promotes op sites to int16 on top of
    what 1-2 chose.
@@ -32,13 +33,8 @@ from torch import nn
 from quantlens._io import atomic_write_text
 from quantlens.quantization import calibrate, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
-from quantlens.search.remedies.bias_correction import bias_correction
-from quantlens.search.remedies.equalize import (
-    cross_layer_equalization,
-    find_cle_pairs,
-    find_smoothing_pairs,
-    smooth_activations,
-)
+from quantlens.search.bar import SearchBar
+from quantlens.search.remedies.catalog import REMEDIES, RemedyContext, model_remedies
 from quantlens.search.remedies.observers import RANGE_OBSERVERS, ObserverQconfigSetter
 
 __all__ = ["Trial", "RemedyResult", "search_remedies"]
@@ -70,9 +66,20 @@ class RemedyResult:
     observers: dict[str, str]
     int16: tuple = ()
     trials: tuple[Trial, ...] = field(default_factory=tuple)
+    #: the kept whole-model remedies, in the order applied (their names in ``REMEDIES``)
+    transforms: tuple[str, ...] = ()
+    target: float | None = None
+    higher_is_better: bool = True
+    #: the int16 phase's curve (metric vs int16 sites), empty when it did not run
+    int16_curve: tuple = ()
+    #: ``latency=True``: the quantized IR's latency estimate (cycles) of the base setter and of the result
+    latency_cycles: tuple[int, int] | None = None
 
-    def reached(self, target: float, higher_is_better: bool = True) -> bool:
-        return self.value >= target if higher_is_better else self.value <= target
+    def reached(self, target: float | None = None, higher_is_better: bool | None = None) -> bool:
+        """Whether ``value`` reaches ``target`` (default: the search's own)."""
+        target = self.target if target is None else target
+        higher = self.higher_is_better if higher_is_better is None else higher_is_better
+        return self.value >= target if higher else self.value <= target
 
 
 PROGRESS_FILE = "remedies_progress.json"
@@ -128,86 +135,136 @@ def _sensitive_sites(model, example, setter, measure: _Measure, count: int, out_
 
 def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: Sequence[Any],
                     evaluate: Callable[[nn.Module], float], target: float, *,
-                    base_setter: Any = default_calibration_qconfig_setter, range_sites: int = 8,
-                    observers: Sequence[str] = tuple(RANGE_OBSERVERS), int16: bool = True,
+                    base_setter: Any = default_calibration_qconfig_setter, findings: Sequence[Any] = (),
+                    range_sites: int = 8, observers: Sequence[str] = tuple(RANGE_OBSERVERS), int16: bool = True,
                     higher_is_better: bool = True, out_dir: str | os.PathLike = "remedies",
-                    int16_budget: int | None = None) -> RemedyResult:
-    """Equalization, then per-site ranges, then int16 promotion, each candidate measured and kept only when it
-    helps (see the module docstring); ``evaluate(prepared) -> float`` on a calibrated model, as for
-    ``search_mixed_precision``. ``model`` is not changed."""
+                    int16_budget: Any = None, latency: bool = False, progress: bool = True,
+                    report: bool = True) -> RemedyResult:
+    """The whole-model remedies of :data:`~.catalog.REMEDIES`, then per-site ranges, then int16 promotion, each
+    candidate measured and kept only when it helps (see the module docstring).
+
+    Args:
+        evaluate: ``evaluate(prepared) -> float`` on a calibrated model, as for ``search_mixed_precision``.
+        findings: the advisor's findings (``QuantAnalysis.advise()``): the op sites of those a range answers are
+            tried first, before the most sensitive ones.
+        range_sites: how many op sites get the range search.
+        int16_budget: the most int16 promotions (``int``) or ``MaxLatency(cycles)``.
+        latency: also export -> convert the base and the chosen configuration and record their latency
+            estimates (``RemedyResult.latency_cycles``).
+        report: write ``remedies.csv`` and ``remedies.html`` (per finding: remedies tried, measured gain, chosen;
+            the int16 curve) to ``out_dir``.
+
+    ``model`` is not changed; ``RemedyResult.model`` and ``RemedyResult.setter`` go to ``prepare``.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     batches = list(calibration_batches)
     inputs_key = _fingerprint(model, example_inputs, batches, target, range_sites, observers, base_setter,
                              higher_is_better)
     measure = _Measure(example_inputs, batches, evaluate, higher_is_better, out / PROGRESS_FILE, inputs_key)
-    trials: list[Trial] = []
-    applied: list[str] = []  # the kept float transforms, in order: part of every later key
+    state = _State(measure, model, base_setter)
+    state.best = state.base = measure(model, base_setter, state.key("base"))
+    with SearchBar(len(model_remedies()) + range_sites * len(observers), progress, label="remedies") as bar:
+        _model_phase(state, example_inputs, bar)
+        _range_phase(state, example_inputs, findings, range_sites, observers, out, target, bar)
+    setter = ObserverQconfigSetter(state.chosen, state.setter) if state.chosen else state.setter
 
-    def key(*parts: str) -> str:
-        return "|".join(["+".join(applied)] + list(parts))
-
-    best = base = measure(model, base_setter, key("base"))
-
-    # 1. equalization: whole-model float transforms, exact
-    current = model
-    for name, find, apply in (
-            ("cross_layer_equalization", find_cle_pairs, lambda m: cross_layer_equalization(m, example_inputs)[0]),
-            ("smooth_activations", find_smoothing_pairs,
-             lambda m: smooth_activations(m, example_inputs, measure.batches)[0])):
-        if not find(current, example_inputs):
-            continue
-        candidate = apply(current)
-        value = measure(candidate, base_setter, key(name))
-        kept = measure.better(value, best)
-        trials.append(Trial("equalization", name, "", value, kept, best if kept else None))
-        if kept:
-            current, best = candidate, value
-            applied.append(name)
-
-    # weights: bias correction under the base setter's weight quantization
-    candidate, corrections = bias_correction(current, example_inputs, measure.batches, base_setter)
-    if corrections:
-        value = measure(candidate, base_setter, key("bias_correction"))
-        kept = measure.better(value, best)
-        trials.append(Trial("weights", "bias_correction", "", value, kept, best if kept else None))
-        if kept:
-            current, best = candidate, value
-            applied.append("bias_correction")
-
-    # 2. ranges, per site, for the sites the outputs are most sensitive to
-    chosen: dict[str, str] = {}
-    if range_sites and not _reached(best, target, higher_is_better):
-        for site in _sensitive_sites(current, example_inputs, base_setter, measure, range_sites, out / "ranking"):
-            site_best = None
-            for name in observers:
-                trial = {**chosen, site: name}
-                value = measure(current, ObserverQconfigSetter(trial, base_setter),
-                                key("ranges", *(f"{s}={o}" for s, o in sorted(trial.items()))))
-                improves = measure.better(value, best) and (site_best is None or measure.better(value, site_best[1]))
-                trials.append(Trial("range", name, site, value, False))
-                if improves:
-                    site_best = (name, value)
-            if site_best is not None:
-                chosen[site] = site_best[0]
-                trials.append(Trial("range", site_best[0], site, site_best[1], True, best))
-                best = site_best[1]
-    setter = ObserverQconfigSetter(chosen, base_setter) if chosen else base_setter
-
-    # 3. precision: int16 on top of what equalization and ranges left
-    promotions: tuple = ()
-    if int16 and not _reached(best, target, higher_is_better):
+    # precision: int16 on top of what the other remedies left
+    promotions, mp = (), None
+    if int16 and not _reached(state.best, target, higher_is_better):
         from quantlens.search import search_mixed_precision
 
-        mp = search_mixed_precision(current, example_inputs, measure.batches, evaluate, target, base_setter=setter,
+        mp = search_mixed_precision(state.model, example_inputs, batches, evaluate, target, base_setter=setter,
                                     budget=int16_budget, out_dir=out / "int16", higher_is_better=higher_is_better,
-                                    progress=False)
+                                    progress=progress)
         promotions = tuple(mp.chosen)
         if promotions:
             setter = mp.setter()
-            trials += _int16_trials(mp, best)
-            best = mp.metric
-    return RemedyResult(current, setter, best, base, chosen, promotions, tuple(trials))
+            state.trials += _int16_trials(mp, state.best)
+            state.best = mp.metric
+    cycles = (_latency(model, example_inputs, batches, base_setter),
+              _latency(state.model, example_inputs, batches, setter)) if latency else None
+    result = RemedyResult(state.model, setter, state.best, state.base, dict(state.chosen), promotions,
+                          tuple(state.trials), tuple(state.applied), target, higher_is_better,
+                          mp.curve if mp is not None else (), cycles)
+    if report:
+        from quantlens.search.remedies.report import write_remedy_report
+
+        write_remedy_report(result, out, findings)
+    return result
+
+
+class _State:
+    """The search so far: the float model and setter after the kept whole-model remedies, the chosen ranges, the
+    best value, every trial."""
+
+    def __init__(self, measure: _Measure, model: nn.Module, setter: Any):
+        self.measure, self.model, self.setter = measure, model, setter
+        self.applied: list[str] = []  # kept whole-model remedies, in order: part of every later key
+        self.chosen: dict[str, str] = {}
+        self.trials: list[Trial] = []
+        self.best = self.base = float("nan")
+
+    def key(self, *parts: str) -> str:
+        return "|".join(["+".join(self.applied)] + list(parts))
+
+    def better(self, value: float) -> bool:
+        return self.measure.better(value, self.best)
+
+
+def _model_phase(state: _State, example: Any, bar: SearchBar) -> None:
+    """Each whole-model remedy that applies, measured on top of those kept so far; kept when it helps."""
+    for i, remedy in enumerate(model_remedies()):
+        bar.show(remedy.name, completed=i)
+        ctx = RemedyContext(state.model, example, state.measure.batches, state.setter)
+        if not remedy.applies(ctx):
+            continue
+        model, setter = remedy.apply(ctx)
+        value = state.measure(model, setter, state.key(remedy.name))
+        kept = state.better(value)
+        state.trials.append(Trial(remedy.kind.value, remedy.name, "", value, kept, state.best if kept else None))
+        if kept:
+            state.model, state.setter, state.best = model, setter, value
+            state.applied.append(remedy.name)
+
+
+def _range_phase(state: _State, example, findings, count: int, observers, out: Path, target: float,
+                 bar: SearchBar) -> None:
+    """For the findings' op sites a range answers, then the most sensitive ones: each observer, the best kept per
+    site when it improves the metric."""
+    if not count or _reached(state.best, target, state.measure.higher):
+        return
+    answered = REMEDIES["range"].findings
+    sites = [f.op_name for f in findings if f.rule in answered and f.op_name != "(model)"]
+    sites += _sensitive_sites(state.model, example, state.setter, state.measure, count, out / "ranking")
+    sites = list(dict.fromkeys(sites))[:count]
+    done = len(model_remedies())
+    for site in sites:
+        site_best = None
+        for name in observers:
+            bar.show(f"range {name} at {site}", completed=done)
+            done += 1
+            trial = {**state.chosen, site: name}
+            value = state.measure(state.model, ObserverQconfigSetter(trial, state.setter),
+                                  state.key("ranges", *(f"{s}={o}" for s, o in sorted(trial.items()))))
+            improves = state.better(value) and (site_best is None or state.measure.better(value, site_best[1]))
+            state.trials.append(Trial("range", name, site, value, False))
+            if improves:
+                site_best = (name, value)
+        if site_best is not None:
+            state.chosen[site] = site_best[0]
+            state.trials.append(Trial("range", site_best[0], site, site_best[1], True, state.best))
+            state.best = site_best[1]
+
+
+def _latency(model: nn.Module, example: Any, batches: list, setter: Any) -> int:
+    """The quantized IR's latency estimate of ``model`` under ``setter``, in cycles."""
+    from quantlens.compiler import convert, export
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = calibrate(prepare(model, example, setter, check_result_dir=None), batches)
+        return int(convert(export(prepared, example)).latency_estimate().cycles)
 
 
 def _int16_trials(mp, start: float) -> list[Trial]:

@@ -1,0 +1,124 @@
+"""``quantlens fix CONFIG.py --target T``: search the remedies that bring the CONFIG's int8 model to a target.
+
+It calibrates the CONFIG's model with its ``calibration_qconfig_setter``, asks the profiler's advisor for findings
+(fake_quant pair, bad case from the evaluation data), then runs :func:`quantlens.search.remedies.search_remedies`
+from those findings. The metric is the CONFIG's ``evaluate(model) -> float`` (``higher_is_better``, default
+True) or, without one, the mean cosine of the first output against the float model on ``evaluation_data()``.
+OUT gets ``remedies.html`` / ``remedies.csv`` (per finding: remedies tried, measured gain, chosen), the int16 curve,
+and ``remedies.json`` (+ ``remedied_weights.safetensors`` when a transform changed weights), which
+``load_remedies(float_model(), OUT, calibration_qconfig_setter)`` turns back into what ``prepare`` takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+from quantlens.cli import EXIT_OK, EXIT_PROBLEMS, UsageError
+from quantlens.cli._common import console, esc, parent
+
+__all__ = ["add_parser", "run", "output_cosine_metric"]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "fix", parents=[parent()], help="search the remedies that bring a CONFIG's quantized model to a target",
+        description="Start from the advisor's findings on the CONFIG's calibrated model and try, measuring each on "
+        "the CONFIG's metric: equalization, per-channel weights, bias correction, per-site ranges (percentile, KL, "
+        "MSE), then int16 promotion for what is left. Writes OUT/remedies.html, remedies.csv, remedies.json.",
+        epilog="Exit codes: 0 the target is reached, 1 it is not (the best found is still written), 2 usage or bad "
+        "input. Re-run the flow with: model, setter = load_remedies(float_model(), OUT, calibration_qconfig_setter).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("config", metavar="CONFIG.py", help="the configuration file (quantlens analyze --gen writes one)")
+    p.add_argument("--target", type=float, required=True, help="the metric to reach")
+    p.add_argument("--range-sites", type=int, default=8, help="op sites that get the per-site range search")
+    p.add_argument("--no-int16", action="store_true", help="do not promote op sites to int16")
+    p.add_argument("--int16-budget", type=int, default=None, help="the most int16 promotions")
+    p.add_argument("--latency", action="store_true", help="also estimate the latency of the base and the result")
+    p.add_argument("--out", default="quantlens_fix", help="output folder (resumes a search with the same inputs)")
+    p.set_defaults(func=run)
+
+
+def output_cosine_metric(float_model, batches: list) -> Callable[[Any], float]:
+    """The default metric: the mean cosine of the first output tensor against ``float_model`` over ``batches``."""
+    import torch
+
+    from quantlens.profiler.outputs import named_outputs
+    from quantlens.quantization.record import call_model
+
+    def call(model, batch):
+        tensors = list(named_outputs(call_model(model, batch)).values())
+        if not tensors:
+            raise UsageError("the model returned no tensor: define evaluate(model) -> float in the CONFIG.")
+        return tensors[0].detach().double().flatten(1) if tensors[0].dim() > 1 else tensors[0].double()[None]
+
+    with torch.no_grad():
+        refs = [call(float_model, b) for b in batches]
+
+    def evaluate(model) -> float:
+        with torch.no_grad():
+            values = [torch.nn.functional.cosine_similarity(call(model, b), r, dim=1).mean()
+                      for b, r in zip(batches, refs)]
+        return float(torch.stack(values).mean())
+
+    return evaluate
+
+
+def run(args) -> int:
+    import warnings
+
+    from rich.table import Table
+
+    from quantlens import set_march
+    from quantlens.cli.config import load_config
+    from quantlens.search.remedies import save_remedies, search_remedies
+
+    out = console()
+    cfg = load_config(args.config, debug=args.debug or args.sub_debug)
+    if not math.isfinite(args.target):
+        raise UsageError(f"--target must be a finite number, got {args.target}.")
+    if cfg.march is not None:
+        set_march(cfg.march)
+    model, example = cfg.float_model(), cfg.example_inputs()
+    batches = list(cfg.calibration_data())
+    held_out = list((cfg.evaluation_data or cfg.calibration_data)())
+    if not batches or not held_out:
+        raise UsageError(f"CONFIG {cfg.path}: calibration_data() and evaluation_data() must give at least one batch.")
+    evaluate = cfg.evaluate or output_cosine_metric(model, held_out)
+    out_dir = Path(args.out)
+    with out.status("advisor findings on the calibrated model"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        findings = _findings(model, example, batches, held_out, cfg, out_dir)
+    result = search_remedies(model, example, batches, evaluate, args.target,
+                             base_setter=cfg.calibration_qconfig_setter, findings=findings,
+                             range_sites=args.range_sites, int16=not args.no_int16,
+                             higher_is_better=cfg.higher_is_better, out_dir=out_dir,
+                             int16_budget=args.int16_budget, latency=args.latency)
+    save_remedies(result, out_dir)
+    t = Table(title=f"remedies kept ({esc(result.base_value)} -> {esc(result.value)})")
+    for col in ("remedy", "op site", "before", "after"):
+        t.add_column(col)
+    for trial in result.trials:
+        if trial.kept:
+            t.add_row(esc(f"{trial.kind} {trial.name}"), esc(trial.site or "(model)"), f"{trial.before:.6g}",
+                      f"{trial.value:.6g}")
+    out.print(t)
+    reached = result.reached()
+    out.print(f"target {args.target}: {'reached' if reached else 'NOT reached'} with {len(result.int16)} int16 op "
+              f"site(s); report {esc(out_dir / 'remedies.html')}; re-run the flow with "
+              f"load_remedies(float_model(), {esc(repr(str(out_dir)))}, calibration_qconfig_setter)")
+    return EXIT_OK if reached else EXIT_PROBLEMS
+
+
+def _findings(model, example, batches, held_out, cfg, out_dir: Path) -> list:
+    from quantlens.profiler import QuantAnalysis
+    from quantlens.quantization import calibrate, prepare
+
+    prepared = calibrate(prepare(model, example, cfg.calibration_qconfig_setter, check_result_dir=None), batches)
+    qa = QuantAnalysis(model, prepared, "fake_quant", out_dir=out_dir / "profiler", post_process=cfg.post_process,
+                       progress=False)
+    qa.auto_find_bad_case(held_out, num_steps=cfg.num_steps)
+    qa.run()
+    return list(qa.advise())

@@ -1,0 +1,112 @@
+"""A remedy search's result on disk, for the command line and for re-running the flow later:
+``remedies.json`` (the kept transforms, the ranges, the int16 promotions, the metric) and, when a kept transform
+changed weights, ``remedied_weights.safetensors`` (the float model's new state dict). :func:`load_remedies` gives
+back what ``prepare`` takes: the float model with those weights and the qconfig setter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantlens._io import atomic_write_bytes, atomic_write_text
+from quantlens.errors import QuantLensError
+from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+from quantlens.search.remedies.catalog import REMEDIES
+from quantlens.search.remedies.observers import RANGE_OBSERVERS, ObserverQconfigSetter
+from quantlens.search.remedies.search import RemedyResult
+from quantlens.search.remedies.weights import PerChannelWeightQconfigSetter
+
+__all__ = ["RESULT_FILE", "WEIGHTS_FILE", "save_remedies", "load_remedies"]
+
+RESULT_FILE = "remedies.json"
+WEIGHTS_FILE = "remedied_weights.safetensors"
+_FORMAT = 1
+_SETTER_TRANSFORMS = ("per_channel_weights",)  # kept remedies that change the setter, not the weights
+
+
+def save_remedies(result: RemedyResult, out_dir: str | Path) -> Path:
+    """Write ``result`` to ``out_dir`` (see the module docstring); returns the JSON file's path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = [t for t in result.transforms if t not in _SETTER_TRANSFORMS]
+    if weights:
+        from safetensors.torch import save
+
+        state = {k: v.detach().contiguous().cpu() for k, v in result.model.state_dict().items()
+                 if isinstance(v, torch.Tensor)}
+        atomic_write_bytes(out / WEIGHTS_FILE, save(state))
+    data = {"format": _FORMAT, "transforms": list(result.transforms), "observers": dict(result.observers),
+            "int16": [[p.site, p.kind] for p in result.int16], "base_value": result.base_value,
+            "value": result.value, "target": result.target, "higher_is_better": result.higher_is_better,
+            "weights_file": WEIGHTS_FILE if weights else None}
+    return atomic_write_text(out / RESULT_FILE, json.dumps(data, indent=1, sort_keys=True))
+
+
+def load_remedies(model: nn.Module, out_dir: str | Path,
+                  base_setter: Any = default_calibration_qconfig_setter) -> tuple[nn.Module, Any]:
+    """``(model', setter)`` from a saved search: a copy of ``model`` with the remedied weights, and the setter
+    (per-channel weights, ranges, int16 promotions on top of ``base_setter``, the one the search started from)."""
+    import copy
+
+    from quantlens.search.setter import MixedPrecisionQconfigSetter
+
+    path = Path(out_dir) / RESULT_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise QuantLensError(f"load_remedies: cannot read {path}: {exc}. Run the search (quantlens fix) to write "
+                             "it.") from None
+    if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        raise QuantLensError(f"load_remedies: {path} is not a remedies file of format {_FORMAT}.")
+    unknown = [t for t in data.get("transforms", []) if t not in REMEDIES]
+    bad_obs = [o for o in data.get("observers", {}).values() if o not in RANGE_OBSERVERS]
+    if unknown or bad_obs:
+        raise QuantLensError(f"load_remedies: {path} names unknown remedies {unknown + bad_obs}; known: "
+                             f"{sorted(REMEDIES)}, observers {sorted(RANGE_OBSERVERS)}.")
+    out = copy.deepcopy(model)
+    if data.get("weights_file"):
+        _load_weights(out, Path(out_dir) / WEIGHTS_FILE)
+    setter = base_setter
+    if "per_channel_weights" in data["transforms"]:
+        setter = PerChannelWeightQconfigSetter(None, setter)
+    if data.get("observers"):
+        setter = ObserverQconfigSetter(data["observers"], setter)
+    if data.get("int16"):
+        setter = MixedPrecisionQconfigSetter([tuple(p) for p in data["int16"]], setter)
+    return out, setter
+
+
+def _load_weights(model: nn.Module, path: Path) -> None:
+    """Load the remedied state dict; a bias that bias correction added to a bias-free layer is created first."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        state = load_file(str(path))
+    except (OSError, SafetensorError) as exc:
+        raise QuantLensError(f"load_remedies: cannot read {path}: {exc}.") from None
+    own = model.state_dict()
+    for key, value in state.items():
+        if key in own:
+            continue
+        owner, _, leaf = key.rpartition(".")
+        try:
+            module = model.get_submodule(owner) if owner else model
+        except AttributeError:
+            module = None
+        if module is None or leaf != "bias" or getattr(module, "bias", 0) is not None:
+            raise QuantLensError(f"load_remedies: {path} has '{key}', which the model does not; was the search "
+                                 "run on another model?")
+        module.bias = nn.Parameter(torch.zeros_like(value))
+    missing = sorted(set(model.state_dict()) - set(state))
+    if missing:
+        raise QuantLensError(f"load_remedies: {path} lacks {missing[:5]}; was the search run on another model?")
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:  # shapes that differ
+        raise QuantLensError(f"load_remedies: {path} does not fit the model ({exc}); was the search run on another "
+                             "model?") from None

@@ -1,0 +1,156 @@
+"""Issue #24: the remedies as objects (one registry, each answering advisor rules that exist), per-channel weights
+as a searched remedy, the search's report and saved result, and ``quantlens fix``."""
+
+import csv
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from quantlens.profiler.advisor import RULES, Finding
+from quantlens.quantization import DeQuantStub, MinMaxObserver, QConfig, QuantSpec, QuantStub, calibrate, prepare
+from quantlens.quantization.qconfig_template import ModuleNameQconfigSetter, default_calibration_qconfig_setter
+from quantlens.search.remedies import (
+    REMEDIES,
+    PerChannelWeightQconfigSetter,
+    Remedy,
+    RemedyKind,
+    load_remedies,
+    per_tensor_weight_sites,
+    register_remedy,
+    remedies_for,
+    save_remedies,
+    search_remedies,
+)
+
+PER_TENSOR = QConfig(weight=QuantSpec("qint8", MinMaxObserver, ch_axis=None), output=QuantSpec("qint8"))
+
+
+class WideRow(nn.Module):
+    """fc1 -> relu -> fc2 with fc1's first weight row 60x wider than the others: one per-tensor weight scale
+    leaves the other rows a few int8 steps. Its bias keeps that channel below zero, so the ReLU's output range
+    (per tensor) is the other channels': only the weight's scale suffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.quant, self.dequant = QuantStub(), DeQuantStub()
+        self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 8)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            self.fc1.weight[0] *= 60.0
+            self.fc1.bias[0] = -1000.0
+
+    def forward(self, x):
+        return self.dequant(self.fc2(torch.relu(self.fc1(self.quant(x)))))
+
+
+PER_TENSOR_SETTER = (ModuleNameQconfigSetter({"fc1": PER_TENSOR, "fc2": PER_TENSOR}),
+                     default_calibration_qconfig_setter)
+
+
+def _data():
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(64, 16, generator=gen),) for _ in range(3)], torch.randn(128, 16, generator=gen)
+
+
+def _cosine(model, held_out):
+    with torch.no_grad():
+        ref = model(held_out)
+    def evaluate(prepared):
+        with torch.no_grad():
+            return float(nn.functional.cosine_similarity(prepared(held_out).double(), ref.double(), dim=1).mean())
+    return evaluate
+
+
+def test_every_remedy_is_declared_once_and_answers_rules_the_advisor_has():
+    assert set(REMEDIES) >= {"cross_layer_equalization", "smooth_activations", "per_channel_weights",
+                             "bias_correction", "range", "int16_activation", "int16_weight", "consistency_level"}
+    for remedy in REMEDIES.values():
+        assert remedy.findings and remedy.findings <= set(RULES), remedy.name
+        assert remedy.latency and remedy.where and isinstance(remedy.qat_keeps, bool)
+    finding = Finding("per_tensor_weight_channels", "fc1", "linear", "", "")
+    assert {"per_channel_weights", "cross_layer_equalization"} <= {r.name for r in remedies_for(finding)}
+    assert [r.name for r in remedies_for("consistency_level")] == ["consistency_level"]
+    with pytest.raises(Exception, match="already registered"):
+        register_remedy(Remedy("range", RemedyKind.RANGE, "", "", "", False, frozenset()))
+
+
+def test_per_channel_weights_where_the_setter_has_per_tensor_ones():
+    model = WideRow().eval()
+    batches, held_out = _data()
+    assert per_tensor_weight_sites(model, batches[0], PER_TENSOR_SETTER) == ["fc1", "fc2"]
+    assert per_tensor_weight_sites(model, batches[0], default_calibration_qconfig_setter) == []
+    evaluate = _cosine(model, held_out)
+    values = {}
+    for name, setter in (("per_tensor", PER_TENSOR_SETTER),
+                         ("fc1", PerChannelWeightQconfigSetter(["fc1"], PER_TENSOR_SETTER))):
+        prepared = calibrate(prepare(model, batches[0], setter, check_result_dir=None), batches)
+        scale = prepared.fc1.weight_fake_quant.scale
+        assert scale.numel() == (1 if name == "per_tensor" else 16)
+        values[name] = evaluate(prepared)
+    assert 1 - values["fc1"] < (1 - values["per_tensor"]) / 4
+
+
+def test_the_search_keeps_per_channel_weights_and_its_files_reproduce_it(tmp_path):
+    model = WideRow().eval()
+    batches, held_out = _data()
+    evaluate = _cosine(model, held_out)
+    result = search_remedies(model, batches[0], batches, evaluate, 0.9999, base_setter=PER_TENSOR_SETTER,
+                             range_sites=1, int16=False, out_dir=tmp_path, progress=False)
+    kept = {t.name: t for t in result.trials if t.kept and not t.site}
+    assert "per_channel_weights" in result.transforms  # (cross-layer equalization helps here too)
+    assert kept["per_channel_weights"].value > kept["per_channel_weights"].before
+
+    rows = list(csv.DictReader((tmp_path / "remedies.csv").open()))
+    assert any(r["name"] == "per_channel_weights" and r["kept"] == "True" and float(r["gain"]) > 0 for r in rows)
+    page = (tmp_path / "remedies.html").read_text()
+    assert "per_channel_weights" in page and "Findings" in page
+
+    save_remedies(result, tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "remedies.json").read_text())
+    assert saved["transforms"] == list(result.transforms)
+    assert saved["weights_file"] == ("remedied_weights.safetensors" if "cross_layer_equalization" in result.transforms
+                                     else None)
+    again_model, setter = load_remedies(model, tmp_path / "saved", PER_TENSOR_SETTER)
+    again = calibrate(prepare(again_model, batches[0], setter, check_result_dir=None), batches)
+    assert evaluate(again) == pytest.approx(result.value, abs=1e-12)
+
+
+def test_saved_weights_come_back_with_the_bias_bias_correction_added(tmp_path):
+    """A weight transform is saved as the float model's new state dict; a bias created on a bias-free layer is
+    created again on load, and a file from another model is refused."""
+    from quantlens.search.remedies import RemedyResult
+
+    model = WideRow().eval()
+    model.fc2.bias = None
+    changed = WideRow().eval()
+    with torch.no_grad():
+        changed.fc1.weight.mul_(0.5)
+        changed.fc2.bias.fill_(0.25)
+    result = RemedyResult(changed, default_calibration_qconfig_setter, 0.9, 0.8, {"fc1": "kl"},
+                          transforms=("bias_correction",), target=0.95)
+    save_remedies(result, tmp_path)
+    loaded, setter = load_remedies(model, tmp_path)
+    assert torch.equal(loaded.fc1.weight, changed.fc1.weight) and torch.equal(loaded.fc2.bias, changed.fc2.bias)
+    assert model.fc2.bias is None  # the caller's model is not changed
+    assert setter.observers["fc1"] is not None
+    other = nn.Sequential(nn.Linear(3, 3))
+    with pytest.raises(Exception, match="another model"):
+        load_remedies(other, tmp_path)
+
+
+def test_quantlens_fix_on_the_template(tmp_path):
+    from quantlens.cli import main
+
+    cfg = tmp_path / "cfg.py"
+    assert main(["analyze", "--gen", str(cfg)]) == 0
+    out = tmp_path / "fix"
+    # an accuracy above 1 cannot be reached: exit 1, and the best found is still written
+    assert main(["fix", str(cfg), "--target", "1.5", "--range-sites", "1", "--no-int16", "--out", str(out)]) == 1
+    saved = json.loads((out / "remedies.json").read_text())
+    assert saved["target"] == 1.5 and 0.9 < saved["base_value"] <= 1.0 and saved["value"] >= saved["base_value"]
+    assert (out / "remedies.html").is_file() and (out / "remedies.csv").is_file()
+    assert main(["fix", str(cfg), "--target", "nan", "--out", str(out)]) == 2
