@@ -67,7 +67,7 @@ def _cosine(model, held_out):
 
 def test_every_remedy_is_declared_once_and_answers_rules_the_advisor_has():
     assert set(REMEDIES) >= {"cross_layer_equalization", "smooth_activations", "per_channel_weights",
-                             "bias_correction", "range", "int16_activation", "int16_weight", "consistency_level"}
+                             "bias_correction", "learned_ranges", "range", "int16_activation", "int16_weight", "consistency_level"}
     for remedy in REMEDIES.values():
         assert remedy.findings and remedy.findings <= set(RULES), remedy.name
         assert remedy.latency and remedy.where and isinstance(remedy.qat_keeps, bool)
@@ -154,3 +154,39 @@ def test_quantlens_fix_on_the_template(tmp_path):
     assert saved["target"] == 1.5 and 0.9 < saved["base_value"] <= 1.0 and saved["value"] >= saved["base_value"]
     assert (out / "remedies.html").is_file() and (out / "remedies.csv").is_file()
     assert main(["fix", str(cfg), "--target", "nan", "--out", str(out)]) == 2
+
+
+def test_a_fixed_range_keeps_its_range_at_any_dtype():
+    """absmax 2.54: int8 scale 2.54 / 127 = 0.02; int16 2.54 / 32767; a bad range is refused where it is written."""
+    from quantlens.quantization import FixedRangeObserver
+
+    assert float(FixedRangeObserver("qint8", absmax=2.54).calculate_scale()) == pytest.approx(0.02, rel=1e-6)
+    assert float(FixedRangeObserver("qint16", absmax=2.54).calculate_scale()) == pytest.approx(2.54 / 32767,
+                                                                                              rel=1e-6)
+    with pytest.raises(Exception, match="absmax"):
+        FixedRangeObserver("qint8", absmax=float("nan"))
+
+
+def test_learned_ranges_beat_each_sites_own_best_range(tmp_path):
+    """On the MLP whose calibration data has rare outliers, the ranges trained together to the float outputs do
+    better than min/max and than the best per-site observer search; given as fixed ranges, prepare reproduces
+    them."""
+    from quantlens.search.remedies.learned_ranges import FixedRangeQconfigSetter, learn_ranges
+    from tests.test_remedies_search import Outliers
+    from tests.test_remedies_search import _data as outlier_data
+
+    model = Outliers().eval()
+    batches, held_out = outlier_data()
+    evaluate = _cosine(model, held_out)
+    ranges = learn_ranges(model, batches[0], batches)
+    assert set(ranges) == {"quant", "relu_0", "relu_1"}  # (fc3 before the DeQuantStub: a high-precision output)
+    prepared = calibrate(prepare(model, batches[0], FixedRangeQconfigSetter(ranges), check_result_dir=None), batches)
+    got = {p.name: float(prepared._quantlens_state.fq[p.output_fq].scale) * 127
+           for p in prepared._quantlens_state.plans.values() if p.name in ranges}
+    assert all(got[s] == pytest.approx(a, rel=1e-5) for s, a in ranges.items())
+    int8 = evaluate(calibrate(prepare(model, batches[0], check_result_dir=None), batches))
+    learned = evaluate(prepared)
+    per_site = search_remedies(model, batches[0], batches, evaluate, 1.0, range_sites=3, int16=False,
+                               out_dir=tmp_path, progress=False, report=False)
+    assert 1 - learned < (1 - int8) / 10
+    assert "learned_ranges" in per_site.transforms

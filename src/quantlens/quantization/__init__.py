@@ -18,6 +18,7 @@ from quantlens.quantization.check import ModelCheckResult, check_qat_model
 from quantlens.quantization.consistency import ConsistencyConfig, ConsistencyStrategy
 from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, calibrate, set_fake_quantize
 from quantlens.quantization.observers import (
+    FixedRangeObserver,
     FixedScaleObserver,
     KLObserver,
     MinMaxObserver,
@@ -54,6 +55,7 @@ __all__ = [
     "MSEObserver",
     "KLObserver",
     "FixedScaleObserver",
+    "FixedRangeObserver",
     "pre_export",
     "pre_export_report",
     "set_lut_enabled",

@@ -22,7 +22,7 @@ from quantlens.march import QuantDType, get_march
 
 __all__ = [
     "Observer", "ObserverFactory", "MinMaxObserver", "PercentileObserver", "MSEObserver", "KLObserver",
-    "FixedScaleObserver"
+    "FixedScaleObserver", "FixedRangeObserver"
 ]
 
 
@@ -447,3 +447,21 @@ class FixedScaleObserver(Observer):
 
     def _calculate_scale(self) -> torch.Tensor:
         return torch.tensor(self.scale, dtype=torch.float32, device=self.min_val.device)
+
+
+class FixedRangeObserver(FixedScaleObserver):
+    """A fixed clipping range ``[-absmax, absmax]``: the scale is ``absmax / qmax`` of whatever dtype the op site
+    gets (so an op site promoted to int16 keeps the range with finer steps, where a fixed scale would keep the int8
+    step). Per tensor only; records min/max like :class:`FixedScaleObserver`."""
+
+    def __init__(self, dtype: QuantDType, ch_axis: int | None = None, *, absmax: float):
+        if isinstance(absmax, bool) or not isinstance(absmax, (int, float)) or not (math.isfinite(absmax)
+                                                                                    and absmax > 0):
+            raise QuantLensError(f"FixedRangeObserver: absmax must be a positive finite number, got {absmax!r}.")
+        dtype = QuantDType.parse(dtype)
+        scale = float(_scale_from_absmax(torch.tensor(float(absmax)), dtype, "FixedRangeObserver"))
+        super().__init__(dtype, ch_axis, scale=scale)
+        self.absmax = float(absmax)
+
+    def _options(self) -> dict:
+        return {"absmax": self.absmax}

@@ -23,6 +23,7 @@ from quantlens.search.remedies.equalize import (
     find_smoothing_pairs,
     smooth_activations,
 )
+from quantlens.search.remedies.learned_ranges import FixedRangeQconfigSetter, learn_ranges
 from quantlens.search.remedies.weights import PerChannelWeightQconfigSetter, per_tensor_weight_sites
 
 __all__ = ["RemedyKind", "RemedyContext", "Remedy", "REMEDIES", "register_remedy", "model_remedies",
@@ -134,6 +135,17 @@ register_remedy(Remedy(
     frozenset({"op_error", "per_tensor_weight_channels"}),
     applies=lambda c: has_correctable_layers(c.model),
     apply=lambda c: (bias_correction(c.model, c.example, c.batches, c.setter)[0], c.setter)))
+
+register_remedy(Remedy(
+    "learned_ranges", RemedyKind.RANGE,
+    "every activation op site's clipping range trained jointly to the float outputs (LSQ, weights frozen), "
+    "given to prepare as fixed ranges",
+    "per-tensor activation outputs whose scale is not shared (add, cat) or a power of two, outside decomposed ops",
+    "none in cycles (a requantize class may change with the scale)", True,  # QAT's learned scales start there
+    _RANGE_RULES,
+    applies=lambda c: True,
+    apply=lambda c: (c.model, FixedRangeQconfigSetter(learn_ranges(c.model, c.example, c.batches, c.setter),
+                                                      c.setter))))
 
 register_remedy(Remedy(
     "range", RemedyKind.RANGE,

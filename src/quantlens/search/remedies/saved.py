@@ -6,6 +6,7 @@ back what ``prepare`` takes: the float model with those weights and the qconfig 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from quantlens._io import atomic_write_bytes, atomic_write_text
 from quantlens.errors import QuantLensError
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.search.remedies.catalog import REMEDIES
+from quantlens.search.remedies.learned_ranges import FixedRangeQconfigSetter
 from quantlens.search.remedies.observers import RANGE_OBSERVERS, ObserverQconfigSetter
 from quantlens.search.remedies.search import RemedyResult
 from quantlens.search.remedies.weights import PerChannelWeightQconfigSetter
@@ -25,7 +27,7 @@ __all__ = ["RESULT_FILE", "WEIGHTS_FILE", "save_remedies", "load_remedies"]
 RESULT_FILE = "remedies.json"
 WEIGHTS_FILE = "remedied_weights.safetensors"
 _FORMAT = 1
-_SETTER_TRANSFORMS = ("per_channel_weights",)  # kept remedies that change the setter, not the weights
+_SETTER_TRANSFORMS = ("per_channel_weights", "learned_ranges")  # kept remedies that change the setter only
 
 
 def save_remedies(result: RemedyResult, out_dir: str | Path) -> Path:
@@ -42,7 +44,7 @@ def save_remedies(result: RemedyResult, out_dir: str | Path) -> Path:
     data = {"format": _FORMAT, "transforms": list(result.transforms), "observers": dict(result.observers),
             "int16": [[p.site, p.kind] for p in result.int16], "base_value": result.base_value,
             "value": result.value, "target": result.target, "higher_is_better": result.higher_is_better,
-            "weights_file": WEIGHTS_FILE if weights else None}
+            "weights_file": WEIGHTS_FILE if weights else None, "fixed_ranges": _fixed_ranges(result.setter)}
     return atomic_write_text(out / RESULT_FILE, json.dumps(data, indent=1, sort_keys=True))
 
 
@@ -67,17 +69,33 @@ def load_remedies(model: nn.Module, out_dir: str | Path,
     if unknown or bad_obs:
         raise QuantLensError(f"load_remedies: {path} names unknown remedies {unknown + bad_obs}; known: "
                              f"{sorted(REMEDIES)}, observers {sorted(RANGE_OBSERVERS)}.")
+    ranges = data.get("fixed_ranges") or {}
+    if not isinstance(ranges, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+            for v in ranges.values()):
+        raise QuantLensError(f"load_remedies: {path}: fixed_ranges must map op sites to positive finite numbers.")
     out = copy.deepcopy(model)
     if data.get("weights_file"):
         _load_weights(out, Path(out_dir) / WEIGHTS_FILE)
     setter = base_setter
     if "per_channel_weights" in data["transforms"]:
         setter = PerChannelWeightQconfigSetter(None, setter)
+    if data.get("fixed_ranges"):
+        setter = FixedRangeQconfigSetter(data["fixed_ranges"], setter)
     if data.get("observers"):
         setter = ObserverQconfigSetter(data["observers"], setter)
     if data.get("int16"):
         setter = MixedPrecisionQconfigSetter([tuple(p) for p in data["int16"]], setter)
     return out, setter
+
+
+def _fixed_ranges(setter: Any) -> dict[str, float]:
+    """The learned ranges in a setter chain (each setter's ``base_setter``), or none."""
+    while setter is not None and not isinstance(setter, (tuple, list)):
+        if isinstance(setter, FixedRangeQconfigSetter):
+            return dict(setter.ranges)
+        setter = getattr(setter, "base_setter", None)
+    return {}
 
 
 def _load_weights(model: nn.Module, path: Path) -> None:

@@ -1,0 +1,136 @@
+"""Ranges learned jointly: every activation op site's clipping range trained at once so that the fake-quant
+model's outputs match the float model's on the calibration batches (``docs/remedies.md``).
+
+The per-site observers (:mod:`.observers`) choose each range from that tensor's own histogram, one site at a time.
+A range that is best for its tensor is not the best for the outputs: a clipped channel may matter downstream, and
+a coarse step may be harmless where a later op averages it out. :func:`learn_ranges` trains the per-tensor output
+scales of every activation op site together (LSQ's straight-through gradient, the weights frozen, the march's exact
+fake quant in the forward) to the float model's outputs, and returns them as clipping ranges. A
+:class:`FixedRangeQconfigSetter` gives them to ``prepare``: a range, not a scale, so an op site the int16 search
+promotes keeps the range with finer steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import replace
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from quantlens.errors import QuantLensError
+from quantlens.quantization import FakeQuantState, FixedRangeObserver, calibrate, prepare, set_fake_quantize
+from quantlens.quantization.qconfig_template import (
+    QconfigAssignment,
+    QconfigContext,
+    QconfigSetter,
+    default_calibration_qconfig_setter,
+    resolve_qconfigs,
+)
+from quantlens.quantization.record import call_model
+
+__all__ = ["learn_ranges", "FixedRangeQconfigSetter"]
+
+
+class FixedRangeQconfigSetter(QconfigSetter):
+    """The base setter's qconfigs with each named op site's output given a fixed clipping range ``[-a, a]``
+    (:class:`~quantlens.quantization.FixedRangeObserver`); everything else is the base setter's."""
+
+    def __init__(self, ranges: Mapping[str, float], base_setter: Any = default_calibration_qconfig_setter):
+        self.ranges = {str(k): float(v) for k, v in ranges.items()}
+        self.base_setter = base_setter
+        self.name = f"fixed_ranges({len(self.ranges)}) > {getattr(base_setter, 'name', repr(base_setter))}"
+
+    def assign(self, ctx: QconfigContext) -> QconfigAssignment:
+        """The base assignment with the named sites' output observers fixed to their ranges."""
+        result = resolve_qconfigs(self.base_setter, ctx)
+        for site, absmax in self.ranges.items():
+            qconfig = result.qconfigs.get(site)
+            if qconfig is None or qconfig.output is None:
+                result.warnings.append(f"FixedRangeQconfigSetter: op site '{site}' has no output quantization "
+                                       "here; its range was not fixed.")
+                continue
+            observer = FixedRangeObserver.with_args(absmax=absmax)
+            result.qconfigs[site] = qconfig.replace(output=replace(qconfig.output, observer=observer))
+        return result
+
+
+class _LearnScales(QconfigSetter):
+    """The base setter's qconfigs with a learned (LSQ) scale on every per-tensor activation output."""
+
+    def __init__(self, base_setter: Any):
+        self.base_setter = base_setter
+        self.name = f"learn_scales > {getattr(base_setter, 'name', repr(base_setter))}"
+
+    def assign(self, ctx: QconfigContext) -> QconfigAssignment:
+        result = resolve_qconfigs(self.base_setter, ctx)
+        for site, qconfig in list(result.qconfigs.items()):
+            if qconfig is not None and qconfig.output is not None and qconfig.output.ch_axis is None:
+                result.qconfigs[site] = qconfig.replace(output=replace(qconfig.output, learn_scale=True))
+        return result
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    leaves = torch.utils._pytree.tree_leaves(output)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _cosine_loss(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> torch.Tensor:
+    """``1 - cosine`` per sample (the first dim; a 0/1-dim output is one sample), summed over the outputs: it
+    follows the direction of the outputs, which is what an int8 step loses, and not their overall scale."""
+    total = outs[0].new_zeros(())
+    for o, r in zip(outs, refs):
+        o2, r2 = (o.reshape(1, -1), r.reshape(1, -1)) if o.dim() < 2 else (o.flatten(1), r.flatten(1))
+        total = total + (1 - torch.nn.functional.cosine_similarity(o2, r2, dim=1, eps=1e-12)).mean()
+    return total
+
+
+def learn_ranges(model: nn.Module, example: Any, batches: Sequence[Any],
+                 setter: Any = default_calibration_qconfig_setter, *, epochs: int = 32,
+                 lr: float = 0.03) -> dict[str, float]:
+    """Each activation op site's output clipping range (``site -> absmax``), learned jointly on ``batches``.
+
+    The model is prepared with ``setter`` and calibrated (the observers give the starting scales); then only the
+    scales train, ``epochs`` passes over the batches (one Adam step per batch, each scale's step ``lr`` times its
+    starting value, annealed to zero), on ``1 - cosine`` between each output and the float model's, per sample.
+    Sites whose scale is shared (add, cat) or a power of two, and decomposed ops (whose inner quantizers share the
+    output's qconfig), keep their observer and are not returned. ``model``
+    is not changed; the same inputs give the same ranges."""
+    batches = list(batches)
+    if not batches:
+        raise QuantLensError("learn_ranges: no calibration batch.")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = calibrate(prepare(copy.deepcopy(model), example, _LearnScales(setter), check_result_dir=None),
+                             batches)
+    with torch.no_grad():
+        refs = [_tensors(call_model(model, b)) for b in batches]
+    state = prepared._quantlens_state
+    # op site -> its output's fake quant; not a decomposed op's (sdpa): its inner quantizers (scores, probabilities)
+    # take the site's output qconfig too, so a fixed output range would fix theirs as well
+    fqs = {plan.name: state.fq[plan.output_fq] for plan in state.plans.values()
+           if plan.output_fq in state.fq and plan.override is None}
+    fqs = {site: fq for site, fq in fqs.items() if fq.learn_scale and fq.scale_group is None and not fq.pow2_scale}
+    if not fqs or not refs[0]:
+        return {}
+    for p in prepared.parameters():
+        p.requires_grad_(False)
+    set_fake_quantize(prepared, FakeQuantState.QAT)
+    prepared.eval()  # BatchNorm statistics and dropout as in inference
+    groups = []
+    for fq in fqs.values():
+        fq.start_learning()
+        fq.learned_scale.requires_grad_(True)
+        groups.append({"params": [fq.learned_scale], "lr": lr * float(fq.learned_scale.detach())})
+    optimizer = torch.optim.Adam(groups)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(epochs * len(batches), 1))
+    for _ in range(epochs):
+        for batch, ref in zip(batches, refs):
+            optimizer.zero_grad()
+            _cosine_loss(_tensors(call_model(prepared, batch)), ref).backward()
+            optimizer.step()
+            schedule.step()
+    set_fake_quantize(prepared, FakeQuantState.VALIDATION)
+    return {site: float(fq.learned_scale.detach().clamp(min=1e-12)) * fq.dtype.qmax for site, fq in fqs.items()}
