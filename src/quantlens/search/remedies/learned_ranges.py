@@ -6,13 +6,14 @@ A range that is best for its tensor is not the best for the outputs: a clipped c
 a coarse step may be harmless where a later op averages it out. :func:`learn_ranges` trains the per-tensor output
 scales of every activation op site together (LSQ's straight-through gradient, the weights frozen, the march's exact
 fake quant in the forward) to the float model's outputs, and returns them as clipping ranges. A
-:class:`FixedRangeQconfigSetter` gives them to ``prepare``: a range, not a scale, so an op site the int16 search
-promotes keeps the range with finer steps.
+:class:`FixedRangeQconfigSetter` gives them to ``prepare`` as int8 ranges: an op site the int16 search promotes
+goes back to min/max (the learned range traded clipping against int8's step, which int16 does not need).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
@@ -21,7 +22,15 @@ import torch
 from torch import nn
 
 from quantlens.errors import QuantLensError
-from quantlens.quantization import FakeQuantState, FixedRangeObserver, calibrate, prepare, set_fake_quantize
+from quantlens.march import QuantDType
+from quantlens.quantization import (
+    FakeQuantState,
+    FixedRangeObserver,
+    MinMaxObserver,
+    calibrate,
+    prepare,
+    set_fake_quantize,
+)
 from quantlens.quantization.qconfig_template import (
     QconfigAssignment,
     QconfigContext,
@@ -31,12 +40,22 @@ from quantlens.quantization.qconfig_template import (
 )
 from quantlens.quantization.record import call_model
 
-__all__ = ["learn_ranges", "FixedRangeQconfigSetter"]
+__all__ = ["learn_ranges", "FixedRangeQconfigSetter", "int8_range_observer"]
+
+
+def int8_range_observer(dtype: QuantDType, ch_axis: int | None = None, *, absmax: float):
+    """The observer of a learned int8 range: ``FixedRangeObserver(absmax)`` at int8, min/max at any other dtype.
+    A learned range trades clipping against int8's coarse step; an op site the int16 search promotes has 256x
+    finer steps and is better served unclipped."""
+    if QuantDType.parse(dtype) is QuantDType.qint8:
+        return FixedRangeObserver(dtype, ch_axis, absmax=absmax)
+    return MinMaxObserver(dtype, ch_axis)
 
 
 class FixedRangeQconfigSetter(QconfigSetter):
-    """The base setter's qconfigs with each named op site's output given a fixed clipping range ``[-a, a]``
-    (:class:`~quantlens.quantization.FixedRangeObserver`); everything else is the base setter's."""
+    """The base setter's qconfigs with each named op site's int8 output given a fixed clipping range ``[-a, a]``
+    (:func:`int8_range_observer`: an op site promoted to int16 later gets min/max); everything else is the base
+    setter's."""
 
     def __init__(self, ranges: Mapping[str, float], base_setter: Any = default_calibration_qconfig_setter):
         self.ranges = {str(k): float(v) for k, v in ranges.items()}
@@ -52,7 +71,7 @@ class FixedRangeQconfigSetter(QconfigSetter):
                 result.warnings.append(f"FixedRangeQconfigSetter: op site '{site}' has no output quantization "
                                        "here; its range was not fixed.")
                 continue
-            observer = FixedRangeObserver.with_args(absmax=absmax)
+            observer = functools.partial(int8_range_observer, absmax=absmax)
             result.qconfigs[site] = qconfig.replace(output=replace(qconfig.output, observer=observer))
         return result
 
@@ -95,7 +114,7 @@ def learn_ranges(model: nn.Module, example: Any, batches: Sequence[Any],
     The model is prepared with ``setter`` and calibrated (the observers give the starting scales); then only the
     scales train, ``epochs`` passes over the batches (one Adam step per batch, each scale's step ``lr`` times its
     starting value, annealed to zero), on ``1 - cosine`` between each output and the float model's, per sample.
-    Sites whose scale is shared (add, cat) or a power of two, and decomposed ops (whose inner quantizers share the
+    Only int8 sites are trained. Sites whose scale is shared (add, cat) or a power of two, and decomposed ops (whose inner quantizers share the
     output's qconfig), keep their observer and are not returned. ``model``
     is not changed; the same inputs give the same ranges."""
     batches = list(batches)
@@ -112,7 +131,8 @@ def learn_ranges(model: nn.Module, example: Any, batches: Sequence[Any],
     # take the site's output qconfig too, so a fixed output range would fix theirs as well
     fqs = {plan.name: state.fq[plan.output_fq] for plan in state.plans.values()
            if plan.output_fq in state.fq and plan.override is None}
-    fqs = {site: fq for site, fq in fqs.items() if fq.learn_scale and fq.scale_group is None and not fq.pow2_scale}
+    fqs = {site: fq for site, fq in fqs.items() if fq.learn_scale and fq.scale_group is None and not fq.pow2_scale
+           and fq.dtype is QuantDType.qint8}
     if not fqs or not refs[0]:
         return {}
     for p in prepared.parameters():
