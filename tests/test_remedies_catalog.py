@@ -190,3 +190,26 @@ def test_learned_ranges_beat_each_sites_own_best_range(tmp_path):
                                out_dir=tmp_path, progress=False, report=False)
     assert 1 - learned < (1 - int8) / 10
     assert "learned_ranges" in per_site.transforms
+
+
+def test_learned_rounding_puts_weights_on_their_levels_and_beats_nearest():
+    """Per-tensor int8 weights with one wide row (few levels for the others): the learned rounding's weights are
+    integer multiples of the scale prepare finds for them (exact), and on held-out data the output error is below
+    nearest rounding's (measured: 1 - cosine 0.032 against 0.040)."""
+    from quantlens.search.remedies.learned_rounding import learn_rounding
+
+    qconfig = QConfig(weight=QuantSpec("qint8", MinMaxObserver, ch_axis=None), output=QuantSpec("qint16"))
+    setter = (ModuleNameQconfigSetter({"fc1": qconfig, "fc2": qconfig}), default_calibration_qconfig_setter)
+    model = WideRow().eval()
+    batches, held_out = _data()
+    evaluate = _cosine(model, held_out)
+    nearest = evaluate(calibrate(prepare(model, batches[0], setter, check_result_dir=None), batches))
+    rounded, layers = learn_rounding(model, batches[0], batches, setter)
+    assert layers == ["fc1", "fc2"] and torch.equal(model.fc1.weight, WideRow().fc1.weight)  # a copy
+    prepared = calibrate(prepare(rounded, batches[0], setter, check_result_dir=None), batches)
+    for name in layers:
+        qat = prepared.get_submodule(name)
+        w = qat.weight.detach()
+        assert torch.equal(qat.weight_fake_quant(w), w)  # on the levels: prepare quantizes them exactly
+        assert not torch.equal(w, getattr(model, name).weight.detach())
+    assert 1 - evaluate(prepared) < 0.9 * (1 - nearest)

@@ -24,6 +24,7 @@ from quantlens.search.remedies.equalize import (
     smooth_activations,
 )
 from quantlens.search.remedies.learned_ranges import FixedRangeQconfigSetter, learn_ranges
+from quantlens.search.remedies.learned_rounding import has_roundable_layers, learn_rounding
 from quantlens.search.remedies.weights import PerChannelWeightQconfigSetter, per_tensor_weight_sites
 
 __all__ = ["RemedyKind", "RemedyContext", "Remedy", "REMEDIES", "register_remedy", "model_remedies",
@@ -146,6 +147,16 @@ register_remedy(Remedy(
     applies=lambda c: True,
     apply=lambda c: (c.model, FixedRangeQconfigSetter(learn_ranges(c.model, c.example, c.batches, c.setter),
                                                       c.setter))))
+
+register_remedy(Remedy(
+    "learned_rounding", RemedyKind.WEIGHTS,
+    "each conv/linear weight rounded down or up as trained jointly to the float outputs (AdaRound-style), the "
+    "float model's weights set on their int8 levels (exact)",
+    "conv/linear layers with per-tensor or axis-0 per-channel weights, no folded BatchNorm",
+    "none: weight values change", False,  # QAT retrains the weights
+    frozenset({"op_error", "per_tensor_weight_channels"}),
+    applies=lambda c: has_roundable_layers(c.model),
+    apply=lambda c: (learn_rounding(c.model, c.example, c.batches, c.setter)[0], c.setter)))
 
 register_remedy(Remedy(
     "range", RemedyKind.RANGE,

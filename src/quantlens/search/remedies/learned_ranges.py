@@ -91,12 +91,13 @@ class _LearnScales(QconfigSetter):
         return result
 
 
-def _tensors(output: Any) -> list[torch.Tensor]:
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a model's output, in pytree order."""
     leaves = torch.utils._pytree.tree_leaves(output)
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-def _cosine_loss(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> torch.Tensor:
+def cosine_loss(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> torch.Tensor:
     """``1 - cosine`` per sample (the first dim; a 0/1-dim output is one sample), summed over the outputs: it
     follows the direction of the outputs, which is what an int8 step loses, and not their overall scale."""
     total = outs[0].new_zeros(())
@@ -125,7 +126,7 @@ def learn_ranges(model: nn.Module, example: Any, batches: Sequence[Any],
         prepared = calibrate(prepare(copy.deepcopy(model), example, _LearnScales(setter), check_result_dir=None),
                              batches)
     with torch.no_grad():
-        refs = [_tensors(call_model(model, b)) for b in batches]
+        refs = [output_tensors(call_model(model, b)) for b in batches]
     state = prepared._quantlens_state
     # op site -> its output's fake quant; not a decomposed op's (sdpa): its inner quantizers (scores, probabilities)
     # take the site's output qconfig too, so a fixed output range would fix theirs as well
@@ -149,7 +150,7 @@ def learn_ranges(model: nn.Module, example: Any, batches: Sequence[Any],
     for _ in range(epochs):
         for batch, ref in zip(batches, refs):
             optimizer.zero_grad()
-            _cosine_loss(_tensors(call_model(prepared, batch)), ref).backward()
+            cosine_loss(output_tensors(call_model(prepared, batch)), ref).backward()
             optimizer.step()
             schedule.step()
     set_fake_quantize(prepared, FakeQuantState.VALIDATION)
