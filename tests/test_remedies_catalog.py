@@ -172,8 +172,8 @@ def test_learned_ranges_beat_each_sites_own_best_range(tmp_path):
     better than min/max and than the best per-site observer search; given as fixed ranges, prepare reproduces
     them."""
     from quantlens.search.remedies.learned_ranges import FixedRangeQconfigSetter, learn_ranges
-    from tests.test_remedies_search import Outliers
-    from tests.test_remedies_search import _data as outlier_data
+    from tests._remedy_models import Outliers
+    from tests._remedy_models import _data as outlier_data
 
     model = Outliers().eval()
     batches, held_out = outlier_data()

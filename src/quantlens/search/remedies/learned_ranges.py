@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import warnings
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
@@ -60,7 +61,9 @@ class FixedRangeQconfigSetter(QconfigSetter):
     def __init__(self, ranges: Mapping[str, float], base_setter: Any = default_calibration_qconfig_setter):
         self.ranges = {str(k): float(v) for k, v in ranges.items()}
         self.base_setter = base_setter
-        self.name = f"fixed_ranges({len(self.ranges)}) > {getattr(base_setter, 'name', repr(base_setter))}"
+        # the name carries a digest of the ranges: progress files key their measurements by the setter's name
+        digest = hashlib.sha256(repr(sorted(self.ranges.items())).encode()).hexdigest()[:12]
+        self.name = f"fixed_ranges({len(self.ranges)}, {digest}) > {getattr(base_setter, 'name', repr(base_setter))}"
 
     def assign(self, ctx: QconfigContext) -> QconfigAssignment:
         """The base assignment with the named sites' output observers fixed to their ranges."""

@@ -7,6 +7,7 @@ unchanged, and the mixed-precision search can start from it.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 from typing import Any, Callable, Mapping
 
@@ -48,7 +49,10 @@ class ObserverQconfigSetter(QconfigSetter):
                                      f"{type(observer).__name__}.")
             self.observers[site] = observer
         self.base_setter = base_setter
-        self.name = f"observers({len(self.observers)}) > {getattr(base_setter, 'name', repr(base_setter))}"
+        # the name carries what each site gets: progress files key their measurements by the setter's name
+        chosen = sorted((site, o if isinstance(o, str) else repr(o)) for site, o in observers.items())
+        digest = hashlib.sha256(repr(chosen).encode()).hexdigest()[:12]
+        self.name = f"observers({len(self.observers)}, {digest}) > {getattr(base_setter, 'name', repr(base_setter))}"
 
     def assign(self, ctx: QconfigContext) -> QconfigAssignment:
         """The base assignment with the chosen sites' output observers replaced (a site without an output

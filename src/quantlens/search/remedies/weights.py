@@ -32,7 +32,7 @@ class PerChannelWeightQconfigSetter(QconfigSetter):
     def __init__(self, sites: Iterable[str] | None = None, base_setter: Any = default_calibration_qconfig_setter):
         self.sites = None if sites is None else frozenset(sites)
         self.base_setter = base_setter
-        count = "all" if self.sites is None else str(len(self.sites))
+        count = "all" if self.sites is None else ", ".join(sorted(self.sites))
         self.name = f"per_channel_weights({count}) > {getattr(base_setter, 'name', repr(base_setter))}"
 
     def assign(self, ctx: QconfigContext) -> QconfigAssignment:
