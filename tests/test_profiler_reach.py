@@ -83,3 +83,19 @@ def test_summary_leads_with_sensitivity(tmp_path):
     summary = after.split("== Ops the outputs are most sensitive to")[1]
     assert summary.index("same-input SQNR") > 0  # the same-input ranking comes second
     assert "pool " not in summary.split("== Ops that lose")[0]  # an unreached op is not in the ranking
+
+
+def test_the_traced_run_gives_the_reach_without_another_forward(tmp_path):
+    """run() records the data flow as it traces the analysis model, so compare_per_layer() runs no model, and the
+    reach it reports is the one a separate forward gives."""
+    from quantlens.profiler.reach import site_reach
+
+    qa = _analysis(tmp_path)
+    calls = []
+    for model in (qa.analysis.model, qa.baseline.model):
+        model.register_forward_hook(lambda *args: calls.append(1))
+    table = qa.compare_per_layer()
+    assert calls == []
+    separate = site_reach(qa._reach_access(), qa._sensitivity_case())
+    assert {r.op_name for r in table.unreached} == {r.op_name for r in table if r.op_name not in separate.reaching}
+    assert qa._reach() == separate

@@ -33,7 +33,7 @@ from quantlens.profiler.joint_sensitivity import JointSensitivityResult, run_joi
 from quantlens.profiler.model_access import AnalysisType, ConsistencyInfo, SiteEvent, parse_analysis_type
 from quantlens.profiler.outputs import PostProcess, named_outputs, unique_name
 from quantlens.profiler.pair_checks import check_deployed_pair, check_weights_correspond
-from quantlens.profiler.reach import SiteReach, mark, reached_only, site_reach
+from quantlens.profiler.reach import ReachTee, SiteReach, mark, reached_only, site_reach
 from quantlens.profiler.report import (
     save_pt,
     write_advisor,
@@ -262,8 +262,10 @@ class QuantAnalysis:
         writer = TraceWriter(directory, access.label, access.describe(), save_inputs=same_input is None,
                              values_not_needed=values_not_needed)
         example = self._require_bad_case()
+        # the run that traces the model _reach() reads also records its data flow: no extra forward later
+        tee = ReachTee(writer, example) if access is self._reach_access() and not hasattr(access, "module") else None
         try:
-            output = access.run(example, sink=writer, same_input=same_input)
+            output = access.run(example, sink=tee or writer, same_input=same_input)
         except TypeError as exc:  # the model's own call signature refused the input's structure
             writer.close()
             raise QuantLensError(
@@ -276,6 +278,8 @@ class QuantAnalysis:
             raise
         if access is self.baseline:
             self._baseline_case = example  # sensitivity re-runs the baseline in the format it was traced in
+        if tee is not None:
+            self._reach_cache = (input_digest(example), tee.reach(output))
         try:
             extra = self.post_process.extra(output)
             outputs = named_outputs(output)
@@ -378,12 +382,16 @@ class QuantAnalysis:
         cached = getattr(self, "_reach_cache", None)
         if cached is not None and cached[0] == key:
             return cached[1]
-        structured = [a for a in (self.analysis, self.baseline)
-                      if getattr(a, "prepared", False) or hasattr(a, "module")]
-        access = structured[0] if structured else self.baseline
-        reach = site_reach(access, case)
+        reach = site_reach(self._reach_access(), case)
         self._reach_cache = (key, reach)
         return reach
+
+    def _reach_access(self):
+        """The model whose data flow says which sites reach an output: the analysis model when it has the structure
+        (a prepared model, an IR), else the baseline."""
+        structured = [a for a in (self.analysis, self.baseline)
+                      if getattr(a, "prepared", False) or hasattr(a, "module")]
+        return structured[0] if structured else self.baseline
 
     def _sensitivity_case(self) -> Any:
         """The bad case for sensitivity, in a format both models take: the baseline's traced format when the

@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 from quantlens.profiler.model_access import SiteEvent
 from quantlens.profiler.outputs import float_outputs, named_outputs
 
-__all__ = ["SiteReach", "site_reach"]
+__all__ = ["SiteReach", "site_reach", "ReachTee"]
 
 #: the op types of the model-input boundary (quantizing the model's input is their job, not host-side work)
 _QUANT_STUBS = frozenset({"quant_stub", "QuantStub"})
@@ -102,12 +102,7 @@ def _ir_reach(access) -> SiteReach:
     return SiteReach(frozenset(sites), frozenset(host))
 
 
-def site_reach(access, example: Any) -> SiteReach:
-    """The :class:`SiteReach` of a model (its :class:`~.model_access.ModelAccess`) on ``example``."""
-    if hasattr(access, "module") and hasattr(access.module, "graph"):  # an IR: its graph says it
-        return _ir_reach(access)
-    recorder = _FlowRecorder(example)
-    output = access.run(example, sink=recorder)
+def _from_flow(recorder: _FlowRecorder, output: Any) -> SiteReach:
     start = set()
     for t in float_outputs(named_outputs(output)).values():
         site = recorder.producer.get(id(t))
@@ -115,6 +110,32 @@ def site_reach(access, example: Any) -> SiteReach:
             return SiteReach(None, frozenset(recorder.host_side))
         start.add(site)
     return SiteReach(_backward(recorder.sources, start), frozenset(recorder.host_side))
+
+
+def site_reach(access, example: Any) -> SiteReach:
+    """The :class:`SiteReach` of a model (its :class:`~.model_access.ModelAccess`) on ``example``."""
+    if hasattr(access, "module") and hasattr(access.module, "graph"):  # an IR: its graph says it
+        return _ir_reach(access)
+    recorder = _FlowRecorder(example)
+    return _from_flow(recorder, access.run(example, sink=recorder))
+
+
+class ReachTee:
+    """A trace sink that passes every event on to ``sink`` and records the data flow as it goes, so the run that
+    writes a trace also gives the :class:`SiteReach` (:meth:`reach`), without the extra forward of
+    :func:`site_reach`."""
+
+    def __init__(self, sink, example: Any):
+        self.sink = sink
+        self._flow = _FlowRecorder(example)
+
+    def on_site(self, event: SiteEvent) -> None:
+        self._flow.on_site(event)
+        self.sink.on_site(event)
+
+    def reach(self, output: Any) -> SiteReach:
+        """The reach of the run whose model output is ``output``."""
+        return _from_flow(self._flow, output)
 
 
 def mark(comparison, reach: SiteReach):
