@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -53,6 +54,9 @@ class Metric:
     func: Callable[[torch.Tensor, torch.Tensor], float]
     higher_is_worse: bool
     description: str = ""
+    #: a built-in's formula on a :class:`_Pair` (``func`` wraps it): :func:`compute_all` hands every built-in
+    #: one pair, so ``x - y`` and ``|x - y|`` are computed once per row, not once per metric
+    pair_func: Callable[["_Pair"], float] | None = None
 
     def __call__(self, baseline: torch.Tensor, analysis: torch.Tensor) -> float:
         x, y = _prepare(baseline), _prepare(analysis)
@@ -84,7 +88,23 @@ def _prepare(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float64).cpu()
 
 
-def _cosine(x: torch.Tensor, y: torch.Tensor) -> float:
+class _Pair:
+    """The float64 baseline ``x`` and analysis ``y`` of one row, with the intermediates several metrics share."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    @cached_property
+    def diff(self) -> torch.Tensor:
+        return self.x - self.y
+
+    @cached_property
+    def absdiff(self) -> torch.Tensor:
+        return self.diff.abs()
+
+
+def _cosine(p: _Pair) -> float:
+    x, y = p.x, p.y
     nx, ny = x.norm(), y.norm()
     if nx == 0 and ny == 0:
         return 1.0
@@ -93,15 +113,16 @@ def _cosine(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((x.flatten() @ y.flatten()) / (nx * ny))
 
 
-def _mse(x, y):
-    return float(((x - y) ** 2).mean()) if x.numel() else 0.0
+def _mse(p: _Pair) -> float:
+    return float((p.diff ** 2).mean()) if p.x.numel() else 0.0
 
 
-def _l1(x, y):
-    return float((x - y).abs().mean()) if x.numel() else 0.0
+def _l1(p: _Pair) -> float:
+    return float(p.absdiff.mean()) if p.x.numel() else 0.0
 
 
-def _kl(x, y):
+def _kl(p: _Pair) -> float:
+    x, y = p.x, p.y
     if x.numel() == 0:
         return 0.0
     if x.dim() == 0:
@@ -112,18 +133,18 @@ def _kl(x, y):
     return float((log_p.exp() * (log_p - log_q)).sum(dim=dim).mean())
 
 
-def _sqnr(x, y):
-    noise = (x - y).norm()
+def _sqnr(p: _Pair) -> float:
+    noise = p.diff.norm()
     if noise == 0:
         return math.inf
-    signal = x.norm()
+    signal = p.x.norm()
     if signal == 0:
         return -math.inf
     return float(20.0 * torch.log10(signal / noise))
 
 
-def _atol(x, y):
-    return float((x - y).abs().max()) if x.numel() else 0.0
+def _atol(p: _Pair) -> float:
+    return float(p.absdiff.max()) if p.x.numel() else 0.0
 
 
 METRICS: dict[str, Metric] = {}
@@ -137,9 +158,11 @@ def register_metric(metric: Metric) -> Metric:
     return metric
 
 
-def _builtin(name: str, func: Callable[[torch.Tensor, torch.Tensor], float], description: str) -> Metric:
+def _builtin(name: str, pair_func: Callable[[_Pair], float], description: str) -> Metric:
     # the direction of a built-in is declared once, in the quantization layer's table of sensitivity metrics
-    return register_metric(Metric(name, func, higher_is_worse=METRIC_HIGHER_IS_WORSE[name], description=description))
+    return register_metric(Metric(name, lambda x, y: pair_func(_Pair(x, y)),
+                                  higher_is_worse=METRIC_HIGHER_IS_WORSE[name], description=description,
+                                  pair_func=pair_func))
 
 
 _builtin("Cosine", _cosine, "cosine similarity")
@@ -158,7 +181,9 @@ def compute_all(baseline: torch.Tensor, analysis: torch.Tensor) -> dict[str, flo
         return {name: metric(baseline, analysis) for name, metric in METRICS.items()}  # raises, naming it
     if not (all_finite(x) and all_finite(y)):
         return {name: math.nan for name in METRICS}
-    return {name: float(metric.func(x, y)) for name, metric in METRICS.items()}
+    pair = _Pair(x, y)
+    return {name: float(metric.pair_func(pair) if metric.pair_func is not None else metric.func(x, y))
+            for name, metric in METRICS.items()}
 
 
 def metric_names() -> list[str]:
