@@ -259,8 +259,11 @@ def _split(base: list[torch.Tensor], pre: list[torch.Tensor], same: list[torch.T
     if scale is not None and dtype in ("qint8", "qint16"):
         dt = QuantDType.parse(dtype)
         clip = (p > (dt.qmax + 0.5) * scale) | (p < (dt.qmin - 0.5) * scale)
-    parts = {"internal": inner, "clipping": float(quant[clip].sum()) / x.numel(),
-             "rounding": float(quant[~clip].sum()) / x.numel()}
+    if bool(clip.any()):
+        clipped, rounded = float(quant[clip].sum()), float(quant[~clip].sum())
+    else:  # the common case: no element saturates (the same sum, without copying the tensor through a mask)
+        clipped, rounded = 0.0, float(quant.sum())
+    parts = {"internal": inner, "clipping": clipped / x.numel(), "rounding": rounded / x.numel()}
     kind = max(parts, key=parts.get) if max(parts.values()) > 0 else ""
     return {"error_kind": kind, "same_input_inner_mse": parts["internal"],
             "same_input_clip_mse": parts["clipping"], "same_input_round_mse": parts["rounding"]}
