@@ -213,3 +213,18 @@ def test_learned_rounding_puts_weights_on_their_levels_and_beats_nearest():
         assert torch.equal(qat.weight_fake_quant(w), w)  # on the levels: prepare quantizes them exactly
         assert not torch.equal(w, getattr(model, name).weight.detach())
     assert 1 - evaluate(prepared) < 0.9 * (1 - nearest)
+
+
+def test_a_setter_key_that_matches_no_op_site_is_warned_with_the_closest_names():
+    """A typo in a setter's op site name used to be dropped silently (issue #26): prepare warns, naming the
+    closest op sites, for every setter that takes names."""
+    from quantlens.search import MixedPrecisionQconfigSetter
+    from quantlens.search.remedies import ObserverQconfigSetter
+
+    model = WideRow().eval()
+    batches, _ = _data()
+    for setter in (ModuleNameQconfigSetter({"fc22": PER_TENSOR}), MixedPrecisionQconfigSetter(["relu_00"]),
+                   ObserverQconfigSetter({"fc_1": "kl"}), PerChannelWeightQconfigSetter(["fc11"])):
+        with pytest.warns(UserWarning, match=r"matched no op site; its setting was not applied\. Closest op site "
+                                             r"names: \['(fc2|relu_0|fc1)'"):
+            prepare(model, batches[0], (setter, default_calibration_qconfig_setter), check_result_dir=None)

@@ -206,7 +206,10 @@ def prepare(
     requests = _weight_channel_axes(plans, requests)
 
     refusals = stage_refusals(record, groups)
-    warnings = folded + list(assignment.warnings) + plan_warnings + list(refusals.values())
+    if assignment.unmatched:
+        _warnings.warn("prepare: " + " ".join(assignment.unmatched), stacklevel=2)
+    warnings = folded + list(assignment.warnings) + list(assignment.unmatched) + plan_warnings + list(
+        refusals.values())
     if refusals:
         # One console line; model_check_result.txt lists every op site with its source line.
         sites = list(refusals)

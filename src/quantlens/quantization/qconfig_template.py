@@ -68,10 +68,28 @@ class QconfigContext:
 
 @dataclass
 class QconfigAssignment:
-    """A setter's answer: qconfigs by op site name, plus warnings for the check report."""
+    """A setter's answer: qconfigs by op site name, plus warnings for the check report. ``unmatched``: the
+    names the setter was given that match no op site (a typo), each with the closest op site names; ``prepare``
+    warns about them (a silently ignored key would leave a site at another qconfig than the user chose)."""
 
     qconfigs: dict[str, QConfig] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    unmatched: list[str] = field(default_factory=list)
+
+
+def closest_sites(key: str, ctx: "QconfigContext", n: int = 3) -> list[str]:
+    """The op site (or module) names closest to ``key`` (difflib), for "did you mean" hints."""
+    import difflib
+
+    names = sorted({s.name for s in ctx.sites} | {s.module_name for s in ctx.sites if s.module_name})
+    return difflib.get_close_matches(key, names, n=n, cutoff=0.5)
+
+
+def unmatched_message(setter: str, key: str, ctx: "QconfigContext") -> str:
+    """``setter``'s key ``key`` matched no op site: the message, with the closest names."""
+    close = closest_sites(key, ctx)
+    hint = f" Closest op site names: {close}." if close else " Run prepare and read model_check_result.txt for the names."
+    return f"{setter}: '{key}' matched no op site; its setting was not applied.{hint}"
 
 
 class QconfigSetter:
@@ -178,11 +196,7 @@ class ModuleNameQconfigSetter(QconfigSetter):
                 if s.name == key or s.module_name == key or s.module_name.startswith(key + ".") or key == ""
             ]
             if not matched:
-                close = sorted(s.name for s in ctx.sites if key.split(".")[-1] in s.name)[:3]
-                hint = f" Similar op sites: {close}." if close else ""
-                result.warnings.append(
-                    f"ModuleNameQconfigSetter: '{key}' matched no op site; its qconfig was not applied.{hint}"
-                )
+                result.unmatched.append(unmatched_message("ModuleNameQconfigSetter", key, ctx))
             for name in matched:
                 result.qconfigs[name] = qconfig
         return result
@@ -308,7 +322,7 @@ class SensitiveOpQconfigSetter(QconfigSetter):
         promoted_outputs: set[str] = set()
         for op_name, kind in self.selected:  # most sensitive first
             if op_name not in ctx.record.sites:
-                result.warnings.append(f"{self.name}: sensitive op '{op_name}' is not an op site of this model.")
+                result.unmatched.append(unmatched_message(self.name, op_name, ctx))
                 continue
             prev = result.qconfigs.get(op_name)
             if kind == "weight":
@@ -386,6 +400,7 @@ def resolve_qconfigs(setters: Any, ctx: QconfigContext) -> QconfigAssignment:
                 "QconfigAssignment."
             )
         final.warnings.extend(answer.warnings)
+        final.unmatched.extend(answer.unmatched)
         claimed: dict[str, QConfig] = {}
         for name, qconfig in answer.qconfigs.items():
             group = ctx.group_of(name)

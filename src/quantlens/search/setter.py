@@ -11,6 +11,7 @@ from quantlens.quantization.qconfig_template import (
     QconfigSetter,
     default_calibration_qconfig_setter,
     resolve_qconfigs,
+    unmatched_message,
 )
 from quantlens.search.promotion import as_promotion
 
@@ -38,7 +39,7 @@ class MixedPrecisionQconfigSetter(QconfigSetter):
         for name in sorted(acts | weights, key=lambda n: list(ctx.record.sites).index(n)
                            if n in ctx.record.sites else -1):
             if name not in ctx.record.sites:
-                result.warnings.append(f"{self.name}: promoted '{name}' is not an op site of this model.")
+                result.unmatched.append(unmatched_message(self.name, name, ctx))
                 continue
             qc = base.qconfigs.get(name)
             if qc is None or qc.output is None:

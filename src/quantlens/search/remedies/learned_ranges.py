@@ -38,6 +38,7 @@ from quantlens.quantization.qconfig_template import (
     QconfigSetter,
     default_calibration_qconfig_setter,
     resolve_qconfigs,
+    unmatched_message,
 )
 from quantlens.quantization.record import call_model
 
@@ -70,6 +71,9 @@ class FixedRangeQconfigSetter(QconfigSetter):
         result = resolve_qconfigs(self.base_setter, ctx)
         for site, absmax in self.ranges.items():
             qconfig = result.qconfigs.get(site)
+            if site not in ctx.record.sites:
+                result.unmatched.append(unmatched_message("FixedRangeQconfigSetter", site, ctx))
+                continue
             if qconfig is None or qconfig.output is None:
                 result.warnings.append(f"FixedRangeQconfigSetter: op site '{site}' has no output quantization "
                                        "here; its range was not fixed.")

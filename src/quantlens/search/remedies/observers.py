@@ -19,6 +19,7 @@ from quantlens.quantization.qconfig_template import (
     QconfigSetter,
     default_calibration_qconfig_setter,
     resolve_qconfigs,
+    unmatched_message,
 )
 
 __all__ = ["ObserverQconfigSetter", "RANGE_OBSERVERS"]
@@ -60,6 +61,9 @@ class ObserverQconfigSetter(QconfigSetter):
         result = resolve_qconfigs(self.base_setter, ctx)
         for site, observer in self.observers.items():
             qconfig = result.qconfigs.get(site)
+            if site not in ctx.record.sites:
+                result.unmatched.append(unmatched_message("ObserverQconfigSetter", site, ctx))
+                continue
             if qconfig is None or qconfig.output is None:
                 result.warnings.append(f"ObserverQconfigSetter: op site '{site}' has no output quantization here; "
                                        "its observer was not changed.")

@@ -20,6 +20,7 @@ from quantlens.quantization.qconfig_template import (
     QconfigSetter,
     default_calibration_qconfig_setter,
     resolve_qconfigs,
+    unmatched_message,
 )
 
 __all__ = ["PerChannelWeightQconfigSetter", "per_tensor_weight_sites"]
@@ -45,10 +46,8 @@ class PerChannelWeightQconfigSetter(QconfigSetter):
                 qconfig = result.qconfigs[site]
                 result.qconfigs[site] = qconfig.replace(weight=replace(qconfig.weight, ch_axis=0))
         if self.sites is not None:
-            missing = sorted(self.sites - set(result.qconfigs))
-            if missing:
-                result.warnings.append(f"PerChannelWeightQconfigSetter: no quantized op site named {missing}; "
-                                       "their weights were not changed.")
+            for site in sorted(self.sites - set(ctx.record.sites)):
+                result.unmatched.append(unmatched_message("PerChannelWeightQconfigSetter", site, ctx))
         return result
 
 
