@@ -99,3 +99,16 @@ def test_the_traced_run_gives_the_reach_without_another_forward(tmp_path):
     separate = site_reach(qa._reach_access(), qa._sensitivity_case())
     assert {r.op_name for r in table.unreached} == {r.op_name for r in table if r.op_name not in separate.reaching}
     assert qa._reach() == separate
+
+
+def test_an_empty_bad_case_or_dataset_is_refused(tmp_path):
+    """Issue #26: an empty batch used to give a report of zeros; an empty dataset, nothing to search."""
+    import pytest
+
+    from quantlens.errors import QuantLensError
+
+    qa = _analysis(tmp_path)
+    with pytest.raises(QuantLensError, match="every input tensor is empty"):
+        qa.set_bad_case((torch.zeros(0, 8), torch.zeros(0, 4)))
+    with pytest.raises(QuantLensError):
+        qa.auto_find_bad_case([])

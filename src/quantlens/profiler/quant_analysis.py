@@ -68,6 +68,17 @@ class RunResult:
     consistency: ConsistencyInfo | None = None
 
 
+def _refuse_empty(data: Any) -> None:
+    """A bad case whose every tensor is empty would give a report of zeros rather than an analysis."""
+    from torch.utils import _pytree as pytree
+
+    tensors = [t for t in pytree.tree_leaves(data) if isinstance(t, torch.Tensor)]
+    if tensors and all(t.numel() == 0 for t in tensors):
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors[:4])
+        raise QuantLensError(f"set_bad_case(): every input tensor is empty ({shapes}); there is nothing to "
+                             "analyse. Pass at least one sample (a batch of size >= 1).")
+
+
 class QuantAnalysis:
     """Compare a baseline model with an analysis model, op site by op site.
 
@@ -177,6 +188,7 @@ class QuantAnalysis:
                 raise QuantLensError("set_bad_case(rank=...): no bad case search in this QuantAnalysis yet; call "
                                      "auto_find_bad_case(data, topk=k) first (or pass the inputs).")
             data = self.bad_case_result.inputs[self.bad_case_result.ranked(rank, metric, output)]
+        _refuse_empty(data)
         self._bad_case, self._has_bad_case = data, True
         self.save_bad_case()
 
