@@ -205,18 +205,18 @@ def test_unserialisable_attr_names_the_node(tmp_path):
 
 
 def test_interrupted_write_leaves_no_temporary_and_keeps_the_old_file(tmp_path, monkeypatch):
-    import safetensors.torch
+    from pathlib import Path
 
     path = tmp_path / "model.qlir"
     save(_synthetic_module(), path)
     old = path.read_bytes()
+    real_write_bytes = Path.write_bytes
 
-    def broken_save_file(tensors, filename, metadata=None):
-        with open(filename, "wb") as handle:
-            handle.write(b"partial")
+    def broken_write_bytes(self, data):  # the disk fills up half way through the temporary file
+        real_write_bytes(self, data[: len(data) // 2])
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", broken_save_file)
+    monkeypatch.setattr(Path, "write_bytes", broken_write_bytes)
     with pytest.raises(OSError, match="disk full"):
         save(_synthetic_module(), path)
     assert os.listdir(tmp_path) == ["model.qlir"] and path.read_bytes() == old
@@ -378,3 +378,24 @@ def test_save_refuses_what_load_would_refuse_and_writes_nothing(tmp_path):
     with pytest.raises(QuantLensError, match=rf"was not written: load would refuse.*{name}.*dtype 'unknown'"):
         save(ir, tmp_path / "m.qlir")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_saving_the_same_module_twice_gives_the_same_bytes(tmp_path):
+    """Issue #26: safetensors writes its header from a hash map, so two saves of one module differed in the
+    order of the metadata entries; the header is now written with sorted keys (and still loads)."""
+    import hashlib
+    import warnings
+
+    from quantlens.compiler import convert, export, load, save
+    from quantlens.quantization import calibrate, prepare
+    from quantlens.zoo import get_model, sample_batches
+
+    model = get_model("tiny_resnet").eval()
+    batches = sample_batches("tiny_resnet", 2, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ir = convert(export(calibrate(prepare(model, batches[0], check_result_dir=None), batches), batches[0]))
+    digests = {hashlib.sha256(save(ir, tmp_path / f"m{i}.qlir").read_bytes()).hexdigest() for i in range(6)}
+    assert len(digests) == 1
+    again = load(tmp_path / "m0.qlir")
+    assert torch.equal(again(*batches[1]), ir(*batches[1]))

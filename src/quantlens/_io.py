@@ -87,3 +87,23 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 
     out = [sep, line(cells[0]), sep] + [line(r) for r in cells[1:]] + [sep]
     return "\n".join(out)
+
+
+def safetensors_bytes(tensors: dict, metadata: dict[str, str] | None = None) -> bytes:
+    """``tensors`` (and ``metadata``) in the safetensors format, byte-identical for the same inputs.
+
+    safetensors writes its JSON header from a hash map, so the order of its entries (the metadata's keys above
+    all) varies from call to call. The header is rewritten with sorted keys, padded with spaces to its former
+    length (the format allows trailing spaces): the data offsets, relative to the end of the header, stay valid."""
+    import json
+
+    from safetensors.torch import save
+
+    blob = save(tensors, metadata=metadata)
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    if len(text) > n:  # cannot happen (the same entries, compact): keep safetensors' own bytes
+        return blob
+    return blob[:8] + text + b" " * (n - len(text)) + blob[8 + n:]
+

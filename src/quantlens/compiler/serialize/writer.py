@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 
-from quantlens._io import atomic_write
 from quantlens.compiler.ir import IR_VERSION, Graph, Module
 from quantlens.compiler.serialize.codec import _encode
 from quantlens.compiler.serialize.schema import (
@@ -32,7 +31,7 @@ def save(module: Module, path: str | os.PathLike) -> Path:
     """
     if not isinstance(module, Module):
         raise QuantLensError(f"save expects a quantlens.compiler.Module, got {type(module).__name__}.")
-    from safetensors.torch import save_file
+    from quantlens._io import atomic_write_bytes, safetensors_bytes
 
     path = Path(path)
     if path.is_dir():
@@ -41,7 +40,7 @@ def save(module: Module, path: str | os.PathLike) -> Path:
     text = json.dumps(_header(module, constants), allow_nan=False, ensure_ascii=False, separators=(",", ":"))
     _check_loadable(text, constants, path)
     metadata = {METADATA_KEY: text, CHECKSUM_KEY: _file_checksum(text, constants)}
-    atomic_write(path, lambda tmp: save_file(constants, tmp, metadata=metadata), fsync=True)
+    atomic_write_bytes(path, safetensors_bytes(constants, metadata), fsync=True)  # the same module: the same bytes
     return path
 
 

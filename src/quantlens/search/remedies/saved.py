@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantlens._io import atomic_write_bytes, atomic_write_text
+from quantlens._io import atomic_write_bytes, atomic_write_text, safetensors_bytes
 from quantlens.errors import QuantLensError
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.search.remedies.catalog import REMEDIES
@@ -36,11 +36,9 @@ def save_remedies(result: RemedyResult, out_dir: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     weights = [t for t in result.transforms if t not in _SETTER_TRANSFORMS]
     if weights:
-        from safetensors.torch import save
-
         state = {k: v.detach().contiguous().cpu() for k, v in result.model.state_dict().items()
                  if isinstance(v, torch.Tensor)}
-        atomic_write_bytes(out / WEIGHTS_FILE, save(state))
+        atomic_write_bytes(out / WEIGHTS_FILE, safetensors_bytes(state))
     data = {"format": _FORMAT, "transforms": list(result.transforms), "observers": dict(result.observers),
             "int16": [[p.site, p.kind] for p in result.int16], "base_value": result.base_value,
             "value": result.value, "target": result.target, "higher_is_better": result.higher_is_better,
