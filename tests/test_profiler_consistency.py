@@ -99,7 +99,7 @@ def test_prepared_model_state_is_read_and_onnx_is_unknown(stages):
                          check_result_dir=None)
     finally:
         ConsistencyStrategy.disable()
-    info = QuantAnalysis(model, calib0, "fake_quant", progress=False).consistency
+    info = QuantAnalysis(model, calib0, "fake_quant", progress=False, allow_uncalibrated=True).consistency
     assert (info.level, info.qpp) == (0, "high_precision") and "prepared model state" in info.source
 
     class Access:  # what of_pair sees of a model: its consistency()

@@ -112,3 +112,28 @@ def test_an_empty_bad_case_or_dataset_is_refused(tmp_path):
         qa.set_bad_case((torch.zeros(0, 8), torch.zeros(0, 4)))
     with pytest.raises(QuantLensError):
         qa.auto_find_bad_case([])
+
+
+def test_a_never_calibrated_model_is_refused_by_the_profiler_and_warned_at_export(tmp_path):
+    """Issue #26: a prepared model that never saw data ran with the placeholder scale 1.0 without a word, and the
+    profiler blamed those scales. Now QuantAnalysis refuses it (naming the op sites) unless told, and export warns;
+    a model calibrated on data that reaches every site is neither."""
+    import pytest
+
+    from quantlens.compiler import export
+    from quantlens.errors import QuantLensError
+    from quantlens.quantization import FakeQuantState, set_fake_quantize, uncalibrated_sites
+
+    gen = torch.Generator().manual_seed(1)
+    x, mask = torch.randn(16, 8, generator=gen), (torch.rand(16, 4, generator=gen) > 0.3).float()
+    model = WithPooler().eval()
+    raw = set_fake_quantize(prepare(model, (x, mask), check_result_dir=None), FakeQuantState.VALIDATION)
+    assert {"quant", "fc2"} <= set(uncalibrated_sites(raw))
+    with pytest.raises(QuantLensError, match=r"never saw data \('quant'.*allow_uncalibrated=True"):
+        QuantAnalysis(model, raw, "fake_quant", out_dir=tmp_path / "a", progress=False)
+    QuantAnalysis(model, raw, "fake_quant", out_dir=tmp_path / "b", progress=False, allow_uncalibrated=True)
+    with pytest.warns(UserWarning, match="export: .* never saw data"):
+        with pytest.raises(QuantLensError, match="no calibrated scale"):  # then pre_export's tables refuse
+            export(raw, (x, mask))
+    calibrated = calibrate(prepare(model, (x, mask), check_result_dir=None), [(x, mask)])
+    assert uncalibrated_sites(calibrated) == []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -144,6 +145,11 @@ def export(
             f"export expects a prepared model (quantlens.quantization.prepare), got {type(model).__name__}. "
             "Prepare, calibrate (or train) it, then export."
         )
+    from quantlens.quantization.fake_quantize import uncalibrated_message, uncalibrated_sites
+
+    never = uncalibrated_sites(model)
+    if never:
+        warnings.warn(uncalibrated_message("export", never), stacklevel=2)
     if apply_pre_export:
         model = _with_tables(model, example_inputs)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)

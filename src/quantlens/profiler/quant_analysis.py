@@ -47,6 +47,7 @@ from quantlens.profiler.sensitivity import SensitivityResult, run_sensitivity
 from quantlens.profiler.trace.reader import TraceReader
 from quantlens.profiler.trace.stats import input_digest
 from quantlens.profiler.trace.writer import TraceWriter
+from quantlens.quantization.fake_quantize import uncalibrated_message, uncalibrated_sites
 
 __all__ = ["QuantAnalysis", "RunResult"]
 
@@ -99,6 +100,8 @@ class QuantAnalysis:
         cached_attrs: attribute paths (``"decoder.memory"``) of state the torch modules keep between calls (a
             sequence model's memory): before each analysis call they are set to copies of the baseline's values at
             the start of its latest call, so both models start from the same state.
+        allow_uncalibrated: analyse a prepared model some of whose activation fake quants never saw data (their
+            placeholder scale 1.0 would top every ranking); refused by default, naming those op sites.
 
     Profiling never changes the models: forwards run in eval mode, without gradients, with observers paused,
     and every flag is restored afterwards.
@@ -106,12 +109,16 @@ class QuantAnalysis:
 
     def __init__(self, baseline_model: Any, analysis_model: Any, analysis_model_type: str,
                  out_dir: str | os.PathLike = "./quant_analysis", post_process: Any = None, *, progress: bool = True,
-                 cached_attrs: Iterable[str] | str | None = None):
+                 cached_attrs: Iterable[str] | str | None = None, allow_uncalibrated: bool = False):
         self.analysis_type = parse_analysis_type(analysis_model_type)
         self.baseline = make_access(baseline_model, "baseline")
         self.analysis = make_access(analysis_model, "analysis")
         self.cached_attrs = install_cached_attrs(self.baseline, self.analysis, cached_attrs)
         check_deployed_pair(self.analysis_type, self.baseline, self.analysis)
+        never = uncalibrated_sites(self.analysis.model) if getattr(self.analysis, "prepared", False) else []
+        if never and not allow_uncalibrated:  # its placeholder scales would be blamed as the culprits
+            raise QuantLensError(uncalibrated_message("QuantAnalysis: the analysis model", never)
+                                 + " To analyse it as it is, pass allow_uncalibrated=True.")
         if not self.analysis.quantized:
             raise QuantLensError(
                 f"QuantAnalysis('{self.analysis_type.value}'): analysis_model is a float model (no fake quants). "

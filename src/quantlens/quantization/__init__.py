@@ -16,7 +16,13 @@ profiler, so they live a layer above both, in ``quantlens.search``.
 
 from quantlens.quantization.check import ModelCheckResult, check_qat_model
 from quantlens.quantization.consistency import ConsistencyConfig, ConsistencyStrategy
-from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, calibrate, set_fake_quantize
+from quantlens.quantization.fake_quantize import (
+    FakeQuantize,
+    FakeQuantState,
+    calibrate,
+    set_fake_quantize,
+    uncalibrated_sites,
+)
 from quantlens.quantization.observers import (
     FixedRangeObserver,
     FixedScaleObserver,
@@ -38,6 +44,7 @@ __all__ = [
     "is_prepared",
     "use_runtime",
     "set_fake_quantize",
+    "uncalibrated_sites",
     "calibrate",
     "FakeQuantState",
     "FakeQuantize",

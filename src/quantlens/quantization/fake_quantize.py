@@ -408,3 +408,28 @@ def int32_bias(bias: torch.Tensor | None, in_fq: "FakeQuantize | None", w_fq: Fa
         return bias
     scale = (in_fq.scale.reshape(()) * w_fq.scale).reshape(-1).expand(bias.shape[0]).contiguous()
     return torch.ops.quantlens.fake_quant(bias, scale, -(2**31), 2**31 - 1, 0)
+
+
+def uncalibrated_sites(model: nn.Module) -> list[str]:
+    """The op sites of a prepared model with an activation fake quant that never observed data (so it quantizes
+    with the placeholder scale 1.0): calibration skipped, or a branch the calibration data never reached. Fixed-
+    scale observers need no data and are not listed. Empty for any other model."""
+    from quantlens.quantization.observers import FixedScaleObserver
+
+    out: list[str] = []
+    modules = {id(m): m for m in model.modules() if isinstance(m, FakeQuantize)}
+    for ident, (site, _role, _key) in fake_quant_sites(model).items():
+        fq = modules.get(ident)
+        if (fq is None or fq.is_weight or bool(fq.calibrated) or isinstance(fq.observer, FixedScaleObserver)
+                or site in out):
+            continue
+        out.append(site)
+    return out
+
+
+def uncalibrated_message(what: str, sites: list[str]) -> str:
+    """The warning or refusal about :func:`uncalibrated_sites`."""
+    shown = ", ".join(f"'{s}'" for s in sites[:6]) + (f" and {len(sites) - 6} more" if len(sites) > 6 else "")
+    return (f"{what}: {len(sites)} op site(s) have an activation fake quant that never saw data ({shown}); they "
+            "quantize with the placeholder scale 1.0. Calibrate first (calibrate(model, batches), with data that "
+            "reaches every branch) or load a calibrated state_dict.")
