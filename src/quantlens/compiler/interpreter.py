@@ -61,6 +61,22 @@ def _index(node: Node, inputs: list):
     return torch.ops.aten.index.Tensor(inputs[0], list(inputs[1:]))
 
 
+@qat_kernel("embedding")
+def _embedding(node: Node, inputs: list):
+    """A table lookup; ids outside the table are refused by name (torch's own error is an IndexError that names
+    neither the op site nor the input)."""
+    table, ids = inputs[0], inputs[1]
+    if ids.numel():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= table.shape[0]:
+            bad = high if high >= table.shape[0] else low
+            raise QuantLensError(
+                f"op site '{node.site}' (embedding): id {bad} is outside the table of {table.shape[0]} rows; its "
+                f"ids must lie in [0, {table.shape[0]}). Check the model input that feeds it (token ids from "
+                "another tokenizer or vocabulary, or a mask passed in its place).")
+    return torch.nn.functional.embedding(ids, table)
+
+
 @qat_kernel("cast")
 def _cast(node: Node, inputs: list):
     return inputs[0].to(getattr(torch, node.attrs["dtype"]))
