@@ -137,3 +137,13 @@ def test_a_never_calibrated_model_is_refused_by_the_profiler_and_warned_at_expor
             export(raw, (x, mask))
     calibrated = calibrate(prepare(model, (x, mask), check_result_dir=None), [(x, mask)])
     assert uncalibrated_sites(calibrated) == []
+
+
+def test_a_long_output_name_gives_a_short_stable_distinct_file_name():
+    """Issue #26: an output name too long for a file name failed after sensitivity had computed everything."""
+    from quantlens.profiler.report import safe_name
+
+    long_a, long_b = "head." + "x" * 400 + ".a", "head." + "x" * 400 + ".b"
+    assert len(safe_name(long_a)) <= 120 and safe_name(long_a) == safe_name(long_a)
+    assert safe_name(long_a) != safe_name(long_b) and safe_name(long_a).startswith("head.xxx")
+    assert safe_name("cls/score") == "cls%2Fscore"  # short names as before

@@ -7,6 +7,7 @@ Text tables stay within :data:`TEXT_WIDTH` columns (:func:`wrap_table`). ``write
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import math
 import os
@@ -90,10 +91,20 @@ def wrap_table(headers: Sequence[str], rows: Sequence[Sequence[object]], width: 
     return "\n\n".join(parts)
 
 
+#: the longest output-name part of a file name: file systems allow 255 bytes for the whole name
+_NAME_BYTES = 120
+
+
 def safe_name(name: str) -> str:
     """An output name usable in a file name, distinct for distinct names: ASCII letters, digits and ``._-~``
-    stay, every other byte is percent-encoded (``"cls/score"`` -> ``cls%2Fscore``, ``"cls_score"`` stays)."""
-    return urllib.parse.quote(name, safe="._-~") or "output"
+    stay, every other byte is percent-encoded (``"cls/score"`` -> ``cls%2Fscore``, ``"cls_score"`` stays). A
+    name longer than 120 bytes encoded keeps its first 100 and a digest of the whole name (stable, still
+    distinct), so a file name never exceeds the file system's limit."""
+    quoted = urllib.parse.quote(name, safe="._-~") or "output"
+    if len(quoted) <= _NAME_BYTES:
+        return quoted
+    digest = hashlib.sha256(name.encode("utf-8")).hexdigest()[:16]
+    return f"{quoted[:100]}~{digest}"
 
 
 def write_bad_case(result: BadCaseResult, path: str | os.PathLike) -> Path:
