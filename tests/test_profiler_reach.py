@@ -147,3 +147,42 @@ def test_a_long_output_name_gives_a_short_stable_distinct_file_name():
     assert len(safe_name(long_a)) <= 120 and safe_name(long_a) == safe_name(long_a)
     assert safe_name(long_a) != safe_name(long_b) and safe_name(long_a).startswith("head.xxx")
     assert safe_name("cls/score") == "cls%2Fscore"  # short names as before
+
+
+def test_a_trace_folder_is_untrusted_input(tmp_path):
+    """Issue #26 point 3: a trace.json entry pointing out of its folder, a FIFO in place of a trace file, a damaged
+    index or file: each a QuantLensError naming the folder and the file, never a hang or a raw error."""
+    import json
+    import os
+
+    import pytest
+
+    from quantlens.errors import QuantLensError
+    from quantlens.profiler.trace import TraceReader
+
+    qa = _analysis(tmp_path)
+    folder = tmp_path / "analysis_model"
+    index = json.loads((folder / "trace.json").read_text())
+    site = next(s for s in index["sites"] if s["name"] == "fc2")
+
+    def reader_with(change):
+        data = json.loads(json.dumps(index))
+        change(data, next(s for s in data["sites"] if s["name"] == "fc2"))
+        (folder / "trace.json").write_text(json.dumps(data))
+        return TraceReader(folder)
+
+    for bad in ("../baseline_model/" + site["file"], "/etc/passwd"):
+        with pytest.raises(QuantLensError, match="not inside its folder"):
+            reader_with(lambda d, s, bad=bad: s.update(file=bad))
+    with pytest.raises(QuantLensError, match="damaged"):
+        reader_with(lambda d, s: d.pop("sites"))
+    reader = reader_with(lambda d, s: None)  # the index as written
+    os.replace(folder / site["file"], tmp_path / "kept")
+    os.mkfifo(folder / site["file"])
+    with pytest.raises(QuantLensError, match="not a regular file"):
+        reader.site_outputs("fc2")
+    os.unlink(folder / site["file"])
+    (folder / site["file"]).write_bytes(b"\x00" * 3)
+    with pytest.raises(QuantLensError, match=f"{site['file']} cannot be read"):
+        reader.site_outputs("fc2")
+    assert qa is not None

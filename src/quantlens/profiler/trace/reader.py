@@ -4,12 +4,13 @@ references followed and integer codes turned back into their float values."""
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from quantlens.errors import QuantLensError
@@ -34,7 +35,15 @@ class TraceReader:
                 f"No complete trace in {self.dir} ({TRACE_FILE} is missing). Call QuantAnalysis.run() first "
                 "(run(run_baseline_model=True) for the baseline trace), and let it finish."
             )
-        index = TraceIndex.read(path)
+        try:
+            index = TraceIndex.read(Path(self._open(TRACE_FILE)))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # damaged JSON or entries of the wrong type
+            raise QuantLensError(
+                f"The trace in {self.dir} is damaged: {TRACE_FILE} cannot be read ({type(exc).__name__}: {exc}). "
+                "Re-run QuantAnalysis.run() to write it again.") from None
+        for site in index.sites:  # every file the index names stays inside the folder
+            for name in {site.file, *(f for f, _ in site.refs.values())}:
+                self._inside(name)
         self.label: str = index.model
         self.description: str = index.description
         self.output_names: list[str] = index.outputs
@@ -46,6 +55,31 @@ class TraceReader:
         for s in self.sites:
             self.occurrences.setdefault(s.name, []).append(s)
         self._by_file: dict[str, TracedSite] = {s.file: s for s in self.sites}
+
+    def _inside(self, name: Any) -> Path:
+        """The trace file ``name`` of the index: a plain relative name inside the folder, or a refusal."""
+        if not isinstance(name, str) or not name or os.path.isabs(name) or ".." in Path(name).parts:
+            raise QuantLensError(
+                f"The trace in {self.dir} names the file {name!r}, which is not inside its folder; a trace only "
+                "names its own files. Re-run QuantAnalysis.run() to write it again.")
+        return self.dir / name
+
+    def _open(self, name: str) -> str:
+        """The path of trace file ``name``, checked: inside the folder (links followed) and a regular file (a
+        FIFO or a device would block or stream forever)."""
+        path = self._inside(name)
+        try:
+            real = path.resolve(strict=True)
+            inside = real.is_relative_to(self.dir.resolve())
+            mode = os.stat(real).st_mode
+        except OSError as exc:
+            raise QuantLensError(f"The trace in {self.dir} lacks {name} ({exc.strerror}). Re-run "
+                                 "QuantAnalysis.run() to write it again.") from None
+        if not inside or not stat.S_ISREG(mode):
+            raise QuantLensError(
+                f"The trace in {self.dir}: {name} is {'a link out of the folder' if not inside else 'not a regular file'}"
+                "; quantlens opens only the regular files of a trace folder. Re-run QuantAnalysis.run().")
+        return str(real)
 
     def occurrence_count(self, name: str) -> int:
         """How many times the op site ran in the traced forward (0: not in the trace)."""
@@ -88,9 +122,18 @@ class TraceReader:
                          "QuantAnalysis.run() (with run_baseline_model=True).")
                 raise QuantLensError(f"The trace in {self.dir} keeps only the statistics of '{missing[0]}' at op site "
                                      f"'{owner.name}': {where}")
-            with safe_open(str(self.dir / file), framework="pt") as f:
+            try:
+                handle = safe_open(self._open(file), framework="pt")
+            except (SafetensorError, OSError) as exc:
+                raise QuantLensError(f"The trace in {self.dir}: {file} cannot be read ({exc}). Re-run "
+                                     "QuantAnalysis.run() to write it again.") from None
+            with handle as f:
                 for i, stored in items:
-                    t = f.get_tensor(stored)
+                    try:
+                        t = f.get_tensor(stored)
+                    except (SafetensorError, KeyError) as exc:
+                        raise QuantLensError(f"The trace in {self.dir}: {file} has no tensor '{stored}' ({exc}). "
+                                             "Re-run QuantAnalysis.run() to write it again.") from None
                     if stored in codes:  # integer codes on the site's grid: exactly the float32 values stored
                         t = t.to(torch.float32).mul_(torch.tensor(codes[stored], dtype=torch.float32))
                     elif t.data_ptr() % ALIGN:
@@ -117,7 +160,11 @@ class TraceReader:
         return owner is not None and stored in owner.stats_only
 
     def outputs(self) -> dict[str, torch.Tensor]:
-        return load_file(str(self.dir / OUTPUTS_FILE))
+        try:
+            return load_file(self._open(OUTPUTS_FILE))
+        except (SafetensorError, OSError) as exc:
+            raise QuantLensError(f"The trace in {self.dir}: {OUTPUTS_FILE} cannot be read ({exc}). Re-run "
+                                 "QuantAnalysis.run() to write it again.") from None
 
     def site_outputs(self, site: str, occurrence: int | None = None) -> list[torch.Tensor] | None:
         """The site's output tensors (``out0``, ``out1`` ...) of its last run unless ``occurrence`` says which, or
