@@ -413,18 +413,27 @@ def int32_bias(bias: torch.Tensor | None, in_fq: "FakeQuantize | None", w_fq: Fa
 def uncalibrated_sites(model: nn.Module) -> list[str]:
     """The op sites of a prepared model with an activation fake quant that never observed data (so it quantizes
     with the placeholder scale 1.0): calibration skipped, or a branch the calibration data never reached. Fixed-
-    scale observers need no data and are not listed. Empty for any other model."""
+    scale observers need no data and are not listed. A decomposed op (sdpa) quantizes through its own inner fake
+    quants, some of them optional (the mask's, without a float mask): it is listed when none of them saw data.
+    Empty for any other model."""
     from quantlens.quantization.observers import FixedScaleObserver
 
-    out: list[str] = []
     modules = {id(m): m for m in model.modules() if isinstance(m, FakeQuantize)}
-    for ident, (site, _role, _key) in fake_quant_sites(model).items():
+    state = getattr(model, "_quantlens_state", None)
+    owned = {id(state.fq[p.output_fq]) for p in getattr(state, "plans", {}).values()  # not called: see above
+             if p.override and p.override.endswith("|decomposition") and p.output_fq in state.fq}
+    plain: dict[str, bool] = {}  # site -> every plain activation fake quant calibrated
+    inner: dict[str, bool] = {}  # site -> some inner (decomposition) fake quant calibrated
+    for ident, (site, role, _key) in fake_quant_sites(model).items():
         fq = modules.get(ident)
-        if (fq is None or fq.is_weight or bool(fq.calibrated) or isinstance(fq.observer, FixedScaleObserver)
-                or site in out):
+        if fq is None or fq.is_weight or ident in owned or isinstance(fq.observer, FixedScaleObserver):
             continue
-        out.append(site)
-    return out
+        if role.startswith("internal"):
+            inner[site] = inner.get(site, False) or bool(fq.calibrated)
+        else:
+            plain[site] = plain.get(site, True) and bool(fq.calibrated)
+    sites = dict.fromkeys([*plain, *inner])
+    return [s for s in sites if not plain.get(s, True) or not inner.get(s, True)]
 
 
 def uncalibrated_message(what: str, sites: list[str]) -> str:
