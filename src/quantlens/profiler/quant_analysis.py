@@ -44,6 +44,7 @@ from quantlens.profiler.report import (
     write_statistic,
 )
 from quantlens.profiler.sensitivity import SensitivityResult, run_sensitivity
+from quantlens.profiler.trace._lock import FolderLock
 from quantlens.profiler.trace.reader import TraceReader
 from quantlens.profiler.trace.stats import input_digest
 from quantlens.profiler.trace.writer import TraceWriter
@@ -320,7 +321,8 @@ class QuantAnalysis:
         ``out_dir/baseline_model/`` and ``out_dir/analysis_model/`` (plus ``statistic.txt`` each). The analysis
         run also computes each op's same-input output from the baseline trace, so the baseline runs first (or
         was traced by an earlier call)."""
-        with loop_threads():  # quantlens._threads: few intra-op threads on small or busy machines
+        # one run per out_dir at a time (trace._lock): two would clear each other's files and mix their traces
+        with FolderLock(self.out_dir), loop_threads():  # loop_threads: few intra-op threads on busy machines
             return self._run(run_baseline_model, run_analysis_model)
 
     def _run(self, run_baseline_model: bool, run_analysis_model: bool) -> RunResult:

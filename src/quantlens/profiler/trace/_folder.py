@@ -3,6 +3,7 @@ and only the files quantlens writes there are ever removed or replaced (a user's
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import tempfile
@@ -47,17 +48,19 @@ def _remove_own(folder: Path) -> bool:
 
 
 def staging_dir(target: Path) -> Path:
-    """An empty sibling folder for a trace being written (a leftover of an interrupted run is cleared of
-    quantlens' own files; one holding anything else is left alone and another name is used)."""
+    """An empty sibling folder, of a name unique to this run, for a trace being written (the leftovers of
+    interrupted runs are cleared of quantlens' own files; one holding anything else is left alone)."""
     if target.exists() and not target.is_dir():
         raise QuantLensError(f"{target} is a file, not a folder; a trace is a folder there. Move the file away or "
                              "pass another out_dir.")
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.partial"
-    if staging.is_symlink() or (staging.exists() and not _remove_own(staging)):
-        return Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-"))
-    staging.mkdir()
-    return staging
+    # leftovers of interrupted runs (the caller holds the out_dir's lock, so no live run owns one): cleared of
+    # quantlens' own files; one holding anything else is left alone
+    for leftover in target.parent.glob(f".{glob.escape(target.name)}.partial*"):
+        if leftover.is_dir() and not leftover.is_symlink():
+            _remove_own(leftover)
+    # a unique name per run, never one another run could be writing into
+    return Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-{os.getpid()}-"))
 
 
 def swap_in(staging: Path, target: Path) -> None:

@@ -1,0 +1,71 @@
+"""One run per output folder at a time: a lock file holding the owner's pid.
+
+Two runs writing traces into one ``out_dir`` would clear each other's files and leave a folder mixed from both.
+:class:`FolderLock` takes ``out_dir/.quantlens.lock`` (created exclusively, the owner's pid inside); a second run
+is refused with the owner's pid and the fix. A lock whose owner is gone (a killed run) is taken over.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from quantlens.errors import QuantLensError
+
+__all__ = ["FolderLock", "LOCK_FILE"]
+
+LOCK_FILE = ".quantlens.lock"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+class FolderLock:
+    """``with FolderLock(folder): ...``: the folder is this process's until the block ends (re-entrant within
+    one process)."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_FILE
+        self._held = False
+
+    def __enter__(self) -> FolderLock:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):  # the second try after clearing a stale lock
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = self._owner()
+                if owner == os.getpid():
+                    return self  # this process already holds it (a run inside a run)
+                if owner is not None and _alive(owner):
+                    raise QuantLensError(
+                        f"{self.folder} is in use by another quantlens run (pid {owner}, {self.path}); two runs into "
+                        "one out_dir would mix their traces. Wait for it to finish, or give this QuantAnalysis "
+                        "another out_dir.") from None
+                self.path.unlink(missing_ok=True)  # its owner is gone: a stale lock
+                continue
+            with os.fdopen(fd, "w") as handle:
+                handle.write(str(os.getpid()))
+            self._held = True
+            return self
+        raise QuantLensError(f"{self.path} could not be taken (it keeps reappearing); is another run starting?")
+
+    def _owner(self) -> int | None:
+        try:
+            text = self.path.read_text(encoding="ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+        return int(text) if text.isdigit() else None
+
+    def __exit__(self, *exc) -> None:
+        if self._held and self._owner() == os.getpid():
+            self.path.unlink(missing_ok=True)
+        self._held = False

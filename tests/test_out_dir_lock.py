@@ -1,0 +1,52 @@
+"""Issue #26 point 2: one run per out_dir at a time. A second process's run into an out_dir that a live run holds is
+refused with the owner's pid and the fix (two runs used to clear each other's files and leave a mixed trace); a
+lock left by a killed run is taken over; staging folders have names unique to their run."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from quantlens.errors import QuantLensError
+from quantlens.profiler.trace._lock import LOCK_FILE, FolderLock
+from tests.test_profiler_reach import _analysis
+
+_HOLD = """
+import sys, time
+from quantlens.profiler.trace._lock import FolderLock
+with FolderLock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_a_second_process_is_refused_while_a_run_holds_the_folder(tmp_path):
+    qa = _analysis(tmp_path)  # one complete run, lock released after it
+    assert not (tmp_path / LOCK_FILE).exists()
+    before = (tmp_path / "analysis_model" / "trace.json").read_bytes()
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path), "60"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(QuantLensError, match=rf"in use by another quantlens run \(pid {holder.pid}"):
+            qa.run()
+        assert (tmp_path / "analysis_model" / "trace.json").read_bytes() == before  # untouched
+    finally:
+        holder.kill()
+        holder.wait()
+    qa.run()  # the holder was killed: its lock is stale and taken over
+    assert not (tmp_path / LOCK_FILE).exists()
+    assert not list(tmp_path.glob(".*partial*"))  # no staging folder left behind
+
+
+def test_a_stale_lock_is_taken_over_and_the_lock_is_reentrant(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / LOCK_FILE).write_text(dead.stdout.strip())
+    time.sleep(0.05)
+    with FolderLock(tmp_path):
+        assert (tmp_path / LOCK_FILE).read_text() == str(os.getpid())
+        with FolderLock(tmp_path):  # a run inside a run of the same process
+            pass
+        assert (tmp_path / LOCK_FILE).exists()
+    assert not (tmp_path / LOCK_FILE).exists()
