@@ -50,3 +50,29 @@ def test_a_stale_lock_is_taken_over_and_the_lock_is_reentrant(tmp_path):
             pass
         assert (tmp_path / LOCK_FILE).exists()
     assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_a_trace_of_another_model_is_not_reused(tmp_path):
+    """Issue #26 point 1: run(run_baseline_model=False) used another model's baseline trace without a word (an
+    innocent layer blamed); set_model_profiler_dir likewise. Traces carry the model's fingerprint; a mismatch is
+    refused, the same model's trace is reused."""
+    import torch
+
+    from quantlens.profiler import QuantAnalysis
+    from quantlens.quantization import calibrate, prepare
+    from tests.test_profiler_reach import WithPooler
+
+    first = _analysis(tmp_path / "first")  # its baseline: WithPooler's seed-0 weights
+    gen = torch.Generator().manual_seed(1)
+    x, mask = torch.randn(16, 8, generator=gen), (torch.rand(16, 4, generator=gen) > 0.3).float()
+    other = WithPooler().eval()
+    with torch.no_grad():
+        other.fc2.weight.mul_(-1.0)  # another model, the same op sites
+    prepared = calibrate(prepare(other, (x, mask), check_result_dir=None), [(x, mask)])
+    qa = QuantAnalysis(other, prepared, "fake_quant", out_dir=tmp_path / "first", progress=False)
+    qa.set_bad_case((x, mask))
+    with pytest.raises(QuantLensError, match="was made from another model"):
+        qa.run(run_baseline_model=False)
+    with pytest.raises(QuantLensError, match="was made from another model"):
+        qa.set_model_profiler_dir(tmp_path / "first" / "baseline_model", tmp_path / "first" / "analysis_model")
+    first.run(run_baseline_model=False)  # the same model: its trace is reused

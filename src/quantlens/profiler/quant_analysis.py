@@ -28,6 +28,7 @@ from quantlens.profiler.advisor import AdvisorContext, Finding, advise
 from quantlens.profiler.bad_case import BadCaseResult, find_bad_case
 from quantlens.profiler.cached_attrs import install_cached_attrs
 from quantlens.profiler.compare import LayerComparison, check_site_match, compare_traces
+from quantlens.profiler.fingerprint import model_digest
 from quantlens.profiler.html import write_html
 from quantlens.profiler.joint_sensitivity import JointSensitivityResult, run_joint_sensitivity, write_joint_sensitivity
 from quantlens.profiler.model_access import AnalysisType, ConsistencyInfo, SiteEvent, parse_analysis_type
@@ -237,11 +238,14 @@ class QuantAnalysis:
         without running the models: :meth:`compare_per_layer` and :meth:`advise` read the baseline trace from
         ``baseline_model_profiler_dir`` and the analysis trace from ``analysis_model_profiler_dir`` (the
         ``baseline_model/`` and ``analysis_model/`` folders of that run's ``out_dir``). Both are checked now:
-        a folder without a complete trace, a trace of the other model, or two traces of different bad cases raise
-        a ``QuantLensError`` naming the folder. A later :meth:`run` writes to this ``out_dir`` again and reads
+        a folder without a complete trace, a trace of the other model or of a model other than this
+        QuantAnalysis' (its fingerprint), or two traces of different bad cases raise a ``QuantLensError`` naming
+        the folder. A later :meth:`run` writes to this ``out_dir`` again and reads
         from there."""
         base_dir, analy_dir = Path(baseline_model_profiler_dir), Path(analysis_model_profiler_dir)
-        self._open_traces(base_dir, analy_dir)
+        base, analy = self._open_traces(base_dir, analy_dir)
+        self._check_made_from(base, self.baseline, base_dir)
+        self._check_made_from(analy, self.analysis, analy_dir)
         self._base_dir, self._analy_dir = base_dir, analy_dir
 
     def _open_traces(self, base_dir: Path | None = None, analy_dir: Path | None = None
@@ -308,7 +312,7 @@ class QuantAnalysis:
             if extra:  # the post-processing is one more "op site", compared like the others
                 writer.on_site(SiteEvent(index=len(writer.sites), name="post_process", op_type="post_process",
                                          module_type=None, inputs={}, outputs=list(extra.values())))
-            writer.finish(outputs, input_digest(self._require_bad_case()))
+            writer.finish(outputs, input_digest(self._require_bad_case()), model_digest(access))
         except BaseException:
             writer.close()
             raise
@@ -337,6 +341,8 @@ class QuantAnalysis:
             self._base_dir = base_dir
         if run_analysis_model:
             source = base if base is not None else TraceReader(base_dir)
+            if base is None:
+                self._check_made_from(source, self.baseline, base_dir)
             if source.input_digest != input_digest(self._require_bad_case()):
                 raise QuantLensError(
                     f"The baseline trace in {base_dir} was made on another bad case than the current one, so it "
@@ -348,6 +354,15 @@ class QuantAnalysis:
         return RunResult(base_dir if base else None, analy_dir if analy else None,
                          len(base.sites) if base else None, len(analy.sites) if analy else None, outputs,
                          self.consistency)
+
+    @staticmethod
+    def _check_made_from(trace: TraceReader, access, folder: Path) -> None:
+        """Refuse a trace reused without running its model when it was made from another model."""
+        if trace.model_digest and trace.model_digest != model_digest(access):
+            raise QuantLensError(
+                f"The trace in {folder} was made from another model ({trace.description}) than this "
+                f"QuantAnalysis' {access.label} model ({access.describe()}): its weights, buffers, qconfig or graph "
+                "differ. Run that model again (qa.run()), or give the trace of this very model.")
 
     @property
     def consistency(self) -> ConsistencyInfo | None:

@@ -117,6 +117,8 @@ class TraceIndex:
     input_digest: str
     outputs: list[str]
     sites: list[TracedSite]
+    #: the fingerprint of the model traced (``profiler.fingerprint.model_digest``; "" in traces made before it)
+    model_digest: str = ""
 
     def to_json(self) -> str:
         """The text of ``trace.json``."""
@@ -125,6 +127,7 @@ class TraceIndex:
             "model": self.model,
             "description": self.description,
             "input_digest": self.input_digest,
+            "model_digest": self.model_digest,
             "outputs": list(self.outputs),
             "sites": [vars(s) for s in self.sites],
         }
@@ -142,4 +145,5 @@ class TraceIndex:
                 "it). Re-run QuantAnalysis.run() to write the trace again.")
         return cls(model=data["model"], description=data["description"],
                    input_digest=data.get("input_digest", ""), outputs=data["outputs"],
-                   sites=[TracedSite.from_json(s) for s in data["sites"]])
+                   sites=[TracedSite.from_json(s) for s in data["sites"]],
+                   model_digest=str(data.get("model_digest", "")))

@@ -300,7 +300,7 @@ class TraceWriter:
         self._pool.clear()
         self._scratch = {}
 
-    def finish(self, outputs: dict[str, torch.Tensor], input_digest: str = "") -> Path:
+    def finish(self, outputs: dict[str, torch.Tensor], input_digest: str = "", model_digest: str = "") -> Path:
         """Save the model outputs and the index; the trace is complete once this returns."""
         self._drain()
         self._raise_error()
@@ -311,7 +311,7 @@ class TraceWriter:
         self._jobs, self._stored, self._scratch = [], {}, {}
         self._pool.clear()
         save_tensors(outputs, self.dir / OUTPUTS_FILE)
-        index = TraceIndex(self.label, self.description, input_digest, list(outputs), self.sites)
+        index = TraceIndex(self.label, self.description, input_digest, list(outputs), self.sites, model_digest)
         atomic_write_text(self.dir / TRACE_FILE, index.to_json())
         swap_in(self.dir, self.target)
         return self.target / TRACE_FILE
