@@ -3,7 +3,7 @@ without running the model (``run(run_baseline_model=False)``, ``set_model_profil
 made from another model.
 
 Cheap by design (it runs on every ``run()``): per tensor of the state dict (weights and buffers) its name,
-dtype, shape and float64 sum and absolute sum, plus the qconfig setter's name for a prepared model; an IR's
+dtype, shape, sum and norm, plus the qconfig setter's name for a prepared model; an IR's
 graph (its ops, op sites and attributes) and constants alike. Another model, other weights,
 another qconfig or graph give another digest with overwhelming probability. An ONNX model: its serialized bytes.
 """
@@ -23,9 +23,13 @@ def _tensors(h, tensors) -> None:
         if not isinstance(t, torch.Tensor):
             continue
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        if t.numel() and (t.is_floating_point() or not t.is_complex()):
-            d = t.detach().to(torch.float64)
-            h.update(f"{float(d.sum())!r}|{float(d.abs().sum())!r}".encode())
+        if not t.numel() or t.is_complex():
+            continue
+        t = t.detach()
+        if t.is_floating_point():  # in the tensor's own dtype: no float64 copy of every weight on every run()
+            h.update(f"{float(t.sum())!r}|{float(torch.linalg.vector_norm(t))!r}".encode())
+        else:
+            h.update(f"{int(t.to(torch.int64).sum())}".encode())
 
 
 def model_digest(access: Any) -> str:
