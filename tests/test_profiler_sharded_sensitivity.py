@@ -17,6 +17,7 @@ import torch
 from quantlens.profiler import QuantAnalysis
 from quantlens.profiler.sharding import PROGRESS_DIR
 from quantlens.quantization import calibrate as calibrate_model
+from quantlens.profiler.outputs import PostProcess
 from quantlens.quantization import prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.zoo import example_inputs, get_model, sample_batches
@@ -145,6 +146,34 @@ def test_mismatched_progress_is_ignored_and_replaced(reference, tmp_path):
     calls = count_forwards(qa2)
     qa2.sensitivity(metric="L1", shard=True)
     assert len(calls) == len(ref["L1"][0][1])
+
+
+
+def test_a_changed_post_process_does_not_reuse_progress(tmp_path):
+    """Issue #26: post_process was not in the resume header, so a resumed sensitivity gave the values of the old
+    post-process (13 of 26 stale). Its code is in the header now: the same post-process resumes, another does not."""
+    out = tmp_path / "out"
+
+    def top(output):
+        return {"top": output.topk(3, dim=-1).values}
+
+    def bottom(output):
+        return {"top": -output.topk(3, dim=-1, largest=False).values}
+
+    def analysis(post):
+        qa = make_qa(out)
+        qa.post_process = PostProcess(post)
+        return qa, count_forwards(qa)
+
+    qa, calls = analysis(top)
+    qa.sensitivity(metric="L1", shard=True)
+    full = len(calls)
+    qa, calls = analysis(top)
+    qa.sensitivity(metric="L1", shard=True)
+    assert len(calls) == 0  # the same post-process: every value replayed
+    qa, calls = analysis(bottom)
+    qa.sensitivity(metric="L1", shard=True)
+    assert len(calls) == full  # another one: all recomputed
 
 
 if __name__ == "__main__":

@@ -15,14 +15,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["model_digest"]
+__all__ = ["model_digest", "callable_digest"]
 
 
-def _tensors(h, tensors) -> None:
+def _tensors(h, tensors, exact: bool = False) -> None:
     for name, t in tensors:
         if not isinstance(t, torch.Tensor):
             continue
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        if exact:  # every byte (a resumed sensitivity must not replay values of a model one weight away)
+            from quantlens.profiler.trace.stats import input_digest
+
+            h.update(input_digest(t).encode())
+            continue
         if not t.numel() or t.is_complex():
             continue
         t = t.detach()
@@ -32,8 +37,9 @@ def _tensors(h, tensors) -> None:
             h.update(f"{int(t.to(torch.int64).sum())}".encode())
 
 
-def model_digest(access: Any) -> str:
-    """The fingerprint of the model behind a :class:`~.model_access.ModelAccess` ("" when it has none)."""
+def model_digest(access: Any, exact: bool = False) -> str:
+    """The fingerprint of the model behind a :class:`~.model_access.ModelAccess` ("" when it has none);
+    ``exact``: every tensor's bytes rather than its sums (slower: for progress files, not for every trace)."""
     h = hashlib.sha256()
     model = getattr(access, "model", None)
     module = getattr(access, "module", None)
@@ -42,13 +48,42 @@ def model_digest(access: Any) -> str:
         h.update(type(model).__name__.encode())
         state = getattr(model, "_quantlens_state", None)
         h.update(str(getattr(state, "setter_name", "")).encode())
-        _tensors(h, model.state_dict(keep_vars=False).items())
+        _tensors(h, model.state_dict(keep_vars=False).items(), exact)
     elif module is not None and hasattr(module, "graph"):
         for node in module.graph.nodes:
             h.update(f"{node.op}|{node.site}|{sorted((k, repr(v)) for k, v in node.attrs.items())}".encode())
-        _tensors(h, sorted(getattr(module.graph, "constants", {}).items()))
+        _tensors(h, sorted(getattr(module.graph, "constants", {}).items()), exact)
     elif proto is not None:
         h.update(proto.SerializeToString(deterministic=True))
     else:
         return ""
+    return h.hexdigest()
+
+
+def callable_digest(func: Any) -> str:
+    """A fingerprint of a callable (a ``post_process``): its qualified name and code (bytecode, constants, names,
+    recursively into nested functions), and a module's state; "" for None. Another function, or the same one
+    edited, gives another digest."""
+    if func is None:
+        return ""
+    h = hashlib.sha256()
+    target = getattr(func, "func", func)  # functools.partial
+    h.update(f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', type(target).__qualname__)}"
+             .encode())
+    code = getattr(target, "__code__", None) or getattr(getattr(type(target), "forward", None), "__code__", None) \
+        or getattr(getattr(type(target), "__call__", None), "__code__", None)
+    stack = [code] if code is not None else []
+    while stack:
+        c = stack.pop()
+        h.update(c.co_code)
+        h.update(repr(c.co_names).encode())
+        for const in c.co_consts:
+            if hasattr(const, "co_code"):
+                stack.append(const)
+            else:
+                h.update(repr(const).encode())
+    if isinstance(target, torch.nn.Module):
+        _tensors(h, target.state_dict().items(), exact=True)
+    for arg in getattr(func, "args", ()):  # a partial's bound arguments
+        h.update(repr(arg).encode())
     return h.hexdigest()

@@ -14,16 +14,14 @@ world size of the interrupted run. Files with another header are ignored and the
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from quantlens._io import atomic_write_text
 from quantlens.errors import QuantLensError
+from quantlens.profiler.fingerprint import callable_digest, model_digest
 from quantlens.profiler.metrics import get_metric
 from quantlens.profiler.model_access import AnalysisType, ModelAccess
 from quantlens.profiler.outputs import PostProcess
@@ -37,10 +35,10 @@ from quantlens.profiler.sensitivity import (
 )
 from quantlens.profiler.trace.stats import input_digest
 
-__all__ = ["PROGRESS_DIR", "dist_rank_world", "model_digest", "run_sharded_sensitivity"]
+__all__ = ["PROGRESS_DIR", "dist_rank_world", "run_sharded_sensitivity"]
 
 PROGRESS_DIR = "sensitivity_progress"
-FORMAT = "quantlens-sensitivity-progress/1"
+FORMAT = "quantlens-sensitivity-progress/2"  # 2: exact model digests (IR graph and constants), post_process
 
 
 def dist_rank_world() -> tuple[int, int] | None:
@@ -52,25 +50,14 @@ def dist_rank_world() -> tuple[int, int] | None:
     return None
 
 
-def model_digest(access: ModelAccess) -> str:
-    """A fingerprint of a torch model's state (parameters and buffers, so observers' scales too); for other
-    models (IRs), their one-line description."""
-    model = getattr(access, "model", None)
-    if not isinstance(model, torch.nn.Module):
-        return access.describe()
-    h = hashlib.sha256()
-    for key, value in model.state_dict().items():
-        if isinstance(value, torch.Tensor):
-            h.update(key.encode())
-            h.update(input_digest(value).encode())
-    return h.hexdigest()[:16]
-
-
 def _header(metric: str, analysis_type: AnalysisType, example: Any, baseline: ModelAccess, analysis: ModelAccess,
-            quantizers: list, outputs: list[str]) -> dict:
+            quantizers: list, outputs: list[str], post_process: PostProcess) -> dict:
+    """What the progress file's values depend on: the bad case, both models (every byte of their state; an IR's
+    graph and constants), the post-process (its code), the metric and the quantizers."""
     header = {"format": FORMAT, "metric": metric, "analysis_type": analysis_type.value,
-              "bad_case": input_digest(example), "baseline": model_digest(baseline),
-              "analysis": model_digest(analysis), "outputs": outputs,
+              "bad_case": input_digest(example), "baseline": model_digest(baseline, exact=True),
+              "analysis": model_digest(analysis, exact=True), "outputs": outputs,
+              "post_process": callable_digest(post_process.func),
               "quantizers": [[q.op_name, q.sensitive_type, q.op_type, q.quant_dtype] for q in quantizers]}
     return json.loads(json.dumps(header))  # the form it has once read back
 
@@ -131,7 +118,7 @@ def run_sharded_sensitivity(
     distributed = group is not None and world_size > 1
     m = get_metric(metric)
     base, recorder, quantizers = sensitivity_setup(baseline, analysis, analysis_type, example, post_process)
-    header = _header(m.name, analysis_type, example, baseline, analysis, quantizers, list(base))
+    header = _header(m.name, analysis_type, example, baseline, analysis, quantizers, list(base), post_process)
     directory = Path(out_dir) / PROGRESS_DIR
     directory.mkdir(parents=True, exist_ok=True)
     done = _read_progress(directory, header, quantizers)
