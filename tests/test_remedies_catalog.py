@@ -228,3 +228,30 @@ def test_a_setter_key_that_matches_no_op_site_is_warned_with_the_closest_names()
         with pytest.warns(UserWarning, match=r"matched no op site; its setting was not applied\. Closest op site "
                                              r"names: \['(fc2|relu_0|fc1)'"):
             prepare(model, batches[0], (setter, default_calibration_qconfig_setter), check_result_dir=None)
+
+
+def test_mixed_precision_progress_knows_its_base_setter_by_content(tmp_path):
+    """Issue #26 point 1: the mixed-precision progress file keyed the base setter by its name, so another mapping
+    of a ModuleNameQconfigSetter (the same name) replayed the old measurements."""
+    from quantlens.search import search_mixed_precision
+
+    model = WideRow().eval()
+    batches, held_out = _data()
+    calls = []
+    evaluate = _cosine(model, held_out)
+
+    def counting(prepared):
+        calls.append(1)
+        return evaluate(prepared)
+
+    def search(site):
+        setter = (ModuleNameQconfigSetter({site: PER_TENSOR}), default_calibration_qconfig_setter)
+        return search_mixed_precision(model, batches[0], batches, counting, 0.9999, base_setter=setter, budget=1,
+                                      ranking=["fc1", "relu_0", "fc2"], out_dir=tmp_path, progress=False)
+
+    search("fc1")
+    first = len(calls)
+    search("fc1")
+    assert len(calls) == first  # the same setter: replayed
+    search("fc2")
+    assert len(calls) > first  # another mapping under the same name: measured again

@@ -95,7 +95,7 @@ def search_mixed_precision(
     out.mkdir(parents=True, exist_ok=True)
     given = None if ranking is None else initial_ranking(model, base_prepared, example_inputs, cands, ranking, out)
     fp = fingerprint(model, example_inputs, batches, cands, given or [], target, budget, tries,
-                     getattr(base_setter, "name", repr(base_setter)), higher_is_better, method, prune, exchange)
+                     _setter_identity(base_setter, base_prepared), higher_is_better, method, prune, exchange)
     prog = Progress(out / PROGRESS_FILE, fp, resume)  # constructed here: its warning names our caller's line
     ranked0 = first_ranking(given, prog, lambda: initial_ranking(model, base_prepared, example_inputs, cands,
                                                                  None, out))
@@ -171,3 +171,15 @@ def _run_passes(ctx: SearchContext, state: SearchState, method: str, prune: bool
     if prune and exchange and ctx.goal.reached(state.metric) and len(state.selected) > 1:
         exchange_pass(ctx, state, exchange, bar.show)
     bar.show(f"done: {len(state.selected)} int16, metric {state.metric:.4f}", len(state.selected))
+
+
+def _setter_identity(setter: Any, prepared: nn.Module) -> str:
+    """The base setter in the progress file's fingerprint: its name and what it gave every op site (dtype,
+    observer and its options, axis), so another mapping under the same name does not replay old measurements."""
+    plans = getattr(getattr(prepared, "_quantlens_state", None), "plans", {})
+    given = []
+    for name, plan in plans.items():
+        qc = plan.qconfig
+        specs = [] if qc is None else [getattr(qc, part, None) for part in ("input", "weight", "output")]
+        given.append(f"{name}:" + "|".join("-" if spec is None else spec.describe() for spec in specs))
+    return getattr(setter, "name", repr(setter)) + "#" + "\n".join(given)
