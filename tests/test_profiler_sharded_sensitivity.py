@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from quantlens.profiler import QuantAnalysis
+from quantlens.profiler.outputs import PostProcess
 from quantlens.profiler.sharding import PROGRESS_DIR
 from quantlens.quantization import calibrate as calibrate_model
-from quantlens.profiler.outputs import PostProcess
 from quantlens.quantization import prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.zoo import example_inputs, get_model, sample_batches
