@@ -38,9 +38,9 @@ from quantlens.quantization.qconfig_template import (
     QconfigSetter,
     default_calibration_qconfig_setter,
     resolve_qconfigs,
-    unmatched_message,
 )
 from quantlens.quantization.record import call_model
+from quantlens.search.remedies.observers import ObserverQconfigSetter
 
 __all__ = ["learn_ranges", "FixedRangeQconfigSetter", "int8_range_observer"]
 
@@ -54,33 +54,21 @@ def int8_range_observer(dtype: QuantDType, ch_axis: int | None = None, *, absmax
     return MinMaxObserver(dtype, ch_axis)
 
 
-class FixedRangeQconfigSetter(QconfigSetter):
+class FixedRangeQconfigSetter(ObserverQconfigSetter):
     """The base setter's qconfigs with each named op site's int8 output given a fixed clipping range ``[-a, a]``
     (:func:`int8_range_observer`: an op site promoted to int16 later gets min/max); everything else is the base
-    setter's."""
+    setter's. ``ranges``: op site -> ``a``."""
+
+    label = "FixedRangeQconfigSetter"
 
     def __init__(self, ranges: Mapping[str, float], base_setter: Any = default_calibration_qconfig_setter):
         self.ranges = {str(k): float(v) for k, v in ranges.items()}
-        self.base_setter = base_setter
-        # the name carries a digest of the ranges: progress files key their measurements by the setter's name
+        super().__init__({site: functools.partial(int8_range_observer, absmax=a) for site, a in self.ranges.items()},
+                         base_setter)
+        # the name carries a digest of the ranges (an observer factory's repr holds an address): progress files
+        # key their measurements by the setter's name
         digest = hashlib.sha256(repr(sorted(self.ranges.items())).encode()).hexdigest()[:12]
         self.name = f"fixed_ranges({len(self.ranges)}, {digest}) > {getattr(base_setter, 'name', repr(base_setter))}"
-
-    def assign(self, ctx: QconfigContext) -> QconfigAssignment:
-        """The base assignment with the named sites' output observers fixed to their ranges."""
-        result = resolve_qconfigs(self.base_setter, ctx)
-        for site, absmax in self.ranges.items():
-            qconfig = result.qconfigs.get(site)
-            if site not in ctx.record.sites:
-                result.unmatched.append(unmatched_message("FixedRangeQconfigSetter", site, ctx))
-                continue
-            if qconfig is None or qconfig.output is None:
-                result.warnings.append(f"FixedRangeQconfigSetter: op site '{site}' has no output quantization "
-                                       "here; its range was not fixed.")
-                continue
-            observer = functools.partial(int8_range_observer, absmax=absmax)
-            result.qconfigs[site] = qconfig.replace(output=replace(qconfig.output, observer=observer))
-        return result
 
 
 class _LearnScales(QconfigSetter):

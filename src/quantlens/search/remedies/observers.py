@@ -37,6 +37,9 @@ class ObserverQconfigSetter(QconfigSetter):
     """The base setter's qconfigs with each named op site's output observer replaced (``observers``: op site ->
     observer factory, or the name of one in :data:`RANGE_OBSERVERS`)."""
 
+    #: how the setter names itself in its warnings
+    label = "ObserverQconfigSetter"
+
     def __init__(self, observers: Mapping[str, Any], base_setter: Any = default_calibration_qconfig_setter):
         self.observers = {}
         for site, observer in observers.items():
@@ -62,11 +65,11 @@ class ObserverQconfigSetter(QconfigSetter):
         for site, observer in self.observers.items():
             qconfig = result.qconfigs.get(site)
             if site not in ctx.record.sites:
-                result.unmatched.append(unmatched_message("ObserverQconfigSetter", site, ctx))
+                result.unmatched.append(unmatched_message(self.label, site, ctx))
                 continue
             if qconfig is None or qconfig.output is None:
-                result.warnings.append(f"ObserverQconfigSetter: op site '{site}' has no output quantization here; "
-                                       "its observer was not changed.")
+                result.warnings.append(f"{self.label}: op site '{site}' has no output quantization here; its "
+                                       "observer was not changed.")
                 continue
             result.qconfigs[site] = qconfig.replace(output=replace(qconfig.output, observer=observer))
         return result
