@@ -7,6 +7,8 @@ with the float one, applied to the float model or to the qconfig before ``prepar
   cross-layer equalization (conv/linear -> ReLU -> conv/linear) and activation smoothing (LayerNorm -> linears);
 * :mod:`.weights`: per-channel weights where a setter gives per-tensor ones;
 * :mod:`.bias_correction`: the mean output shift of weight rounding taken out of each conv/linear bias;
+* :mod:`.learned_ranges`, :mod:`.learned_rounding`: activation ranges and weight rounding trained jointly to the
+  float outputs;
 * :mod:`.observers`: ranges chosen per op site (percentile, KL, MSE clipping instead of min/max);
 * :mod:`.search`: :func:`search_remedies`, which measures each remedy, keeps what helps, and leaves int16 for what
   the others cannot fix;

@@ -5,11 +5,13 @@ kept only when it helps; the remedies go cheapest first, so int16 is spent only 
 
 1. **whole-model remedies**, in the order of the registry :data:`~.catalog.REMEDIES`: cross-layer equalization
    and LayerNorm smoothing (free at run time, exact in float, :mod:`.equalize`), per-channel weights where the
-   setter has per-tensor ones (:mod:`.weights`), bias correction (:mod:`.bias_correction`); each measured on top of
-   those kept so far and kept when the metric improves;
+   setter has per-tensor ones (:mod:`.weights`), bias correction (:mod:`.bias_correction`), learned ranges
+   (:mod:`.learned_ranges`), learned rounding (:mod:`.learned_rounding`); each measured on top of those kept so far
+   and kept when the metric improves;
 2. **ranges**: for the op sites of the advisor's findings that a range answers, then those the outputs are most
-   sensitive to (the profiler's sensitivity on the current model), each range observer of :data:`~.observers.RANGE_OBSERVERS`; the best is kept per site when it improves
-   the metric (:class:`~.observers.ObserverQconfigSetter`);
+   sensitive to (the profiler's sensitivity on the current model), each range observer of
+   :data:`~.observers.RANGE_OBSERVERS`; the best is kept per site when it improves the metric
+   (:class:`~.observers.ObserverQconfigSetter`);
 3. **precision**: if the target is not reached, ``search_mixed_precision`` promotes op sites to int16 on top of
    what 1-2 chose.
 
