@@ -128,6 +128,8 @@ def test_advisor_suggests_level_2_for_the_inexact_adds(stages, tmp_path):
     assert f.op_name == adds[0] and f.op_type == "add"
     assert all(f"'{name}' (add)" in f.info for name in adds)
     assert "needs retraining" in f.advice and "consistency off" in f.info
+    # what consistency off defines is advice (listed, not a problem: `quantlens analyze` exits 0 on it)
+    assert f.severity == "advice" and not f.is_problem
     # every suggestion is based on op sites whose own kernel is not bit-exact
     inexact = {r.op_name for r in table if r.same_input_lsb_verdict not in ("", "bit-exact")}
     for finding in found:
@@ -145,6 +147,7 @@ def test_advisor_suggests_only_levels_above_the_models_own(stages, tmp_path):
     adds = _add_sites(table)
     at_add = [f for f in found if f.op_name == adds[0]]
     assert at_add and "set_consistency_level(4)" in at_add[0].advice and "should already" in at_add[0].advice
+    assert at_add[0].is_problem  # what the model's own level should remove is a problem, not advice
     # at level 4 a mismatch is a bug: one finding naming the first diverged (else first inexact) op
     meta4 = dict(consistency_level=4, high_precision_qpp=False)
     _, _, table, found = _convert_analysis(_with_meta(qat_ir, **meta4), _with_meta(quantized_ir, **meta4), example,
@@ -154,6 +157,7 @@ def test_advisor_suggests_only_levels_above_the_models_own(stages, tmp_path):
     first = table.first_diverged or next(r for r in table if r.same_input_lsb_verdict not in ("", "bit-exact")
                                          and r.analy_op_type == "add")
     assert len(found) == 1 and "bug" in found[0].advice and found[0].op_name == first.op_name
+    assert found[0].is_problem
     assert f"'{first.op_name}'" in found[0].advice and "set_consistency_level" not in found[0].advice
 
 

@@ -51,8 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from quantlens.errors import QuantLensError
-
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -64,6 +62,18 @@ def main(argv: list[str] | None = None) -> int:
     # columns, splitting the paths and the suggested commands that users copy from it.
     err = Console(stderr=True, highlight=False, soft_wrap=not sys.stderr.isatty())
     _quiet_torch()
+    with warnings.catch_warnings():
+        if not debug:  # a warning is one line in words, not Python's "file:line: UserWarning" and a source line
+            warnings.showwarning = lambda message, category, *rest: err.print(
+                f"[yellow]warning:[/] {escape(str(message))}")
+        return _run(args, err, debug)
+
+
+def _run(args, err, debug: bool) -> int:
+    from rich.markup import escape
+
+    from quantlens.errors import QuantLensError
+
     try:
         return int(args.func(args) or 0)
     except (UsageError, QuantLensError) as exc:

@@ -26,8 +26,8 @@ def add_parser(sub) -> None:
         "-> quantized IR [-> ONNX]) and compare each chosen pair of neighbouring stages with QuantAnalysis: bad "
         "case, per-layer comparison, advisor, sensitivity. Each pair writes its reports into OUT/<stage>/; "
         "OUT/index.html links every pair's profiler.html and OUT/summary.json names the worst op per pair.",
-        epilog="Exit codes: 0 no problem found, 1 the advisor reported abnormal layers or a deployed op diverged "
-        "(more than 4 LSB), 2 usage or bad input (CONFIG missing or failing).",
+        epilog="Exit codes: 0 no problem found, 1 the advisor reported abnormal layers (advice alone does not "
+        "count) or a deployed op diverged (more than 4 LSB), 2 usage or bad input (CONFIG missing or failing).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("config", metavar="CONFIG.py", help="the configuration file (see --gen)")
     p.add_argument("--gen", action="store_true",
@@ -87,18 +87,30 @@ def analyze_config(cfg, kinds: list[str], out_dir: Path, *, sensitivity: bool = 
                               step=lambda s: status.update(f"building the stages: {s}"))
     for f in stages.files:
         console.print(f"wrote {f}")
+    metrics = []
+    if cfg.evaluate is not None:  # the task metric per stage, before the per-layer analyses
+        from quantlens.cli.stage_metrics import metrics_table, stage_metrics
+
+        with console.status("evaluate(model) on every stage"):
+            metrics = stage_metrics(stages, cfg.evaluate)
+        console.print(metrics_table(metrics, cfg.higher_is_better))
     data = cfg.evaluation_data or cfg.calibration_data
     results = analyze_pairs(stages, kinds, out_dir, data, example, post_process=cfg.post_process,
                             num_steps=cfg.num_steps, sensitivity=sensitivity, progress=progress,
                             step=lambda s: console.rule(f"[bold]{s}"))
     index = write_index(results, out_dir, f"quantlens analyze {cfg.path.name}")
-    summary = write_summary(results, out_dir, {"config": str(cfg.path)})
+    extra = {"config": str(cfg.path)}
+    if metrics:
+        extra["stage_metrics"] = [{"stage": m.stage, "value": m.value, "error": m.error} for m in metrics]
+    summary = write_summary(results, out_dir, extra)
     print_losses(console, results)
     for r in results:
         if r.skipped:
             console.print(f"[yellow]skipped {r.analysis_type}[/]: {r.skipped}")
         elif r.findings:
-            console.print(f"{r.analysis_type}: {len(r.findings)} advisor finding(s), see "
+            advice = len(r.findings) - len(r.problem_findings)
+            console.print(f"{r.analysis_type}: {len(r.findings)} advisor finding(s)"
+                          f"{f' ({advice} advice only)' if advice else ''}, see "
                           f"{out_dir / r.folder / 'abnormal_layer_advisor.txt'}")
     console.print(f"wrote {index} and {summary}")
     return EXIT_PROBLEMS if any(r.problems for r in results) else EXIT_OK

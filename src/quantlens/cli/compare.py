@@ -78,6 +78,8 @@ def run(args) -> int:
     if table.only_in_baseline:
         out.print(f"only in A: {esc(', '.join(n for n, _ in table.only_in_baseline))}")
     for f in findings:
-        out.print(f"[yellow]{esc(f.rule)}[/] {esc(f.op_name)}: {esc(f.info)}")
+        tag = "" if f.is_problem else f" ({f.severity})"
+        out.print(f"[yellow]{esc(f.rule)}{tag}[/] {esc(f.op_name)}: {esc(f.info)}")
     out.print(f"reports in {args.out}/ (profiler.html, compare_per_layer_out.txt/.csv, abnormal_layer_advisor.txt)")
-    return EXIT_PROBLEMS if findings or summary.get("first_diverged") else EXIT_OK
+    # advice (the model behaves as built, e.g. rounding at consistency off) is listed, not a problem
+    return EXIT_PROBLEMS if any(f.is_problem for f in findings) or summary.get("first_diverged") else EXIT_OK

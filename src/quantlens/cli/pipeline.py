@@ -89,7 +89,8 @@ def build_stages(float_model: torch.nn.Module, example_inputs: Any, calibration_
     step = step or (lambda name: None)
     s = Stages(float=float_model.eval())
     step("calibration")
-    s.calibration = prepare(float_model, example_inputs, calibration_qconfig_setter, check_result_dir=None)
+    # out_dir/model_check_result.txt: the op sites a later stage refuses, each with its source line
+    s.calibration = prepare(float_model, example_inputs, calibration_qconfig_setter, check_result_dir=out_dir)
     _calibrate(s.calibration, calibration_data())
     s.qat = s.calibration
     if last >= order.index("qat") and train_qat is not None:
@@ -172,7 +173,12 @@ class PairResult:
 
     @property
     def problems(self) -> bool:
-        return bool(self.findings) or bool(self.lsb and self.lsb.get("first_diverged"))
+        """An advisor finding to fix (advice does not count) or a deployed op that diverged."""
+        return bool(self.problem_findings) or bool(self.lsb and self.lsb.get("first_diverged"))
+
+    @property
+    def problem_findings(self) -> list[dict]:
+        return [f for f in self.findings if f.get("severity", "problem") == "problem"]
 
     @property
     def worst_text(self) -> str:

@@ -315,7 +315,8 @@ def write_advisor(findings: list[Finding], path: str | os.PathLike, consistency=
              "thresholds: " + ", ".join(f"{k} = {v:g}" for k, v in THRESHOLDS.items()), ""]
     if findings:
         lines.append(wrap_table(["rule", "op name", "op type", "abnormal info", "advice"],
-                                [[f.rule, f.op_name, f.op_type, f.info, f.advice] for f in findings], keys=(1,)))
+                                [[f.rule if f.is_problem else f"{f.rule} ({f.severity})", f.op_name, f.op_type, f.info,
+                                  f.advice] for f in findings], keys=(1,)))
     else:
         lines.append("(no abnormal layers found)")
     return atomic_write_text(path, "\n".join(lines) + "\n")

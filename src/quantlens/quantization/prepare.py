@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 import warnings as _warnings
 from typing import Any, Iterable, Iterator
 
@@ -214,10 +215,14 @@ def prepare(
         # One console line; model_check_result.txt lists every op site with its source line.
         sites = list(refusals)
         shown = ", ".join(f"'{n}'" for n in sites[:5]) + (f" and {len(sites) - 5} more" if len(sites) > 5 else "")
-        _warnings.warn(
-            f"prepare: {len(sites)} op site(s) use ops that a later stage will refuse ({shown}); "
-            "model_check_result.txt lists each with the stage and its source line.", stacklevel=2
-        )
+        from quantlens.quantization.check import CHECK_FILE  # (check imports this module)
+
+        listed = (f"{os.path.join(os.fspath(check_result_dir), CHECK_FILE)} lists each with the stage and its source line"
+                  if check_result_dir is not None else
+                  f"prepare(..., check_result_dir=FOLDER) writes {CHECK_FILE} listing each with the stage "
+                  "and its source line")
+        _warnings.warn(f"prepare: {len(sites)} op site(s) use ops that a later stage will refuse ({shown}); "
+                       f"{listed}.", stacklevel=2)
     state = QuantState(record, groups, unfused, plans, warnings, getattr(qconfig_setter, "name", repr(qconfig_setter)))
     for request in requests:
         spec = request.spec
@@ -256,8 +261,6 @@ def _copy_inputs(example: Any) -> Any:
 
 def _write_check_report(prepared: nn.Module, example: Any, directory: Any) -> None:
     """``model_check_result.txt``: a report, so a folder that cannot take it is a warning, never a failure."""
-    import os
-
     from quantlens._io import atomic_write_text
     from quantlens.quantization.check import CHECK_FILE, check_qat_model
 

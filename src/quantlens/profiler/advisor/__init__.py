@@ -22,9 +22,9 @@ from typing import Callable
 
 from quantlens._registry import make_registry
 from quantlens.profiler.advisor import consistency, deployed, general, per_channel, runtime
-from quantlens.profiler.advisor.base import THRESHOLDS, AdvisorContext, Finding, Rule
+from quantlens.profiler.advisor.base import THRESHOLDS, AdvisorContext, Finding, Rule, Severity
 
-__all__ = ["Finding", "AdvisorContext", "RULES", "register_rule", "advise", "THRESHOLDS"]
+__all__ = ["Finding", "Severity", "AdvisorContext", "RULES", "register_rule", "advise", "THRESHOLDS"]
 
 #: every rule by name, in the order :func:`advise` runs them: the built-in ones, then those added by
 #: :func:`register_rule`

@@ -14,7 +14,7 @@ from quantlens.march.opset import IR_OPS, Category, op_def
 from quantlens.profiler.compare import LayerComparison, LayerRow
 from quantlens.profiler.metrics import SAME_INPUT_SQNR_LIMIT
 
-__all__ = ["Finding", "AdvisorContext", "Rule", "registrar", "THRESHOLDS", "OpRole", "op_role", "row_category",
+__all__ = ["Finding", "Severity", "AdvisorContext", "Rule", "registrar", "THRESHOLDS", "OpRole", "op_role", "row_category",
            "ROUNDING_STEPS", "ROUNDING_VERDICTS", "CHANNEL_GAP_DB", "INT8_RANGE_LIMIT", "INT16_RANGE_LIMIT",
            "SAME_INPUT_SQNR_LIMIT", "ACC_SATURATION_LIMIT", "REQUANT_SATURATION_LIMIT", "TABLE_CLIP_LIMIT",
            "EXPORT_FLOAT_NOISE_SQNR", "TABLE_SQNR_LIMIT"]
@@ -62,6 +62,18 @@ THRESHOLDS = {
 }
 
 
+class Severity(str, Enum):
+    """How a finding counts: ``problem`` is something to fix (``quantlens analyze`` / ``compare`` exit 1 on it);
+    ``advice`` is a way to do better where the model behaves as it was built to (a GEMM within 1 LSB of the QAT
+    model at consistency off: what that level defines), listed but not counted as a problem."""
+
+    PROBLEM = "problem"
+    ADVICE = "advice"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class Finding:
     rule: str
@@ -69,6 +81,11 @@ class Finding:
     op_type: str
     info: str
     advice: str
+    severity: Severity = Severity.PROBLEM
+
+    @property
+    def is_problem(self) -> bool:
+        return self.severity is Severity.PROBLEM
 
 
 @dataclass
@@ -111,9 +128,9 @@ def quantizes(row: LayerRow) -> bool:
     return row.raw_min is not None and row.scale is not None
 
 
-def finding(rule: str, row: LayerRow, info: str, advice: str) -> Finding:
+def finding(rule: str, row: LayerRow, info: str, advice: str, severity: Severity = Severity.PROBLEM) -> Finding:
     """A finding of ``rule`` at the op site of ``row``."""
-    return Finding(rule, row.op_name, row.analy_op_type, info, advice)
+    return Finding(rule, row.op_name, row.analy_op_type, info, advice, severity)
 
 
 def row_category(row: LayerRow) -> Category | None:

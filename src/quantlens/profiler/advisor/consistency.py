@@ -7,7 +7,15 @@ from dataclasses import dataclass
 
 from quantlens.kernels import TABLE_OP_IO
 from quantlens.march.opset import IR_OPS, Category, ops_in
-from quantlens.profiler.advisor.base import AdvisorContext, Finding, Rule, finding, registrar, row_category
+from quantlens.profiler.advisor.base import (
+    AdvisorContext,
+    Finding,
+    Rule,
+    Severity,
+    finding,
+    registrar,
+    row_category,
+)
 
 # a row beyond rounding computes something else (a table built for another range, a saturation, a wrong
 # requantize), which no consistency level removes: the ``integer_op_differs`` rule names its mechanism instead
@@ -147,7 +155,11 @@ def consistency_level(ctx: AdvisorContext) -> list[Finding]:
     for key in sorted(groups, key=lambda k: (_CAUSES[k].level, list(_CAUSES).index(k))):
         cause, rows = _CAUSES[key], groups[key]
         level, why = cause.level, cause.why
-        if level <= current:  # the model's level should already remove it: level 4 is bit-exact by construction
+        # above the model's own level the rows differ as that level defines (advice); at or below it they should
+        # not differ at all (a problem)
+        severity = Severity.ADVICE
+        if level <= current:
+            severity = Severity.PROBLEM  # the model's level should already remove it: level 4 is bit-exact by construction
             if key == "requant16":
                 continue
             level, why = MAX_CONSISTENCY_LEVEL, (f"consistency {built} should already remove this; "
@@ -160,6 +172,6 @@ def consistency_level(ctx: AdvisorContext) -> list[Finding]:
             "consistency_level", rows[0],
             f"{len(rows)} op sites not bit-exact on the same input (model built with consistency {built}): "
             f"{cause.what}: {_sites(rows)}",
-            f"ConsistencyStrategy.set_consistency_level({level}) before prepare: {why}; {retrain}",
+            f"ConsistencyStrategy.set_consistency_level({level}) before prepare: {why}; {retrain}", severity,
         ))
     return out
