@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
+from quantlens.errors import DiskFullError
+
 __all__ = ["atomic_write", "atomic_write_text", "atomic_write_bytes", "format_table"]
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[str], None], fsync: bool = False) -> Path:
+#: the errors of a write that ran out of space (a full disk, a quota, a file-size limit)
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+#: below this many free bytes, a failed write is taken as a full disk whatever the writer said (torch's zip writer
+#: reports one as ``RuntimeError: ... unexpected pos 704 vs 598``)
+_LOW_SPACE = 1 << 20
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None], fsync: bool = False,
+                 size: int | None = None) -> Path:
     """Call ``write(tmp_path)`` on a temporary file next to ``path``, then rename it over ``path``.
 
     Every writer of quantlens goes through here, so no half-written file is ever left: on any error the
-    temporary file is removed and ``path`` is untouched.
+    temporary file is removed and ``path`` is untouched. A write that runs out of space raises
+    :class:`~quantlens.errors.DiskFullError` naming the folder, the file, the bytes needed (``size``, where the
+    caller knows it) and the bytes free.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -27,17 +41,47 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], fsync: b
             with open(tmp, "rb+") as handle:
                 os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
+        written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
         if os.path.exists(tmp):
             os.unlink(tmp)
+        full = _no_space(exc, path, size or written)
+        if full is not None:
+            raise full from exc
         raise
     return path
+
+
+def _free_bytes(folder: Path) -> int | None:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def _no_space(exc: BaseException, path: Path, needed: int) -> DiskFullError | None:
+    """The :class:`DiskFullError` that ``exc`` (raised by a write of ``path``) stands for, or None."""
+    if not isinstance(exc, (OSError, RuntimeError)):
+        return None
+    folder = path.parent
+    free = _free_bytes(folder)
+    if not ((isinstance(exc, OSError) and exc.errno in _NO_SPACE) or (free is not None and free < _LOW_SPACE)):
+        return None
+    need = f"{needed} bytes needed" if needed else "its size is not known before writing"
+    have = "free space unknown" if free is None else f"{free} bytes free"
+    return DiskFullError(
+        f"no space left to write {path.name} in {folder} ({need}, {have}): free space on that disk (or quota), or write into a folder on another disk "
+        "(out_dir=, --out). Nothing half-written was left there.",
+        folder=str(folder), path=str(path), needed=needed or None, free=free)
 
 
 def writable_dir_problem(path: str | os.PathLike) -> str | None:
     """Why files cannot be written into the folder ``path`` (created on the first write when missing), or
     None when they can. Checks only: creates nothing."""
     path = Path(path)
+    if path.is_symlink() and not path.exists():
+        return (f"{path} is a symbolic link to {os.readlink(path)}, which does not exist (a dangling link): create "
+                "that folder, or remove the link")
     if path.exists() and not path.is_dir():
         return f"{path} exists and is not a folder"
     probe = path
@@ -68,12 +112,13 @@ def _umask() -> int:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` (UTF-8) atomically."""
-    return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    data = text.encode("utf-8")
+    return atomic_write(path, lambda tmp: Path(tmp).write_bytes(data), size=len(data))
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, fsync: bool = False) -> Path:
     """Write ``data`` atomically."""
-    return atomic_write(path, lambda tmp: Path(tmp).write_bytes(data), fsync=fsync)
+    return atomic_write(path, lambda tmp: Path(tmp).write_bytes(data), fsync=fsync, size=len(data))
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

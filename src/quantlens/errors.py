@@ -1,7 +1,28 @@
-"""The one exception type quantlens raises for bad input or unsupported models."""
+"""The exception types quantlens raises for problems the user can fix: bad input, unsupported models, a full disk."""
 
-__all__ = ["QuantLensError"]
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["QuantLensError", "DiskFullError"]
 
 
 class QuantLensError(Exception):
     """A problem the user can fix: the message says what was wrong, where, what was expected and how to fix it."""
+
+
+class DiskFullError(QuantLensError):
+    """A file could not be written for lack of space (a full disk or quota). The message names the folder, the file,
+    the bytes needed where known and the bytes free; nothing half-written is left. ``result`` holds what the call
+    had computed before it wrote its files (a comparison, a sensitivity result), so a full disk loses no
+    computation: ``except DiskFullError as e: table = e.result``."""
+
+    def __init__(self, message: str, *, folder: str, path: str, needed: int | None, free: int | None):
+        super().__init__(message)
+        self.folder, self.path, self.needed, self.free = folder, path, needed, free
+        self.result: Any = None
+
+    def keeping(self, result: Any) -> DiskFullError:
+        """This error, holding ``result`` (what was computed before the write failed)."""
+        self.result = result
+        return self

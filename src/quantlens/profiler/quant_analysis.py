@@ -36,6 +36,7 @@ from quantlens.profiler.outputs import PostProcess, named_outputs, unique_name
 from quantlens.profiler.pair_checks import check_deployed_pair, check_weights_correspond
 from quantlens.profiler.reach import ReachTee, SiteReach, mark, reached_only, site_reach
 from quantlens.profiler.report import (
+    keeping,
     save_pt,
     write_advisor,
     write_bad_case,
@@ -383,12 +384,13 @@ class QuantAnalysis:
         comparison = compare_traces(*self._open_traces(), prefixes, types, deployed=self.analysis_type.deployed)
         comparison.consistency = self.consistency
         comparison = mark(comparison, self._reach())
-        findings = self.advise(comparison)
         self._last_comparison = comparison
-        write_compare_text(comparison, self.out_dir / "compare_per_layer_out.txt",
-                           sensitivity=getattr(self, "_last_sensitivity", None))
-        write_compare_csv(comparison, self.out_dir / "compare_per_layer_out.csv")
-        write_html(comparison, findings, self.out_dir / "profiler.html")
+        with keeping(comparison):  # a full disk: DiskFullError.result holds the rows
+            findings = self.advise(comparison)
+            write_compare_text(comparison, self.out_dir / "compare_per_layer_out.txt",
+                               sensitivity=getattr(self, "_last_sensitivity", None))
+            write_compare_csv(comparison, self.out_dir / "compare_per_layer_out.csv")
+            write_html(comparison, findings, self.out_dir / "profiler.html")
         return comparison
 
     def advise(self, comparison: LayerComparison | None = None) -> list[Finding]:
@@ -484,12 +486,13 @@ class QuantAnalysis:
                                                  self._sensitivity_case(), self.post_process, self.out_dir, metric,
                                                  reverse, self.progress)
         if not (shard and group is not None and group[0] != 0):  # sharded: rank 0 writes the report files
-            for table in result:
-                write_sensitivity(table, self.out_dir)
             self._last_sensitivity = result
             comparison = getattr(self, "_last_comparison", None)
-            if comparison is not None and not reverse:  # its summary leads with the sensitivity ranking
-                write_compare_text(comparison, self.out_dir / "compare_per_layer_out.txt", sensitivity=result)
+            with keeping(result):  # a full disk: DiskFullError.result holds the tables
+                for table in result:
+                    write_sensitivity(table, self.out_dir)
+                if comparison is not None and not reverse:  # its summary leads with the sensitivity ranking
+                    write_compare_text(comparison, self.out_dir / "compare_per_layer_out.txt", sensitivity=result)
         if shard and group is not None:
             import torch.distributed as dist
 

@@ -6,6 +6,7 @@ Text tables stay within :data:`TEXT_WIDTH` columns (:func:`wrap_table`). ``write
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import io
@@ -14,11 +15,12 @@ import os
 import textwrap
 import urllib.parse
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from quantlens._io import atomic_write, atomic_write_text, format_table
+from quantlens.errors import DiskFullError
 from quantlens.profiler.advisor.base import THRESHOLDS, Finding
 from quantlens.profiler.bad_case import BadCaseResult
 from quantlens.profiler.compare import COLUMNS, SAME_INPUT_SQNR_LIMIT, LayerComparison
@@ -28,6 +30,7 @@ from quantlens.profiler.sensitivity import SensitivityTable
 from quantlens.profiler.trace.reader import TraceReader
 
 __all__ = [
+    "keeping",
     "write_bad_case", "write_statistic", "write_compare_text", "write_compare_csv", "write_advisor",
     "write_sensitivity", "safe_name", "save_pt", "wrap_table", "TEXT_WIDTH",
 ]
@@ -340,6 +343,16 @@ def write_sensitivity(table: SensitivityTable, out_dir: str | os.PathLike) -> tu
     return txt, pt
 
 
+@contextlib.contextmanager
+def keeping(result: Any) -> Iterator[None]:
+    """Report files written inside this block: a full disk raises its :class:`DiskFullError` holding ``result``
+    (what was computed before), so nothing computed is lost."""
+    try:
+        yield
+    except DiskFullError as exc:
+        raise exc.keeping(result)
+
+
 def save_pt(obj, path: str | os.PathLike) -> Path:
     """``torch.save`` through a temporary file and a rename (never a half-written file).
 
@@ -350,4 +363,4 @@ def save_pt(obj, path: str | os.PathLike) -> Path:
         with open(tmp, "wb") as handle:
             torch.save(obj, handle)
 
-    return atomic_write(path, write)
+    return atomic_write(path, write)  # (its size is known only once written)

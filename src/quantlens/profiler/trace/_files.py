@@ -62,4 +62,4 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
             t = t.contiguous().clone()
         seen.add(t.untyped_storage().data_ptr())
         payload[key] = t
-    atomic_write(path, lambda tmp: write_safetensors(tmp, payload))
+    atomic_write(path, lambda tmp: write_safetensors(tmp, payload), size=sum(t.nbytes for t in payload.values()))
