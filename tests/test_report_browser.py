@@ -273,3 +273,56 @@ def test_bad_case_page(browser, reports):
     samples = [int(s) for s, _ in _column(driver, "overall", 1)]
     assert samples == sorted(samples)
     _no_errors(driver)
+
+
+#: JavaScript: the elements of selector A that overlap one of selector B in the same chart (bounding boxes)
+_OVERLAP = """
+var a = document.querySelectorAll(arguments[0]), b = document.querySelectorAll(arguments[1]), hits = [];
+a.forEach(function (x) { var r = x.getBoundingClientRect(); b.forEach(function (y) { var s = y.getBoundingClientRect();
+  if (x.closest('svg') === y.closest('svg') && r.width && s.width && r.left < s.right && s.left < r.right && r.top < s.bottom && s.top < r.bottom)
+    hits.push((x.textContent || x.tagName) + ' / ' + (y.textContent || y.tagName)); }); });
+return hits;"""
+
+#: JavaScript: the tables wider than the window that no scrolling box holds (what the user cannot reach)
+_CLIPPED = """
+var out = [], width = document.documentElement.clientWidth;
+document.querySelectorAll('table').forEach(function (t) {
+  var box = t.parentElement, style = getComputedStyle(box);
+  var scrolls = (style.overflowX === 'auto' || style.overflowX === 'scroll') && box.getBoundingClientRect().right <= width + 1;
+  if (t.getBoundingClientRect().right > width + 1 && !scrolls) out.push(t.id || t.className); });
+return out;"""
+
+
+def test_charts_read_right_on_a_bit_exact_pair_and_wide_tables_scroll(browser, tmp_path):
+    """A bit-exact pair's cosines (float64 noise around 1) draw one flat line on an axis whose ticks read apart,
+    not "1, 1, 1, 1, 1" over a zig-zag; the legend sits above the plot, never on a line; a table wider than the
+    window scrolls inside its box."""
+    from selenium.webdriver.common.by import By
+
+    noise = [1.0, 0.9999999999999998, 1.0000000000000016, 0.9999999999999999, 1.0, 1.0000000000000009] * 4
+    rows = [LayerRow(index=i, op_name=f"block{i}.conv_with_a_long_name_" + "x" * 40, base_op_type="conv2d",
+                     analy_op_type="conv2d", module_type="Conv2d", shape="1x8x4x4", quant_dtype="qint8", scale=0.05,
+                     Cosine=c, same_input_cosine=c, SQNR=300.0, Atol=0.0, same_input_atol=0.0,
+                     note="a long note " * 30)
+            for i, c in enumerate(noise)]
+    driver = _open(browser, write_html(LayerComparison(rows, "qat IR", "quantized IR"), [], tmp_path / "p.html"))
+    _no_errors(driver)
+    charts = [c for c in driver.find_elements(By.CSS_SELECTOR, "svg.chart") if c.get_attribute("data-points")]
+    assert charts
+    for chart in charts:
+        ticks = [t.text for t in chart.find_elements(By.CSS_SELECTOR, "text.tick:not(.xlabel)")]
+        assert len(ticks) >= 2 and len(set(ticks)) == len(ticks), ticks
+        points = chart.find_elements(By.CSS_SELECTOR, "circle.pt")
+        if "osine" in chart.get_attribute("aria-label"):
+            assert points and len({p.get_attribute("cy") for p in points}) == 1  # one flat line
+    assert driver.execute_script(_OVERLAP, "svg.chart .legend, svg.chart .legend-box", "svg.chart circle.pt, "
+                                 "svg.chart polyline") == []
+    assert driver.execute_script(_CLIPPED) == []
+    assert driver.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+
+
+def test_bad_case_marks_are_labelled_above_the_bars(browser, reports):
+    out, _, _, _ = reports
+    driver = _open(browser, out / "badcase_report.html")
+    assert driver.execute_script(_OVERLAP, "svg.hist-chart .mark-label", "svg.hist-chart rect.bar") == []
+    assert driver.execute_script(_CLIPPED) == []

@@ -15,7 +15,7 @@ from markupsafe import Markup
 from quantlens.profiler.formatting import fmt
 
 __all__ = ["line_chart", "bar_chart", "histogram_chart", "lsb_histogram", "hist_buckets", "nice_ticks",
-           "tick_text"]
+           "tick_text", "tick_texts", "value_ticks"]
 
 _W, _H, _PAD_L, _PAD_R, _PAD_T, _PAD_B = 900, 300, 70, 20, 30, 90
 _MAX_X_LABELS = 45  # op-name labels on a chart's x axis; every point names its op in its tooltip
@@ -60,6 +60,33 @@ def tick_text(t: float) -> str:
     return f"{t:g}"
 
 
+def tick_texts(ticks: Sequence[float]) -> list[str]:
+    """The texts of an axis' ticks, each distinct: as short as :func:`tick_text` where that tells them apart,
+    else with as many significant digits as it takes (ticks 0.99998, 0.99999, 1 never read "1, 1, 1")."""
+    for digits in range(6, 18):
+        texts = [f"{t:.{digits}g}" for t in ticks]
+        if len(set(texts)) == len(texts):
+            return texts
+    return [repr(float(t)) for t in ticks]
+
+
+#: values spread less than this (relative to their size) differ by float64 noise only: drawn as one flat line
+_NOISE = 1e-9
+
+
+def value_ticks(values: Sequence[float]) -> list[float]:
+    """The y ticks of a line chart over ``values``: :func:`nice_ticks` of their range, where a range of float
+    noise (a bit-exact pair's cosines 0.9999999999999998 .. 1.0000000000000016) is a flat line at their mean,
+    not an axis zoomed into the noise."""
+    if not values:
+        return [0.0, 1.0]
+    lo, hi = min(values), max(values)
+    if hi - lo <= _NOISE * max(1.0, abs(lo), abs(hi)):
+        mid = round((lo + hi) / 2, 9)
+        return nice_ticks(mid, mid)
+    return nice_ticks(lo, hi)
+
+
 def _label(text: str, limit: int = 22) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "\u2026"
 
@@ -76,26 +103,26 @@ def line_chart(title: str, labels: Sequence[str], series: Sequence[tuple[str, st
     labels = list(labels)
     ticks = list(ticks) if ticks is not None else [str(i) for i in range(len(labels))]
     values = [fv for _, _, vals in series for v in vals if (fv := _finite(v)) is not None]
-    y_ticks = nice_ticks(min(values), max(values)) if values else [0.0, 1.0]
+    y_ticks = value_ticks(values)
     lo, hi = y_ticks[0], y_ticks[-1]
     n = max(len(labels), 2)
-    plot_w, plot_h = _W - _PAD_L - _PAD_R, _H - _PAD_T - _PAD_B
+    pad_t = _PAD_T + _LEGEND_ROW  # the legend has its own row above the plot: it never covers a line
+    plot_w, plot_h = _W - _PAD_L - _PAD_R, _H - pad_t - _PAD_B
     slot = plot_w / (n - 1) if len(labels) > 1 else plot_w
 
     def x(i: int) -> float:
         return _PAD_L + plot_w * i / (n - 1) if len(labels) > 1 else _PAD_L + plot_w / 2
 
     def y(v: float) -> float:
-        return _PAD_T + plot_h * (1 - (v - lo) / (hi - lo))
+        return pad_t + plot_h * (1 - (v - lo) / (hi - lo))
 
     parts = [f'<svg class="chart" viewBox="0 0 {_W} {_H}" width="{_W}" height="{_H}" role="img" '
              f'aria-label="{_esc(title)}" data-points="{len(labels)}">',
              f'<text x="{_PAD_L}" y="18" class="title">{_esc(title)}</text>',
-             f'<rect x="{_PAD_L}" y="{_PAD_T}" width="{plot_w}" height="{plot_h}" class="frame"/>']
-    for t in y_ticks:
+             f'<rect x="{_PAD_L}" y="{pad_t}" width="{plot_w}" height="{plot_h}" class="frame"/>']
+    for t, text in zip(y_ticks, tick_texts(y_ticks)):
         parts.append(f'<line x1="{_PAD_L}" x2="{_W - _PAD_R}" y1="{y(t):.1f}" y2="{y(t):.1f}" class="grid"/>')
-        parts.append(f'<text x="{_PAD_L - 6}" y="{y(t) + 4:.1f}" class="tick" text-anchor="end">'
-                     f'{_esc(tick_text(t))}</text>')
+        parts.append(f'<text x="{_PAD_L - 6}" y="{y(t) + 4:.1f}" class="tick" text-anchor="end">{_esc(text)}</text>')
     step = max(1, math.ceil(len(labels) / _MAX_X_LABELS))
     base = _H - _PAD_B + 12
     for i in range(0, len(labels), step):
@@ -117,22 +144,38 @@ def line_chart(title: str, labels: Sequence[str], series: Sequence[tuple[str, st
             segment.append(f"{x(i):.1f},{y(fv):.1f}")
             points.append(f'<circle class="pt" cx="{x(i):.1f}" cy="{y(fv):.1f}" r="2.5" fill="{color}"/>')
         parts.extend(points)
-        parts.append(f'<rect x="{_W - _PAD_R - 190}" y="{_PAD_T + 6 + 16 * k}" width="10" height="10" fill="{color}"/>')
-        parts.append(f'<text x="{_W - _PAD_R - 175}" y="{_PAD_T + 15 + 16 * k}" class="legend">{_esc(name)}</text>')
+    parts.extend(_legend([(name, color) for name, color, _ in series], _PAD_L, _PAD_T + _LEGEND_ROW - 6))
     for i, label in enumerate(labels):  # hover / click targets, one per op site, on top of everything
         tip = "\n".join([f"{label} (#{ticks[i]})"] + [f"{name}: {fmt(vals[i]) or '-'}" for name, _, vals in series])
         link = f' data-row="{_esc(anchors[i])}"' if anchors is not None else ""
-        parts.append(f'<rect class="hit" x="{x(i) - slot / 2:.1f}" y="{_PAD_T}" width="{slot:.1f}" '
+        parts.append(f'<rect class="hit" x="{x(i) - slot / 2:.1f}" y="{pad_t}" width="{slot:.1f}" '
                      f'height="{plot_h}" data-tip="{_esc(tip)}"{link}/>')
     parts.append("</svg>")
     return Markup("".join(parts))
+
+
+_LEGEND_ROW = 16  # a line chart's legend row, between its title and its plot
+_CHAR_W = 7.0  # the width of a legend character at the charts' 12 px font, for laying the entries out in a row
+
+
+def _legend(entries: Sequence[tuple[str, str]], x0: float, baseline: float) -> list[str]:
+    """A legend in one row from ``x0`` at ``baseline`` (outside the plot): a colour box and the name per entry."""
+    parts, x = [], x0
+    for name, color in entries:
+        parts.append(f'<rect class="legend-box" x="{x:.1f}" y="{baseline - 9}" width="10" height="10" '
+                     f'fill="{color}"/>')
+        parts.append(f'<text x="{x + 14:.1f}" y="{baseline}" class="legend">{_esc(name)}</text>')
+        x += 14 + _CHAR_W * len(name) + 18
+    return parts
 
 
 def bar_chart(title: str, bars: Sequence[dict], value_label: str = "") -> Markup:
     """A horizontal SVG bar chart, one ``rect.bar`` per item of ``bars`` (dicts with ``label``, ``value``,
     ``tip`` and optionally ``row``, the id of a table row a click jumps to), in the given order. A non-finite
     value gets a full-length red bar labelled with its value."""
-    bar_h, gap, pad_l, pad_r, pad_t, pad_b = 16, 4, 250, 70, 30, 34
+    # the right margin holds the longest value label after its bar (it is never clipped nor drawn over a bar)
+    pad_r = max([70.0] + [_CHAR_W * len(fmt(b["value"])) + 10 for b in bars])
+    bar_h, gap, pad_l, pad_t, pad_b = 16, 4, 250, 30, 34
     height = pad_t + pad_b + len(bars) * (bar_h + gap)
     values = [fv for b in bars if (fv := _finite(b["value"])) is not None]
     lo_v, hi_v = (min(values), max(values)) if values else (0.0, 1.0)
@@ -178,7 +221,9 @@ def histogram_chart(title: str, values: Sequence[float], marks: Sequence[tuple[s
     ``marks``: ``(name, sample index)`` drawn as vertical lines at those samples' values."""
     finite = [(i, fv) for i, v in enumerate(values) if (fv := _finite(v)) is not None]
     bad = [i for i, v in enumerate(values) if _finite(v) is None]
-    pad_l, pad_r, pad_t, pad_b = 40, 28, 26, 34
+    drawn = [(name, i) for name, i in marks if 0 <= i < len(values) and _finite(values[i]) is not None]
+    # the marks' labels get their own band above the plot (one line each): they never sit on a bar
+    pad_l, pad_r, pad_t, pad_b = 40, 28, 26 + (11 * len(drawn) + 6 if drawn else 0), 34
     plot_w, plot_h = width - pad_l - pad_r, height - pad_t - pad_b
     edges = nice_ticks(min(v for _, v in finite), max(v for _, v in finite),
                        n=min(11, max(3, round(math.sqrt(len(finite))) + 1))) if finite else []
@@ -215,14 +260,15 @@ def histogram_chart(title: str, values: Sequence[float], marks: Sequence[tuple[s
     if bad:
         parts.append(f'<text x="{pad_l + (len(groups) - 0.5) * slot:.1f}" y="{pad_t + plot_h + 14}" class="tick" '
                      f'text-anchor="middle">NaN/Inf</text>')
-    for k, (name, index) in enumerate(marks):
-        fv = _finite(values[index]) if 0 <= index < len(values) else None
-        if fv is None or not bins:
-            continue
+    for k, (name, index) in enumerate(drawn):
+        if not bins:
+            break
+        fv = _finite(values[index])
         xm = pad_l + plot_w * (len(bins) / len(groups)) * (fv - edges[0]) / (edges[-1] - edges[0])
         right = xm > pad_l + plot_w / 2  # the label on the side with room
+        label_y = 26 + 9 + 11 * k
         parts.append(f'<line class="mark" x1="{xm:.1f}" x2="{xm:.1f}" y1="{pad_t}" y2="{pad_t + plot_h}"/>'
-                     f'<text x="{xm - 3 if right else xm + 3:.1f}" y="{pad_t + 10 + 11 * k}" class="tick mark-label" '
+                     f'<text x="{xm - 3 if right else xm + 3:.1f}" y="{label_y}" class="tick mark-label" '
                      f'text-anchor="{"end" if right else "start"}">{_esc(name)} (sample {index})</text>')
     parts.append(f'<text x="{pad_l + plot_w / 2:.1f}" y="{height - 4}" class="axis" text-anchor="middle">'
                  f'value over {len(values)} samples</text></svg>')
