@@ -252,3 +252,37 @@ def test_a_warning_is_one_line_in_words(monkeypatch, tmp_path):
     res = ql("analyze", tmp_path / "c.py")
     assert res.returncode == 0
     assert "warning: prepare: 1 op site(s)" in res.stderr and "UserWarning" not in res.stderr, res.stderr
+
+
+def test_report_reads_the_saved_rows_back_without_recomputing(analyzed, monkeypatch, tmp_path):
+    """`quantlens report` re-renders from compare_per_layer.json (no traced tensor read again) while the traces
+    are the ones it was computed from; another trace.json is recomputed, and gives the same page."""
+    import shutil
+
+    import quantlens.profiler.compare as compare
+
+    _, out, _ = analyzed
+    folder = tmp_path / "convert"
+    shutil.copytree(out / "convert", folder)
+    assert (folder / "compare_per_layer.json").is_file()
+    before = (folder / "profiler.html").read_text()
+
+    def no_recompute(*args, **kwargs):
+        raise AssertionError("compare_traces ran: the saved rows were not used")
+
+    with monkeypatch.context() as m:
+        m.setattr(compare, "compare_traces", no_recompute)
+        res = ql("report", folder)
+        assert res.returncode in (0, 1), res.stderr
+    assert (folder / "profiler.html").read_text() == before
+    # a trace.json that is not the one the rows came from: recomputed from the traces (one more space changes
+    # its digest, not its content), and the page is the same
+    trace = folder / "analysis_model" / "trace.json"
+    trace.write_text(trace.read_text() + " ")
+    calls = []
+    real = compare.compare_traces
+    with monkeypatch.context() as m:
+        m.setattr(compare, "compare_traces", lambda *a, **k: calls.append(1) or real(*a, **k))
+        res = ql("report", folder)
+    assert calls and res.returncode in (0, 1), res.stderr
+    assert (folder / "profiler.html").read_text() == before

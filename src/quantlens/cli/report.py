@@ -9,14 +9,16 @@ only reads them, so the reports can be rebuilt from the folder alone: :func:`ren
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
 from quantlens.cli import EXIT_OK, EXIT_PROBLEMS, UsageError
 from quantlens.cli._common import console, existing_dir, parent
 from quantlens.cli.pipeline import PAIR_FILE, PAIRS, SUMMARY_FILE, PairResult, ort_note, summarize
+from quantlens.errors import QuantLensError
 
-__all__ = ["add_parser", "run", "render_pair", "pair_dirs"]
+__all__ = ["add_parser", "run", "render_pair", "pair_dirs", "read_pair_meta"]
 
 
 def add_parser(sub) -> None:
@@ -48,25 +50,94 @@ def pair_dirs(root: Path) -> list[Path]:
     return sorted(found, key=lambda d: (order.get(d.name, len(order)), d.name))
 
 
+#: what ``quantlens_pair.json`` may hold (every field optional, None allowed unless marked ``!``) and each field's type
+_PAIR_FIELDS = {"analysis_type": str, "baseline": str, "analysis": str, "fake_quant_state": str, "consistency": dict,
+                "onnxruntime": dict}
+_NESTED = {
+    "consistency": {"level": int, "qpp": str, "known": bool, "source": str, "baseline_rules": str, "pair_note": str},
+    "onnxruntime": {"optimization!": str, "form": str, "outputs_only!": bool, "output_check": dict},
+    "output_check": {"level": str, "equal!": bool, "max_abs_diff!": (int, float)},
+}
+
+
+def _fields_problem(data, schema: dict, where: str, strict: bool) -> str | None:
+    """What is wrong with the JSON object ``data`` against ``schema`` (see :data:`_PAIR_FIELDS`), or None."""
+    if not isinstance(data, dict):
+        return f"{where} is {type(data).__name__}, not an object"
+    types = {k.rstrip("!"): t for k, t in schema.items()}
+    for key in (k.rstrip("!") for k in schema if k.endswith("!")):
+        if data.get(key) is None:
+            return f"{where} lacks {key}"
+    for key, value in data.items():
+        kind = types.get(key)
+        if kind is None and strict:
+            return f"{where} has the unknown field {key!r}"
+        if kind is None or value is None:
+            continue
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            return f"{where}.{key} is {value!r}, not of type {getattr(kind, '__name__', 'number')}"
+        if key in _NESTED:
+            problem = _fields_problem(value, _NESTED[key], f"{where}.{key}", True)
+            if problem:
+                return problem
+    return None
+
+
+def read_pair_meta(folder: Path) -> dict:
+    """``folder``'s ``quantlens_pair.json`` ({} where there is none), checked: a damaged one is refused, named."""
+    path = folder / PAIR_FILE
+    if not os.path.lexists(path):
+        return {}
+    try:
+        if not path.is_file():  # (a FIFO would block the read)
+            raise ValueError("it is not a regular file")
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        problem = _fields_problem(meta, _PAIR_FIELDS, "the file", False)
+        if problem is None and meta.get("analysis_type") not in (None, *PAIRS):
+            problem = f"analysis_type {meta['analysis_type']!r} is not one of {', '.join(PAIRS)}"
+    except (OSError, ValueError) as exc:
+        problem = str(exc) or type(exc).__name__
+    if problem:
+        raise QuantLensError(f"{path} cannot be read: {problem}. It is written by 'quantlens analyze': run it again "
+                             "into a fresh --out folder, or remove the file and pass --type.")
+    return meta
+
+
 def render_pair(folder: Path, analysis_type: str | None = None, prefixes=None) -> PairResult:
     """Rebuild one pair's per-layer comparison, advisor and HTML from its traces; returns its summary (the same
     verdict and worst op as ``quantlens analyze`` wrote, from the same rows)."""
     from quantlens.profiler.advisor import AdvisorContext, advise
     from quantlens.profiler.compare import compare_traces
+    from quantlens.profiler.compare_cache import COMPARISON_FILE, load_comparison, save_comparison
     from quantlens.profiler.html import write_html
     from quantlens.profiler.model_access import ConsistencyInfo, parse_analysis_type
     from quantlens.profiler.report import write_advisor, write_compare_csv, write_compare_text
     from quantlens.profiler.trace.reader import TraceReader
 
-    meta_path = folder / PAIR_FILE
-    meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
+    meta = read_pair_meta(folder)
     kind = analysis_type or meta.get("analysis_type")
     if kind is None:
         raise UsageError(f"{folder} has no {PAIR_FILE} (it was not written by 'quantlens analyze'): pass --type "
                          f"({', '.join(PAIRS)}).")
     atype = parse_analysis_type(kind)
-    comparison = compare_traces(TraceReader(folder / "baseline_model"), TraceReader(folder / "analysis_model"),
-                                prefixes, None, deployed=atype.deployed)
+    traces = [TraceReader(folder / f"{label}_model") for label in ("baseline", "analysis")]
+    for trace, label in zip(traces, ("baseline", "analysis")):
+        if trace.label != label:  # (a folder copied or linked over the other one)
+            raise QuantLensError(f"{trace.dir} holds the trace of the {trace.label} model, not of the {label} model. "
+                                 "Run the analysis again into a fresh out_dir.")
+    # the rows the analysis saved from these very traces (compare_per_layer.json): no tensor is read again
+    comparison = load_comparison(folder / COMPARISON_FILE, *traces)
+    if comparison is not None and prefixes:
+        comparison.rows = [r for r in comparison.rows if any(r.op_name.startswith(p) for p in prefixes)]
+    try:
+        if comparison is None:
+            comparison = compare_traces(*traces, prefixes, None, deployed=atype.deployed)
+            if not prefixes:  # the next report reads it back
+                save_comparison(comparison, folder / COMPARISON_FILE, *traces)
+    except QuantLensError as exc:  # (the op sites' match is checked without the folders' names)
+        if str(folder) in str(exc):
+            raise
+        raise QuantLensError(f"The traces in {folder}: {exc}") from None
     consistency = ConsistencyInfo(**meta["consistency"]) if meta.get("consistency") else None
     comparison.consistency = consistency
     findings = advise(AdvisorContext(comparison, atype.value, meta.get("fake_quant_state"), consistency))

@@ -29,7 +29,6 @@ from quantlens.profiler.bad_case import BadCaseResult, find_bad_case
 from quantlens.profiler.cached_attrs import install_cached_attrs
 from quantlens.profiler.compare import LayerComparison, check_site_match, compare_traces
 from quantlens.profiler.fingerprint import model_digest
-from quantlens.profiler.html import write_html
 from quantlens.profiler.joint_sensitivity import JointSensitivityResult, run_joint_sensitivity, write_joint_sensitivity
 from quantlens.profiler.model_access import AnalysisType, ConsistencyInfo, SiteEvent, parse_analysis_type
 from quantlens.profiler.outputs import PostProcess, named_outputs, unique_name
@@ -40,8 +39,8 @@ from quantlens.profiler.report import (
     save_pt,
     write_advisor,
     write_bad_case,
-    write_compare_csv,
     write_compare_text,
+    write_comparison,
     write_sensitivity,
     write_statistic,
 )
@@ -381,16 +380,15 @@ class QuantAnalysis:
         or module classes (``"Conv2d"`` or ``nn.Conv2d``). Writes ``compare_per_layer_out.txt``/``.csv``,
         ``profiler.html`` and ``abnormal_layer_advisor.txt``; returns the rows.
         """
-        comparison = compare_traces(*self._open_traces(), prefixes, types, deployed=self.analysis_type.deployed)
+        traces = self._open_traces()
+        comparison = compare_traces(*traces, prefixes, types, deployed=self.analysis_type.deployed)
         comparison.consistency = self.consistency
         comparison = mark(comparison, self._reach())
         self._last_comparison = comparison
         with keeping(comparison):  # a full disk: DiskFullError.result holds the rows
             findings = self.advise(comparison)
-            write_compare_text(comparison, self.out_dir / "compare_per_layer_out.txt",
-                               sensitivity=getattr(self, "_last_sensitivity", None))
-            write_compare_csv(comparison, self.out_dir / "compare_per_layer_out.csv")
-            write_html(comparison, findings, self.out_dir / "profiler.html")
+            write_comparison(comparison, findings, self.out_dir, getattr(self, "_last_sensitivity", None),
+                             traces if prefixes is None and types is None else None)
         return comparison
 
     def advise(self, comparison: LayerComparison | None = None) -> list[Finding]:

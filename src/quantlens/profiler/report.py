@@ -24,13 +24,15 @@ from quantlens.errors import DiskFullError
 from quantlens.profiler.advisor.base import THRESHOLDS, Finding
 from quantlens.profiler.bad_case import BadCaseResult
 from quantlens.profiler.compare import COLUMNS, SAME_INPUT_SQNR_LIMIT, LayerComparison
+from quantlens.profiler.compare_cache import COMPARISON_FILE, save_comparison
 from quantlens.profiler.formatting import fmt
-from quantlens.profiler.html import refresh_sensitivity, write_bad_case_html
+from quantlens.profiler.html import refresh_sensitivity, write_bad_case_html, write_html
 from quantlens.profiler.sensitivity import SensitivityTable
 from quantlens.profiler.trace.reader import TraceReader
 
 __all__ = [
     "keeping",
+    "write_comparison",
     "write_bad_case", "write_statistic", "write_compare_text", "write_compare_csv", "write_advisor",
     "write_sensitivity", "safe_name", "save_pt", "wrap_table", "TEXT_WIDTH",
 ]
@@ -341,6 +343,17 @@ def write_sensitivity(table: SensitivityTable, out_dir: str | os.PathLike) -> tu
     pt = save_pt([r.to_dict() for r in table], Path(out_dir) / f"{stem}.pt")
     refresh_sensitivity(out_dir)  # profiler.html's sensitivity charts, when the page exists
     return txt, pt
+
+
+def write_comparison(comparison: LayerComparison, findings: list[Finding], out_dir: Path, sensitivity=None,
+                     traces: tuple[TraceReader, TraceReader] | None = None) -> None:
+    """The per-layer reports: ``compare_per_layer_out.txt``/``.csv``, ``profiler.html`` and, given the two
+    ``traces`` it was computed from (a whole comparison), ``compare_per_layer.json`` for ``quantlens report``."""
+    write_compare_text(comparison, out_dir / "compare_per_layer_out.txt", sensitivity=sensitivity)
+    write_compare_csv(comparison, out_dir / "compare_per_layer_out.csv")
+    write_html(comparison, findings, out_dir / "profiler.html")
+    if traces is not None:
+        save_comparison(comparison, out_dir / COMPARISON_FILE, *traces)
 
 
 @contextlib.contextmanager
