@@ -49,14 +49,26 @@ class _FlowRecorder:
         self.inputs = {id(t) for t in pytree.tree_leaves(example) if isinstance(t, torch.Tensor)}
         self.producer: dict[int, str] = {}  # a live tensor's id -> the last site that produced a tensor with it
         self.sources: dict[str, set[str]] = {}
-        self.host_side: set[str] = set()
+        #: sites fed by model inputs only; those of them that quantize the input themselves; whether any QuantStub ran
+        self.candidates: set[str] = set()
+        self.implicit: set[str] = set()
+        self.has_stub = False
+
+    @property
+    def host_side(self) -> frozenset[str]:
+        """The sites fed by model inputs only. In a model without any QuantStub the first ops quantize the inputs
+        themselves: they are the NPU's boundary, not host work (with QuantStubs, the user drew the boundary)."""
+        return frozenset(self.candidates if self.has_stub else self.candidates - self.implicit)
 
     def on_site(self, event: SiteEvent) -> None:
         tensors = [t for t in event.inputs.values() if isinstance(t, torch.Tensor)]
         sources = self.sources.setdefault(event.name, set())
         sources.update(self.producer[id(t)] for t in tensors if id(t) in self.producer)
+        self.has_stub = self.has_stub or event.op_type in _QUANT_STUBS
         if tensors and event.op_type not in _QUANT_STUBS and all(id(t) in self.inputs for t in tensors):
-            self.host_side.add(event.name)
+            self.candidates.add(event.name)
+            if any(d.startswith("qint") for d in event.input_dtypes):
+                self.implicit.add(event.name)
         for t in event.outputs:
             self.producer[id(t)] = event.name
 
@@ -96,8 +108,15 @@ def _ir_reach(access) -> SiteReach:
             producer = producers.get(value)
             if value and value not in graph.constants and (producer is None or producer.site != node.site):
                 external.setdefault(node.site, set()).add(value)
+    # the sites that quantize a model input: a QuantStub's (nothing else) or, in a model without any, the first
+    # ops' (the NPU's boundary, not host work)
+    quantizing = {node.site for node in graph.nodes if node.op in ("quantize", "fake_quant") and node.inputs
+                  and node.inputs[0] in inputs}
+    stubs = {s for s in quantizing if all(n.op in ("quantize", "fake_quant") for n in graph.nodes if n.site == s)}
+    implicit = set() if stubs else quantizing
     for site, values in external.items():
-        if values <= inputs and access.site_op_type(site) not in _QUANT_STUBS:
+        if values <= inputs and site not in stubs and site not in implicit and site in access.last and \
+                access.site_op_type(site) not in _QUANT_STUBS:
             host.add(site)
     return SiteReach(frozenset(sites), frozenset(host))
 
@@ -107,9 +126,9 @@ def _from_flow(recorder: _FlowRecorder, output: Any) -> SiteReach:
     for t in float_outputs(named_outputs(output)).values():
         site = recorder.producer.get(id(t))
         if site is None:
-            return SiteReach(None, frozenset(recorder.host_side))
+            return SiteReach(None, recorder.host_side)
         start.add(site)
-    return SiteReach(_backward(recorder.sources, start), frozenset(recorder.host_side))
+    return SiteReach(_backward(recorder.sources, start), recorder.host_side)
 
 
 def site_reach(access, example: Any) -> SiteReach:
