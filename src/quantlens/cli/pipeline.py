@@ -244,7 +244,7 @@ def summarize(result: PairResult, table) -> PairResult:
     lossy = worst_row(table)
     if lossy is not None:
         result.verdict = PairVerdict.LOSSY
-        result.worst_op, result.worst_op_type = lossy.op_name, lossy.analy_op_type or lossy.base_op_type
+        result.worst_op, result.worst_op_type = lossy.op_name, lossy.op_type or lossy.base_op_type
         result.worst_sqnr, result.worst_error_kind = _finite(lossy.same_input_sqnr), lossy.error_kind or ""
         return result
     if not compared:
@@ -255,7 +255,7 @@ def summarize(result: PairResult, table) -> PairResult:
         result.verdict = PairVerdict.EXACT
         return result
     result.verdict = PairVerdict.DIFFERS
-    result.worst_op, result.worst_op_type = row.op_name, row.analy_op_type or row.base_op_type
+    result.worst_op, result.worst_op_type = row.op_name, row.op_type or row.base_op_type
     result.worst_diff = _diff_text(row)
     return result
 

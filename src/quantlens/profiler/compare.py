@@ -19,7 +19,7 @@ below :data:`~quantlens.profiler.metrics.SAME_INPUT_SQNR_LIMIT`, from the same t
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields, replace
 from typing import Iterable, Sequence
 
 import torch
@@ -28,96 +28,13 @@ from quantlens._finite import all_finite
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType
 from quantlens.march.opset import op_def
+from quantlens.profiler.layer_row import LayerRow
 from quantlens.profiler.metrics import SAME_INPUT_SQNR_LIMIT, channel_sqnr, compute_all, in_scale_units
 from quantlens.profiler.trace.format import TracedSite
 from quantlens.profiler.trace.reader import TraceReader
 
 __all__ = ["LayerRow", "LayerComparison", "compare_traces", "check_site_match", "COLUMNS", "channel_axis",
            "SAME_INPUT_SQNR_LIMIT"]
-
-
-@dataclass(frozen=True)
-class LayerRow:
-    """One op site of the comparison. Metric fields are None where there is nothing to compare."""
-
-    index: int
-    op_name: str
-    base_op_type: str
-    analy_op_type: str
-    module_type: str  # analysis module class ("" for function ops)
-    shape: str
-    quant_dtype: str
-    scale: float | None  # per-tensor output scale of the analysis op
-    Cosine: float | None = None
-    MSE: float | None = None
-    L1: float | None = None
-    KL: float | None = None
-    SQNR: float | None = None
-    Atol: float | None = None
-    atol_in_scale: float | None = None  # Atol / scale: the accumulated error in output steps
-    same_input_cosine: float | None = None
-    same_input_sqnr: float | None = None
-    same_input_atol: float | None = None
-    same_input_in_scale: float | None = None  # same-input Atol / scale
-    #: per channel (ops with a channel axis only, see :func:`channel_axis`; None elsewhere): the SQNR (dB) of the
-    #: worst channel, accumulated and same-input; the same-input one before the op's output fake quant (the
-    #: op's own arithmetic: its weights, inputs quantized at the op); the share (0..1) of channels whose
-    #: same-input SQNR (accumulated where there is no same-input run) is below SAME_INPUT_SQNR_LIMIT. Channels
-    #: whose baseline is all zero have no SQNR and count in none of them (see metrics.channel_sqnr)
-    worst_channel_sqnr: float | None = None
-    same_input_worst_channel_sqnr: float | None = None
-    same_input_inner_worst_channel_sqnr: float | None = None
-    channels_below: float | None = None
-    #: whether the weight of the op that computes the row's value (a fused group's conv/linear) is quantized per
-    #: channel (True) or per tensor (False); None: no weight fake quant recorded (no weight, a float op, an IR)
-    weight_per_channel: bool | None = None
-    base_min: float | None = None
-    base_max: float | None = None
-    base_mean: float | None = None
-    analy_min: float | None = None
-    analy_max: float | None = None
-    analy_mean: float | None = None
-    #: the largest part of the same-input error: "clipping" (the output saturates), "rounding" (output
-    #: rounding) or "internal" (rounding inside the op: its weights, inputs quantized at the op, lookup tables)
-    error_kind: str = ""
-    same_input_clip_mse: float | None = None
-    same_input_round_mse: float | None = None
-    same_input_inner_mse: float | None = None
-    raw_error_kind: str = ""  # the actual run: "clipping" / "rounding", the larger part of the output's error
-    clipped_ratio: float | None = None  # fraction of output elements that saturate (actual run)
-    raw_min: float | None = None  # the analysis op's output range before its output fake quant
-    raw_max: float | None = None
-    input_min: float | None = None  # QuantStub sites: the model input's range
-    input_max: float | None = None
-    input_dtypes: str = ""
-    boundary: str = ""
-    producer: str = ""
-    fused_into: str = ""
-    nonfinite: str = ""  # "baseline" / "analysis" / "both" when an output holds NaN/Inf
-    #: deployed stages (export / convert): |diff| in units of the output LSB (the analysis op's scale), per op:
-    #: "bit-exact", "within 1 LSB", "within 4 LSB" or "diverged", and the histogram "0:n|1:n|2:n|3-4:n|5-8:n|>8:n"
-    lsb_verdict: str = ""
-    lsb_hist: str = ""
-    same_input_lsb_verdict: str = ""
-    same_input_lsb_hist: str = ""
-    #: deployed stages, from the IR's integer arithmetic (IntegerStats): the fraction of GEMM accumulator
-    #: elements beyond int32 (saturated, §6), of table inputs clipped at a limit where the table is not flat,
-    #: and the number of NaN/Inf values the quantized IR turned into integers here
-    acc_saturated_ratio: float | None = None
-    table_input_clipped_ratio: float | None = None
-    nonfinite_to_int: int = 0
-    #: deployed stages: fraction of the same-input output at the integer type's limit (qmin/qmax) where the
-    #: baseline's value lay at least two steps inside the range (saturation the fake quant did not do)
-    requant_saturated_ratio: float | None = None
-    note: str = ""
-    #: whether the op's values reach a compared output (False: it cannot explain the outputs' error and is never
-    #: ranked; None: not known) and whether every input of the op is a model input (``profiler.reach``)
-    reaches_output: bool | None = None
-    host_side: bool = False
-
-    @property
-    def compared(self) -> bool:
-        return self.Cosine is not None
 
 
 #: the table's columns, in order
@@ -309,9 +226,12 @@ def compare_traces(base: TraceReader, analy: TraceReader, prefixes: Iterable[str
     # the op that computes a fused group's value (its first member: the conv/linear) gives the group's last op,
     # where the group is compared, its channel axis and weight facts
     heads: dict[str, TracedSite] = {}
+    members: dict[str, list[str]] = {}  # a group's last op -> its members' op types, in order (the baseline's)
     for site in analy.sites:
         if site.fused_into:
             heads.setdefault(site.fused_into, site)
+            if analy.by_name[site.name] is site:
+                members.setdefault(site.fused_into, []).append(_base_type(base, site))
     rows = []
     for site in analy.sites:
         b = base.by_name.get(site.name)
@@ -319,11 +239,20 @@ def compare_traces(base: TraceReader, analy: TraceReader, prefixes: Iterable[str
             continue
         if analy.by_name[site.name] is not site:
             continue  # a site that runs several times (recurrent steps): one row, its last run, as for an IR
-        rows.append(_row(base, analy, b, site, deployed, heads.get(site.name, site)))
+        row = _row(base, analy, b, site, deployed, heads.get(site.name, site))
+        if site.name in members:
+            row = replace(row, group="+".join(members[site.name] + [_base_type(base, site)]))
+        rows.append(row)
     only_b = [(s.name, s.op_type + (f" (fused into {s.fused_into})" if s.fused_into else ""))
               for s in base.sites if s.name not in analy.by_name and base.by_name[s.name] is s]
     only_a = [(s.name, s.op_type) for s in analy.sites if s.name not in base.by_name]
     return LayerComparison(rows, base.description, analy.description, only_b, only_a)
+
+
+def _base_type(base: TraceReader, site: TracedSite) -> str:
+    """The op type of ``site`` in the baseline (what the user wrote: batch_norm, not the identity it folds to)."""
+    b = base.by_name.get(site.name)
+    return b.op_type if b is not None else site.op_type
 
 
 #: the verdicts of the deployed stages, best first

@@ -37,7 +37,7 @@ _TEMPLATES = Path(__file__).parent / "templates"
 
 #: (field, header) of the HTML table; the first column (op name) stays visible while the table scrolls sideways
 TABLE_COLUMNS = (
-    ("op_name", "op name"), ("index", "#"), ("analy_op_type", "op type"), ("shape", "shape"),
+    ("op_name", "op name"), ("index", "#"), ("op_type", "op type"), ("shape", "shape"),
     ("quant_dtype", "dtype"), ("scale", "scale"), ("Cosine", "Cosine"), ("SQNR", "SQNR"), ("Atol", "Atol"),
     ("atol_in_scale", "Atol/scale"), ("same_input_cosine", "same-in Cosine"), ("same_input_sqnr", "same-in SQNR"),
     ("same_input_in_scale", "same-in Atol/scale"), ("worst_channel_sqnr", "worst-ch SQNR"),
@@ -92,7 +92,7 @@ def _beyond_one_lsb(hist: str) -> str:
 
 def lsb_rows(comparison: LayerComparison) -> list[dict]:
     """The rows of the HTML's integer-comparison table (deployed stages)."""
-    return [{"op_name": r.op_name, "op_type": r.analy_op_type, "quant_dtype": r.quant_dtype,
+    return [{"op_name": r.op_name, "op_type": r.op_type, "quant_dtype": r.quant_dtype,
              "verdict": r.lsb_verdict, "color": _VERDICT_COLORS.get(r.lsb_verdict, "#bbb"),
              "hist": lsb_histogram(r.lsb_hist), "hist_sort": _beyond_one_lsb(r.lsb_hist),
              "same_verdict": r.same_input_lsb_verdict,

@@ -174,7 +174,7 @@ def write_statistic(trace: TraceReader, path: str | os.PathLike) -> Path:
 
 
 _TEXT_COLUMNS = (
-    ("index", "index"), ("op_name", "op name"), ("base_op_type", "base op"), ("analy_op_type", "analysis op"),
+    ("index", "index"), ("op_name", "op name"), ("base_op_type", "base op"), ("op_type", "analysis op"),
     ("shape", "shape"), ("quant_dtype", "quant dtype"), ("scale", "scale"), ("Cosine", "Cosine"), ("L1", "L1"),
     ("Atol", "Atol"), ("atol_in_scale", "Atol/scale"), ("same_input_sqnr", "same-in SQNR"),
     ("same_input_atol", "same-in Atol"), ("same_input_in_scale", "same-in Atol/scale"),
@@ -229,13 +229,13 @@ def write_compare_text(comparison: LayerComparison, path: str | os.PathLike, top
         *_sensitivity_lines(comparison, sensitivity, top),
         f"== Ops that lose the most precision themselves (same-input SQNR, worst {len(ranked)}) ==",
         wrap_table(["op name", "op type", "quant dtype", "same-in SQNR", "same-in Atol/scale", "error kind"],
-                   [[_label(r), r.analy_op_type, r.quant_dtype, fmt(r.same_input_sqnr), fmt(r.same_input_in_scale),
+                   [[_label(r), r.op_type, r.quant_dtype, fmt(r.same_input_sqnr), fmt(r.same_input_in_scale),
                      r.error_kind] for r in ranked]) if ranked else "(no same-input results)",
     ]
     lines += _channel_lines(comparison, top) + _lsb_lines(comparison) + _one_side_lines(comparison)
     if comparison.unreached:
         lines += ["", "== Ops whose output reaches no compared output (not ranked: they cannot explain it) ==",
-                  ", ".join(f"{r.op_name} ({r.analy_op_type})" for r in comparison.unreached)]
+                  ", ".join(f"{r.op_name} ({r.op_type})" for r in comparison.unreached)]
     return atomic_write_text(path, "\n".join(lines) + "\n")
 
 
@@ -251,7 +251,7 @@ def _channel_lines(comparison: LayerComparison, top: int) -> list[str]:
     ranked = [r for r in ranked if math.isfinite(r.same_input_worst_channel_sqnr)][:top]
     headers = ["op name", "op type", "same-in SQNR", "same-in worst-ch SQNR", "before output rounding",
                f"ch < {SAME_INPUT_SQNR_LIMIT:g} dB", "weights"]
-    rows = [[r.op_name, r.analy_op_type, fmt(r.same_input_sqnr), fmt(r.same_input_worst_channel_sqnr),
+    rows = [[r.op_name, r.op_type, fmt(r.same_input_sqnr), fmt(r.same_input_worst_channel_sqnr),
              fmt(r.same_input_inner_worst_channel_sqnr), fmt(r.channels_below), _weights(r.weight_per_channel)]
             for r in ranked]
     return [
@@ -274,7 +274,7 @@ def _lsb_lines(comparison: LayerComparison) -> list[str]:
     if summary is None:
         return []
     counts = lambda kind: ", ".join(f"{v}: {n}" for v, n in summary[kind].items())  # noqa: E731
-    rows = [[r.op_name, r.analy_op_type, r.quant_dtype, r.lsb_verdict, r.lsb_hist, r.same_input_lsb_verdict,
+    rows = [[r.op_name, r.op_type, r.quant_dtype, r.lsb_verdict, r.lsb_hist, r.same_input_lsb_verdict,
              r.same_input_lsb_hist] for r in comparison if r.lsb_verdict or r.same_input_lsb_verdict]
     return [
         "", "== Integer comparison: |analysis - baseline| in LSB of each op's output ==",

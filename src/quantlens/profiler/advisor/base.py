@@ -130,7 +130,7 @@ def quantizes(row: LayerRow) -> bool:
 
 def finding(rule: str, row: LayerRow, info: str, advice: str, severity: Severity = Severity.PROBLEM) -> Finding:
     """A finding of ``rule`` at the op site of ``row``."""
-    return Finding(rule, row.op_name, row.analy_op_type, info, advice, severity)
+    return Finding(rule, row.op_name, row.op_type, info, advice, severity)
 
 
 def row_category(row: LayerRow) -> Category | None:

@@ -108,7 +108,7 @@ def _is_defined(row: LayerRow, default_qpp: bool, defined: frozenset[str]) -> bo
 
 
 def _sites(rows: list[LayerRow]) -> str:
-    shown = ", ".join(f"'{r.op_name}' ({r.analy_op_type})" for r in rows[:CONSISTENCY_SITES_SHOWN])
+    shown = ", ".join(f"'{r.op_name}' ({r.op_type})" for r in rows[:CONSISTENCY_SITES_SHOWN])
     more = len(rows) - CONSISTENCY_SITES_SHOWN
     return shown + (f" and {more} more" if more > 0 else "")
 

@@ -71,5 +71,5 @@ def per_tensor_weight_channels(ctx: AdvisorContext) -> list[Finding]:
                   ": QConfig(weight=QuantSpec(<its weight dtype>, MinMaxObserver, ch_axis=0), output=...)}) "
                   "(get_qconfig() and the default qconfig templates give per-channel weights; a transposed conv "
                   "takes axis 1 by itself, and with groups > 1 stays per tensor)")
-        out.append(Finding("per_tensor_weight_channels", owner.op_name, owner.analy_op_type, info, advice))
+        out.append(Finding("per_tensor_weight_channels", owner.op_name, owner.op_type, info, advice))
     return out
