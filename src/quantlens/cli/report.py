@@ -8,6 +8,7 @@ only reads them, so the reports can be rebuilt from the folder alone: :func:`ren
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import asdict
@@ -132,8 +133,9 @@ def render_pair(folder: Path, analysis_type: str | None = None, prefixes=None) -
     try:
         if comparison is None:
             comparison = compare_traces(*traces, prefixes, None, deployed=atype.deployed)
-            if not prefixes:  # the next report reads it back
-                save_comparison(comparison, folder / COMPARISON_FILE, *traces)
+            if not prefixes:  # the next report reads it back (only a speed-up: a folder in its place is left)
+                with contextlib.suppress(IsADirectoryError, NotADirectoryError, PermissionError):
+                    save_comparison(comparison, folder / COMPARISON_FILE, *traces)
     except QuantLensError as exc:  # (the op sites' match is checked without the folders' names)
         if str(folder) in str(exc):
             raise

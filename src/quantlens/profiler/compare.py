@@ -128,7 +128,8 @@ def check_site_match(base: TraceReader, analy: TraceReader, strict: bool = True)
     why = ("" if strict else f" Only {len(a & b)} of the analysis model's {len(a)} op sites are in the baseline, "
            "so these are not two stages of one model.")
     raise QuantLensError(
-        f"The op sites of the two models do not match: {len(b - a)} only in the baseline (e.g. {only_b}), "
+        f"The op sites of the two models do not match (traces in {base.dir} and {analy.dir}): {len(b - a)} only in "
+        f"the baseline (e.g. {only_b}), "
         f"{len(a - b)} only in the analysis model (e.g. {only_a}).{why} Expected the analysis model to come from "
         "the baseline model (prepare / pre_export / export / convert of it, same op site names) and both to run "
         "the same branches on the bad case. Fix: pass the two neighbouring stages of one model, with the same "

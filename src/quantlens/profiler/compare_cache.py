@@ -22,6 +22,16 @@ __all__ = ["COMPARISON_FILE", "trace_digest", "save_comparison", "load_compariso
 COMPARISON_FILE = "compare_per_layer.json"
 _FORMAT = 1
 _ROW_FIELDS = {f.name for f in fields(LayerRow)}
+#: each row field's allowed JSON value types, from its annotation ("float | None", "str", "bool | None", ...)
+_JSON_TYPES = {"float": (int, float), "int": (int,), "str": (str,), "bool": (bool,), "None": (type(None),)}
+_ROW_TYPES = {f.name: tuple(t for part in str(f.type).split("|") for t in _JSON_TYPES[part.strip()])
+              for f in fields(LayerRow)}
+
+
+def _valid(name: str, value) -> bool:
+    """A saved row value of the field's type (a bool is no number; inf / nan come back as floats)."""
+    kinds = _ROW_TYPES[name]
+    return isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
 _MAX_BYTES = 1 << 30  # a larger file is not ours (rows are a few hundred bytes each)
 
 
@@ -67,7 +77,10 @@ def load_comparison(path: str | os.PathLike, base: TraceReader, analy: TraceRead
         for raw in data["rows"]:
             if not isinstance(raw, dict) or set(raw) != _ROW_FIELDS:
                 return None
-            rows.append(LayerRow(**{k: _decode(v) for k, v in raw.items()}))
+            values = {k: _decode(v) for k, v in raw.items()}
+            if not all(_valid(k, v) for k, v in values.items()):
+                return None
+            rows.append(LayerRow(**values))
         pairs = [[tuple(p) for p in data[k]] for k in ("only_in_baseline", "only_in_analysis")]
         if not all(isinstance(p, tuple) and len(p) == 2 for side in pairs for p in side):
             return None

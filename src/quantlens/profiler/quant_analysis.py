@@ -166,13 +166,13 @@ class QuantAnalysis:
         with loop_threads():  # quantlens._threads: few intra-op threads on small or busy machines
             result = find_bad_case(self.baseline, self.analysis, data_generator, self.post_process, num_steps,
                                    metric, custom_metric_func, custom_metric_order_seq, self.progress, topk)
-        write_bad_case(result, self.out_dir / "badcase.txt")
-        save_pt({"worst_index": result.worst_index, "worst_value": result.worst_value,
-                 "overall": result.overall, "metric": result.metric, "inputs": result.inputs, "topk": result.k,
-                 "topk_index": result.topk, "overall_topk": result.overall_topk},
-                self.out_dir / ALL_BAD_CASE_FILE)
         self.bad_case_result = result
-        self.set_bad_case(result.bad_case)
+        with FolderLock(self.out_dir):  # another process's run in this folder keeps its bad case files
+            write_bad_case(result, self.out_dir / "badcase.txt")
+            save_pt({"worst_index": result.worst_index, "worst_value": result.worst_value, "overall": result.overall,
+                     "metric": result.metric, "inputs": result.inputs, "topk": result.k, "topk_index": result.topk,
+                     "overall_topk": result.overall_topk}, self.out_dir / ALL_BAD_CASE_FILE)
+            self.set_bad_case(result.bad_case)
         return result
 
     _NO_DATA = object()
@@ -198,8 +198,9 @@ class QuantAnalysis:
                                      "auto_find_bad_case(data, topk=k) first (or pass the inputs).")
             data = self.bad_case_result.inputs[self.bad_case_result.ranked(rank, metric, output)]
         _refuse_empty(data)
+        with FolderLock(self.out_dir):  # refused while another process's run writes this folder
+            save_pt(data, self.out_dir / BAD_CASE_FILE)
         self._bad_case, self._has_bad_case = data, True
-        self.save_bad_case()
 
     def save_bad_case(self, filename: str | os.PathLike | None = None) -> Path:
         return save_pt(self._require_bad_case(), Path(filename) if filename else self.out_dir / BAD_CASE_FILE)

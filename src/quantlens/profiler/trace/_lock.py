@@ -8,6 +8,7 @@ is refused with the owner's pid and the fix. A lock whose owner is gone (a kille
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from quantlens.errors import QuantLensError
@@ -15,6 +16,8 @@ from quantlens.errors import QuantLensError
 __all__ = ["FolderLock", "LOCK_FILE"]
 
 LOCK_FILE = ".quantlens.lock"
+#: how many times (10 ms apart) an empty lock file is read again before it is taken for a killed run's
+_EMPTY_TRIES = 200
 
 
 def _alive(pid: int) -> bool:
@@ -42,7 +45,7 @@ class FolderLock:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                owner = self._owner()
+                owner = self._owner(wait=True)
                 if owner == os.getpid():
                     return self  # this process already holds it (a run inside a run)
                 if owner is not None and _alive(owner):
@@ -58,12 +61,22 @@ class FolderLock:
             return self
         raise QuantLensError(f"{self.path} could not be taken (it keeps reappearing); is another run starting?")
 
-    def _owner(self) -> int | None:
-        try:
-            text = self.path.read_text(encoding="ascii").strip()
-        except (OSError, UnicodeDecodeError):
-            return None
-        return int(text) if text.isdigit() else None
+    def _owner(self, wait: bool = False) -> int | None:
+        """The pid in the lock file (None: no lock, or no pid). ``wait``: a lock file still empty is given a
+        moment, as its owner creates it and then writes its pid; taken for stale at once, it was removed under a
+        run that had just started, and two runs wrote into one folder."""
+        for attempt in range(_EMPTY_TRIES if wait else 1):
+            if attempt:
+                time.sleep(0.01)
+            try:
+                text = self.path.read_text(encoding="ascii").strip()
+            except FileNotFoundError:
+                return None
+            except (OSError, UnicodeDecodeError):
+                text = ""
+            if text:
+                return int(text) if text.isdigit() else None
+        return None
 
     def __exit__(self, *exc) -> None:
         if self._held and self._owner() == os.getpid():

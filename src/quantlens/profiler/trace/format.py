@@ -5,7 +5,9 @@ and the fields of ``trace.json`` (:class:`TraceIndex`, one :class:`TracedSite` p
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import math
+import re
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from quantlens.errors import QuantLensError
@@ -136,14 +138,85 @@ class TraceIndex:
 
     @classmethod
     def read(cls, path: Path) -> "TraceIndex":
-        """``trace.json`` at ``path``; a trace of another format is refused with a message to re-run ``run()``."""
+        """``trace.json`` at ``path``; a trace of another format is refused with a message to re-run ``run()``, an
+        entry of the wrong type or range (a damaged or edited index) with a ``ValueError`` naming the entry."""
         data = json.loads(path.read_text(encoding="utf-8"))
         if data.get("format") != TRACE_FORMAT:
             raise QuantLensError(
                 f"{path} has trace format {data.get('format')!r}; this version of quantlens reads format "
                 f"{TRACE_FORMAT} only (format 2 stores a tensor another op site already stored as a reference to "
                 "it). Re-run QuantAnalysis.run() to write the trace again.")
-        return cls(model=data["model"], description=data["description"],
-                   input_digest=data.get("input_digest", ""), outputs=data["outputs"],
-                   sites=[TracedSite.from_json(s) for s in data["sites"]],
-                   model_digest=str(data.get("model_digest", "")))
+        if not isinstance(data["sites"], list):
+            raise ValueError(f"sites is {type(data['sites']).__name__}, not a list")
+        index = cls(model=data["model"], description=data["description"],
+                    input_digest=data.get("input_digest", ""), outputs=data["outputs"],
+                    sites=[TracedSite.from_json(s) for s in data["sites"]],
+                    model_digest=data.get("model_digest", ""))
+        _check_index(index)
+        return index
+
+
+# -- what a readable trace.json holds: each field's type and range, checked when read (an edited or damaged index
+# is refused there, not by a TypeError deep in a comparison) ----------------------------------------------------
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _str_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _scale(v) -> bool:
+    return v is None or (_number(v) and math.isfinite(v) and v >= 0) or \
+        (isinstance(v, list) and len(v) > 0 and all(_number(x) and math.isfinite(x) and x >= 0 for x in v))
+
+
+def _opt(check):
+    return lambda v: v is None or check(v)
+
+
+_STR = lambda v: isinstance(v, str)  # noqa: E731
+#: a tensor's key in a site: in<pos>, out<i>, weight, same<i>, samepre<i>
+_KEY = re.compile(r"(in|out|same|samepre)\d+|weight")
+_SITE_CHECKS = {
+    "index": _count, "name": _STR, "op_type": _STR, "module_type": _opt(_STR), "file": _STR, "quant_dtype": _STR,
+    "scale": _scale, "weight_scale": _scale, "input_dtypes": _str_list, "boundary": _STR, "fused_into": _opt(_STR),
+    "producer": _opt(_STR), "index_producing": lambda v: isinstance(v, bool), "same_input_note": _STR,
+    "scale_axis": _opt(lambda v: isinstance(v, int) and not isinstance(v, bool)), "stats_only": _str_list,
+    "refs": lambda v: isinstance(v, dict) and all(_STR(k) and isinstance(r, list) and len(r) == 2 and
+                                                  all(map(_STR, r)) for k, r in v.items()),
+    "codes": lambda v: isinstance(v, dict) and all(_STR(k) and _number(c) and math.isfinite(c) and c > 0
+                                                   for k, c in v.items()),
+}
+_STAT_CHECKS = {"shape": lambda v: all(map(_count, v)), "dtype": _STR, "min": _opt(_number), "max": _opt(_number),
+                "mean": _opt(_number), "var": _opt(_number), "nan": _count, "inf": _count}
+
+
+def _check_fields(obj, checks: dict, where: str) -> None:
+    for name, check in checks.items():
+        value = getattr(obj, name)
+        if not check(value):
+            raise ValueError(f"{where}.{name} is {value!r}, not a value of its type and range")
+
+
+def _check_index(index: TraceIndex) -> None:
+    """Raise ``ValueError`` naming the first entry of ``index`` of the wrong type or range."""
+    _check_fields(index, {"model": _STR, "description": _STR, "input_digest": _STR, "model_digest": _STR,
+                          "outputs": _str_list}, "trace")
+    for i, site in enumerate(index.sites):
+        where = f"sites[{i}]"
+        _check_fields(site, _SITE_CHECKS, where)
+        for key, stat in site.stats.items():
+            if not _KEY.fullmatch(key):
+                raise ValueError(f"{where}.stats has the key {key!r}, not a tensor key of a site")
+            _check_fields(stat, _STAT_CHECKS, f"{where}.stats[{key!r}]")
+        for part, check in ((site.quant_error, _number), (site.int_stats, _count)):
+            if part is not None:
+                _check_fields(part, {f.name: check for f in fields(part)}, f"{where}.{type(part).__name__}")
+        if isinstance(site.quant_error, QuantErrorStats) and not (_count(site.quant_error.numel) and
+                                                                  _count(site.quant_error.clipped)):
+            raise ValueError(f"{where}.quant_error has a negative or fractional count")

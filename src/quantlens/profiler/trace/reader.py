@@ -14,7 +14,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from quantlens.errors import QuantLensError
-from quantlens.profiler.trace.format import ALIGN, OUTPUTS_FILE, TRACE_FILE, TracedSite, TraceIndex
+from quantlens.profiler.trace.format import ALIGN, OUTPUTS_FILE, TRACE_FILE, TensorStat, TracedSite, TraceIndex
 
 __all__ = ["TraceReader", "SiteTensors"]
 
@@ -141,8 +141,27 @@ class TraceReader:
                         # the same alignment wherever the tensor lies in its file: a GEMM re-run on it (the
                         # same-input run) may round differently on differently aligned memory
                         t = t.clone()
+                    self._check_recorded(t, site.stats.get(keys[i]), file, stored)
                     out[i] = t
         return out
+
+    def _check_recorded(self, t: torch.Tensor, stat: TensorStat | None, file: str, stored: str) -> None:
+        """Refuse a tensor that is not the one ``trace.json`` recorded: another shape or dtype, or other extremes
+        (a file swapped with another site's, damaged data, a changed code scale); exact, as the writer computed
+        the statistics from the very values it stored."""
+        if stat is None:
+            return
+        found = (tuple(t.shape), str(t.dtype).replace("torch.", ""))
+        same = found == (stat.shape, stat.dtype)
+        if same and t.is_floating_point() and t.numel() and stat.min is not None and not stat.nonfinite:
+            lo, hi = torch.aminmax(t.reshape(-1))
+            same = (float(lo), float(hi)) == (stat.min, stat.max)
+            found = (*found, f"range [{float(lo)}, {float(hi)}]")
+        if not same:
+            raise QuantLensError(
+                f"The trace in {self.dir}: {file} holds a tensor '{stored}' ({', '.join(map(str, found))}) other than "
+                f"the one {TRACE_FILE} recorded ({stat.shape}, {stat.dtype}, range [{stat.min}, {stat.max}]): the "
+                "file was damaged or does not belong to this trace. Re-run QuantAnalysis.run() to write it again.")
 
     def inputs(self, site: str, occurrence: int | None = None) -> dict[int, torch.Tensor] | None:
         """The site's incoming float tensors by leaf position (loads only those), of its last run unless
