@@ -145,8 +145,11 @@ def _synthetic_module() -> Module:
         "none": None, "flag": True, "off": False, "mode": "nearest", "nested": [[1, 2], [3.5, None]],
         "tuple": (1, (2, "x")), "by_int": {1: "a", 2: [3]}, "tagged_key": {"$float": "looks like a tag"},
         "empty_list": [], "empty_dict": {},
+        "multipliers": [1, 1], "shifts": [0, 0], "out_dtype": "qint8",  # what the integer add reads (load checks)
     }
-    nodes = [Node("add", ["x", "f32"], ["y"], attrs, "site.add_0"), Node("mul", ["y", ""], ["z"], {}, "")]
+    nodes = [Node("add", ["x", "f32"], ["y"], attrs, "site.add_0"),
+             Node("mul", ["y", "f32"], ["z"], {"out_dtype": "qint8"}, ""),
+             Node("linear", ["z", "f32", ""], ["w"], {"out_dtype": "qint32"}, "")]  # "": an absent optional input
     values = {name: ValueInfo(tuple(t.shape), str(t.dtype).replace("torch.", "")) for name, t in constants.items()}
     values["x"] = ValueInfo((-1, 5), "float32")
     values["z"] = ValueInfo((-1, 5), "int8", qdtype="qint8", scale="scalar", axis=None)

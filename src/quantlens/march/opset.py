@@ -77,6 +77,17 @@ class Cost(str, Enum):
     TABLE = "table"  #: one lookup per element and ``table_passes`` vector passes
     SCAN = "scan"  #: one pass over the input (sort, topk, max, argmax)
 
+    @property
+    def requantizes(self) -> bool:
+        """Its ops end in a requantize: their integer kernel reads ``out_dtype`` (and ``multiplier``/``shift``,
+        absent for an int32 output)."""
+        return self not in (Cost.PASS, Cost.FREE, Cost.TABLE, Cost.SCAN, Cost.MAX_POOL)
+
+    @property
+    def rescales_each_input(self) -> bool:
+        """Its ops requantize each input on its own: ``multipliers``/``shifts``, one entry per input."""
+        return self in (Cost.RESCALED_SUM, Cost.CAT)
+
 
 @dataclass(frozen=True)
 class IROp:
@@ -102,6 +113,16 @@ class IROp:
     #: its integer rule rescales every input to the output scale (§10: add, sub, cat), so inputs that share the
     #: output's scale make it exact (consistency level 2's shared scales)
     rescales_inputs: bool = False
+    #: its node inputs, declared only for an op with no torch op whose schema gives them (``compiler/serialize/
+    #: arity.py`` reads the schema otherwise): names in order; ``name?`` may be absent (``""``), ``name+`` /
+    #: ``name*`` stands for one or more / any number of inputs
+    inputs: tuple[str, ...] | None = None
+    #: its outputs, with declared ``inputs``: a count, or the list attr with one entry per output (``None``: one)
+    outputs: int | str | None = None
+    #: attrs every node of it carries (its kernels read them), beyond the required arguments of its torch op
+    attrs: tuple[str, ...] = ()
+    #: attrs its integer kernel alone reads (a quantized IR, off the host), beyond those its ``cost`` implies
+    int_attrs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -154,19 +175,26 @@ B, Q, G, E, R, T, M, L, X, C, D = (
 )
 
 # -- the IR ops ------------------------------------------------------------------------------------------------
+#: attrs shared by several rows: a conv's (its integer kernel reads them all), a pool's, a pad's; a table op's
+#: integer kernel splits its inputs by ``table_inputs`` (convert writes it)
+_CONV = ("stride", "padding", "dilation", "groups")
+_POOL = ("kernel_size", "stride", "padding")
+_MAX_POOL = (*_POOL, "dilation", "ceil_mode")
+_PAD = ("pad", "mode", "value")
+_TABLE = ("table_inputs",)
 _IR_ROWS: list[IROp] = [
     IROp("fake_quant", Q, "§5"),
-    IROp("quantize", B, "§5, §12", level="quantized"),
-    IROp("dequantize", B, "§5, §12", level="quantized"),
-    IROp("host_aten", B, "§12", convert=False, onnx=False,
+    IROp("quantize", B, "§5, §12", level="quantized", inputs=("x", "scale"), attrs=("out_dtype",)),
+    IROp("dequantize", B, "§5, §12", level="quantized", inputs=("q", "scale")),
+    IROp("host_aten", B, "§12", convert=False, onnx=False, inputs=("inputs*",), attrs=("target", "args", "kwargs"),
          note="any aten op after the DeQuantStub with no IR lowering: float, on the host (compiler/host_ops.py)"),
-    IROp("requantize", Q, "§8", level="quantized", cost=Cost.REQUANTIZE),
+    IROp("requantize", Q, "§8", level="quantized", cost=Cost.REQUANTIZE, inputs=("q",)),
     # GEMM
-    IROp("conv1d", G, "§6-§9", level="both", cost=Cost.GEMM),
-    IROp("conv2d", G, "§6-§9", level="both", cost=Cost.GEMM),
-    IROp("conv_transpose1d", G, "§6-§9", level="both", cost=Cost.GEMM,
+    IROp("conv1d", G, "§6-§9", level="both", cost=Cost.GEMM, attrs=_CONV),
+    IROp("conv2d", G, "§6-§9", level="both", cost=Cost.GEMM, attrs=_CONV),
+    IROp("conv_transpose1d", G, "§6-§9", level="both", cost=Cost.GEMM, attrs=(*_CONV, "output_padding"),
          note="int8 weight per channel along axis 1 (groups = 1)"),
-    IROp("conv_transpose2d", G, "§6-§9", level="both", cost=Cost.GEMM,
+    IROp("conv_transpose2d", G, "§6-§9", level="both", cost=Cost.GEMM, attrs=(*_CONV, "output_padding"),
          note="int8 weight per channel along axis 1 (groups = 1)"),
     IROp("linear", G, "§6-§9", level="both", cost=Cost.GEMM),
     IROp("matmul", G, "§6-§9", level="both", cost=Cost.GEMM),
@@ -176,26 +204,29 @@ _IR_ROWS: list[IROp] = [
     IROp("sub", E, "§10", level="both", cost=Cost.RESCALED_SUM, rescales_inputs=True),
     IROp("mul", E, "§10", level="both", cost=Cost.PASS_REQUANT),
     IROp("div", E, "§10, §13.5", note="by a constant: a multiplier; by a tensor: the int_div table"),
-    IROp("cat", E, "§10", level="both", cost=Cost.CAT, rescales_inputs=True),
+    IROp("cat", E, "§10", level="both", cost=Cost.CAT, rescales_inputs=True, attrs=("dim",)),
     IROp("neg", E, "§10"),
     IROp("abs", E, "§10"),
-    IROp("clamp", E, "§10", level="both", cost=Cost.PASS_REQUANT),
+    IROp("clamp", E, "§10", level="both", cost=Cost.PASS_REQUANT, int_attrs=("lo", "hi")),
     IROp("hardtanh", E, "§10"),
     IROp("masked_fill", E, "§11"),
     IROp("where", E, "§11", level="both", shared_kernel=True,
          note="a select: each value operand moved to the output grid (a constant: its code on it)"),
     IROp("upsample_bilinear2d", E, "§10.1"),
-    IROp("batch_norm", E, "§10.2", note="not folded into a conv/linear: a per-channel affine"),
-    IROp("channel_affine", E, "§10.2", level="quantized", cost=Cost.PASS_REQUANT),
+    IROp("batch_norm", E, "§10.2", note="not folded into a conv/linear: a per-channel affine",
+         inputs=("input", "weight?", "bias?", "running_mean", "running_var"), attrs=("eps",)),
+    IROp("channel_affine", E, "§10.2", level="quantized", cost=Cost.PASS_REQUANT, inputs=("q", "weight", "bias"),
+         attrs=("channel_dim",)),
     IROp("prelu", E, "§10.3"),
     IROp("leaky_relu", E, "§10.3"),
-    IROp("prelu_int", E, "§10.3", level="quantized", cost=Cost.PRELU),
-    IROp("add_const", E, "§10", level="quantized", cost=Cost.RESCALED_SUM),
-    IROp("scale", E, "§8, §10", level="quantized", cost=Cost.SCALE),
-    IROp("abs_int", E, "§10", level="quantized", cost=Cost.PASS_REQUANT),
-    IROp("neg_int", E, "§10", level="quantized", cost=Cost.PASS_REQUANT),
-    IROp("masked_fill_int", E, "§11", level="quantized"),
-    IROp("bilinear_int", E, "§10.1", level="quantized", cost=Cost.BILINEAR),
+    IROp("prelu_int", E, "§10.3", level="quantized", cost=Cost.PRELU, inputs=("q",),
+         attrs=("multiplier", "shift", "neg_multiplier", "neg_shift", "neg_sign")),
+    IROp("add_const", E, "§10", level="quantized", cost=Cost.RESCALED_SUM, inputs=("q",), attrs=("negate", "addend")),
+    IROp("scale", E, "§8, §10", level="quantized", cost=Cost.SCALE, inputs=("q",), attrs=("negative",)),
+    IROp("abs_int", E, "§10", level="quantized", cost=Cost.PASS_REQUANT, inputs=("q",)),
+    IROp("neg_int", E, "§10", level="quantized", cost=Cost.PASS_REQUANT, inputs=("q",)),
+    IROp("masked_fill_int", E, "§11", level="quantized", inputs=("q", "mask"), attrs=("value",)),
+    IROp("bilinear_int", E, "§10.1", level="quantized", cost=Cost.BILINEAR, inputs=("q", "a_h", "a_w")),
     # reductions
     IROp("mean", R, "§10"),
     IROp("sum", R, "§10"),
@@ -203,50 +234,54 @@ _IR_ROWS: list[IROp] = [
     IROp("adaptive_avg_pool2d", R, "§10", note="even windows only"),
     IROp("adaptive_avg_pool1d", R, "§10", note="even windows only"),
     IROp("avg_pool1d", R, "§10"),
-    IROp("sum_int", R, "§10", level="quantized", cost=Cost.SUM),
+    IROp("sum_int", R, "§10", level="quantized", cost=Cost.SUM, inputs=("q",), attrs=("dim", "keepdim")),
     IROp("cumsum", R, "§10.2"),
-    IROp("cumsum_int", R, "§10.2", level="quantized", cost=Cost.SUM),
-    IROp("avg_pool2d_int", R, "§10", level="quantized", cost=Cost.AVG_POOL),
-    IROp("avg_pool2d_div_int", R, "§10.2", level="quantized", cost=Cost.AVG_POOL,
+    IROp("cumsum_int", R, "§10.2", level="quantized", cost=Cost.SUM, inputs=("q",), attrs=("dim",)),
+    IROp("avg_pool2d_int", R, "§10", level="quantized", cost=Cost.AVG_POOL, inputs=("q",),
+         attrs=(*_POOL, "ceil_mode", "count_include_pad")),
+    IROp("avg_pool2d_div_int", R, "§10.2", level="quantized", cost=Cost.AVG_POOL, inputs=("q",),
+         attrs=(*_POOL, "ceil_mode", "divisors", "divisor_values", "multiplier", "shift"),
          note="windows of different counts: one multiplier per divisor"),
-    IROp("avg_pool1d_int", R, "§10", level="quantized", cost=Cost.AVG_POOL),
+    IROp("avg_pool1d_int", R, "§10", level="quantized", cost=Cost.AVG_POOL, inputs=("q",), attrs=_POOL),
     # float nonlinear ops: in the qat IR only when pre_export left them float (no table)
     *(IROp(name, T, "§13", convert=False, note="computed by a table after pre_export")
       for name in ("sigmoid", "tanh", "silu", "exp", "gelu", "softplus", "reciprocal", "softmax", "layer_norm",
                    "rsqrt", "sqrt", "erf", "log", "pow", "hardswish", "hardsigmoid", "elu")),
     IROp("log_softmax", T, "", convert=False, note="no table yet"),
     # pre_export's table ops (torch.ops.quantlens.*), the same kernels in both IRs
-    IROp("lut", T, "§13.2", level="both", cost=Cost.TABLE, table_passes=0),
-    IROp("segment_lut", T, "§13.3", level="both", cost=Cost.TABLE, table_passes=1),
-    IROp("int_reciprocal", T, "§13.5", level="both", cost=Cost.TABLE, table_passes=1),
-    IROp("int_div", T, "§13.5", level="both", cost=Cost.TABLE, table_passes=2),
-    IROp("int_softmax", T, "§13.6", level="both", cost=Cost.TABLE, table_passes=4),
-    IROp("int_layer_norm", T, "§13.7", level="both", cost=Cost.TABLE, table_passes=4),
-    IROp("int_rms_norm", T, "§13.7.1", level="both", cost=Cost.TABLE, table_passes=3),
-    IROp("int_vector_norm", T, "§13.7.2", level="both", cost=Cost.TABLE, table_passes=2),
+    IROp("lut", T, "§13.2", level="both", cost=Cost.TABLE, table_passes=0, int_attrs=_TABLE),
+    IROp("segment_lut", T, "§13.3", level="both", cost=Cost.TABLE, table_passes=1, int_attrs=_TABLE),
+    IROp("int_reciprocal", T, "§13.5", level="both", cost=Cost.TABLE, table_passes=1, int_attrs=_TABLE),
+    IROp("int_div", T, "§13.5", level="both", cost=Cost.TABLE, table_passes=2, int_attrs=_TABLE),
+    IROp("int_softmax", T, "§13.6", level="both", cost=Cost.TABLE, table_passes=4, int_attrs=_TABLE),
+    IROp("int_layer_norm", T, "§13.7", level="both", cost=Cost.TABLE, table_passes=4, int_attrs=_TABLE),
+    IROp("int_rms_norm", T, "§13.7.1", level="both", cost=Cost.TABLE, table_passes=3, int_attrs=_TABLE),
+    IROp("int_vector_norm", T, "§13.7.2", level="both", cost=Cost.TABLE, table_passes=2, int_attrs=_TABLE),
     # movement: values keep their grid
     IROp("reshape", M, "§11", level="both", shared_kernel=True, cost=Cost.FREE),
     IROp("permute", M, "§11", level="both", shared_kernel=True),
     IROp("expand", M, "§11", level="both", shared_kernel=True, keeps_dims=True, cost=Cost.FREE),
-    IROp("slice", M, "§11", level="both", shared_kernel=True, keeps_dims=True, cost=Cost.FREE),
-    IROp("select", M, "§11", level="both", shared_kernel=True, cost=Cost.FREE),
-    IROp("split", M, "§11", level="both", shared_kernel=True, cost=Cost.FREE),
-    IROp("index", M, "§11", level="both", shared_kernel=True),
+    IROp("slice", M, "§11", level="both", shared_kernel=True, keeps_dims=True, cost=Cost.FREE, inputs=("x",),
+         attrs=("dim", "start", "end", "step")),
+    IROp("select", M, "§11", level="both", shared_kernel=True, cost=Cost.FREE, inputs=("x",), attrs=("dim", "index")),
+    IROp("split", M, "§11", level="both", shared_kernel=True, cost=Cost.FREE, inputs=("x",), outputs="sizes",
+         attrs=("sizes", "dim")),
+    IROp("index", M, "§11", level="both", shared_kernel=True, inputs=("x", "indices?+")),
     IROp("gather", M, "§11", level="both", shared_kernel=True, keeps_dims=True),
     IROp("index_select", M, "§11", level="both", shared_kernel=True, keeps_dims=True),
     IROp("embedding", L, "§11", level="both", shared_kernel=True),
     IROp("relu", M, "§11", level="both", keeps_dims=True),
-    IROp("max_pool2d", M, "§11", level="both", keeps_dims=True, cost=Cost.MAX_POOL),
+    IROp("max_pool2d", M, "§11", level="both", keeps_dims=True, cost=Cost.MAX_POOL, attrs=_MAX_POOL),
     IROp("upsample_nearest2d", M, "§11", level="both"),
-    IROp("max_pool1d", M, "§11", level="both", keeps_dims=True, cost=Cost.MAX_POOL),
+    IROp("max_pool1d", M, "§11", level="both", keeps_dims=True, cost=Cost.MAX_POOL, attrs=_MAX_POOL),
     IROp("upsample_nearest1d", M, "§11", level="both"),
     IROp("pixel_shuffle", M, "§11", level="both", shared_kernel=True),
     IROp("pixel_unshuffle", M, "§11", level="both", shared_kernel=True),
     IROp("flip", M, "§11", level="both", shared_kernel=True),
-    IROp("pad", M, "§11", note="constants are written on the input's grid"),
-    IROp("pad_int", M, "§11", level="quantized"),
+    IROp("pad", M, "§11", note="constants are written on the input's grid", inputs=("x",), attrs=_PAD),
+    IROp("pad_int", M, "§11", level="quantized", inputs=("q",), attrs=_PAD),
     IROp("fill", M, "§11", note="x[...] = constant, after functionalization"),
-    IROp("fill_int", M, "§11", level="quantized"),
+    IROp("fill_int", M, "§11", level="quantized", inputs=("q",), attrs=("value",)),
     IROp("select_scatter", M, "§11", level="both", note="x[:, i] = v, after functionalization"),
     IROp("slice_scatter", M, "§11", level="both", note="x[:, a:b] = v, after functionalization"),
     IROp("amax", M, "§11", level="both", shared_kernel=True, cost=Cost.SCAN),
@@ -255,7 +290,7 @@ _IR_ROWS: list[IROp] = [
     IROp("sort", M, "§11", level="both", index_outputs=True, cost=Cost.SCAN),
     # indices and masks
     IROp("argmax", X, "§11", level="both", shared_kernel=True, cost=Cost.SCAN),
-    IROp("cast", X, "", level="both", shared_kernel=True),
+    IROp("cast", X, "", level="both", shared_kernel=True, inputs=("x",), attrs=("dtype",)),
     *(IROp(name, X, "", level="both", shared_kernel=True)
       for name in ("eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or")),
 ]

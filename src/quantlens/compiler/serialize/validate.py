@@ -1,8 +1,9 @@
 """The header checks of ``load``: a header that passed the checksum must still describe a valid module.
 
 Each check names what is wrong and where (the node by index, op and op site; the value info; the input leaf)
-and what was expected: known ops of the module's kind, attr types and ranges, value types, every referenced name
-defined before use, pytree specs that match the inputs and outputs.
+and what was expected: known ops of the module's kind, attr types and ranges, each node's inputs, outputs and
+required attrs as its kernel needs them (:mod:`.arity`), value types, every referenced name defined before use,
+pytree specs that match the inputs and outputs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from quantlens.compiler.ir import Graph, InputLeaf, Module, Node, ValueInfo
+from quantlens.compiler.serialize.arity import node_problem
 from quantlens.compiler.serialize.codec import _decode
 from quantlens.compiler.serialize.schema import _DTYPES, _HEADER_FIELDS, _LEAF_FIELDS, _NODE_FIELDS, _VALUE_FIELDS
 from quantlens.march.opset import IR_OPS
@@ -233,6 +235,9 @@ def _node(i: int, n: Any, kind: str, defined: set[str]) -> Node:
     _check_attrs(op, attrs, where)
     _check_op_level(op, attrs, kind, where)
     _check_def_use(node_inputs, node_outputs, defined, where)
+    problem = node_problem(op, node_inputs, node_outputs, attrs, kind)
+    if problem:
+        raise _Invalid(f"{where} {problem}")
     defined.update(node_outputs)
     return Node(op, node_inputs, node_outputs, attrs, site)
 
