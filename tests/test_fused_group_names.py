@@ -43,6 +43,9 @@ def test_a_conv_bn_group_is_named_by_its_members_never_identity(tmp_path):
     assert member.fused_into == "stem.1" and member.op_type == "conv2d" and not member.compared
     assert all(r.op_type != "identity" for r in table)
     assert "stem.1" in [r.op_name for r in table.ranked("same_input_sqnr")]
+    # the sensitivity names the group's output quantizer the same way
+    sens = {(r.op_name, r.sensitive_type): r.op_type for r in qa.sensitivity()[0]}
+    assert sens[("stem.1", "activation")] == "conv2d+batch_norm" and sens[("stem.0", "weight")] == "conv2d"
     for report in ("compare_per_layer_out.txt", "profiler.html"):
         text = (tmp_path / report).read_text()
         assert "conv2d+batch_norm" in text and "identity" not in text, report

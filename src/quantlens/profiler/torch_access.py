@@ -181,6 +181,9 @@ class TorchModelAccess(ModelAccess):
                 if plan.name in tables:
                     units[Quantizer(plan.name, "lut", plan.op_type, plan.output_dtype)] = [plan.name]
             return units
+        # a fused group's output quantizer is the group's: named by its members' op types, as compare_per_layer
+        # names the group's row ("conv2d+batch_norm"), never by its last member's type alone
+        group_types = {g.last: "+".join(st.record.sites[m].op_type for m in g.members) for g in st.groups}
         for plan in st.plans.values():
             site = st.record.sites[plan.name]
             acts = [st.fq[k] for k in plan.input_fq.values()] + ([st.fq[plan.output_fq]] if plan.output_fq else [])
@@ -188,7 +191,8 @@ class TorchModelAccess(ModelAccess):
                 # fake quants inside a site's override (e.g. sdpa's scores/probabilities) are activations too
                 acts += [m for m in st.overrides[plan.override].modules() if isinstance(m, FakeQuantize)]
             if acts:
-                units[Quantizer(plan.name, "activation", plan.op_type, acts[-1].dtype.value)] = acts
+                units[Quantizer(plan.name, "activation", group_types.get(plan.name, plan.op_type),
+                                acts[-1].dtype.value)] = acts
             weights = [st.fq[k] for k in plan.weight_fq.values()]
             module = modules.get(site.module_name) if site.is_module and "@" not in plan.name else None
             if isinstance(getattr(module, "weight_fake_quant", None), FakeQuantize):
