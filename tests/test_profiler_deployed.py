@@ -177,6 +177,8 @@ def test_convert_only_in_lists_hold_fused_sites(stages, tmp_path):
     assert from_ir.only_in_analysis == [] and from_torch.only_in_analysis == []
     # the qat IR keeps the convs (and adds) whose value the quantized IR writes straight to the fused ReLU's grid
     assert from_ir.only_in_baseline and {n for n, _ in from_ir.only_in_baseline} <= fused
+    # ... and says so: each is labelled with the site whose value holds it (trace.json's "folded")
+    assert all("(fused into " in op_type for _, op_type in from_ir.only_in_baseline), from_ir.only_in_baseline
     # the qat IR computes what pre_export computes: same rows, same verdicts from either baseline
     assert [r.op_name for r in from_ir] == [r.op_name for r in from_torch]
     for a, b in zip(from_ir, from_torch):

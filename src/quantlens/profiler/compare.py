@@ -244,7 +244,10 @@ def compare_traces(base: TraceReader, analy: TraceReader, prefixes: Iterable[str
         if site.name in members:
             row = replace(row, group="+".join(members[site.name] + [_base_type(base, site)]))
         rows.append(row)
-    only_b = [(s.name, s.op_type + (f" (fused into {s.fused_into})" if s.fused_into else ""))
+    # a site the analysis model computes inside another's value (its own fused member, or a quantized IR writing a
+    # conv straight to its fused ReLU's grid) is labelled with that site
+    only_b = [(s.name, s.op_type + (f" (fused into {s.fused_into or analy.folded.get(s.name)})"
+                                    if s.fused_into or s.name in analy.folded else ""))
               for s in base.sites if s.name not in analy.by_name and base.by_name[s.name] is s]
     only_a = [(s.name, s.op_type) for s in analy.sites if s.name not in base.by_name]
     return LayerComparison(rows, base.description, analy.description, only_b, only_a)

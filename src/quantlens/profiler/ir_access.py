@@ -90,6 +90,13 @@ class IRModelAccess(ModelAccess):
         self.reference: ModelAccess | None = None  # set by QuantAnalysis for sensitivity (see SiteOverride)
         self._flat_cache: dict[int, tuple[bool, bool]] = {}  # table node -> flat beyond (low, high) limit
 
+    @property
+    def folded(self) -> dict[str, str]:
+        """The op sites whose every node went to another site's value (a conv requantized straight to its fused
+        ReLU's grid: ``output_site``), with that site."""
+        own = {n.site for n in self.nodes if n.site} - set(self.last)
+        return {n.site: site for n, site in zip(self.nodes, self.attributed) if n.site in own and site in self.last}
+
     # -- description -------------------------------------------------------------------------------------
     def describe(self) -> str:
         where = f" from {os.path.basename(self.source)}" if self.source else ""  # reports do not depend on cwd

@@ -305,6 +305,11 @@ class ModelAccess(ABC):
         """One line for report headers (model class, stage)."""
         return self.label
 
+    @property
+    def folded(self) -> dict[str, str]:
+        """Op sites this model computes inside another site's value, with that site (none by default)."""
+        return {}
+
     def group_internal_sites(self) -> frozenset[str]:
         """Op sites whose values exist only inside one of this model's fused ops and that feed nothing outside it
         (a conv and a BatchNorm before their ReLU): the other model's trace need not keep their values for a

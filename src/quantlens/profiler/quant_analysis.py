@@ -313,7 +313,7 @@ class QuantAnalysis:
             if extra:  # the post-processing is one more "op site", compared like the others
                 writer.on_site(SiteEvent(index=len(writer.sites), name="post_process", op_type="post_process",
                                          module_type=None, inputs={}, outputs=list(extra.values())))
-            writer.finish(outputs, input_digest(self._require_bad_case()), model_digest(access))
+            writer.finish(outputs, input_digest(self._require_bad_case()), model_digest(access), access.folded)
         except BaseException:
             writer.close()
             raise

@@ -121,6 +121,9 @@ class TraceIndex:
     sites: list[TracedSite]
     #: the fingerprint of the model traced (``profiler.fingerprint.model_digest``; "" in traces made before it)
     model_digest: str = ""
+    #: op sites the model computes inside another site's value, with that site (a quantized IR writes a conv
+    #: straight to its fused ReLU's grid): such a site has no value of its own here
+    folded: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
         """The text of ``trace.json``."""
@@ -131,6 +134,7 @@ class TraceIndex:
             "input_digest": self.input_digest,
             "model_digest": self.model_digest,
             "outputs": list(self.outputs),
+            "folded": dict(self.folded),
             "sites": [vars(s) for s in self.sites],
         }
         # (vars + default=vars: the JSON of dataclasses.asdict, without its deep copies)
@@ -151,7 +155,7 @@ class TraceIndex:
         index = cls(model=data["model"], description=data["description"],
                     input_digest=data.get("input_digest", ""), outputs=data["outputs"],
                     sites=[TracedSite.from_json(s) for s in data["sites"]],
-                    model_digest=data.get("model_digest", ""))
+                    model_digest=data.get("model_digest", ""), folded=data.get("folded", {}))
         _check_index(index)
         return index
 
@@ -206,7 +210,8 @@ def _check_fields(obj, checks: dict, where: str) -> None:
 def _check_index(index: TraceIndex) -> None:
     """Raise ``ValueError`` naming the first entry of ``index`` of the wrong type or range."""
     _check_fields(index, {"model": _STR, "description": _STR, "input_digest": _STR, "model_digest": _STR,
-                          "outputs": _str_list}, "trace")
+                          "outputs": _str_list, "folded": lambda v: isinstance(v, dict) and all(
+                              _STR(k) and _STR(t) for k, t in v.items())}, "trace")
     for i, site in enumerate(index.sites):
         where = f"sites[{i}]"
         _check_fields(site, _SITE_CHECKS, where)

@@ -49,6 +49,7 @@ class TraceReader:
         self.output_names: list[str] = index.outputs
         self.input_digest: str = index.input_digest
         self.model_digest: str = index.model_digest
+        self.folded: dict[str, str] = index.folded
         self.sites: list[TracedSite] = index.sites
         self.by_name: dict[str, TracedSite] = {s.name: s for s in self.sites}
         #: every occurrence of each site, in execution order

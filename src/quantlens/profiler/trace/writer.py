@@ -300,8 +300,10 @@ class TraceWriter:
         self._pool.clear()
         self._scratch = {}
 
-    def finish(self, outputs: dict[str, torch.Tensor], input_digest: str = "", model_digest: str = "") -> Path:
-        """Save the model outputs and the index; the trace is complete once this returns."""
+    def finish(self, outputs: dict[str, torch.Tensor], input_digest: str = "", model_digest: str = "",
+               folded: dict[str, str] | None = None) -> Path:
+        """Save the model outputs and the index (``folded``: :attr:`TraceIndex.folded`); the trace is complete
+        once this returns."""
         self._drain()
         self._raise_error()
         stats: dict[str, dict[str, TensorStat]] = {job.site.file: job.stats for job in self._jobs}
@@ -311,7 +313,8 @@ class TraceWriter:
         self._jobs, self._stored, self._scratch = [], {}, {}
         self._pool.clear()
         save_tensors(outputs, self.dir / OUTPUTS_FILE)
-        index = TraceIndex(self.label, self.description, input_digest, list(outputs), self.sites, model_digest)
+        index = TraceIndex(self.label, self.description, input_digest, list(outputs), self.sites, model_digest,
+                           dict(folded or {}))
         atomic_write_text(self.dir / TRACE_FILE, index.to_json())
         swap_in(self.dir, self.target)
         return self.target / TRACE_FILE
