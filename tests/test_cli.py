@@ -134,6 +134,8 @@ def test_compare_and_sensitivity_on_saved_irs(analyzed, tmp_path):
     res = ql("compare", out / "qat_ir.qlir", out / "quantized_ir.qlir", "--out", tmp_path / "cmp", "--samples", "2")
     assert res.returncode in (0, 1), res.stderr
     assert "bit-exact" in res.stdout and "first diverged" in res.stdout
+    # the digits CNN's convs are written straight to their fused ReLU's grid: named with the site holding them
+    assert "only in A: conv1 (conv2d (fused into relu1))" in res.stdout.replace("\n", " "), res.stdout
     assert (tmp_path / "cmp" / "profiler.html").is_file()
     sens = ql("sensitivity", out / "qat_ir.qlir", out / "quantized_ir.qlir", "--out", tmp_path / "sens",
               "--samples", "2", "--top", "3")

@@ -76,7 +76,7 @@ def run(args) -> int:
     first_inexact = summary.get("first_inexact") if same_input else "(no same-input data)"
     out.print(f"first inexact (own kernel not bit-exact): {esc(first_inexact)}")
     if table.only_in_baseline:
-        out.print(f"only in A: {esc(', '.join(n for n, _ in table.only_in_baseline))}")
+        out.print(f"only in A: {esc(', '.join(f'{n} ({t})' for n, t in table.only_in_baseline))}")
     for f in findings:
         tag = "" if f.is_problem else f" ({f.severity})"
         out.print(f"[yellow]{esc(f.rule)}{tag}[/] {esc(f.op_name)}: {esc(f.info)}")
