@@ -125,6 +125,8 @@ def test_inspect_quantized_ir(analyzed):
     for text in ("quantized IR", "input contract", "module(", "conv2d[qint8]", "relu2", "latency estimate",
                  "estimated_cycles"):
         assert text in res.stdout, text
+    # a conv written straight to its fused ReLU's grid is named with that site, as the reports name its value
+    assert "fused into" in res.stdout and "relu1" in res.stdout
     qat = ql("inspect", out / "qat_ir.qlir", "--no-graph")
     assert qat.returncode == 0 and "qat IR" in qat.stdout
 

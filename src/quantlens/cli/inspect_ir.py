@@ -57,8 +57,8 @@ def run(args) -> int:
             info = g.values.get(node.outputs[0]) if node.outputs else None
             kind = "" if info is None else f"{list(info.shape)} {info.qdtype or info.dtype}"
             graph.add_row(str(i), esc(", ".join(node.outputs)), esc(node.op),
-                          esc(", ".join(n for n in node.inputs if n and n not in g.constants) or "-"), esc(node.site),
-                          esc(kind))
+                          esc(", ".join(n for n in node.inputs if n and n not in g.constants) or "-"),
+                          esc(_site(node)), esc(kind))
         out.print(graph)
 
     if module.kind == "quantized":
@@ -73,3 +73,9 @@ def run(args) -> int:
     else:
         out.print("latency estimate: only for a quantized IR (convert(qat_ir)); this is a qat IR.")
     return EXIT_OK
+
+
+def _site(node) -> str:
+    """The node's op site, and the fused member whose grid it writes (the site the reports name its value by)."""
+    into = node.attrs.get("output_site")
+    return f"{node.site} (fused into {into})" if into and into != node.site else node.site
