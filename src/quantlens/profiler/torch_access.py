@@ -22,7 +22,7 @@ from quantlens.profiler.model_access import (
 )
 from quantlens.profiler.torch_probe import FloatProbe, Probe, RuntimeProbe
 from quantlens.quantization.consistency import without_integer_rules
-from quantlens.quantization.fake_quantize import FakeQuantize
+from quantlens.quantization.fake_quantize import FakeQuantize, frozen_weights
 from quantlens.quantization.prepare import is_prepared, use_runtime
 from quantlens.quantization.qat_modules import frozen_folds
 from quantlens.quantization.record import call_model, inputs_to, model_device
@@ -133,7 +133,7 @@ class TorchModelAccess(ModelAccess):
         for m in paused:
             object.__setattr__(m, "observe_enabled", False)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), frozen_weights():  # the profiler changes no weight: each scale computed once
                 yield
         finally:
             for m in paused:

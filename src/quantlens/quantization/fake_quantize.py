@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from enum import Enum
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -16,7 +18,8 @@ from quantlens.quantization.qconfig import QuantSpec
 from quantlens.quantization.scale_policy import group_scale, pow2_ceil, sync_groups
 from quantlens.quantization.tracing_state import export_tracing
 
-__all__ = ["FakeQuantState", "FakeQuantize", "set_fake_quantize", "calibrate", "int32_bias", "nonfinite_sites", "fake_quant_sites"]
+__all__ = ["FakeQuantState", "FakeQuantize", "set_fake_quantize", "calibrate", "int32_bias", "nonfinite_sites", "fake_quant_sites",
+           "frozen_weights"]
 
 
 class FakeQuantState(str, Enum):
@@ -93,6 +96,8 @@ class FakeQuantize(nn.Module):
         self.is_weight = is_weight
         #: whether the scale came from data (observation or a loaded state dict) rather than the placeholder.
         self.register_buffer("calibrated", torch.zeros((), dtype=torch.bool))
+        #: the weight the scale was last computed from (:meth:`_weight_key`): the same one again is not re-observed
+        self._weight_seen: tuple | None = None
         #: where this fake quant sits (``op site 'relu1' (output, key 'relu1|out')``), set on every prepared
         #: model's fake quants by :func:`set_fake_quantize`; named in observer errors.
         self.name: str | None = None
@@ -160,10 +165,15 @@ class FakeQuantize(nn.Module):
         # its eager pass has refreshed them).
         weight_refresh = (self.is_weight and self.fake_quant_enabled and not self.observe_enabled
                           and not export_tracing())
-        if weight_refresh:
+        key = self._weight_key(x) if self.is_weight and _FROZEN[0] else None
+        if key is not None and key == self._weight_seen and (weight_refresh or self.observe_enabled):
+            weight_refresh = False  # the scale already is this very weight's (recomputing it gives the same)
+        elif weight_refresh:
             self._refresh_weight_scale(x)
+            self._weight_seen = key
         elif self.observe_enabled:
             self._observe(x)
+            self._weight_seen = key
         if self.fake_quant_enabled:
             # While observing, the next call updates self.scale in place; autograd must keep this call's value
             # (a quantizer used at every time step of an LSTM runs several times in one forward).
@@ -206,6 +216,16 @@ class FakeQuantize(nn.Module):
             return x
         return fake_quant(x, self.scale.clone() if self.observe_enabled else self.scale, self.dtype, self.ch_axis)
 
+    def _weight_key(self, w: torch.Tensor) -> tuple | None:
+        """Inside :func:`frozen_weights`: what the weight scale is a function of, told without reading the
+        weight: the window, the parameter object, its storage, shape and in-place version, and the observer. None
+        (always recompute) for a weight computed in the forward (a BatchNorm folded into its conv: a new tensor on
+        every call, whose id and memory may be reused) and while torch.export traces."""
+        if not isinstance(w, nn.Parameter) or export_tracing():  # (the real answer: is_compiling() is set in a traced forward)
+            return None
+        return (_FROZEN[1], id(w), w.data_ptr(), w._version, tuple(w.shape), w.dtype, id(self.observer), self.dtype,
+                self.ch_axis)
+
     def _refresh_weight_scale(self, w: torch.Tensor) -> None:
         """The scale of the current weight where a tool paused the observers (no statistics are kept for a weight).
         A weight without a finite range keeps its scale: the tool that paused the observers reports the NaN/Inf."""
@@ -222,6 +242,7 @@ class FakeQuantize(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Per-channel scales are shaped on first observation; accept a calibrated shape on load.
+        self._weight_seen = None  # a loaded scale is used as it is until the weight is fake-quantized again
         key = prefix + "scale"
         if key in state_dict and state_dict[key].shape != self.scale.shape:
             self.scale = torch.empty_like(state_dict[key])
@@ -229,6 +250,24 @@ class FakeQuantize(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.spec_text}, observe={self.observe_enabled}, fake_quant={self.fake_quant_enabled}"
+
+
+#: [depth, window]: inside frozen_weights() (depth > 0) a weight's scale is computed once per parameter and window
+_FROZEN = [0, 0]
+
+
+@contextlib.contextmanager
+def frozen_weights() -> Iterator[None]:
+    """A window in which no weight changes (the profiler's forwards): each weight fake quant computes its
+    parameter's scale once instead of on every call (the same value: a weight's scale is a function of the
+    weight). Outside it every call recomputes, so a weight changed in any way (an optimizer step, an in-place
+    edit through ``.data``, which no version counter sees) never keeps a stale scale; each window starts afresh."""
+    _FROZEN[0] += 1
+    _FROZEN[1] += 1
+    try:
+        yield
+    finally:
+        _FROZEN[0] -= 1
 
 
 def set_fake_quantize(model: nn.Module, state: FakeQuantState | str) -> nn.Module:
