@@ -160,11 +160,15 @@ class Observer(nn.Module, ABC):
         return pick(current, batch)
 
     def _batch_min_max(self, x: torch.Tensor, finite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Non-finite values become the neutral element of the reduction, so they never move min/max.
-        lo = torch.where(finite, x, math.inf)
-        hi = torch.where(finite, x, -math.inf)
+        # Non-finite values become the neutral element of the reduction, so they never move min/max (the usual
+        # all-finite tensor is reduced as it is: no two masked copies of it)
+        if bool(finite.all()):
+            lo = hi = x
+        else:
+            lo = torch.where(finite, x, math.inf)
+            hi = torch.where(finite, x, -math.inf)
         if self.ch_axis is None:
-            return lo.amin(), hi.amax()
+            return torch.aminmax(x) if lo is x else (lo.amin(), hi.amax())
         if not -x.dim() <= self.ch_axis < x.dim():
             raise QuantLensError(
                 f"{type(self).__name__} has ch_axis={self.ch_axis} but got a tensor of shape {tuple(x.shape)}; "

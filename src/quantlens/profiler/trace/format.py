@@ -138,7 +138,8 @@ class TraceIndex:
             "sites": [vars(s) for s in self.sites],
         }
         # (vars + default=vars: the JSON of dataclasses.asdict, without its deep copies)
-        return json.dumps(data, indent=1, allow_nan=True, default=vars) + "\n"
+        # (no indent: json's C encoder, 3-4x faster than the indented pure-Python one on a large model's index)
+        return json.dumps(data, allow_nan=True, default=vars) + "\n"
 
     @classmethod
     def read(cls, path: Path) -> "TraceIndex":
