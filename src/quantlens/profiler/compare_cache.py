@@ -58,7 +58,7 @@ def save_comparison(comparison: LayerComparison, path: str | os.PathLike, base: 
     data = {"format": _FORMAT, "traces": [trace_digest(base), trace_digest(analy)],
             "baseline": comparison.baseline, "analysis": comparison.analysis,
             "only_in_baseline": comparison.only_in_baseline, "only_in_analysis": comparison.only_in_analysis,
-            "rows": [{k: _encode(v) for k, v in row.items()} for row in comparison.to_dicts()]}
+            "rows": [{k: _encode(getattr(row, k)) for k in _ROW_TYPES} for row in comparison]}  # (flat: no asdict)
     return atomic_write_text(path, json.dumps(data, allow_nan=False, sort_keys=True) + "\n")
 
 
