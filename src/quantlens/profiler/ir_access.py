@@ -48,7 +48,7 @@ from quantlens.profiler.ablation.torch_cache import CachedAblations
 from quantlens.profiler.ir_counts import count_node, nonfinite_count
 from quantlens.profiler.ir_module import as_ir_module, call_ir
 from quantlens.profiler.ir_programs import INPUT as _INPUT
-from quantlens.profiler.ir_programs import Program, SitePrograms, Source
+from quantlens.profiler.ir_programs import Program, SitePrograms, Source, attribute_sites
 from quantlens.profiler.model_access import (
     AnalysisType,
     ConsistencyInfo,
@@ -76,7 +76,7 @@ class IRModelAccess(ModelAccess):
         self.source = str(model) if isinstance(model, (str, os.PathLike)) else ""
         graph = self.module.graph
         self.nodes: list[Node] = graph.nodes
-        self.attributed = _attribute(self.nodes)
+        self.attributed = attribute_sites(self.nodes)
         self.last: dict[str, int] = {}
         for i, site in enumerate(self.attributed):
             if site and site != "output":  # "output": the boundary dequantizes (the model outputs are compared)
@@ -378,27 +378,6 @@ class IRModelAccess(ModelAccess):
         override = SiteOverride(self, set(self._ablated))
         override.set_inputs(call_ir(self.module, example))
         return self.reference.run(example, indices=indices, override=override)
-
-
-def _attribute(nodes: list[Node]) -> list[str]:
-    """Each node's op site: its own, or the fused member it requantizes to (``output_site``). A site left with
-    nothing but the quantize of a model input once its compute moved to a fused member (a model without a
-    QuantStub: the first conv's input is quantized at the conv's site) goes with it, so the site's name keeps
-    one meaning on both sides of ``convert`` (the qat IR never holds that site with the quantize alone)."""
-    attributed = [n.attrs.get("output_site") or n.site for n in nodes]
-    moved: dict[str, str] = {}
-    for n, site in zip(nodes, attributed):
-        if site != n.site and n.site:
-            moved.setdefault(n.site, site)
-    left: dict[str, list[int]] = {}
-    for i, site in enumerate(attributed):
-        if site in moved:
-            left.setdefault(site, []).append(i)
-    for site, members in left.items():
-        if all(nodes[i].op == "quantize" for i in members):
-            for i in members:
-                attributed[i] = moved[site]
-    return attributed
 
 
 def _fused(source: SameInputSource | None, site: str) -> frozenset[str]:

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from quantlens.compiler.ir import Node
 
-__all__ = ["INPUT", "Source", "Program", "SitePrograms"]
+__all__ = ["INPUT", "Source", "Program", "SitePrograms", "attribute_sites"]
 
 #: pseudo producer of a model input (the same tensor on both sides of an analysis)
 INPUT = "<input>"
@@ -112,3 +112,24 @@ class SitePrograms:
                 if where is not None and where.occurrence < -1:
                     first[where.site] = min(first.get(where.site, -1), where.occurrence)
         return frozenset(i for site, k in first.items() for i in self.ends[site][k:-1])
+
+
+def attribute_sites(nodes: list[Node]) -> list[str]:
+    """Each node's op site: its own, or the fused member it requantizes to (``output_site``). A site left with
+    nothing but the quantize of a model input once its compute moved to a fused member (a model without a
+    QuantStub: the first conv's input is quantized at the conv's site) goes with it, so the site's name keeps
+    one meaning on both sides of ``convert`` (the qat IR never holds that site with the quantize alone)."""
+    attributed = [n.attrs.get("output_site") or n.site for n in nodes]
+    moved: dict[str, str] = {}
+    for n, site in zip(nodes, attributed):
+        if site != n.site and n.site:
+            moved.setdefault(n.site, site)
+    left: dict[str, list[int]] = {}
+    for i, site in enumerate(attributed):
+        if site in moved:
+            left.setdefault(site, []).append(i)
+    for site, members in left.items():
+        if all(nodes[i].op == "quantize" for i in members):
+            for i in members:
+                attributed[i] = moved[site]
+    return attributed
