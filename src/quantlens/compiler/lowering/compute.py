@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import operator
 
+import torch
+
 import quantlens.march.numerics  # noqa: F401  (registers torch.ops.quantlens.fake_quant)
 from quantlens.compiler.ir import Node, ValueInfo
 from quantlens.compiler.lowering.rules import (
@@ -53,8 +55,9 @@ for _name in ("add", "sub", "mul", "div"):
         alpha = bound.get("alpha", 1)
         if alpha not in (None, 1):
             b_scaled = ctx.fresh("alpha")
-            ctx.graph.nodes.append(Node("mul", [b, ctx.const(float(alpha))], [b_scaled], {}, _site(node)))
-            ctx.graph.values[b_scaled] = _info(node)
+            factor = ctx.const(float(alpha))
+            ctx.graph.nodes.append(Node("mul", [b, factor], [b_scaled], {}, _site(node)))
+            ctx.graph.values[b_scaled] = _scaled_info(ctx, b, factor, node)
             b = b_scaled
         if bound.get("rounding_mode") is not None:
             raise QuantLensError(f"div with rounding_mode={bound['rounding_mode']!r} is not supported "
@@ -63,6 +66,16 @@ for _name in ("add", "sub", "mul", "div"):
 
     TORCH_OPS[_name] = _tensor_overload
     _register([getattr(aten, _name).Tensor, getattr(aten, _name).Scalar], _binary)
+
+
+def _scaled_info(ctx, b: str, factor: str, node) -> ValueInfo:
+    """The type of ``b · alpha``: ``b``'s shape (the add broadcasts it after), the dtype the mul computes."""
+    info = ctx.graph.values.get(b)
+    if info is None or info.dtype == "unknown":
+        return _info(node)
+    like = torch.empty([1] * len(info.shape), dtype=getattr(torch, info.dtype), device="meta")
+    dtype = torch.result_type(like, ctx.graph.constants[factor])
+    return ValueInfo(info.shape, str(dtype).replace("torch.", ""))
 
 
 def _rsub(ctx, node):

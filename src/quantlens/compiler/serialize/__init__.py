@@ -16,12 +16,14 @@ and the error cases are documented in ``docs/ir.md``.
 Writes are atomic (a temporary file in the target folder, fsync, ``os.replace``): a failed ``save`` leaves the
 folder as it was. ``load`` raises ``QuantLensError`` naming the file, what is wrong and what was expected for a
 damaged, truncated, foreign, older or newer file: it checks the checksum, then validates the header (known
-ops of the module's kind, attr types and ranges, value types, every referenced name defined before use), and
-refuses anything that is not a regular file (a FIFO, a device) without opening it.
+ops of the module's kind, attr types and ranges, value types, every referenced name defined before use, each
+node's shapes as its op computes them), and refuses anything that is not a regular file (a FIFO, a device)
+without opening it.
 
 The package, one job per module: :mod:`.schema` declares the file format (magic, versions, metadata keys, header
 fields, tensor dtypes, the checksum), :mod:`.codec` the JSON encoding of IR values, :mod:`.writer` writes
-(``save``), :mod:`.reader` reads (``load``) and :mod:`.validate` checks a header field by field.
+(``save``), :mod:`.reader` reads (``load``), :mod:`.validate` checks a header field by field, with :mod:`.arity`
+(each node's inputs, outputs and attrs) and :mod:`.shapes` (each node's shapes, on meta tensors).
 """
 
 from quantlens.compiler.serialize.reader import load

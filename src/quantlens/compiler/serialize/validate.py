@@ -3,7 +3,8 @@
 Each check names what is wrong and where (the node by index, op and op site; the value info; the input leaf)
 and what was expected: known ops of the module's kind, attr types and ranges, each node's inputs, outputs and
 required attrs as its kernel needs them (:mod:`.arity`), value types, every referenced name defined before use,
-pytree specs that match the inputs and outputs.
+pytree specs that match the inputs and outputs, and last each node's shapes and dtypes as its op computes them
+(:mod:`.shapes`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from quantlens.compiler.ir import Graph, InputLeaf, Module, Node, ValueInfo
 from quantlens.compiler.serialize.arity import node_problem
 from quantlens.compiler.serialize.codec import _decode
 from quantlens.compiler.serialize.schema import _DTYPES, _HEADER_FIELDS, _LEAF_FIELDS, _NODE_FIELDS, _VALUE_FIELDS
+from quantlens.compiler.serialize.shapes import shape_problem
 from quantlens.march.opset import IR_OPS
 
 
@@ -159,7 +161,8 @@ def _module_from_header(header: dict, constants: dict[str, torch.Tensor]) -> Mod
     """The module the (checksum-verified) header describes, once every field is valid; raises ``_Invalid``.
 
     The checks run in the order of the header's fields (top-level fields, constants, inputs and outputs, nodes,
-    value infos, input leaves, specs, meta), so the first problem of a file is the one reported.
+    value infos, input leaves, specs, meta), so the first problem of a file is the one reported; then, on a
+    header valid field by field, the shapes the nodes compute (:mod:`.shapes`).
     """
     kind = _check_top_level(header)
     constants = _ordered_constants(header, constants)
@@ -174,8 +177,18 @@ def _module_from_header(header: dict, constants: dict[str, torch.Tensor]) -> Mod
     _check_spec(header["input_spec"], len(leaves), "input_spec", "input leaves")
     _check_spec(header["output_spec"], len(outputs), "output_spec", "graph outputs")
     meta = _meta_from_header(header)
+    _check_shapes(kind, nodes, inputs, constants, values)
     graph = Graph(nodes=nodes, inputs=inputs, outputs=outputs, constants=constants, values=values)
     return Module(kind, graph, leaves, header["input_spec"], header["output_spec"], meta=meta)
+
+
+def _check_shapes(kind: str, nodes: list[Node], inputs: list[str], constants: dict[str, torch.Tensor],
+                  values: dict[str, ValueInfo]) -> None:
+    found = shape_problem(kind, nodes, inputs, constants, values)
+    if found:
+        i, problem = found
+        node = nodes[i]
+        raise _Invalid(f"node #{i} '{node.op}' (op site '{node.site}') {problem}")
 
 
 def _check_top_level(header: dict) -> str:
