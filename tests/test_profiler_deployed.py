@@ -179,6 +179,10 @@ def test_convert_only_in_lists_hold_fused_sites(stages, tmp_path):
     assert from_ir.only_in_baseline and {n for n, _ in from_ir.only_in_baseline} <= fused
     # ... and says so: each is labelled with the site whose value holds it (trace.json's "folded")
     assert all("(fused into " in op_type for _, op_type in from_ir.only_in_baseline), from_ir.only_in_baseline
+    # ... and the row holding each is named by the group's op types, as the fake_quant report names it
+    for name, op_type in from_ir.only_in_baseline:
+        into = op_type.split("(fused into ")[1].rstrip(")")
+        assert from_ir[into].op_type.startswith(op_type.split(" ")[0] + "+"), (name, from_ir[into].op_type)
     # the qat IR computes what pre_export computes: same rows, same verdicts from either baseline
     assert [r.op_name for r in from_ir] == [r.op_name for r in from_torch]
     for a, b in zip(from_ir, from_torch):

@@ -233,6 +233,9 @@ def compare_traces(base: TraceReader, analy: TraceReader, prefixes: Iterable[str
             heads.setdefault(site.fused_into, site)
             if analy.by_name[site.name] is site:
                 members.setdefault(site.fused_into, []).append(_base_type(base, site))
+    for name, into in analy.folded.items():  # a quantized IR's conv written to its fused ReLU's grid
+        if name in base.by_name and name not in analy.by_name:
+            members.setdefault(into, []).append(base.by_name[name].op_type)
     rows = []
     for site in analy.sites:
         b = base.by_name.get(site.name)
