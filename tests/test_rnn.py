@@ -107,6 +107,9 @@ SEQ_CASES = [
     (nn.GRU, dict(batch_first=True), False),
     (nn.GRU, dict(batch_first=False, num_layers=2), True),
     (nn.GRU, dict(batch_first=True, num_layers=2, bidirectional=True), True),
+    (nn.RNN, dict(batch_first=True), False),
+    (nn.RNN, dict(batch_first=False, num_layers=2, nonlinearity="relu"), True),
+    (nn.RNN, dict(batch_first=True, bidirectional=True, bias=False), True),
 ]
 
 
@@ -134,7 +137,9 @@ def test_sequence_float_state_equals_torch(cls, kw, with_state):
     assert 1e-4 < _max_diff(ref, quantized) < 0.1
 
 
-@pytest.mark.parametrize("cell", [nn.LSTMCell, nn.GRUCell])
+@pytest.mark.parametrize("cell", [nn.LSTMCell, nn.GRUCell, nn.RNNCell,
+                                  lambda i, h: nn.RNNCell(i, h, nonlinearity="relu")],
+                         ids=["lstm", "gru", "rnn_tanh", "rnn_relu"])
 def test_cell_loop_float_state_equals_torch_and_unbatched_input(cell):
     torch.manual_seed(0)
     model = CellLoop(cell).eval()
@@ -285,13 +290,16 @@ def _output_step(qat_ir, name: str) -> float:
 
 
 _ALLOWED_IR = {"fake_quant", "linear", "add", "sub", "mul", "lut", "segment_lut", "split", "select", "slice", "cat",
-               "reshape"}
+               "reshape", "relu"}  # (relu: nn.RNN with nonlinearity="relu")
 
 
 @pytest.mark.parametrize("core", [lambda: CellLoop(nn.LSTMCell), lambda: Seq(nn.LSTM, batch_first=True),
                                   lambda: Seq(nn.LSTM, num_layers=2, bidirectional=True),
-                                  lambda: Seq(nn.GRU, batch_first=True, num_layers=2)],
-                         ids=["lstm_cell", "lstm", "lstm_2layer_bidir", "gru_2layer"])
+                                  lambda: Seq(nn.GRU, batch_first=True, num_layers=2),
+                                  lambda: Seq(nn.RNN, batch_first=True, num_layers=2, bidirectional=True),
+                                  lambda: CellLoop(lambda i, h: nn.RNNCell(i, h, nonlinearity="relu"))],
+                         ids=["lstm_cell", "lstm", "lstm_2layer_bidir", "gru_2layer", "rnn_2layer_bidir",
+                              "rnn_relu_cell"])
 def test_export_and_convert_within_two_output_steps(core):
     torch.manual_seed(0)
     model = Deployed(core()).eval()

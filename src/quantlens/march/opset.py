@@ -382,6 +382,8 @@ _OP_ROWS: list[OpDef] = [
     OpDef("multi_head_attention_forward", C),
     *_rows("lstm lstm_cell gru gru_cell", C, "§6-§10, §13.4", (),
            note="decomposed at prepare into linear, add, chunk, sigmoid/tanh (tables) and mul per time step"),
+    *_rows("rnn_tanh rnn_relu rnn_tanh_cell rnn_relu_cell", C, "§6-§10, §13.4", (),
+           note="decomposed at prepare into linear, add and tanh (table) or relu per time step"),
     *_rows(
         "size dim numel __get__ __set__ bool item tolist eq ne lt le gt ge isnan isinf isfinite all any len iter "
         "format repr setitem stride is_contiguous is_floating_point element_size data_ptr get_device long int "

@@ -1,4 +1,4 @@
-"""LSTM and GRU as the NPU computes them: one op site per gate op, one set of op sites shared by all time steps.
+"""LSTM, GRU and the plain (tanh / ReLU) RNN as the NPU computes them: one op site per gate op, one set of op sites shared by all time steps.
 
 torch runs ``nn.LSTMCell`` / ``nn.GRUCell`` / ``nn.LSTM`` / ``nn.GRU`` as one fused op each (``torch._VF.lstm_cell``,
 ``_VF.gru_cell``, ``_VF.lstm``, ``_VF.gru``), which the march cannot run. The op set declares those four as
@@ -74,6 +74,11 @@ def _gru_step(x, h, w_ih, w_hh, b_ih=None, b_hh=None):
     return (h - n) * z + n
 
 
+def _rnn_step(x, h, w_ih, w_hh, b_ih=None, b_hh=None, relu=False):
+    pre = F.linear(x, w_ih, b_ih) + F.linear(h, w_hh, b_hh)
+    return torch.relu(pre) if relu else torch.tanh(pre)
+
+
 # -- the _VF functions ----------------------------------------------------------------------------------------------
 def lstm_cell(tracer: "OpSiteTracer", input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
     """``_VF.lstm_cell(input, (h, c), w_ih, w_hh, b_ih, b_hh) -> (h, c)``."""
@@ -108,6 +113,29 @@ def gru(tracer: "OpSiteTracer", *args):
     return output, h_n
 
 
+def _rnn_cell(relu: bool) -> Callable[..., Any]:
+    def cell(tracer: "OpSiteTracer", input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+        return _rnn_step(input, hx, w_ih, w_hh, b_ih, b_hh, relu)
+
+    cell.__doc__ = f"``_VF.rnn_{'relu' if relu else 'tanh'}_cell(input, h, w_ih, w_hh, b_ih, b_hh) -> h``."
+    return cell
+
+
+def _rnn(relu: bool) -> Callable[..., Any]:
+    kind = "rnn_relu" if relu else "rnn_tanh"
+
+    def rnn(tracer: "OpSiteTracer", *args):
+        if len(args) < 9 or not isinstance(args[2], (list, tuple)):
+            raise QuantLensError(_PACKED.format(kind="RNN", module=_scope(tracer, "") or "<root>"))
+        input, h0, params, has_biases, num_layers, dropout, train, bidirectional, batch_first = args[:9]
+        return _sequence(tracer, kind, input, [h0], params, has_biases, num_layers, dropout, train, bidirectional,
+                         batch_first)
+
+    rnn.__doc__ = (f"``_VF.{kind}(input, h0, params, has_biases, num_layers, dropout, train, bidirectional, "
+                   "batch_first) -> (output, h_n)``.")
+    return rnn
+
+
 _PACKED = (
     "nn.{kind} at '{module}' was called with a PackedSequence; quantlens decomposes recurrent layers into their gate "
     "ops step by step and supports padded tensors only. Pass the padded tensor (batch_first either way) instead."
@@ -140,7 +168,7 @@ def _direction(tracer, step, steps, time_dim, state, scope, order) -> list[list]
 
 def _sequence(tracer, kind, input, states, params, has_biases, num_layers, dropout, train, bidirectional,
               batch_first):
-    """All layers and directions of ``nn.LSTM`` / ``nn.GRU``, layer by layer, each unrolled over time."""
+    """All layers and directions of ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``, layer by layer, each unrolled over time."""
     directions = 2 if bidirectional else 1
     per_layer = len(params) // (num_layers * directions)
     time_dim = 1 if batch_first else 0
@@ -166,7 +194,9 @@ def _sequence(tracer, kind, input, states, params, has_biases, num_layers, dropo
                     x = F.dropout(x, drop, training=True)
                 if kind == "lstm":
                     return list(_lstm_step(x, state[0], state[1], w_ih, w_hh, b_ih, b_hh, w_hr))
-                return [_gru_step(x, state[0], w_ih, w_hh, b_ih, b_hh)]
+                if kind == "gru":
+                    return [_gru_step(x, state[0], w_ih, w_hh, b_ih, b_hh)]
+                return [_rnn_step(x, state[0], w_ih, w_hh, b_ih, b_hh, relu=kind == "rnn_relu")]
 
             order = list(range(length)) if direction == 0 else list(reversed(range(length)))
             after = _direction(tracer, step, steps, time_dim, state, scope, order)
@@ -195,6 +225,10 @@ DECOMPOSED_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "gru_cell": gru_cell,
     "lstm": lstm,
     "gru": gru,
+    "rnn_tanh_cell": _rnn_cell(relu=False),
+    "rnn_relu_cell": _rnn_cell(relu=True),
+    "rnn_tanh": _rnn(relu=False),
+    "rnn_relu": _rnn(relu=True),
     **NORM_DECOMPOSED_FUNCTIONS,  # group_norm, instance_norm, glu (norm_decompositions.py)
     **GEMM_DECOMPOSED_FUNCTIONS,  # baddbmm (gemm_decompositions.py)
 }
