@@ -244,3 +244,47 @@ def _quantlens_custom(ctx, node):
     op = schema.name.split("::", 1)[1]
     TORCH_OPS.setdefault(op, node.target)
     _emit(ctx, node, op, inputs, attrs)
+
+
+# -- tensors sized by the dynamic batch --------------------------------------------------------------------------
+def _batch_sized_full(ctx, node):
+    """``zeros`` / ``full`` whose size holds the dynamic batch (an ``nn.LSTM``'s zero initial state under a
+    symbolic batch): not a constant, so it is built from the tensor the batch size was read from. One element per
+    batch row (``select`` index 0 on its other dims), shaped and expanded to the size, then filled. A static size
+    is a constant (folded before lowering)."""
+    size = list(node.args[0])
+    value = 0.0 if node.target is aten.zeros.default else float(node.args[1])
+    dynamic = [(i, a) for i, a in enumerate(size) if isinstance(a, fx.Node)]
+    source = dynamic[0][1] if len(dynamic) == 1 else None
+    if source is None or source.target is not aten.sym_size.int or _dim(source.meta.get("val")) != -1:
+        raise QuantLensError(
+            f"export: op site '{_site(node)}' ({_source(node)}) makes a tensor whose size is computed at run time "
+            f"({node.target}); the IR supports sizes that are constants or the dynamic batch read from an input "
+            "(x.size(0)). Pass the state explicitly, or export with dynamic_batch=False.")
+    position = dynamic[0][0]
+    tensor, dim = source.args[0], source.args[1]
+    name, shape = _value(ctx, tensor), list(_info(tensor).shape)
+    dim %= len(shape)
+    for k in reversed(range(len(shape))):  # down to the batch dim alone: shape [-1]
+        if k == dim:
+            continue
+        out = ctx.fresh("batch_rows")
+        ctx.graph.nodes.append(Node("select", [name], [out], {"dim": k, "index": 0}, _site(node)))
+        shape.pop(k)
+        ctx.graph.values[out] = ValueInfo(tuple(shape), _info(tensor).dtype)
+        name = out
+    target = [-1 if i == position else int(a) for i, a in enumerate(size)]
+    for op, attrs_shape in (("reshape", [-1 if i == position else 1 for i in range(len(size))]), ("expand", target)):
+        out = ctx.fresh(f"batch_{op}")
+        ctx.graph.nodes.append(Node(op, [name], [out], {"shape": attrs_shape}, _site(node)))
+        ctx.graph.values[out] = ValueInfo(tuple(attrs_shape), _info(tensor).dtype)
+        name = out
+    if _info(node).dtype != _info(tensor).dtype:
+        out = ctx.fresh("batch_cast")
+        ctx.graph.nodes.append(Node("cast", [name], [out], {"dtype": _info(node).dtype}, _site(node)))
+        ctx.graph.values[out] = ValueInfo(tuple(target), _info(node).dtype)
+        name = out
+    _emit(ctx, node, "fill", [name], {"value": value})
+
+
+_register([aten.zeros.default, aten.full.default], _batch_sized_full)
