@@ -226,3 +226,31 @@ def test_a_refused_second_analysis_leaves_the_folder_s_bad_case_alone(tmp_path):
         holder.kill()
         holder.wait()
     assert (tmp_path / "badcase.pt").read_bytes() == before, "the refused analysis replaced the folder's bad case"
+
+
+def test_a_bad_case_write_waits_for_a_moment_s_hold(tmp_path):
+    """Every rank of a sharded sensitivity saves the bad case into one out_dir: a write that finds the folder held
+    for a moment waits for it (up to 5 s) instead of failing the rank."""
+    import time
+
+    import torch
+
+    from quantlens.profiler import QuantAnalysis
+    from quantlens.quantization import calibrate, prepare
+    from tests.test_profiler_reach import WithPooler
+
+    gen = torch.Generator().manual_seed(3)
+    x, mask = torch.randn(16, 8, generator=gen), (torch.rand(16, 4, generator=gen) > 0.3).float()
+    model = WithPooler().eval()
+    prepared = calibrate(prepare(model, (x, mask), check_result_dir=None), [(x, mask)])
+    qa = QuantAnalysis(model, prepared, "fake_quant", out_dir=tmp_path, progress=False)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path), "1.5"], stdout=subprocess.PIPE, text=True,
+                              cwd=ROOT)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        qa.set_bad_case((x, mask))  # waits for the holder, then writes
+        assert time.monotonic() - start > 0.5 and (tmp_path / "badcase.pt").is_file()
+    finally:
+        holder.kill()
+        holder.wait()

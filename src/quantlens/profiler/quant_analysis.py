@@ -167,7 +167,7 @@ class QuantAnalysis:
             result = find_bad_case(self.baseline, self.analysis, data_generator, self.post_process, num_steps,
                                    metric, custom_metric_func, custom_metric_order_seq, self.progress, topk)
         self.bad_case_result = result
-        with FolderLock(self.out_dir):  # another process's run in this folder keeps its bad case files
+        with FolderLock(self.out_dir, wait=5.0):  # another process's run here keeps its bad case files
             write_bad_case(result, self.out_dir / "badcase.txt")
             save_pt({"worst_index": result.worst_index, "worst_value": result.worst_value, "overall": result.overall,
                      "metric": result.metric, "inputs": result.inputs, "topk": result.k, "topk_index": result.topk,
@@ -198,7 +198,7 @@ class QuantAnalysis:
                                      "auto_find_bad_case(data, topk=k) first (or pass the inputs).")
             data = self.bad_case_result.inputs[self.bad_case_result.ranked(rank, metric, output)]
         _refuse_empty(data)
-        with FolderLock(self.out_dir):  # refused while another process's run writes this folder
+        with FolderLock(self.out_dir, wait=5.0):  # (waits for a moment's write: every rank of a sharded run)
             save_pt(data, self.out_dir / BAD_CASE_FILE)
         self._bad_case, self._has_bad_case = data, True
 

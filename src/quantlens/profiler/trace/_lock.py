@@ -34,26 +34,35 @@ class FolderLock:
     """``with FolderLock(folder): ...``: the folder is this process's until the block ends (re-entrant within
     one process)."""
 
-    def __init__(self, folder: str | os.PathLike):
+    def __init__(self, folder: str | os.PathLike, wait: float = 0.0):
+        """``wait``: seconds to wait for another live process's lock before refusing (for writes that hold the
+        folder a moment, such as the bad case that every rank of a sharded sensitivity saves)."""
         self.folder = Path(folder)
         self.path = self.folder / LOCK_FILE
         self._held = False
+        self._wait = wait
 
     def __enter__(self) -> FolderLock:
         self.folder.mkdir(parents=True, exist_ok=True)
-        for _ in range(2):  # the second try after clearing a stale lock
+        deadline = time.monotonic() + self._wait
+        tries = 0
+        while tries < 2:  # the second try after clearing a stale lock
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 owner = self._owner(wait=True)
                 if owner == os.getpid():
                     return self  # this process already holds it (a run inside a run)
+                if owner is not None and _alive(owner) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                    continue
                 if owner is not None and _alive(owner):
                     raise QuantLensError(
                         f"{self.folder} is in use by another quantlens run (pid {owner}, {self.path}); two runs into "
                         "one out_dir would mix their traces. Wait for it to finish, or give this QuantAnalysis "
                         "another out_dir.") from None
                 self.path.unlink(missing_ok=True)  # its owner is gone: a stale lock
+                tries += 1
                 continue
             with os.fdopen(fd, "w") as handle:
                 handle.write(str(os.getpid()))
