@@ -53,3 +53,28 @@ def test_a_model_without_stubs_goes_through_every_analysis(tmp_path):
             first = table[table.rows[0].op_name]
             assert first.op_name == "stem.2" and first.same_input_sqnr is not None and first.same_input_sqnr > 30
             assert all(r.value >= 0 for r in sens[0])
+
+
+def test_the_check_report_names_the_implicit_boundary(tmp_path):
+    """model_check_result.txt says where the inputs become integers: the QuantStub, or (without one) the first op
+    sites, with the fix."""
+    from quantlens.quantization import DeQuantStub, QuantStub, check_qat_model
+
+    x = torch.randn(2, 3, 12, 12)
+    prepared = prepare(_NoStubs().eval(), (x,), default_calibration_qconfig_setter, check_result_dir=tmp_path)
+    text = (tmp_path / "model_check_result.txt").read_text()
+    section = text.split("== Where the model inputs are quantized (the NPU boundary) ==")[1].split("==")[0]
+    assert "no QuantStub" in section and "stem.0 (input 0)" in section and "wrap the inputs in QuantStub" in section
+    assert check_qat_model(prepared, (x,), None).implicit_boundary
+
+    class WithStubs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant, self.body, self.dequant = QuantStub(), _NoStubs(), DeQuantStub()
+
+        def forward(self, x):
+            return self.dequant(self.body(self.quant(x)))
+
+    stubbed = prepare(WithStubs().eval(), (x,), default_calibration_qconfig_setter, check_result_dir=None)
+    result = check_qat_model(stubbed, (x,), None)
+    assert result.boundary == ["quant"] and not result.implicit_boundary

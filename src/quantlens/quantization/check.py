@@ -54,6 +54,10 @@ class ModelCheckResult:
     nonfinite: dict[str, list[str]] = field(default_factory=dict)
     #: scale groups of the consistency strategy's shared add/sub/cat scales (``scale_policy.ScaleGroup.describe``)
     scale_groups: list[str] = field(default_factory=list)
+    #: where the float model inputs become integers: the QuantStub sites, or (a model without any) the op sites
+    #: that quantize a model input themselves, as "site (input k)"
+    boundary: list[str] = field(default_factory=list)
+    implicit_boundary: bool = False
 
     def site(self, name: str) -> OpSiteCheck:
         for s in self.sites:
@@ -90,6 +94,12 @@ class ModelCheckResult:
         lines += self.shared_modules or ["(none)"]
         lines += ["", "== Scale groups (shared add/sub/cat scales; members use one scale) =="]
         lines += self.scale_groups or ["(none)"]
+        lines += ["", "== Where the model inputs are quantized (the NPU boundary) =="]
+        if self.implicit_boundary:
+            lines.append("no QuantStub: each float model input is quantized at the first op site that reads it "
+                         "(calibrated like a QuantStub); wrap the inputs in QuantStub (and the outputs in "
+                         "DeQuantStub) to name the boundary and set its scale yourself:")
+        lines += self.boundary or ["(no float model input is quantized)"]
         lines += ["", "== Op sites whose observers saw NaN/Inf (left out of the statistics) =="]
         lines += [f"{site}: {', '.join(roles)}" for site, roles in self.nonfinite.items()] or ["(none)"]
         lines += ["", "== Please check these settings =="]
@@ -157,6 +167,10 @@ def check_qat_model(model: nn.Module, example_inputs: Any, out_dir: str | os.Pat
                 source=os.path.basename(site.source),
             )
         )
+    stubs = [p.name for p in state.plans.values() if state.record.sites[p.name].boundary == "input"]
+    implicit = [f"{p.name} (input {i.position})" for p in state.plans.values() for i in state.record.sites[p.name].inputs
+                if i.position in p.input_fq and i.producer is None and not i.is_parameter
+                and state.record.sites[p.name].boundary != "input"]
     result = ModelCheckResult(
         march=state.march,
         setter=state.setter_name,
@@ -169,6 +183,7 @@ def check_qat_model(model: nn.Module, example_inputs: Any, out_dir: str | os.Pat
         warnings=list(state.warnings),
         nonfinite=nonfinite_sites(model),
         scale_groups=[g.describe() for g in getattr(state, "scale_groups", None) or ()],
+        boundary=stubs + implicit if stubs else implicit, implicit_boundary=bool(implicit) and not stubs,
     )
     if result.nonfinite:
         sites = list(result.nonfinite)
