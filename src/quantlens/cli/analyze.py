@@ -98,7 +98,9 @@ def analyze_config(cfg, kinds: list[str], out_dir: Path, *, sensitivity: bool = 
     results = analyze_pairs(stages, kinds, out_dir, data, example, post_process=cfg.post_process,
                             num_steps=cfg.num_steps, sensitivity=sensitivity, progress=progress,
                             step=lambda s: console.rule(f"[bold]{s}"))
-    index = write_index(results, out_dir, f"quantlens analyze {cfg.path.name}")
+    from quantlens.cli.stage_metrics import metrics_line
+
+    index = write_index(results, out_dir, f"quantlens analyze {cfg.path.name}", metrics_line(metrics))
     extra = {"config": str(cfg.path)}
     if metrics:
         extra["stage_metrics"] = [{"stage": m.stage, "value": m.value, "error": m.error} for m in metrics]

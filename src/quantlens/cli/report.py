@@ -178,7 +178,11 @@ def run(args) -> int:
                          if k not in ("pairs", "culprit")}
             except ValueError:
                 extra = {}
-        write_index(results, root, f"quantlens report {root.name}")
+        from quantlens.cli.stage_metrics import metrics_line
+
+        metrics = extra.get("stage_metrics")  # (what analyze measured: kept in the index it re-renders)
+        write_index(results, root, f"quantlens report {root.name}",
+                    metrics_line(metrics) if isinstance(metrics, list) else "")
         write_summary(results, root, extra)
         out.print(f"wrote {root / 'index.html'} and {root / SUMMARY_FILE}")
     print_losses(out, results)
