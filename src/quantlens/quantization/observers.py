@@ -87,8 +87,14 @@ class Observer(nn.Module, ABC):
         if x.numel() == 0:
             return x
         xd = x.detach().to(torch.float32)
-        finite = torch.isfinite(xd)
-        self.saw_nonfinite.logical_or_(~finite.all())  # no host sync: reports read it later
+        # one pass tells an all-finite batch (the usual one: no mask over it is needed): a NaN propagates to both
+        # extremes, an infinity is one of them
+        lo, hi = torch.aminmax(xd)
+        if bool(torch.isfinite(lo) & torch.isfinite(hi)):
+            finite = None
+        else:
+            finite = torch.isfinite(xd)
+            self.saw_nonfinite.fill_(True)
         self._observe(xd, finite)
         return x
 
@@ -141,8 +147,8 @@ class Observer(nn.Module, ABC):
     def _options(self) -> dict:
         return {}
 
-    def _observe(self, x: torch.Tensor, finite: torch.Tensor) -> None:
-        """Update the statistics from a float32 batch; ``finite`` masks the values that may be used."""
+    def _observe(self, x: torch.Tensor, finite: torch.Tensor | None) -> None:
+        """Update the statistics from a float32 batch; ``finite`` masks the values that may be used (None: all)."""
         lo, hi = self._batch_min_max(x, finite)
         if self.min_val.shape != lo.shape:
             if self.min_val.numel() == 0:  # first per-channel batch fixes the channel count
@@ -159,10 +165,10 @@ class Observer(nn.Module, ABC):
         """Combine a running statistic with the batch's (default: the running extreme)."""
         return pick(current, batch)
 
-    def _batch_min_max(self, x: torch.Tensor, finite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch_min_max(self, x: torch.Tensor, finite: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         # Non-finite values become the neutral element of the reduction, so they never move min/max (the usual
-        # all-finite tensor is reduced as it is: no two masked copies of it)
-        if bool(finite.all()):
+        # all-finite tensor, ``finite`` None, is reduced as it is: no two masked copies of it)
+        if finite is None:
             lo = hi = x
         else:
             lo = torch.where(finite, x, math.inf)
@@ -258,7 +264,7 @@ class _AbsHistogramObserver(Observer):
         old = self._range()
         super()._observe(x, finite)
         new = self._range()
-        a = x[finite].abs().to(torch.float64)
+        a = (x.reshape(-1) if finite is None else x[finite]).abs().to(torch.float64)
         if a.numel() == 0:
             return
         if old >= 0 and new > old:
