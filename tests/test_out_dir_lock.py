@@ -76,3 +76,51 @@ def test_a_trace_of_another_model_is_not_reused(tmp_path):
     with pytest.raises(QuantLensError, match="was made from another model"):
         qa.set_model_profiler_dir(tmp_path / "first" / "baseline_model", tmp_path / "first" / "analysis_model")
     first.run(run_baseline_model=False)  # the same model: its trace is reused
+
+
+_RACE = """
+import json, os, sys, time
+from pathlib import Path
+from quantlens.errors import QuantLensError
+import quantlens.profiler.trace._lock as lock
+from quantlens.profiler.trace._lock import FolderLock
+folder, go, out, dead = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
+alive = lock._alive
+# widen the window between judging the lock stale and clearing it, as a loaded machine would
+lock._alive = lambda pid: (time.sleep(0.05), alive(pid))[1] if pid == dead else alive(pid)
+while not go.exists():
+    time.sleep(0.001)
+try:
+    with FolderLock(folder):
+        start = time.monotonic()
+        time.sleep(0.3)
+        end = time.monotonic()
+    result = {"held": [start, end]}
+except QuantLensError as exc:
+    result = {"refused": str(exc)}
+out.write_text(json.dumps(result))
+"""
+
+
+def test_a_stale_lock_is_taken_over_by_one_of_several_runs_starting_together(tmp_path):
+    """A killed run's lock and four runs starting at once: one takes the folder over, the others are refused or
+    hold it after it; never two at the same time (each clearing the stale lock used to let both run)."""
+    import json
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / LOCK_FILE).write_text(dead.stdout.strip())
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", _RACE, str(folder), str(go), str(tmp_path / f"r{i}.json"),
+                               dead.stdout.strip()]) for i in range(4)]
+    time.sleep(1.5)  # every process imported quantlens and waits for the signal
+    go.touch()
+    for p in procs:
+        assert p.wait(timeout=60) == 0
+    results = [json.loads((tmp_path / f"r{i}.json").read_text()) for i in range(4)]
+    held = sorted(r["held"] for r in results if "held" in r)
+    assert held, results
+    assert all(a[1] <= b[0] for a, b in zip(held, held[1:])), held  # no two holds overlap
+    assert all("in use by another quantlens run" in r["refused"] for r in results if "refused" in r)
+    assert not (folder / LOCK_FILE).exists() and not list(folder.glob(f"{LOCK_FILE}.*"))

@@ -2,7 +2,8 @@
 
 Two runs writing traces into one ``out_dir`` would clear each other's files and leave a folder mixed from both.
 :class:`FolderLock` takes ``out_dir/.quantlens.lock`` (created exclusively, the owner's pid inside); a second run
-is refused with the owner's pid and the fix. A lock whose owner is gone (a killed run) is taken over.
+is refused with the owner's pid and the fix. A lock whose owner is gone (a killed run) is taken over, by one run
+only when several start together.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class FolderLock:
                         f"{self.folder} is in use by another quantlens run (pid {owner}, {self.path}); two runs into "
                         "one out_dir would mix their traces. Wait for it to finish, or give this QuantAnalysis "
                         "another out_dir.") from None
-                self.path.unlink(missing_ok=True)  # its owner is gone: a stale lock
+                self._clear_stale(owner)  # its owner is gone: a stale lock
                 tries += 1
                 continue
             with os.fdopen(fd, "w") as handle:
@@ -69,6 +70,26 @@ class FolderLock:
             self._held = True
             return self
         raise QuantLensError(f"{self.path} could not be taken (it keeps reappearing); is another run starting?")
+
+    def _clear_stale(self, owner: int | None) -> None:
+        """Remove the lock file judged stale (owner ``owner``, dead, or no pid), and only that one: it is moved aside
+        first (a rename moves a given file once, so of two runs clearing it together one does), and a file that
+        turns out to hold another pid (a fresh lock made since it was judged) is put back."""
+        moved = self.folder / f"{LOCK_FILE}.{os.getpid()}.{time.monotonic_ns()}.stale"
+        try:
+            os.rename(self.path, moved)
+        except FileNotFoundError:
+            return  # another run cleared it first
+        try:
+            text = moved.read_text(encoding="ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            text = ""
+        if text.isdigit() and int(text) != owner and _alive(int(text)):
+            try:
+                os.link(moved, self.path)  # a live run's fresh lock: give it back (unless a newer one is there)
+            except FileExistsError:
+                pass
+        moved.unlink(missing_ok=True)
 
     def _owner(self, wait: bool = False) -> int | None:
         """The pid in the lock file (None: no lock, or no pid). ``wait``: a lock file still empty is given a
