@@ -9,7 +9,6 @@ from collections import namedtuple
 
 import pytest
 import torch
-from torch import nn
 
 import quantlens._io as qio
 from quantlens import DiskFullError, QuantLensError
@@ -18,16 +17,7 @@ from quantlens.profiler import QuantAnalysis
 from quantlens.profiler.report import save_pt
 from quantlens.quantization import calibrate, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
-
-
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.fc2 = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
+from tests.test_user_data_and_files import _Net  # a two-linear net
 
 
 def _analysis(out_dir):

@@ -5,16 +5,13 @@ declaration (``quantlens.compiler.serialize.arity``); every IR the zoo gives sti
 
 from __future__ import annotations
 
-import json
 import warnings
 
 import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from quantlens.compiler import Module, convert, export, load, save
-from quantlens.compiler.ir import Graph, InputLeaf, Node, ValueInfo
-from quantlens.compiler.serialize import CHECKSUM_KEY, METADATA_KEY, _file_checksum
+from quantlens.compiler import convert, export, load, save
 from quantlens.compiler.serialize.arity import _schema_shape, _torch_op, signature
 from quantlens.errors import QuantLensError
 from quantlens.kernels.integer import MOVEMENT_OPS
@@ -22,6 +19,7 @@ from quantlens.march.opset import IR_OPS
 from quantlens.quantization import calibrate, pre_export, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.zoo import example_inputs, get_model, list_models, sample_batches
+from tests._ir_headers import craft, save_base
 
 _M = {"multiplier": [1 << 30], "shift": [30]}  # a requantize by 1
 
@@ -34,35 +32,10 @@ def _constants() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """A saved qat IR (x -> relu -> y) whose header the cases rewrite: its constants are every case's operands."""
-    constants = _constants()
-    values = {name: ValueInfo(tuple(t.shape), str(t.dtype).replace("torch.", "")) for name, t in constants.items()}
-    values["x"] = ValueInfo((1, 4, 4, 4), "float32")
-    graph = Graph(nodes=[Node("relu", ["x"], ["y"], {}, "base.relu")], inputs=["x"], outputs=["y"],
-                  constants=constants, values=values)
-    in_spec = pytree.treespec_dumps(pytree.tree_flatten(((0,), {}))[1])
-    out_spec = pytree.treespec_dumps(pytree.tree_flatten(0)[1])
-    module = Module("qat", graph, [InputLeaf("tensor", "x")], in_spec, out_spec, meta={})
-    return save(module, tmp_path_factory.mktemp("arity") / "base.qlir")
+    return save_base(_constants(), tmp_path_factory.mktemp("arity") / "base.qlir")
 
 
-def _craft(base, path, kind: str, nodes: list[tuple]) -> object:
-    """``base`` with ``nodes`` (``(op, inputs, outputs, attrs)``, op site ``crafted.<op>``), the last node's first
-    output as the graph output, resealed with a matching checksum: only load's header checks can refuse it."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    with safe_open(str(base), framework="pt") as handle:
-        header = json.loads(handle.metadata()[METADATA_KEY])
-        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
-    header["kind"] = kind
-    header["nodes"] = [{"op": op, "inputs": ins, "outputs": outs, "attrs": attrs, "site": f"crafted.{op}"}
-                       for op, ins, outs, attrs in nodes]
-    header["outputs"] = [nodes[-1][2][0]]
-    header["values"] = [v for v in header["values"] if v["name"] != "y"]
-    text = json.dumps(header)
-    save_file(tensors, str(path), metadata={METADATA_KEY: text, CHECKSUM_KEY: _file_checksum(text, tensors)})
-    return path
+_craft = craft  # (base, path, kind, nodes): the base with those nodes, resealed
 
 
 _Q = ("quantize", ["x", "s"], ["q"], {"out_dtype": "qint8", "axis": None})

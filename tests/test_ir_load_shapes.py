@@ -6,22 +6,21 @@ batch, still saves, loads and runs."""
 
 from __future__ import annotations
 
-import json
 import warnings
 
 import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from quantlens.compiler import Module, convert, export, load, save
-from quantlens.compiler.ir import Graph, InputLeaf, Node, ValueInfo
-from quantlens.compiler.serialize import CHECKSUM_KEY, METADATA_KEY, _file_checksum
+from quantlens.compiler import convert, export, load, save
+from quantlens.compiler.ir import Node, ValueInfo
 from quantlens.compiler.serialize.shapes import _semantics
 from quantlens.errors import QuantLensError
 from quantlens.march.opset import IR_OPS
 from quantlens.quantization import calibrate, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.zoo import example_inputs, get_model, list_models, sample_batches
+from tests._ir_headers import craft, save_base
 
 _M = {"multiplier": [1 << 30], "shift": [30]}  # a requantize by 1
 _CONV = {"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1}
@@ -43,44 +42,23 @@ def _constants() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """A saved qat IR (x -> relu -> y) whose header the cases rewrite: its constants are every case's operands."""
-    constants = _constants()
-    values = {name: ValueInfo(tuple(t.shape), str(t.dtype).replace("torch.", "")) for name, t in constants.items()}
-    values["x"] = ValueInfo((1, 4, 4, 4), "float32")
-    graph = Graph(nodes=[Node("relu", ["x"], ["y"], {}, "base.relu")], inputs=["x"], outputs=["y"],
-                  constants=constants, values=values)
-    in_spec = pytree.treespec_dumps(pytree.tree_flatten(((0,), {}))[1])
-    out_spec = pytree.treespec_dumps(pytree.tree_flatten(0)[1])
-    module = Module("qat", graph, [InputLeaf("tensor", "x")], in_spec, out_spec, meta={})
-    return save(module, tmp_path_factory.mktemp("shapes") / "base.qlir")
+    return save_base(_constants(), tmp_path_factory.mktemp("shapes") / "base.qlir")
 
 
 def _craft(base, path, kind: str, nodes: list[tuple], values: dict, batch: int | None = 1) -> object:
-    """``base`` with ``nodes`` (``(op, inputs, outputs, attrs)``, op site ``crafted.<op>``), the value infos
-    ``values`` (name -> shape, or (shape, dtype); other node outputs get none), ``x`` of batch ``batch`` (``None``:
-    the dynamic batch -1), the last node's first output as the graph output, resealed with a matching checksum:
-    only load's header checks can refuse it."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    """``base`` with ``nodes``, the value infos ``values`` (name -> shape, or (shape, dtype); other node outputs get
+    none) and ``x`` of batch ``batch`` (``None``: the dynamic batch -1), resealed (``tests._ir_headers.craft``)."""
 
-    with safe_open(str(base), framework="pt") as handle:
-        header = json.loads(handle.metadata()[METADATA_KEY])
-        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
-    header["kind"] = kind
-    header["nodes"] = [{"op": op, "inputs": ins, "outputs": outs, "attrs": attrs, "site": f"crafted.{op}"}
-                       for op, ins, outs, attrs in nodes]
-    header["outputs"] = [nodes[-1][2][0]]
-    kept = [v for v in header["values"] if v["name"] != "y"]
-    for v in kept:
-        if v["name"] == "x":
-            v["shape"] = [-1 if batch is None else batch, 4, 4, 4]
-    for name, info in values.items():
-        shape, dtype = info if isinstance(info, tuple) else (info, "float32")
-        kept.append({"name": name, "shape": shape, "dtype": dtype, "qdtype": None, "scale": None, "axis": None})
-    header["values"] = kept
-    text = json.dumps(header)
-    save_file(tensors, str(path), metadata={METADATA_KEY: text, CHECKSUM_KEY: _file_checksum(text, tensors)})
-    return path
+    def infos(kept: list[dict]) -> list[dict]:
+        for v in kept:
+            if v["name"] == "x":
+                v["shape"] = [-1 if batch is None else batch, 4, 4, 4]
+        for name, info in values.items():
+            shape, dtype = info if isinstance(info, tuple) else (info, "float32")
+            kept.append({"name": name, "shape": shape, "dtype": dtype, "qdtype": None, "scale": None, "axis": None})
+        return kept
+
+    return craft(base, path, kind, nodes, infos)
 
 
 _Q = ("quantize", ["x", "s"], ["q"], {"out_dtype": "qint8", "axis": None})
