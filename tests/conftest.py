@@ -26,7 +26,8 @@ def small_conv_analysis(tmp_path):
         x = torch.randn(2, 3, 8, 8)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            calib = calibrate(prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None),
+            calib = calibrate(prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None,
+                                      allow_no_stubs=True),
                               [(torch.randn(2, 3, 8, 8),) for _ in range(3)])
         qa = QuantAnalysis(model, calib, "fake_quant", out_dir=tmp_path, progress=False)
         qa.set_bad_case((x,))

@@ -292,3 +292,27 @@ def test_report_reads_the_saved_rows_back_without_recomputing(analyzed, monkeypa
         res = ql("report", folder)
     assert calls and res.returncode in (0, 1), res.stderr
     assert (folder / "profiler.html").read_text() == before
+
+
+def test_a_config_without_stubs_is_refused_then_accepted_with_allow_no_stubs(tmp_path):
+    """A CONFIG whose float model has no QuantStub: `analyze` exits 2 with the fix in words; the CONFIG's
+    `allow_no_stubs = True` lets it through (the template documents the name)."""
+    from quantlens.cli.config import OPTIONAL, TEMPLATE
+
+    assert "allow_no_stubs = False" in TEMPLATE and "allow_no_stubs" in OPTIONAL
+    body = ("import torch\n"
+            "def float_model():\n"
+            "    torch.manual_seed(0)\n"
+            "    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)).eval()\n"
+            "def example_inputs():\n    return torch.randn(4, 6)\n"
+            "def calibration_data():\n    return [torch.randn(4, 6) for _ in range(2)]\n")
+    config = tmp_path / "nostubs.py"
+    config.write_text(body)
+    res = ql("analyze", config, "--stage", "fake_quant", "--out", tmp_path / "out", "--no-sensitivity")
+    assert res.returncode == 2 and "no QuantStub" in res.stderr and "allow_no_stubs" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+    allowed = tmp_path / "allowed.py"
+    allowed.write_text(body + "allow_no_stubs = True\n")
+    res = ql("analyze", allowed, "--stage", "fake_quant", "--out", tmp_path / "out2", "--no-sensitivity")
+    assert res.returncode in (0, 1) and "no QuantStub" not in res.stderr, res.stderr
+    assert (tmp_path / "out2" / "model_check_result.txt").is_file()

@@ -25,7 +25,7 @@ def _analysis(out_dir):
     model = _Net().eval()
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(4, 8, generator=g),) for _ in range(3)]
-    prepared = prepare(model, batches[0], default_calibration_qconfig_setter, check_result_dir=None)
+    prepared = prepare(model, batches[0], default_calibration_qconfig_setter, check_result_dir=None, allow_no_stubs=True)
     calibrate(prepared, batches)
     qa = QuantAnalysis(model, prepared, "fake_quant", out_dir)
     qa.set_bad_case(batches[0])
@@ -118,7 +118,7 @@ def test_a_dangling_link_as_out_dir_is_refused_in_words(tmp_path):
     link.symlink_to(tmp_path / "missing" / "folder")
     model = _Net().eval()
     x = torch.randn(2, 8)
-    prepared = prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None)
+    prepared = prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None, allow_no_stubs=True)
     calibrate(prepared, [(x,)])
     with pytest.raises(QuantLensError, match="dangling link") as info:
         QuantAnalysis(model, prepared, "fake_quant", link)

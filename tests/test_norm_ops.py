@@ -98,7 +98,7 @@ def test_decompositions_are_op_sites_of_existing_rules_and_exact_in_float():
     torch.manual_seed(0)
     model = _Norms().eval()
     x = _data((2, 4, 14))[0]
-    prepared = prepare(model, x, default_calibration_qconfig_setter, check_result_dir=None)
+    prepared = prepare(model, x, default_calibration_qconfig_setter, check_result_dir=None, allow_no_stubs=True)
     plans = prepared._quantlens_state.plans
     assert [n for n in plans if n.startswith("gn.")] == ["gn.reshape_0", "gn.layer_norm_0", "gn.reshape_1",
                                                          "gn.batch_norm_0"]
@@ -118,7 +118,7 @@ def test_instance_norm_with_running_stats_refuses_training():
 
     x = torch.randn(4, 3, 10)
     prepared = prepare(nn.Sequential(nn.InstanceNorm1d(3, track_running_stats=True)), x,
-                       default_calibration_qconfig_setter, check_result_dir=None)
+                       default_calibration_qconfig_setter, check_result_dir=None, allow_no_stubs=True)
     prepared.train()
     with pytest.raises(QuantLensError, match="keep the module in eval"):
         prepared(x)
@@ -132,7 +132,7 @@ def test_bad_group_count_is_a_clear_error():
             return F.group_norm(x, 3)
 
     with pytest.raises(QuantLensError, match="multiple of the 3 groups"):
-        prepare(Bad(), torch.randn(1, 8, 4), default_calibration_qconfig_setter, check_result_dir=None)
+        prepare(Bad(), torch.randn(1, 8, 4), default_calibration_qconfig_setter, check_result_dir=None, allow_no_stubs=True)
 
 
 # -- end to end ----------------------------------------------------------------------------------------------------
@@ -170,7 +170,7 @@ def test_small_model_through_every_stage(which):
     model = (_Norms() if which == "norms" else _Table(which)).eval()
     data = _data((2, 4, 14) if which == "norms" else (2, 5, 8), 5)
     x, held_out = data[0], data[-1]
-    prepared = calibrate(prepare(model, x, default_calibration_qconfig_setter, check_result_dir=None), data[1:4])
+    prepared = calibrate(prepare(model, x, default_calibration_qconfig_setter, check_result_dir=None, allow_no_stubs=True), data[1:4])
     tables = pre_export(prepared, example_inputs=x)
     qat_ir = export(tables, x)
     int_ir = convert(qat_ir)

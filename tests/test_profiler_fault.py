@@ -25,7 +25,7 @@ SITE = "layer1.relu1"  # last op of the fused conv-bn-relu group, carrying its i
 
 
 def _calibrate(model, example, batches, setter):
-    calib = prepare(model, example, setter, check_result_dir=None)
+    calib = prepare(model, example, setter, check_result_dir=None, allow_no_stubs=True)
     calib.eval()
     set_fake_quantize(calib, FakeQuantState.CALIBRATION)
     with torch.no_grad():

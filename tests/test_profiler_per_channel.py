@@ -83,7 +83,7 @@ def _analyse(per_channel: bool, out_dir):
     setter = (ModuleNameQconfigSetter(mapping), default_calibration_qconfig_setter)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        calib = calibrate(prepare(model, (x,), setter, check_result_dir=None), [(x,)])
+        calib = calibrate(prepare(model, (x,), setter, check_result_dir=None, allow_no_stubs=True), [(x,)])
     qa = QuantAnalysis(model, calib, "fake_quant", out_dir=out_dir, progress=False)
     qa.set_bad_case((x,))
     qa.run()

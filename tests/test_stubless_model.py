@@ -33,7 +33,7 @@ def test_a_model_without_stubs_goes_through_every_analysis(tmp_path):
         model.stem[1].running_mean.uniform_(-0.3, 0.3)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(4, 3, 16, 16, generator=g),) for _ in range(3)]
-    prepared = prepare(model, batches[0], default_calibration_qconfig_setter, check_result_dir=None)
+    prepared = prepare(model, batches[0], default_calibration_qconfig_setter, check_result_dir=None, allow_no_stubs=True)
     calibrate(prepared, batches)
     staged = pre_export(prepared)
     qat_ir = export(staged, batches[0])
@@ -61,7 +61,7 @@ def test_the_check_report_names_the_implicit_boundary(tmp_path):
     from quantlens.quantization import DeQuantStub, QuantStub, check_qat_model
 
     x = torch.randn(2, 3, 12, 12)
-    prepared = prepare(_NoStubs().eval(), (x,), default_calibration_qconfig_setter, check_result_dir=tmp_path)
+    prepared = prepare(_NoStubs().eval(), (x,), default_calibration_qconfig_setter, check_result_dir=tmp_path, allow_no_stubs=True)
     text = (tmp_path / "model_check_result.txt").read_text()
     section = text.split("== Where the model inputs are quantized (the NPU boundary) ==")[1].split("==")[0]
     assert "no QuantStub" in section and "stem.0 (input 0)" in section and "wrap the inputs in QuantStub" in section
@@ -78,3 +78,33 @@ def test_the_check_report_names_the_implicit_boundary(tmp_path):
     stubbed = prepare(WithStubs().eval(), (x,), default_calibration_qconfig_setter, check_result_dir=None)
     result = check_qat_model(stubbed, (x,), None)
     assert result.boundary == ["quant"] and not result.implicit_boundary
+
+
+def test_a_model_without_stubs_is_refused_at_prepare_with_the_fix():
+    """A newcomer's model without QuantStub is refused at prepare, naming where its float inputs enter and both fixes
+    (issue #26 point 7); ``allow_no_stubs=True`` (third-party code) accepts it; a model with a QuantStub is never
+    refused, even where a second input enters unmarked."""
+    import pytest
+
+    from quantlens.errors import QuantLensError
+    from quantlens.quantization import QuantStub
+
+    x = torch.randn(2, 3, 12, 12)
+    with pytest.raises(QuantLensError) as err:
+        prepare(_NoStubs().eval(), (x,), default_calibration_qconfig_setter, check_result_dir=None)
+    text = str(err.value)
+    assert "no QuantStub" in text and "stem.0 (input 0)" in text
+    assert "QuantStub()" in text and "allow_no_stubs=True" in text
+    assert prepare(_NoStubs().eval(), (x,), default_calibration_qconfig_setter, check_result_dir=None,
+                   allow_no_stubs=True) is not None
+
+    class OneStub(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant, self.fc = QuantStub(), nn.Linear(4, 4)
+
+        def forward(self, x, y):
+            return self.fc(self.quant(x)) + y
+
+    prepare(OneStub().eval(), (torch.randn(2, 4), torch.randn(2, 4)), default_calibration_qconfig_setter,
+            check_result_dir=None)

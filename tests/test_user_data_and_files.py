@@ -56,7 +56,7 @@ def _batches(n=3, seed=0):
 def _pair(model_cls=_Net):
     torch.manual_seed(0)
     model = model_cls().eval()
-    calib = prepare(model, _batches(1)[0], CALIB, check_result_dir=None)
+    calib = prepare(model, _batches(1)[0], CALIB, check_result_dir=None, allow_no_stubs=True)
     calibrate(calib, _batches())
     return model, calib
 
@@ -100,7 +100,7 @@ def test_prepare_and_profiling_leave_the_inputs_untouched(tmp_path):
 
     example = torch.randn(4, 8)
     before = example.clone()
-    calib = prepare(InPlace().eval(), (example,), CALIB, check_result_dir=tmp_path)
+    calib = prepare(InPlace().eval(), (example,), CALIB, check_result_dir=tmp_path, allow_no_stubs=True)
     assert torch.equal(example, before), "prepare changed the example inputs"
     assert example.__dict__ == {}
     model, calib = _pair()
@@ -165,7 +165,7 @@ def test_written_files_follow_the_umask(mask, tmp_path):
         qa = QuantAnalysis(model, calib, "fake_quant", out_dir=tmp_path, progress=False)
         qa.set_bad_case(_batches(1)[0])
         qa.run()
-        prepare(_Net().eval(), _batches(1)[0], CALIB, check_result_dir=tmp_path)
+        prepare(_Net().eval(), _batches(1)[0], CALIB, check_result_dir=tmp_path, allow_no_stubs=True)
     finally:
         os.umask(old)
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
@@ -224,7 +224,7 @@ def test_an_unwritable_check_report_is_a_warning(tmp_path):
     (tmp_path / "f").write_text("")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        prepared = prepare(_Net().eval(), _batches(1)[0], CALIB, check_result_dir=tmp_path / "f")
+        prepared = prepare(_Net().eval(), _batches(1)[0], CALIB, check_result_dir=tmp_path / "f", allow_no_stubs=True)
     assert any("check report" in str(w.message) for w in caught)
     with torch.no_grad():
         prepared(torch.randn(2, 8))

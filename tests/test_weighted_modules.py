@@ -35,7 +35,7 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 def _prepared(model: nn.Module, example: torch.Tensor) -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the deprecated hook-based weight_norm warns)
-        return prepare(model, example, default_calibration_qconfig_setter, check_result_dir=None)
+        return prepare(model, example, default_calibration_qconfig_setter, check_result_dir=None, allow_no_stubs=True)
 
 
 def _through_convert(model: nn.Module, example: torch.Tensor) -> tuple[nn.Module, float]:
@@ -342,7 +342,7 @@ def test_folding_a_parametrization_leaves_the_users_model_working():
     x = torch.randn(2, 4)
     with torch.no_grad():
         before = model(x)
-    prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None)
+    prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None, allow_no_stubs=True)
     with torch.no_grad():
         assert torch.equal(model(x), before)  # its class still has the parametrized 'weight'
     assert torch.nn.utils.parametrize.is_parametrized(model[0], "weight")

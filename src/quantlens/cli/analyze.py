@@ -83,7 +83,7 @@ def analyze_config(cfg, kinds: list[str], out_dir: Path, *, sensitivity: bool = 
     with console.status("building the stages") as status:
         stages = build_stages(cfg.float_model(), example, cfg.calibration_data, cfg.calibration_qconfig_setter,
                               qat_qconfig_setter=cfg.qat_qconfig_setter, train_qat=cfg.train_qat, upto=upto,
-                              out_dir=out_dir, dynamic_batch=cfg.dynamic_batch,
+                              out_dir=out_dir, dynamic_batch=cfg.dynamic_batch, allow_no_stubs=cfg.allow_no_stubs,
                               step=lambda s: status.update(f"building the stages: {s}"))
     for f in stages.files:
         console.print(f"wrote {f}")

@@ -18,7 +18,7 @@ __all__ = ["Config", "load_config", "TEMPLATE", "REQUIRED", "OPTIONAL"]
 
 REQUIRED = ("float_model", "example_inputs", "calibration_data")
 OPTIONAL = ("evaluation_data", "calibration_qconfig_setter", "qat_qconfig_setter", "train_qat", "post_process",
-            "march", "dynamic_batch", "num_steps", "evaluate", "higher_is_better")
+            "march", "dynamic_batch", "num_steps", "evaluate", "higher_is_better", "allow_no_stubs")
 
 TEMPLATE = '''\
 """quantlens analyze configuration (written by `quantlens analyze --gen`).
@@ -47,6 +47,10 @@ from quantlens.zoo import digits_cnn, load_digits_data
 
 # The march (integer NPU) to target; see docs/march.md.
 march = "QL1"
+
+# A model without QuantStub is refused (a forgotten stub is the usual cause). For third-party code you do not
+# edit, set True: its float inputs are then quantized where the first op sites consume them.
+allow_no_stubs = False
 
 _data = load_digits_data()  # scikit-learn's 8x8 digits, split 1437 train / 360 test
 
@@ -135,6 +139,8 @@ class Config:
     #: ``evaluate(model) -> float``: the task metric of any stage's model (``quantlens fix`` searches on it)
     evaluate: Callable[[Any], float] | None = None
     higher_is_better: bool = True
+    #: accept a float model without QuantStub (third-party code): ``prepare(..., allow_no_stubs=True)``
+    allow_no_stubs: bool = False
 
 
 def _as_factory(value: Any) -> Callable[[], Any]:
@@ -186,6 +192,7 @@ def load_config(path: str | Path, debug: bool = False) -> Config:
         num_steps=get("num_steps"),
         evaluate=_callable_or_none(path, "evaluate", get("evaluate")),
         higher_is_better=bool(get("higher_is_better", True)),
+        allow_no_stubs=bool(get("allow_no_stubs", False)),
     )
 
 

@@ -116,7 +116,8 @@ def _findings(model, example, batches, held_out, cfg, out_dir: Path) -> list:
     from quantlens.profiler import QuantAnalysis
     from quantlens.quantization import calibrate, prepare
 
-    prepared = calibrate(prepare(model, example, cfg.calibration_qconfig_setter, check_result_dir=None), batches)
+    prepared = calibrate(prepare(model, example, cfg.calibration_qconfig_setter, check_result_dir=None,
+                                 allow_no_stubs=cfg.allow_no_stubs), batches)
     qa = QuantAnalysis(model, prepared, "fake_quant", out_dir=out_dir / "profiler", post_process=cfg.post_process,
                        progress=False)
     qa.auto_find_bad_case(held_out, num_steps=cfg.num_steps)

@@ -77,10 +77,11 @@ def build_stages(float_model: torch.nn.Module, example_inputs: Any, calibration_
                  calibration_qconfig_setter: Any, *, qat_qconfig_setter: Any = None,
                  train_qat: Callable[[torch.nn.Module], None] | None = None, upto: str = "onnx",
                  out_dir: Path | None = None, dynamic_batch: bool = True, step: Callable[[str], None] | None = None,
-                 ) -> Stages:
+                 allow_no_stubs: bool = False) -> Stages:
     """Build the stages up to ``upto`` (a stage name). With ``out_dir`` the IRs (and the ONNX file) are saved
     there. ``train_qat(model)`` trains the QAT model (prepared with ``qat_qconfig_setter``, loaded from the
-    calibrated state) and leaves it in eval mode / VALIDATION state; without it QAT is skipped."""
+    calibrated state) and leaves it in eval mode / VALIDATION state; without it QAT is skipped.
+    ``allow_no_stubs`` is :func:`~quantlens.quantization.prepare`'s."""
     from quantlens.compiler import convert, export, save
     from quantlens.quantization import pre_export, prepare
 
@@ -90,13 +91,14 @@ def build_stages(float_model: torch.nn.Module, example_inputs: Any, calibration_
     s = Stages(float=float_model.eval())
     step("calibration")
     # out_dir/model_check_result.txt: the op sites a later stage refuses, each with its source line
-    s.calibration = prepare(float_model, example_inputs, calibration_qconfig_setter, check_result_dir=out_dir)
+    s.calibration = prepare(float_model, example_inputs, calibration_qconfig_setter, check_result_dir=out_dir,
+                            allow_no_stubs=allow_no_stubs)
     _calibrate(s.calibration, calibration_data())
     s.qat = s.calibration
     if last >= order.index("qat") and train_qat is not None:
         step("qat")
         s.qat = prepare(float_model, example_inputs, qat_qconfig_setter or calibration_qconfig_setter,
-                        check_result_dir=None)
+                        check_result_dir=None, allow_no_stubs=allow_no_stubs)
         s.qat.load_state_dict(s.calibration.state_dict())
         train_qat(s.qat)
     if last >= order.index("pre_export"):

@@ -73,7 +73,8 @@ def run(args) -> int:
         with out.status("building the stages"):
             stages = build_stages(cfg.float_model(), example, cfg.calibration_data, cfg.calibration_qconfig_setter,
                                   qat_qconfig_setter=cfg.qat_qconfig_setter, train_qat=cfg.train_qat,
-                                  upto=_UPTO[args.stage], out_dir=out_dir, dynamic_batch=cfg.dynamic_batch)
+                                  upto=_UPTO[args.stage], out_dir=out_dir, dynamic_batch=cfg.dynamic_batch,
+                                  allow_no_stubs=cfg.allow_no_stubs)
         base, analy = (getattr(stages, n) for n in PAIRS[args.stage])
         qa = QuantAnalysis(base, analy, args.stage, out_dir=out_dir, post_process=cfg.post_process)
         qa.auto_find_bad_case((cfg.evaluation_data or cfg.calibration_data)(), num_steps=cfg.num_steps)

@@ -161,6 +161,7 @@ def prepare(
     *,
     extra_example_inputs: Iterable[Any] = (),
     check_result_dir: str | None = ".",
+    allow_no_stubs: bool = False,
 ) -> nn.Module:
     """Return a fake-quant copy of ``model``; the original is not modified.
 
@@ -172,6 +173,9 @@ def prepare(
         extra_example_inputs: more calls' inputs, so every branch of the model is seen (op sites first met
             after prepare raise an error).
         check_result_dir: where ``model_check_result.txt`` is written (``None``: do not write).
+        allow_no_stubs: accept a model without any ``QuantStub`` (third-party code one does not edit): its float
+            inputs are then quantized where the first op sites consume them. Without it such a model is refused,
+            since a newcomer's forgotten stub is the likelier cause.
 
     The returned model is in ``FakeQuantState.QAT``; use :func:`set_fake_quantize` to switch.
     """
@@ -205,6 +209,8 @@ def prepare(
     weight_dtypes = _swap_modules(prepared, record, groups, assignment.qconfigs)
     plans, requests, plan_warnings = build_plans(record, groups, assignment.qconfigs, fixed, weight_dtypes)
     requests = _weight_channel_axes(plans, requests)
+    if not allow_no_stubs:
+        _refuse_missing_stubs(record, plans)
 
     refusals = stage_refusals(record, groups)
     if assignment.unmatched:
@@ -243,6 +249,23 @@ def prepare(
     if check_result_dir is not None:
         _write_check_report(prepared, inputs_to(_copy_inputs(example_inputs), device), check_result_dir)
     return prepared
+
+
+def _refuse_missing_stubs(record: ModelRecord, plans: dict[str, SitePlan]) -> None:
+    """Refuse a model whose float inputs reach quantized op sites with no ``QuantStub`` anywhere (issue #26)."""
+    if any(s.boundary == "input" for s in record.sites.values()):
+        return
+    entries = [f"{p.name} (input {i.position})" for p in plans.values() for i in record.sites[p.name].inputs
+               if i.position in p.input_fq and i.producer is None and not i.is_parameter]
+    if not entries:
+        return
+    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    raise QuantLensError(
+        f"prepare: the model has no QuantStub, so its float inputs enter the integer region unmarked at {shown}. "
+        "Expected a QuantStub on each float model input (and a DeQuantStub on each output the host reads). "
+        "Fix: wrap the inputs in quantlens.quantization.QuantStub() and the outputs in DeQuantStub() in the "
+        "model's forward (or in a wrapper module), or, for code you do not edit, call "
+        "prepare(..., allow_no_stubs=True) to quantize the inputs where those op sites consume them.")
 
 
 def _copy_model(model: nn.Module) -> nn.Module:

@@ -120,7 +120,7 @@ def _steps(model, example, batches, qconfig: str, folder: Path, onnx: bool) -> l
     def prepare_stage(_):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return prepare(model, example, SETTERS[qconfig], check_result_dir=None)
+            return prepare(model, example, SETTERS[qconfig], check_result_dir=None, allow_no_stubs=True)
 
     steps = [("float", lambda _: model.eval()), ("prepare", prepare_stage),
              ("calibration", lambda st: calibrate(st["prepare"], batches)),

@@ -71,7 +71,7 @@ def bias_correction(model: nn.Module, example: Any, batches: Iterable[Any],
     """A copy of ``model`` whose conv/linear biases (groups 1) absorb the mean output shift of their weights'
     quantization under ``setter`` (see the module docstring); ``model`` is not changed."""
     batches = list(batches)
-    prepared = calibrate(prepare(model, example, setter, check_result_dir=None), batches)
+    prepared = calibrate(prepare(model, example, setter, check_result_dir=None, allow_no_stubs=True), batches)
     layers = {}
     for name, module in model.named_modules():
         if not isinstance(module, _LAYERS) or getattr(module, "groups", 1) != 1:

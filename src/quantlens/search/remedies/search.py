@@ -107,7 +107,7 @@ class _Measure:
             return self.values[key]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # one prepare per candidate: its warnings would repeat
-            prepared = calibrate(prepare(model, self.example, setter, check_result_dir=None), self.batches)
+            prepared = calibrate(prepare(model, self.example, setter, check_result_dir=None, allow_no_stubs=True), self.batches)
         with torch.no_grad():
             value = float(self.evaluate(prepared))
         self.values[key] = value
@@ -125,7 +125,7 @@ def _sensitive_sites(model, example, setter, measure: _Measure, count: int, out_
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        prepared = calibrate(prepare(model, example, setter, check_result_dir=None), measure.batches)
+        prepared = calibrate(prepare(model, example, setter, check_result_dir=None, allow_no_stubs=True), measure.batches)
     qa = QuantAnalysis(model, prepared, "fake_quant", out_dir=out_dir, progress=False)
     qa.set_bad_case(example)
     sites: list[str] = []
@@ -265,7 +265,7 @@ def _latency(model: nn.Module, example: Any, batches: list, setter: Any) -> int:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        prepared = calibrate(prepare(model, example, setter, check_result_dir=None), batches)
+        prepared = calibrate(prepare(model, example, setter, check_result_dir=None, allow_no_stubs=True), batches)
         return int(convert(export(prepared, example)).latency_estimate().cycles)
 
 
