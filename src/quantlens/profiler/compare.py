@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, fields, replace
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -29,12 +29,19 @@ from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType
 from quantlens.march.opset import op_def
 from quantlens.profiler.layer_row import LayerRow
-from quantlens.profiler.metrics import SAME_INPUT_SQNR_LIMIT, channel_sqnr, compute_all, in_scale_units
+from quantlens.profiler.metrics import (
+    SAME_INPUT_SQNR_LIMIT,
+    MetricPair,
+    channel_signal,
+    channel_sqnr,
+    compute_pair,
+    in_scale_units,
+)
 from quantlens.profiler.trace.format import TracedSite
 from quantlens.profiler.trace.reader import TraceReader
 
-__all__ = ["LayerRow", "LayerComparison", "compare_traces", "check_site_match", "COLUMNS", "channel_axis",
-           "SAME_INPUT_SQNR_LIMIT"]
+__all__ = ["LayerRow", "LayerComparison", "compare_traces", "site_row", "check_site_match", "COLUMNS",
+           "channel_axis", "SAME_INPUT_SQNR_LIMIT"]
 
 
 #: the table's columns, in order
@@ -143,10 +150,16 @@ def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1).double() for t in tensors])
 
 
-def _metrics(base: list[torch.Tensor], analy: list[torch.Tensor]) -> dict[str, float] | None:
+def _metrics(base: list[torch.Tensor], analy: list[torch.Tensor], names: Sequence[str] | None = None
+             ) -> tuple[dict[str, float] | None, MetricPair | None]:
+    """The row's metrics of one pair, and the float64 pair (both None where the shapes differ)."""
     if len(base) != len(analy) or any(x.shape != y.shape for x, y in zip(base, analy)) or not base:
-        return None
-    return compute_all(_flat(base), _flat(analy))
+        return None, None
+    return compute_pair(_flat(base), _flat(analy), names)
+
+
+#: the metrics a row shows of the same-input pair (the others, KL the costliest, are not computed)
+_SAME_INPUT_METRICS = ("Cosine", "SQNR", "Atol")
 
 
 #: relative error (||x - y|| / ||x||, i.e. SQNR > 120 dB) below which a difference is float32 rounding noise
@@ -154,33 +167,40 @@ def _metrics(base: list[torch.Tensor], analy: list[torch.Tensor]) -> dict[str, f
 _FLOAT_NOISE = 1e-6
 
 
-def _split(base: list[torch.Tensor], pre: list[torch.Tensor], same: list[torch.Tensor], dtype: str,
-           scale: float | None) -> dict:
-    """Split the same-input error ``baseline - same`` into two exact parts, reported as mean squared errors:
+def _split(same: MetricPair, pre: list[torch.Tensor] | None, dtype: str, scale: float | None) -> dict:
+    """Split the same-input error ``baseline - same`` (``same``: that pair, float64) into two exact parts,
+    reported as mean squared errors:
 
     * internal: ``baseline - pre``, where ``pre`` is the op's result before its output fake quant (rounding of
-      its weights, of inputs quantized at the op, lookup tables);
+      its weights, of inputs quantized at the op, lookup tables); without ``pre``, the whole error;
     * output: ``pre - same``, what the output fake quant does: clipping on saturated elements, rounding on
       the others.
 
     The kind is the largest of the three; none when the error is within float32 noise (:data:`_FLOAT_NOISE`).
     """
-    x, p, y = (_flat(t).double().reshape(-1) for t in (base, pre, same))
+    x, y = same.x, same.y
+    p = y if pre is None else _flat(pre).double().reshape(x.shape)
     if not (all_finite(x) and all_finite(p)) or x.numel() == 0:
         return {}
-    noise = float((x - y).norm()) <= float(x.norm()) * _FLOAT_NOISE
-    if noise:  # no error beyond float32 noise: nothing to split (the parts would only cancel each other)
+    if float(same.diff_norm) <= float(same.x_norm) * _FLOAT_NOISE:
+        # no error beyond float32 noise: nothing to split (the parts would only cancel each other)
         return {"error_kind": "", "same_input_inner_mse": 0.0, "same_input_clip_mse": 0.0, "same_input_round_mse": 0.0}
-    inner = float(((x - p) ** 2).mean())
-    quant = (p - y) ** 2
-    clip = torch.zeros_like(quant, dtype=torch.bool)
-    if scale is not None and dtype in ("qint8", "qint16"):
-        dt = QuantDType.parse(dtype)
-        clip = (p > (dt.qmax + 0.5) * scale) | (p < (dt.qmin - 0.5) * scale)
-    if bool(clip.any()):
-        clipped, rounded = float(quant[clip].sum()), float(quant[~clip].sum())
-    else:  # the common case: no element saturates (the same sum, without copying the tensor through a mask)
-        clipped, rounded = 0.0, float(quant.sum())
+    if pre is None:  # the output is the op's own result: pre - same is 0 everywhere
+        inner, clipped, rounded = float((same.diff ** 2).mean()), 0.0, 0.0
+    else:
+        inner = float(torch.sub(x, p).square_().mean())  # (in place: one temporary fewer; x * x as ** 2 is)
+        quant = torch.sub(p, y).square_()
+        clipping = False
+        if scale is not None and dtype in ("qint8", "qint16"):
+            dt = QuantDType.parse(dtype)
+            high, low = (dt.qmax + 0.5) * scale, (dt.qmin - 0.5) * scale
+            lo, hi = torch.aminmax(p)  # (one pass; the masks only where some element saturates)
+            clipping = float(hi) > high or float(lo) < low
+        if clipping:
+            clip = (p > high) | (p < low)
+            clipped, rounded = float(quant[clip].sum()), float(quant[~clip].sum())
+        else:  # the common case: no element saturates (the same sum, without copying the tensor through a mask)
+            clipped, rounded = 0.0, float(quant.sum())
     parts = {"internal": inner, "clipping": clipped / x.numel(), "rounding": rounded / x.numel()}
     kind = max(parts, key=parts.get) if max(parts.values()) > 0 else ""
     return {"error_kind": kind, "same_input_inner_mse": parts["internal"],
@@ -216,11 +236,13 @@ def _selected(site: TracedSite, base_site: TracedSite, prefixes, types) -> bool:
 
 
 def compare_traces(base: TraceReader, analy: TraceReader, prefixes: Iterable[str] | None = None,
-                   types: Iterable | None = None, deployed: bool = False) -> LayerComparison:
+                   types: Iterable | None = None, deployed: bool = False,
+                   early: Mapping[int, LayerRow] | None = None) -> LayerComparison:
     """Compare two traces op site by op site (loads one site's tensors at a time).
 
     ``deployed`` (export / convert): sites on one side only are listed rather than refused, and every row gets
-    its LSB verdict and histogram."""
+    its LSB verdict and histogram. ``early``: rows :func:`site_row` already computed from these very traces
+    (while the analysis model ran, :mod:`.row_stream`), by analysis site index; the others are computed here."""
     check_site_match(base, analy, strict=not deployed)
     prefixes = [prefixes] if isinstance(prefixes, str) else list(prefixes or [])
     types = [types] if isinstance(types, str) or isinstance(types, type) else list(types or [])
@@ -243,7 +265,8 @@ def compare_traces(base: TraceReader, analy: TraceReader, prefixes: Iterable[str
             continue
         if analy.by_name[site.name] is not site:
             continue  # a site that runs several times (recurrent steps): one row, its last run, as for an IR
-        row = _row(base, analy, b, site, deployed, heads.get(site.name, site))
+        row = (early or {}).get(site.index) or site_row(base, b, site, analy.tensors(site.name), deployed,
+                                                         heads.get(site.name, site))
         if site.name in members:
             row = replace(row, group="+".join(members[site.name] + [_base_type(base, site)]))
         rows.append(row)
@@ -328,11 +351,13 @@ def channel_axis(op_type: str, shape: Sequence[int], weight_shape: Sequence[int]
     return d.channel_dim % len(shape)
 
 
-def _channel_figures(x: list[torch.Tensor], y: list[torch.Tensor], axis: int | None) -> torch.Tensor | None:
-    """Per-channel SQNR of a single-output pair along ``axis`` (None without an axis or with several outputs)."""
+def _channel_figures(x: list[torch.Tensor], y: list[torch.Tensor], axis: int | None,
+                     signal: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Per-channel SQNR of a single-output pair along ``axis`` (None without an axis or with several outputs);
+    ``signal``: the baseline's :func:`channel_signal`, when computed already."""
     if axis is None or len(x) != 1 or len(y) != 1:
         return None
-    return channel_sqnr(x[0], y[0], axis)
+    return channel_sqnr(x[0], y[0], axis, signal)
 
 
 def _worst(sqnr: torch.Tensor | None) -> float | None:
@@ -360,10 +385,11 @@ def _weight_per_channel(site: TracedSite) -> bool | None:
     return None if site.weight_scale is None else isinstance(site.weight_scale, list)
 
 
-def _row(base: TraceReader, analy: TraceReader, b: TracedSite, a: TracedSite, deployed: bool = False,
-         owner: TracedSite | None = None) -> LayerRow:
-    """The row of op site ``a`` (``b``: the baseline's); ``owner``: the site computing its value (a fused
-    group's first member; ``a`` itself by default)."""
+def site_row(base: TraceReader, b: TracedSite, a: TracedSite, at: Mapping[str, torch.Tensor],
+             deployed: bool = False, owner: TracedSite | None = None) -> LayerRow:
+    """The row of op site ``a`` (``b``: the baseline's; ``at``: a's tensors by key, as
+    :meth:`TraceReader.tensors` gives them); ``owner``: the site computing its value (a fused group's first
+    member; ``a`` itself by default). Its group label is set by :func:`compare_traces`."""
     owner = owner or a
     bmin, bmax, bmean = _range(b)
     amin, amax, amean = _range(a)
@@ -387,18 +413,21 @@ def _row(base: TraceReader, analy: TraceReader, b: TracedSite, a: TracedSite, de
                    table_input_clipped_ratio=a.int_stats.table_clipped_ratio, nonfinite_to_int=a.int_stats.nonfinite)
     if a.fused_into:
         return LayerRow(**row, note=f"fused into {a.fused_into}")
-    bt, at = base.tensors(b.name), analy.tensors(a.name)
+    bt = base.tensors(b.name)
     keys = b.float_outputs()
     # every tensor of the row in float64 once (the metrics, the split and the LSB reports all read float64)
     base_out = [bt[k].double() for k in keys]
     analy_out = [at[k].double() for k in a.float_outputs()]
-    values = _metrics(base_out, analy_out)
+    values = _metrics(base_out, analy_out)[0]
     if values is None:
         return LayerRow(**row, note="mismatch shape" if keys or a.float_outputs() else "no float output")
     row.update(values)
     row["atol_in_scale"] = in_scale_units(values["Atol"], scale)
     axis = _output_axis(owner, a, base_out)
-    per_channel = _channel_figures(base_out, analy_out, axis)
+    signal = None  # the baseline's channel energies, shared by the row's per-channel figures
+    if axis is not None and len(base_out) == 1 and base_out[0].dim() > 0 and all_finite(base_out[0]):
+        signal = channel_signal(base_out[0], axis)
+    per_channel = _channel_figures(base_out, analy_out, axis, signal)
     row.update(worst_channel_sqnr=_worst(per_channel), channels_below=_below(per_channel))
     if deployed and a.quant_dtype != "qint32":
         # (an int32 high-precision output's LSB is the accumulator's: one input step upstream is thousands of them,
@@ -407,19 +436,20 @@ def _row(base: TraceReader, analy: TraceReader, b: TracedSite, a: TracedSite, de
         row.update(lsb_verdict=lsb.get("verdict", ""), lsb_hist=lsb.get("hist", ""))
     del analy_out
     same = [at[f"same{i}"].double() for i in range(len(keys)) if f"same{i}" in at]
-    same_values = _metrics(base_out, same) if len(same) == len(keys) else None
+    same_values, same_pair = _metrics(base_out, same, _SAME_INPUT_METRICS) if len(same) == len(keys) else (None, None)
     note = a.same_input_note
     if same_values is not None:
         row.update(same_input_cosine=same_values["Cosine"], same_input_sqnr=same_values["SQNR"],
                    same_input_atol=same_values["Atol"],
                    same_input_in_scale=in_scale_units(same_values["Atol"], scale))
         pre = [at[f"samepre{i}"].double() for i in range(len(keys)) if f"samepre{i}" in at]
-        row.update(_split(base_out, pre if len(pre) == len(keys) else same, same, a.quant_dtype, scale))
-        same_channels = _channel_figures(base_out, same, axis)
+        if same_pair is not None:
+            row.update(_split(same_pair, pre if len(pre) == len(keys) else None, a.quant_dtype, scale))
+        same_channels = _channel_figures(base_out, same, axis, signal)
         if same_channels is not None:
             row.update(same_input_worst_channel_sqnr=_worst(same_channels), channels_below=_below(same_channels))
         if len(pre) == len(keys):
-            row["same_input_inner_worst_channel_sqnr"] = _worst(_channel_figures(base_out, pre, axis))
+            row["same_input_inner_worst_channel_sqnr"] = _worst(_channel_figures(base_out, pre, axis, signal))
         if deployed:
             lsb = lsb_report(base_out, same, a.scale, a.scale_axis)
             row.update(same_input_lsb_verdict=lsb.get("verdict", ""), same_input_lsb_hist=lsb.get("hist", ""))

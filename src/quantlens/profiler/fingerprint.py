@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["model_digest", "callable_digest"]
+from quantlens.errors import QuantLensError
+
+__all__ = ["model_digest", "callable_digest", "check_made_from"]
 
 
 def _tensors(h, tensors, exact: bool = False) -> None:
@@ -87,3 +89,13 @@ def callable_digest(func: Any) -> str:
     for arg in getattr(func, "args", ()):  # a partial's bound arguments
         h.update(repr(arg).encode())
     return h.hexdigest()
+
+
+def check_made_from(trace: Any, access: Any, folder: Any) -> None:
+    """Refuse a trace (a :class:`~.trace.reader.TraceReader`) reused without running its model when it was made
+    from another model than ``access``'s."""
+    if trace.model_digest and trace.model_digest != model_digest(access):
+        raise QuantLensError(
+            f"The trace in {folder} was made from another model ({trace.description}) than this "
+            f"QuantAnalysis' {access.label} model ({access.describe()}): its weights, buffers, qconfig or graph "
+            "differ. Run that model again (qa.run()), or give the trace of this very model.")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -37,8 +37,8 @@ from quantlens.errors import QuantLensError
 from quantlens.profiler._sums import CHUNK
 from quantlens.quantization.qconfig_template import METRIC_HIGHER_IS_WORSE, register_metric_direction
 
-__all__ = ["Metric", "METRICS", "register_metric", "get_metric", "metric_names", "compute_all", "in_scale_units",
-           "custom_metric", "channel_sqnr", "SAME_INPUT_SQNR_LIMIT"]
+__all__ = ["Metric", "METRICS", "register_metric", "get_metric", "metric_names", "compute_all", "compute_pair",
+           "MetricPair", "in_scale_units", "custom_metric", "channel_sqnr", "channel_signal", "SAME_INPUT_SQNR_LIMIT"]
 
 #: a same-input SQNR below this (dB) means the op itself loses precision (int8 on well-scaled data gives ~35-45);
 #: also the limit of the per-channel share ``channels_below`` (a channel below it is a damaged channel). The
@@ -54,9 +54,9 @@ class Metric:
     func: Callable[[torch.Tensor, torch.Tensor], float]
     higher_is_worse: bool
     description: str = ""
-    #: a built-in's formula on a :class:`_Pair` (``func`` wraps it): :func:`compute_all` hands every built-in
+    #: a built-in's formula on a :class:`MetricPair` (``func`` wraps it): :func:`compute_all` hands every built-in
     #: one pair, so ``x - y`` and ``|x - y|`` are computed once per row, not once per metric
-    pair_func: Callable[["_Pair"], float] | None = None
+    pair_func: Callable[["MetricPair"], float] | None = None
 
     def __call__(self, baseline: torch.Tensor, analysis: torch.Tensor) -> float:
         x, y = _prepare(baseline), _prepare(analysis)
@@ -88,7 +88,7 @@ def _prepare(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float64).cpu()
 
 
-class _Pair:
+class MetricPair:
     """The float64 baseline ``x`` and analysis ``y`` of one row, with the intermediates several metrics share."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor):
@@ -102,10 +102,18 @@ class _Pair:
     def absdiff(self) -> torch.Tensor:
         return self.diff.abs()
 
+    @cached_property
+    def x_norm(self) -> torch.Tensor:
+        return self.x.norm()
 
-def _cosine(p: _Pair) -> float:
+    @cached_property
+    def diff_norm(self) -> torch.Tensor:
+        return self.diff.norm()
+
+
+def _cosine(p: MetricPair) -> float:
     x, y = p.x, p.y
-    nx, ny = x.norm(), y.norm()
+    nx, ny = p.x_norm, y.norm()
     if nx == 0 and ny == 0:
         return 1.0
     if nx == 0 or ny == 0:
@@ -113,15 +121,15 @@ def _cosine(p: _Pair) -> float:
     return float((x.flatten() @ y.flatten()) / (nx * ny))
 
 
-def _mse(p: _Pair) -> float:
+def _mse(p: MetricPair) -> float:
     return float((p.diff ** 2).mean()) if p.x.numel() else 0.0
 
 
-def _l1(p: _Pair) -> float:
+def _l1(p: MetricPair) -> float:
     return float(p.absdiff.mean()) if p.x.numel() else 0.0
 
 
-def _kl(p: _Pair) -> float:
+def _kl(p: MetricPair) -> float:
     x, y = p.x, p.y
     if x.numel() == 0:
         return 0.0
@@ -130,20 +138,23 @@ def _kl(p: _Pair) -> float:
     dim = 1 if x.dim() > 2 else -1
     log_p = torch.log_softmax(x, dim=dim)
     log_q = torch.log_softmax(y, dim=dim)
-    return float((log_p.exp() * (log_p - log_q)).sum(dim=dim).mean())
+    # p * (log p - log q), in place: -(log q - log p) is exactly log p - log q, so the value is the plain formula's
+    # bit for bit, with two temporaries of an activation's size fewer
+    ratio = log_q.sub_(log_p).neg_()
+    return float(log_p.exp_().mul_(ratio).sum(dim=dim).mean())
 
 
-def _sqnr(p: _Pair) -> float:
-    noise = p.diff.norm()
+def _sqnr(p: MetricPair) -> float:
+    noise = p.diff_norm
     if noise == 0:
         return math.inf
-    signal = p.x.norm()
+    signal = p.x_norm
     if signal == 0:
         return -math.inf
     return float(20.0 * torch.log10(signal / noise))
 
 
-def _atol(p: _Pair) -> float:
+def _atol(p: MetricPair) -> float:
     return float(p.absdiff.max()) if p.x.numel() else 0.0
 
 
@@ -158,9 +169,9 @@ def register_metric(metric: Metric) -> Metric:
     return metric
 
 
-def _builtin(name: str, pair_func: Callable[[_Pair], float], description: str) -> Metric:
+def _builtin(name: str, pair_func: Callable[[MetricPair], float], description: str) -> Metric:
     # the direction of a built-in is declared once, in the quantization layer's table of sensitivity metrics
-    return register_metric(Metric(name, lambda x, y: pair_func(_Pair(x, y)),
+    return register_metric(Metric(name, lambda x, y: pair_func(MetricPair(x, y)),
                                   higher_is_worse=METRIC_HIGHER_IS_WORSE[name], description=description,
                                   pair_func=pair_func))
 
@@ -173,17 +184,26 @@ _builtin("SQNR", _sqnr, "signal-to-quantization-noise ratio, dB")
 _builtin("Atol", _atol, "max absolute difference")
 
 
-def compute_all(baseline: torch.Tensor, analysis: torch.Tensor) -> dict[str, float]:
-    """Every registered metric of one pair, the float64 copies and the NaN/Inf check made once (the same values
-    as calling each :class:`Metric`)."""
+def compute_all(baseline: torch.Tensor, analysis: torch.Tensor,
+                names: Sequence[str] | None = None) -> dict[str, float]:
+    """Every registered metric of one pair (or those in ``names``), the float64 copies and the NaN/Inf check made
+    once (the same values as calling each :class:`Metric`)."""
+    return compute_pair(baseline, analysis, names)[0]
+
+
+def compute_pair(baseline: torch.Tensor, analysis: torch.Tensor,
+                 names: Sequence[str] | None = None) -> tuple[dict[str, float], MetricPair | None]:
+    """:func:`compute_all`, and the float64 pair with the intermediates it computed (None when the shapes
+    differ), for more figures of the same pair without computing them again."""
+    chosen = {n: METRICS[n] for n in names} if names is not None else METRICS
     x, y = _prepare(baseline), _prepare(analysis)
     if x.shape != y.shape:
-        return {name: metric(baseline, analysis) for name, metric in METRICS.items()}  # raises, naming it
+        return {name: metric(baseline, analysis) for name, metric in chosen.items()}, None  # raises, naming it
+    pair = MetricPair(x, y)
     if not (all_finite(x) and all_finite(y)):
-        return {name: math.nan for name in METRICS}
-    pair = _Pair(x, y)
+        return {name: math.nan for name in chosen}, pair
     return {name: float(metric.pair_func(pair) if metric.pair_func is not None else metric.func(x, y))
-            for name, metric in METRICS.items()}
+            for name, metric in chosen.items()}, pair
 
 
 def metric_names() -> list[str]:
@@ -243,7 +263,28 @@ def _energy(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t, dim=2).square().sum(0)  # contiguous rows: no temporary
 
 
-def channel_sqnr(baseline: torch.Tensor, analysis: torch.Tensor, axis: int) -> torch.Tensor | None:
+def _by_channel(t: torch.Tensor, axis: int) -> torch.Tensor:
+    return t.reshape(math.prod(t.shape[:axis]), t.shape[axis], -1)
+
+
+def _step(t3: torch.Tensor) -> int:
+    """Rows of ``before`` per slice: a slice's temporary is about one chunk."""
+    return max(1, CHUNK // max(1, t3.shape[1] * t3.shape[2]))
+
+
+def channel_signal(baseline: torch.Tensor, axis: int) -> torch.Tensor:
+    """The energy (sum of squares, float64) of each channel of ``baseline`` along ``axis``: the signal of
+    :func:`channel_sqnr`."""
+    x3 = _by_channel(_prepare(baseline), axis % baseline.dim())
+    signal = torch.zeros(x3.shape[1], dtype=torch.float64)
+    step = _step(x3)
+    for start in range(0, x3.shape[0], step):
+        signal += _energy(x3[start:start + step])
+    return signal
+
+
+def channel_sqnr(baseline: torch.Tensor, analysis: torch.Tensor, axis: int,
+                 signal: torch.Tensor | None = None) -> torch.Tensor | None:
     """The SQNR (dB) of each channel along ``axis``: ``20 log10(‖x_c‖ / ‖x_c - y_c‖)``, +inf for a channel the
     analysis reproduces exactly, in channel order.
 
@@ -254,20 +295,18 @@ def channel_sqnr(baseline: torch.Tensor, analysis: torch.Tensor, axis: int) -> t
 
     One pass over each tensor: the values are viewed as ``(before, channel, after)`` and the norms taken over
     ``after`` (contiguous), then summed over ``before``; the difference is made a slice of ``before`` at a time
-    (a small temporary, not a copy of the activation)."""
+    (a small temporary, not a copy of the activation). ``signal``: :func:`channel_signal` of ``baseline`` when
+    already computed (several analysis tensors against one baseline)."""
     x, y = _prepare(baseline), _prepare(analysis)
     if x.shape != y.shape or x.dim() == 0 or x.numel() == 0 or not (all_finite(x) and all_finite(y)):
         return None
     axis %= x.dim()
-    channels = x.shape[axis]
-    x3, y3 = x.reshape(math.prod(x.shape[:axis]), channels, -1), y.reshape(math.prod(x.shape[:axis]), channels, -1)
-    signal = torch.zeros(channels, dtype=torch.float64)
+    x3, y3 = _by_channel(x, axis), _by_channel(y, axis)
+    signal = channel_signal(x, axis) if signal is None else signal
     noise = torch.zeros_like(signal)
-    step = max(1, CHUNK // max(1, channels * x3.shape[2]))
+    step = _step(x3)
     for start in range(0, x3.shape[0], step):
-        part = x3[start:start + step]
-        signal += _energy(part)
-        noise += _energy(part - y3[start:start + step])
+        noise += _energy(x3[start:start + step] - y3[start:start + step])
     has_signal = signal > 0
     if not bool(has_signal.any()):
         return None

@@ -28,7 +28,7 @@ from quantlens.profiler.advisor import AdvisorContext, Finding, advise
 from quantlens.profiler.bad_case import BadCaseResult, find_bad_case
 from quantlens.profiler.cached_attrs import install_cached_attrs
 from quantlens.profiler.compare import LayerComparison, check_site_match, compare_traces
-from quantlens.profiler.fingerprint import model_digest
+from quantlens.profiler.fingerprint import check_made_from, model_digest
 from quantlens.profiler.joint_sensitivity import JointSensitivityResult, run_joint_sensitivity, write_joint_sensitivity
 from quantlens.profiler.model_access import AnalysisType, ConsistencyInfo, SiteEvent, parse_analysis_type
 from quantlens.profiler.outputs import PostProcess, named_outputs, unique_name
@@ -44,6 +44,7 @@ from quantlens.profiler.report import (
     write_sensitivity,
     write_statistic,
 )
+from quantlens.profiler.row_stream import RowStream
 from quantlens.profiler.sensitivity import SensitivityResult, run_sensitivity
 from quantlens.profiler.trace._lock import FolderLock
 from quantlens.profiler.trace.reader import TraceReader
@@ -147,6 +148,7 @@ class QuantAnalysis:
         self.bad_case_result: BadCaseResult | None = None
         #: the traces compare_per_layer() reads: run()'s folders, or set_model_profiler_dir()'s
         self._base_dir, self._analy_dir = self.out_dir / BASELINE_DIR, self.out_dir / ANALYSIS_DIR
+        self._row_stream: RowStream | None = None  # the rows the last analysis run computed (row_stream)
 
     # -- bad case ---------------------------------------------------------------------------------------------
     def auto_find_bad_case(self, data_generator: Iterable[Any], num_steps: int | None = None, metric: str = "L1",
@@ -245,8 +247,8 @@ class QuantAnalysis:
         from there."""
         base_dir, analy_dir = Path(baseline_model_profiler_dir), Path(analysis_model_profiler_dir)
         base, analy = self._open_traces(base_dir, analy_dir)
-        self._check_made_from(base, self.baseline, base_dir)
-        self._check_made_from(analy, self.analysis, analy_dir)
+        check_made_from(base, self.baseline, base_dir)
+        check_made_from(analy, self.analysis, analy_dir)
         self._base_dir, self._analy_dir = base_dir, analy_dir
 
     def _open_traces(self, base_dir: Path | None = None, analy_dir: Path | None = None
@@ -284,8 +286,10 @@ class QuantAnalysis:
     # -- run -------------------------------------------------------------------------------------------------
     def _trace(self, access, directory: Path, same_input=None,
                values_not_needed: frozenset[str] = frozenset()) -> tuple[TraceReader, list[str]]:
+        # the analysis run computes compare_per_layer()'s rows on its writer thread as it goes (row_stream)
+        stream = RowStream(same_input, self.analysis_type.deployed) if same_input is not None else None
         writer = TraceWriter(directory, access.label, access.describe(), save_inputs=same_input is None,
-                             values_not_needed=values_not_needed)
+                             values_not_needed=values_not_needed, after_write=stream)
         example = self._require_bad_case()
         # the run that traces the model _reach() reads also records its data flow: no extra forward later
         tee = ReachTee(writer, example) if access is self._reach_access() and not hasattr(access, "module") else None
@@ -318,6 +322,9 @@ class QuantAnalysis:
             writer.close()
             raise
         trace = TraceReader(directory)
+        if stream is not None:
+            stream.seal(trace)
+            self._row_stream = stream
         write_statistic(trace, directory / "statistic.txt")
         return trace, list(outputs)
 
@@ -343,7 +350,7 @@ class QuantAnalysis:
         if run_analysis_model:
             source = base if base is not None else TraceReader(base_dir)
             if base is None:
-                self._check_made_from(source, self.baseline, base_dir)
+                check_made_from(source, self.baseline, base_dir)
             if source.input_digest != input_digest(self._require_bad_case()):
                 raise QuantLensError(
                     f"The baseline trace in {base_dir} was made on another bad case than the current one, so it "
@@ -355,15 +362,6 @@ class QuantAnalysis:
         return RunResult(base_dir if base else None, analy_dir if analy else None,
                          len(base.sites) if base else None, len(analy.sites) if analy else None, outputs,
                          self.consistency)
-
-    @staticmethod
-    def _check_made_from(trace: TraceReader, access, folder: Path) -> None:
-        """Refuse a trace reused without running its model when it was made from another model."""
-        if trace.model_digest and trace.model_digest != model_digest(access):
-            raise QuantLensError(
-                f"The trace in {folder} was made from another model ({trace.description}) than this "
-                f"QuantAnalysis' {access.label} model ({access.describe()}): its weights, buffers, qconfig or graph "
-                "differ. Run that model again (qa.run()), or give the trace of this very model.")
 
     @property
     def consistency(self) -> ConsistencyInfo | None:
@@ -382,7 +380,9 @@ class QuantAnalysis:
         ``profiler.html`` and ``abnormal_layer_advisor.txt``; returns the rows.
         """
         traces = self._open_traces()
-        comparison = compare_traces(*traces, prefixes, types, deployed=self.analysis_type.deployed)
+        stream = self._row_stream
+        comparison = compare_traces(*traces, prefixes, types, deployed=self.analysis_type.deployed,
+                                    early=stream.rows_for(*traces) if stream is not None else None)
         comparison.consistency = self.consistency
         comparison = mark(comparison, self._reach())
         self._last_comparison = comparison

@@ -15,7 +15,7 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -42,7 +42,7 @@ __all__ = ["TraceWriter", "QUEUE_BYTES"]
 
 #: the most bytes of tensor copies waiting for the writer thread; the traced forward waits when it is reached
 #: (one item larger than this is still taken, alone)
-QUEUE_BYTES = 24 * 1024 * 1024
+QUEUE_BYTES = 128 * 1024 * 1024
 #: the integer grids whose values may be stored as codes: quant dtype -> (qmin, qmax, code dtype)
 _CODE_DTYPES = {"qint8": (-128, 127, torch.int8), "qint16": (-32768, 32767, torch.int16)}
 
@@ -114,7 +114,8 @@ class TraceWriter:
     deferred_quant_error = True
 
     def __init__(self, directory: str | os.PathLike, label: str, description: str, save_inputs: bool = True,
-                 queue_bytes: int = QUEUE_BYTES, values_not_needed: frozenset[str] = frozenset()):
+                 queue_bytes: int = QUEUE_BYTES, values_not_needed: frozenset[str] = frozenset(),
+                 after_write: Callable[[TracedSite, Mapping[str, torch.Tensor]], None] | None = None):
         #: where the trace ends up; it is written to the sibling staging folder :attr:`dir` and moved here by
         #: :meth:`finish`, so until then ``target`` keeps the previous complete trace (an interrupted run
         #: changes nothing there)
@@ -126,6 +127,11 @@ class TraceWriter:
         #: op sites whose outputs are kept as statistics only: the other model's fused-group internals
         #: (``ModelAccess.group_internal_sites``), which its comparison and same-input run never read
         self.values_not_needed = values_not_needed
+        #: called on the writer thread once a site is written, with the site (its statistics complete) and the
+        #: tensors it stored in this site's own file, still in memory (the values read back from the file, codes
+        #: decoded); keys held by an earlier site's file are not in that mapping
+        self.after_write = after_write
+        self._stats_by_file: dict[str, dict[str, TensorStat]] = {}  # (the writer thread's)
         self.label = label
         self.description = description
         self.sites: list[TracedSite] = []
@@ -286,6 +292,21 @@ class TraceWriter:
         write_safetensors(self.dir / job.site.file, payload)
         if job.quant_error is not None:
             job.site.quant_error = job.quant_error()
+        self._stats_by_file[job.site.file] = job.stats
+        if self.after_write is not None:
+            job.site.stats = self._site_stats(job)  # (finish() sets the same again)
+            own = {}
+            for key in job.order:
+                file, stored = job.site.refs.get(key, (job.site.file, key))
+                if file == job.site.file and stored not in job.stats_only:
+                    own[key] = job.tensors[stored]
+            self.after_write(job.site, own)
+
+    def _site_stats(self, job: _Job) -> dict[str, TensorStat]:
+        """The site's statistics in the trace's key order, references' from their stored copy."""
+        stats = self._stats_by_file
+        return {k: (stats[job.site.refs[k][0]][job.site.refs[k][1]] if k in job.site.refs else job.stats[k])
+                for k in job.order}
 
     def _drain(self) -> None:
         if self._thread is not None:
@@ -306,11 +327,10 @@ class TraceWriter:
         once this returns."""
         self._drain()
         self._raise_error()
-        stats: dict[str, dict[str, TensorStat]] = {job.site.file: job.stats for job in self._jobs}
-        for job in self._jobs:  # the statistics in the trace's key order, references' from their stored copy
-            job.site.stats = {k: (stats[job.site.refs[k][0]][job.site.refs[k][1]] if k in job.site.refs
-                                  else job.stats[k]) for k in job.order}
-        self._jobs, self._stored, self._scratch = [], {}, {}
+        self._stats_by_file = {job.site.file: job.stats for job in self._jobs}
+        for job in self._jobs:
+            job.site.stats = self._site_stats(job)
+        self._jobs, self._stored, self._scratch, self._stats_by_file = [], {}, {}, {}
         self._pool.clear()
         save_tensors(outputs, self.dir / OUTPUTS_FILE)
         index = TraceIndex(self.label, self.description, input_digest, list(outputs), self.sites, model_digest,

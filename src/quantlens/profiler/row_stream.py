@@ -1,0 +1,65 @@
+"""The rows of ``compare_per_layer()`` computed while the analysis model runs (issue #25).
+
+``run()`` traces the baseline, then the analysis model; the analysis trace's writer thread stores each op site while
+the forward goes on. A :class:`RowStream` is that writer's ``after_write`` hook: with the site's tensors still in
+memory and the baseline's trace on disk, it computes the site's row with the very function ``compare_per_layer()``
+uses (:func:`~quantlens.profiler.compare.site_row`), on the thread that is otherwise idle at one torch thread. So
+most of the comparison's arithmetic is done by the time ``run()`` returns, and ``compare_per_layer()`` only reads
+the rows back, as long as both traces are still the ones they came from (their ``trace.json`` digests).
+
+A site is left to ``compare_per_layer()`` when one of its tensors lives in an earlier site's file (a reference), when
+its name runs more than once (recurrent steps: the row is the last run's), or when computing it fails (the same
+call then reports the error in ``compare_per_layer()``, on the caller's thread).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from quantlens.errors import QuantLensError
+from quantlens.profiler.compare import site_row
+from quantlens.profiler.compare_cache import trace_digest
+from quantlens.profiler.layer_row import LayerRow
+from quantlens.profiler.trace.format import TracedSite
+from quantlens.profiler.trace.reader import TraceReader
+
+__all__ = ["RowStream"]
+
+
+class RowStream:
+    """Computes each analysis site's row as the trace writer stores it (see the module docstring)."""
+
+    def __init__(self, base: TraceReader, deployed: bool):
+        self.base, self.deployed = base, deployed
+        self._rows: dict[int, LayerRow] = {}  # by analysis site index
+        self._heads: dict[str, TracedSite] = {}  # a fused group's last op -> its first member (compare_traces')
+        self._seen: set[str] = set()
+        self._digests: tuple[str, str] | None = None
+
+    def __call__(self, site: TracedSite, tensors: Mapping[str, torch.Tensor]) -> None:
+        """The writer thread's hook: ``tensors`` are the site's values stored in its own file."""
+        if site.fused_into:
+            self._heads.setdefault(site.fused_into, site)
+        if site.name in self._seen:  # a repeated site: its row is its last run's, which compare computes
+            return
+        self._seen.add(site.name)
+        b = self.base.by_name.get(site.name)
+        if b is None or any(k not in tensors for k in site.stats if k.startswith(("out", "same"))):
+            return
+        try:
+            self._rows[site.index] = site_row(self.base, b, site, tensors, self.deployed,
+                                              self._heads.get(site.name, site))
+        except (QuantLensError, RuntimeError, ValueError, KeyError):
+            return  # compare_per_layer() computes this row again and reports the error there
+
+    def seal(self, analysis: TraceReader) -> None:
+        """Tie the rows to the two finished traces (called once the analysis trace is complete)."""
+        self._digests = (trace_digest(self.base), trace_digest(analysis))
+
+    def rows_for(self, base: TraceReader, analysis: TraceReader) -> dict[int, LayerRow]:
+        """The rows computed from these very traces (none when either was written again since)."""
+        if self._digests is None or self._digests != (trace_digest(base), trace_digest(analysis)):
+            return {}
+        return dict(self._rows)

@@ -1,0 +1,144 @@
+"""Issue #25 deliverable 1: compare_per_layer()'s rows are computed on the analysis trace's writer thread while the
+model runs (profiler/row_stream.py), with the same function as the comparison itself. The rows must be the very
+rows the comparison computes from the traces on disk, and the textbook formulas' values bit for bit; rows of
+traces written again since are never reused."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import quantlens.profiler.compare as compare_module
+from quantlens.compiler import convert, export
+from quantlens.profiler import QuantAnalysis
+from quantlens.profiler.compare import compare_traces
+from quantlens.quantization import DeQuantStub, QuantStub, calibrate, pre_export, prepare
+from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.quant, self.dequant = QuantStub(), DeQuantStub()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x):
+        h = self.stem(self.quant(x))
+        h = torch.relu(self.conv(h) + h)
+        return self.dequant(self.fc(h.mean((2, 3))))
+
+
+def _models():
+    torch.manual_seed(0)
+    model = _Net().eval()
+    with torch.no_grad():
+        model.stem[1].running_var.uniform_(0.5, 2.0)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(2, 3, 10, 10, generator=g),) for _ in range(3)]
+    prepared = calibrate(prepare(model, batches[0], default_calibration_qconfig_setter, check_result_dir=None),
+                         batches)
+    return model, prepared, batches
+
+
+def _same(a, b) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+def _assert_rows_equal(got, want):
+    assert [r.op_name for r in got] == [r.op_name for r in want]
+    for g, w in zip(got, want):
+        diff = {k: (getattr(g, k), getattr(w, k)) for k in g.__dataclass_fields__
+                if not _same(getattr(g, k), getattr(w, k))}
+        assert not diff, (g.op_name, diff)
+
+
+@pytest.mark.parametrize("kind", ["fake_quant", "convert"])
+def test_streamed_rows_are_the_comparisons_rows_and_are_not_computed_again(kind, tmp_path, monkeypatch):
+    model, prepared, batches = _models()
+    if kind == "convert":
+        qat_ir = export(pre_export(prepared), batches[0])
+        model, prepared = qat_ir, convert(qat_ir)
+    qa = QuantAnalysis(model, prepared, kind, tmp_path, progress=False)
+    qa.set_bad_case(batches[1])
+    qa.run()
+    traces = qa._open_traces()
+    early = qa._row_stream.rows_for(*traces)
+    computed = []
+    real = compare_module.site_row
+    monkeypatch.setattr(compare_module, "site_row", lambda *a, **k: computed.append(a[2].name) or real(*a, **k))
+    table = qa.compare_per_layer()
+    compared = [r for r in table if not r.fused_into]
+    assert len(early) >= len(compared) - 1 and len(compared) >= 5, (len(early), len(compared))
+    assert len(computed) == len(table) - sum(s.index in early for s in traces[1].sites if s.name in
+                                             {r.op_name for r in table})
+    monkeypatch.setattr(compare_module, "site_row", real)
+    exact = compare_traces(*traces, deployed=kind == "convert")  # every row from the files, on this thread
+    _assert_rows_equal([r for r in table], [_with_reach(r, table) for r in exact])
+
+
+def _with_reach(row, table):
+    from dataclasses import replace
+
+    return replace(row, reaches_output=table[row.op_name].reaches_output, host_side=table[row.op_name].host_side)
+
+
+def _reference(x: torch.Tensor, y: torch.Tensor) -> dict:
+    """The metrics as written in the docs, plainly (float64, one formula each)."""
+    x, y = x.double(), y.double()
+    dim = 1 if x.dim() > 2 else -1
+    lp, lq = torch.log_softmax(x, dim), torch.log_softmax(y, dim)
+    return {"Cosine": float((x.flatten() @ y.flatten()) / (x.norm() * y.norm())),
+            "MSE": float(((x - y) ** 2).mean()), "L1": float((x - y).abs().mean()),
+            "KL": float((lp.exp() * (lp - lq)).sum(dim).mean()),
+            "SQNR": float(20.0 * torch.log10(x.norm() / (x - y).norm())), "Atol": float((x - y).abs().max())}
+
+
+def test_streamed_rows_equal_the_textbook_formulas_bit_for_bit(tmp_path):
+    model, prepared, batches = _models()
+    qa = QuantAnalysis(model, prepared, "fake_quant", tmp_path, progress=False)
+    qa.set_bad_case(batches[1])
+    qa.run()
+    base, analy = qa._open_traces()
+    table = qa.compare_per_layer()
+    checked = 0
+    for row in table:
+        if row.fused_into or row.Cosine is None or row.op_name not in analy.by_name:
+            continue
+        at, bt = analy.tensors(row.op_name), base.tensors(row.op_name)
+        x, y = bt["out0"], at["out0"]
+        want = _reference(x, y)
+        got = {k: getattr(row, k) for k in want}
+        assert got == want, (row.op_name, got, want)
+        if "same0" in at and row.same_input_sqnr is not None and row.same_input_sqnr != math.inf:
+            same = _reference(x, at["same0"])
+            assert (row.same_input_cosine, row.same_input_sqnr, row.same_input_atol) == \
+                (same["Cosine"], same["SQNR"], same["Atol"]), row.op_name
+            if "samepre0" in at:
+                xd, p, s = x.double().reshape(-1), at["samepre0"].double().reshape(-1), at["same0"].double().reshape(-1)
+                assert row.same_input_inner_mse == float(((xd - p) ** 2).mean()), row.op_name
+                assert row.same_input_clip_mse + row.same_input_round_mse == pytest.approx(
+                    float(((p - s) ** 2).mean()), rel=1e-12), row.op_name
+        checked += 1
+    assert checked >= 5
+
+
+def test_rows_of_traces_written_again_are_not_reused(tmp_path):
+    model, prepared, batches = _models()
+    first = QuantAnalysis(model, prepared, "fake_quant", tmp_path, progress=False)
+    first.set_bad_case(batches[1])
+    first.run()
+    streamed = first._row_stream.rows_for(*first._open_traces())
+    assert streamed
+    # another analysis model (calibrated on one batch: other scales) traced into the same out_dir
+    other = calibrate(prepare(model, batches[0], default_calibration_qconfig_setter, check_result_dir=None),
+                      batches[2:])
+    second = QuantAnalysis(model, other, "fake_quant", tmp_path, progress=False)
+    second.set_bad_case(batches[1])
+    second.run()
+    assert first._row_stream.rows_for(*second._open_traces()) == {}
+    rows = {r.op_name: r.Cosine for r in first.compare_per_layer()}  # the files' rows, not the streamed ones
+    assert rows == {r.op_name: r.Cosine for r in second.compare_per_layer()}
+    assert rows != {r.op_name: r.Cosine for r in streamed.values()}
