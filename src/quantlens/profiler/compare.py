@@ -150,12 +150,12 @@ def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1).double() for t in tensors])
 
 
-def _metrics(base: list[torch.Tensor], analy: list[torch.Tensor], names: Sequence[str] | None = None
-             ) -> tuple[dict[str, float] | None, MetricPair | None]:
+def _metrics(base: list[torch.Tensor], analy: list[torch.Tensor], names: Sequence[str] | None = None,
+             finite: bool = False) -> tuple[dict[str, float] | None, MetricPair | None]:
     """The row's metrics of one pair, and the float64 pair (both None where the shapes differ)."""
     if len(base) != len(analy) or any(x.shape != y.shape for x, y in zip(base, analy)) or not base:
         return None, None
-    return compute_pair(_flat(base), _flat(analy), names)
+    return compute_pair(_flat(base), _flat(analy), names, finite)
 
 
 #: the metrics a row shows of the same-input pair (the others, KL the costliest, are not computed)
@@ -167,7 +167,8 @@ _SAME_INPUT_METRICS = ("Cosine", "SQNR", "Atol")
 _FLOAT_NOISE = 1e-6
 
 
-def _split(same: MetricPair, pre: list[torch.Tensor] | None, dtype: str, scale: float | None) -> dict:
+def _split(same: MetricPair, pre: list[torch.Tensor] | None, dtype: str, scale: float | None,
+           finite: bool = False) -> dict:
     """Split the same-input error ``baseline - same`` (``same``: that pair, float64) into two exact parts,
     reported as mean squared errors:
 
@@ -177,10 +178,11 @@ def _split(same: MetricPair, pre: list[torch.Tensor] | None, dtype: str, scale: 
       the others.
 
     The kind is the largest of the three; none when the error is within float32 noise (:data:`_FLOAT_NOISE`).
+    ``finite``: the baseline and ``pre`` are known to be finite.
     """
     x, y = same.x, same.y
     p = y if pre is None else _flat(pre).double().reshape(x.shape)
-    if not (all_finite(x) and all_finite(p)) or x.numel() == 0:
+    if not (finite or (all_finite(x) and all_finite(p))) or x.numel() == 0:
         return {}
     if float(same.diff_norm) <= float(same.x_norm) * _FLOAT_NOISE:
         # no error beyond float32 noise: nothing to split (the parts would only cancel each other)
@@ -292,7 +294,7 @@ LSB_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2", 2, 2), ("3-4", 3, 4), ("5-8", 5, 
 
 
 def lsb_report(base: list[torch.Tensor], analy: list[torch.Tensor], scale: float | list[float] | None,
-               axis: int | None = None) -> dict[str, str]:
+               axis: int | None = None, finite: bool = False) -> dict[str, str]:
     """``{verdict, hist}`` of ``|base - analy| / scale`` rounded to whole LSB (values on one grid differ by whole
     steps; rounding absorbs float32 noise). A per-channel ``scale`` (a list) divides along ``axis`` of a single
     output."""
@@ -311,7 +313,7 @@ def lsb_report(base: list[torch.Tensor], analy: list[torch.Tensor], scale: float
     else:
         step = scale
         x, y = _flat(base).double().reshape(-1), _flat(analy).double().reshape(-1)
-    if x.numel() == 0 or not (all_finite(x) and all_finite(y)):
+    if x.numel() == 0 or not (finite or (all_finite(x) and all_finite(y))):
         return {}
     lsb = torch.round((x - y).abs() / step).reshape(-1)
     worst = float(lsb.max())
@@ -352,12 +354,12 @@ def channel_axis(op_type: str, shape: Sequence[int], weight_shape: Sequence[int]
 
 
 def _channel_figures(x: list[torch.Tensor], y: list[torch.Tensor], axis: int | None,
-                     signal: torch.Tensor | None = None) -> torch.Tensor | None:
+                     signal: torch.Tensor | None = None, finite: bool = False) -> torch.Tensor | None:
     """Per-channel SQNR of a single-output pair along ``axis`` (None without an axis or with several outputs);
     ``signal``: the baseline's :func:`channel_signal`, when computed already."""
     if axis is None or len(x) != 1 or len(y) != 1:
         return None
-    return channel_sqnr(x[0], y[0], axis, signal)
+    return channel_sqnr(x[0], y[0], axis, signal, finite)
 
 
 def _worst(sqnr: torch.Tensor | None) -> float | None:
@@ -378,6 +380,11 @@ def _output_axis(owner: TracedSite, a: TracedSite, out: list[torch.Tensor]) -> i
         return None  # the group's last op changed the shape: the head's axis says nothing about its output
     weight = owner.stats.get("weight")
     return channel_axis(owner.op_type, shape, weight.shape if weight is not None else None)
+
+
+def _finite(site: TracedSite, keys: Sequence[str]) -> bool:
+    """Whether the site's tensors ``keys`` are all finite, by the statistics the trace computed of their values."""
+    return all(not site.stats[k].nonfinite for k in keys)
 
 
 def _weight_per_channel(site: TracedSite) -> bool | None:
@@ -418,40 +425,51 @@ def site_row(base: TraceReader, b: TracedSite, a: TracedSite, at: Mapping[str, t
     # every tensor of the row in float64 once (the metrics, the split and the LSB reports all read float64)
     base_out = [bt[k].double() for k in keys]
     analy_out = [at[k].double() for k in a.float_outputs()]
-    values = _metrics(base_out, analy_out)[0]
+    # which tensors are finite, from the trace's statistics of these very values (no pass over them again)
+    base_finite = _finite(b, keys)
+    acc_finite = base_finite and _finite(a, a.float_outputs())
+    values = _metrics(base_out, analy_out, finite=acc_finite)[0]
     if values is None:
         return LayerRow(**row, note="mismatch shape" if keys or a.float_outputs() else "no float output")
     row.update(values)
     row["atol_in_scale"] = in_scale_units(values["Atol"], scale)
     axis = _output_axis(owner, a, base_out)
     signal = None  # the baseline's channel energies, shared by the row's per-channel figures
-    if axis is not None and len(base_out) == 1 and base_out[0].dim() > 0 and all_finite(base_out[0]):
+    if axis is not None and len(base_out) == 1 and base_out[0].dim() > 0 and base_finite:
         signal = channel_signal(base_out[0], axis)
-    per_channel = _channel_figures(base_out, analy_out, axis, signal)
+    per_channel = _channel_figures(base_out, analy_out, axis, signal, acc_finite)
     row.update(worst_channel_sqnr=_worst(per_channel), channels_below=_below(per_channel))
     if deployed and a.quant_dtype != "qint32":
         # (an int32 high-precision output's LSB is the accumulator's: one input step upstream is thousands of them,
         # so only its same-input verdict below says something)
-        lsb = lsb_report(base_out, analy_out, a.scale, a.scale_axis)
+        lsb = lsb_report(base_out, analy_out, a.scale, a.scale_axis, acc_finite)
         row.update(lsb_verdict=lsb.get("verdict", ""), lsb_hist=lsb.get("hist", ""))
     del analy_out
-    same = [at[f"same{i}"].double() for i in range(len(keys)) if f"same{i}" in at]
-    same_values, same_pair = _metrics(base_out, same, _SAME_INPUT_METRICS) if len(same) == len(keys) else (None, None)
+    same_keys = [f"same{i}" for i in range(len(keys)) if f"same{i}" in at]
+    same = [at[k].double() for k in same_keys]
+    same_finite = base_finite and _finite(a, same_keys)
+    same_values, same_pair = (_metrics(base_out, same, _SAME_INPUT_METRICS, same_finite) if len(same) == len(keys)
+                              else (None, None))
     note = a.same_input_note
     if same_values is not None:
         row.update(same_input_cosine=same_values["Cosine"], same_input_sqnr=same_values["SQNR"],
                    same_input_atol=same_values["Atol"],
                    same_input_in_scale=in_scale_units(same_values["Atol"], scale))
-        pre = [at[f"samepre{i}"].double() for i in range(len(keys)) if f"samepre{i}" in at]
+        pre_keys = [f"samepre{i}" for i in range(len(keys)) if f"samepre{i}" in at]
+        pre = [at[k].double() for k in pre_keys]
+        pre_finite = base_finite and _finite(a, pre_keys)
         if same_pair is not None:
-            row.update(_split(same_pair, pre if len(pre) == len(keys) else None, a.quant_dtype, scale))
-        same_channels = _channel_figures(base_out, same, axis, signal)
+            whole = len(pre) == len(keys)
+            row.update(_split(same_pair, pre if whole else None, a.quant_dtype, scale,
+                              pre_finite if whole else same_finite))
+        same_channels = _channel_figures(base_out, same, axis, signal, same_finite)
         if same_channels is not None:
             row.update(same_input_worst_channel_sqnr=_worst(same_channels), channels_below=_below(same_channels))
         if len(pre) == len(keys):
-            row["same_input_inner_worst_channel_sqnr"] = _worst(_channel_figures(base_out, pre, axis, signal))
+            row["same_input_inner_worst_channel_sqnr"] = _worst(_channel_figures(base_out, pre, axis, signal,
+                                                                                  pre_finite))
         if deployed:
-            lsb = lsb_report(base_out, same, a.scale, a.scale_axis)
+            lsb = lsb_report(base_out, same, a.scale, a.scale_axis, same_finite)
             row.update(same_input_lsb_verdict=lsb.get("verdict", ""), same_input_lsb_hist=lsb.get("hist", ""))
             row["requant_saturated_ratio"] = extra_saturation(base_out, same, a.quant_dtype, scale)
     elif not note:

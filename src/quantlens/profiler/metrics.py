@@ -191,16 +191,17 @@ def compute_all(baseline: torch.Tensor, analysis: torch.Tensor,
     return compute_pair(baseline, analysis, names)[0]
 
 
-def compute_pair(baseline: torch.Tensor, analysis: torch.Tensor,
-                 names: Sequence[str] | None = None) -> tuple[dict[str, float], MetricPair | None]:
+def compute_pair(baseline: torch.Tensor, analysis: torch.Tensor, names: Sequence[str] | None = None,
+                 finite: bool = False) -> tuple[dict[str, float], MetricPair | None]:
     """:func:`compute_all`, and the float64 pair with the intermediates it computed (None when the shapes
-    differ), for more figures of the same pair without computing them again."""
+    differ), for more figures of the same pair without computing them again. ``finite``: both tensors are known
+    to be finite (a trace's statistics say so), so they are not checked again."""
     chosen = {n: METRICS[n] for n in names} if names is not None else METRICS
     x, y = _prepare(baseline), _prepare(analysis)
     if x.shape != y.shape:
         return {name: metric(baseline, analysis) for name, metric in chosen.items()}, None  # raises, naming it
     pair = MetricPair(x, y)
-    if not (all_finite(x) and all_finite(y)):
+    if not finite and not (all_finite(x) and all_finite(y)):
         return {name: math.nan for name in chosen}, pair
     return {name: float(metric.pair_func(pair) if metric.pair_func is not None else metric.func(x, y))
             for name, metric in chosen.items()}, pair
@@ -284,7 +285,7 @@ def channel_signal(baseline: torch.Tensor, axis: int) -> torch.Tensor:
 
 
 def channel_sqnr(baseline: torch.Tensor, analysis: torch.Tensor, axis: int,
-                 signal: torch.Tensor | None = None) -> torch.Tensor | None:
+                 signal: torch.Tensor | None = None, finite: bool = False) -> torch.Tensor | None:
     """The SQNR (dB) of each channel along ``axis``: ``20 log10(‖x_c‖ / ‖x_c - y_c‖)``, +inf for a channel the
     analysis reproduces exactly, in channel order.
 
@@ -296,9 +297,9 @@ def channel_sqnr(baseline: torch.Tensor, analysis: torch.Tensor, axis: int,
     One pass over each tensor: the values are viewed as ``(before, channel, after)`` and the norms taken over
     ``after`` (contiguous), then summed over ``before``; the difference is made a slice of ``before`` at a time
     (a small temporary, not a copy of the activation). ``signal``: :func:`channel_signal` of ``baseline`` when
-    already computed (several analysis tensors against one baseline)."""
+    already computed (several analysis tensors against one baseline); ``finite``: both are known to be finite."""
     x, y = _prepare(baseline), _prepare(analysis)
-    if x.shape != y.shape or x.dim() == 0 or x.numel() == 0 or not (all_finite(x) and all_finite(y)):
+    if x.shape != y.shape or x.dim() == 0 or x.numel() == 0 or not (finite or (all_finite(x) and all_finite(y))):
         return None
     axis %= x.dim()
     x3, y3 = _by_channel(x, axis), _by_channel(y, axis)

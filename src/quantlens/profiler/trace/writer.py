@@ -42,7 +42,7 @@ __all__ = ["TraceWriter", "QUEUE_BYTES"]
 
 #: the most bytes of tensor copies waiting for the writer thread; the traced forward waits when it is reached
 #: (one item larger than this is still taken, alone)
-QUEUE_BYTES = 128 * 1024 * 1024
+QUEUE_BYTES = 24 * 1024 * 1024
 #: the integer grids whose values may be stored as codes: quant dtype -> (qmin, qmax, code dtype)
 _CODE_DTYPES = {"qint8": (-128, 127, torch.int8), "qint16": (-32768, 32767, torch.int16)}
 
