@@ -142,3 +142,20 @@ def test_rows_of_traces_written_again_are_not_reused(tmp_path):
     rows = {r.op_name: r.Cosine for r in first.compare_per_layer()}  # the files' rows, not the streamed ones
     assert rows == {r.op_name: r.Cosine for r in second.compare_per_layer()}
     assert rows != {r.op_name: r.Cosine for r in streamed.values()}
+
+
+def test_a_tensor_file_changed_after_the_run_is_read_again_and_refused(tmp_path):
+    """The streamed rows stand for the files as written: a tensor file damaged in place since (same trace.json)
+    makes compare_per_layer() read the files, which refuses the damage, naming the folder."""
+    from quantlens.errors import QuantLensError
+
+    model, prepared, batches = _models()
+    qa = QuantAnalysis(model, prepared, "fake_quant", tmp_path, progress=False)
+    qa.set_bad_case(batches[1])
+    qa.run()
+    conv = next(s for s in qa._open_traces()[1].sites if s.name == "conv")
+    path = tmp_path / "analysis_model" / conv.file
+    path.write_bytes(path.read_bytes()[:-16])  # truncated in place: its header promises more bytes
+    assert qa._row_stream.rows_for(*qa._open_traces()) == {}
+    with pytest.raises(QuantLensError, match="analysis_model"):
+        qa.compare_per_layer()

@@ -5,7 +5,9 @@ the forward goes on. A :class:`RowStream` is that writer's ``after_write`` hook:
 memory and the baseline's trace on disk, it computes the site's row with the very function ``compare_per_layer()``
 uses (:func:`~quantlens.profiler.compare.site_row`), on the thread that is otherwise idle at one torch thread. So
 most of the comparison's arithmetic is done by the time ``run()`` returns, and ``compare_per_layer()`` only reads
-the rows back, as long as both traces are still the ones they came from (their ``trace.json`` digests).
+the rows back, as long as both traces are still the very files they came from: the same folders, the same
+``trace.json`` bytes, and every tensor file as it was written (name, size, inode, mtime: a file replaced, damaged
+or copied elsewhere is read again, and refused there when it is not a trace's).
 
 A site is left to ``compare_per_layer()`` when one of its tensors lives in an earlier site's file (a reference), when
 its name runs more than once (recurrent steps: the row is the last run's), or when computing it fails (the same
@@ -14,6 +16,8 @@ call then reports the error in ``compare_per_layer()``, on the caller's thread).
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Mapping
 
 import torch
@@ -22,7 +26,7 @@ from quantlens.errors import QuantLensError
 from quantlens.profiler.compare import site_row
 from quantlens.profiler.compare_cache import trace_digest
 from quantlens.profiler.layer_row import LayerRow
-from quantlens.profiler.trace.format import TracedSite
+from quantlens.profiler.trace.format import OUTPUTS_FILE, TENSORS_DIR, TracedSite
 from quantlens.profiler.trace.reader import TraceReader
 
 __all__ = ["RowStream"]
@@ -36,7 +40,7 @@ class RowStream:
         self._rows: dict[int, LayerRow] = {}  # by analysis site index
         self._heads: dict[str, TracedSite] = {}  # a fused group's last op -> its first member (compare_traces')
         self._seen: set[str] = set()
-        self._digests: tuple[str, str] | None = None
+        self._written: tuple | None = None  # what the two finished traces are on disk (:func:`_on_disk`)
 
     def __call__(self, site: TracedSite, tensors: Mapping[str, torch.Tensor]) -> None:
         """The writer thread's hook: ``tensors`` are the site's values stored in its own file."""
@@ -56,10 +60,24 @@ class RowStream:
 
     def seal(self, analysis: TraceReader) -> None:
         """Tie the rows to the two finished traces (called once the analysis trace is complete)."""
-        self._digests = (trace_digest(self.base), trace_digest(analysis))
+        self._written = (_on_disk(self.base), _on_disk(analysis))
 
     def rows_for(self, base: TraceReader, analysis: TraceReader) -> dict[int, LayerRow]:
-        """The rows computed from these very traces (none when either was written again since)."""
-        if self._digests is None or self._digests != (trace_digest(base), trace_digest(analysis)):
+        """The rows computed from these very trace files (none when either folder is another or changed since)."""
+        if self._written is None or self._written != (_on_disk(base), _on_disk(analysis)):
             return {}
         return dict(self._rows)
+
+
+def _on_disk(trace: TraceReader) -> tuple:
+    """The trace as its files are: the folder, ``trace.json``'s digest, and each tensor file's name, type, size,
+    inode and modification time (stat calls only: a file written again or swapped in differs)."""
+    folder = Path(trace.dir).resolve()
+    files = []
+    try:
+        for path in [folder / OUTPUTS_FILE, *sorted((folder / TENSORS_DIR).iterdir())]:
+            st = os.lstat(path)
+            files.append((path.name, st.st_mode, st.st_size, st.st_ino, st.st_mtime_ns))
+        return str(folder), trace_digest(trace), tuple(files)
+    except OSError:  # a folder changed beyond reading: equal to nothing, so the comparison reads (and refuses) it
+        return str(folder), object()
