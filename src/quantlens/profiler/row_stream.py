@@ -9,9 +9,10 @@ the rows back, as long as both traces are still the very files they came from: t
 ``trace.json`` bytes, and every tensor file as it was written (name, size, inode, mtime: a file replaced, damaged
 or copied elsewhere is read again, and refused there when it is not a trace's).
 
-A site is left to ``compare_per_layer()`` when one of its tensors lives in an earlier site's file (a reference), when
-its name runs more than once (recurrent steps: the row is the last run's), or when computing it fails (the same
-call then reports the error in ``compare_per_layer()``, on the caller's thread).
+A site is left to ``compare_per_layer()`` when a value its row reads is kept as statistics only, when its name runs
+more than once (recurrent steps: the row is the last run's), or when computing it fails (the same call then reports
+the error in ``compare_per_layer()``, on the caller's thread). An output held by an earlier site's file (an identity
+op's) is read back from that file, as the comparison reads it.
 """
 
 from __future__ import annotations

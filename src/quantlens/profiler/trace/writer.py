@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
+from safetensors import safe_open
 
 from quantlens._io import atomic_write_text
 from quantlens.errors import QuantLensError
@@ -127,11 +128,12 @@ class TraceWriter:
         #: op sites whose outputs are kept as statistics only: the other model's fused-group internals
         #: (``ModelAccess.group_internal_sites``), which its comparison and same-input run never read
         self.values_not_needed = values_not_needed
-        #: called on the writer thread once a site is written, with the site (its statistics complete) and the
-        #: tensors it stored in this site's own file, still in memory (the values read back from the file, codes
-        #: decoded); keys held by an earlier site's file are not in that mapping
+        #: called on the writer thread once a site is written, with the site (its statistics complete) and its
+        #: tensors as the file holds them (the values read back, codes decoded): its own file's still in memory,
+        #: its outputs held by an earlier site's file (an identity op's) read back from there
         self.after_write = after_write
         self._stats_by_file: dict[str, dict[str, TensorStat]] = {}  # (the writer thread's)
+        self._site_by_file: dict[str, TracedSite] = {}  # (the writer thread's)
         self.label = label
         self.description = description
         self.sites: list[TracedSite] = []
@@ -293,14 +295,31 @@ class TraceWriter:
         if job.quant_error is not None:
             job.site.quant_error = job.quant_error()
         self._stats_by_file[job.site.file] = job.stats
+        self._site_by_file[job.site.file] = job.site
         if self.after_write is not None:
             job.site.stats = self._site_stats(job)  # (finish() sets the same again)
-            own = {}
+            values = {}
             for key in job.order:
                 file, stored = job.site.refs.get(key, (job.site.file, key))
                 if file == job.site.file and stored not in job.stats_only:
-                    own[key] = job.tensors[stored]
-            self.after_write(job.site, own)
+                    values[key] = job.tensors[stored]
+                elif file != job.site.file and key.startswith("out"):
+                    value = self._read_back(file, stored)
+                    if value is not None:
+                        values[key] = value
+            self.after_write(job.site, values)
+
+    def _read_back(self, file: str, key: str) -> torch.Tensor | None:
+        """Tensor ``key`` of an earlier site's file, as the reader returns it (codes decoded); None where only
+        its statistics were kept."""
+        site = self._site_by_file.get(file)
+        if site is None or key in site.stats_only:
+            return None
+        with safe_open(str(self.dir / file), framework="pt") as f:
+            t = f.get_tensor(key)
+        if key in site.codes:
+            t = t.to(torch.float32).mul_(torch.tensor(site.codes[key], dtype=torch.float32))
+        return t
 
     def _site_stats(self, job: _Job) -> dict[str, TensorStat]:
         """The site's statistics in the trace's key order, references' from their stored copy."""
@@ -330,7 +349,7 @@ class TraceWriter:
         self._stats_by_file = {job.site.file: job.stats for job in self._jobs}
         for job in self._jobs:
             job.site.stats = self._site_stats(job)
-        self._jobs, self._stored, self._scratch, self._stats_by_file = [], {}, {}, {}
+        self._jobs, self._stored, self._scratch, self._stats_by_file, self._site_by_file = [], {}, {}, {}, {}
         self._pool.clear()
         save_tensors(outputs, self.dir / OUTPUTS_FILE)
         index = TraceIndex(self.label, self.description, input_digest, list(outputs), self.sites, model_digest,
