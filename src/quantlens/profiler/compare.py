@@ -190,6 +190,7 @@ def _split(same: MetricPair, pre: list[torch.Tensor] | None, dtype: str, scale: 
     if pre is None:  # the output is the op's own result: pre - same is 0 everywhere
         inner, clipped, rounded = float((same.diff ** 2).mean()), 0.0, 0.0
     else:
+        same.forget("diff", "absdiff")
         inner = float(torch.sub(x, p).square_().mean())  # (in place: one temporary fewer; x * x as ** 2 is)
         quant = torch.sub(p, y).square_()
         clipping = False
@@ -451,6 +452,8 @@ def site_row(base: TraceReader, b: TracedSite, a: TracedSite, at: Mapping[str, t
     same_values, same_pair = (_metrics(base_out, same, _SAME_INPUT_METRICS, same_finite) if len(same) == len(keys)
                               else (None, None))
     note = a.same_input_note
+    if same_pair is not None:
+        same_pair.forget("absdiff")  # (Atol's: the split reads the difference and the norms only)
     if same_values is not None:
         row.update(same_input_cosine=same_values["Cosine"], same_input_sqnr=same_values["SQNR"],
                    same_input_atol=same_values["Atol"],

@@ -110,6 +110,11 @@ class MetricPair:
     def diff_norm(self) -> torch.Tensor:
         return self.diff.norm()
 
+    def forget(self, *names: str) -> None:
+        """Free cached intermediates no later figure of this pair reads (each is an activation-sized tensor)."""
+        for name in names:
+            vars(self).pop(name, None)
+
 
 def _cosine(p: MetricPair) -> float:
     x, y = p.x, p.y

@@ -9,7 +9,13 @@ the rows back, as long as both traces are still the very files they came from: t
 ``trace.json`` bytes, and every tensor file as it was written (name, size, inode, mtime: a file replaced, damaged
 or copied elsewhere is read again, and refused there when it is not a trace's).
 
-A site is left to ``compare_per_layer()`` when a value its row reads is kept as statistics only, when its name runs
+A row takes about six float64 copies of its op's output while it is computed; on the writer thread that memory adds
+to the forward's. So a site whose row would take more than :data:`ROW_BYTES` is left to ``compare_per_layer()``,
+which computes it after the forward, when the forward's memory is free: tracing stays within a few layers' worth of
+memory however large the activations (``benchmarks/bench_profiler.py``), and the many smaller rows of a network
+still overlap its forward.
+
+A site is also left to ``compare_per_layer()`` when a value its row reads is kept as statistics only, when its name runs
 more than once (recurrent steps: the row is the last run's), or when computing it fails (the same call then reports
 the error in ``compare_per_layer()``, on the caller's thread). An output held by an earlier site's file (an identity
 op's) is read back from that file, as the comparison reads it.
@@ -30,7 +36,12 @@ from quantlens.profiler.layer_row import LayerRow
 from quantlens.profiler.trace.format import OUTPUTS_FILE, TENSORS_DIR, TracedSite
 from quantlens.profiler.trace.reader import TraceReader
 
-__all__ = ["RowStream"]
+__all__ = ["RowStream", "ROW_BYTES"]
+
+#: the most float64 working memory a row computed during the forward may take (:data:`_ROW_COPIES` copies of its
+#: output); a larger row is computed by compare_per_layer() after the forward
+ROW_BYTES = 64 * 1024 * 1024
+_ROW_COPIES = 6
 
 
 class RowStream:
@@ -53,6 +64,8 @@ class RowStream:
         b = self.base.by_name.get(site.name)
         if b is None or any(k not in tensors for k in site.stats if k.startswith(("out", "same"))):
             return
+        if sum(t.numel() for k, t in tensors.items() if k.startswith("out")) * 8 * _ROW_COPIES > ROW_BYTES:
+            return  # too large to compute beside the forward (see the module docstring)
         try:
             self._rows[site.index] = site_row(self.base, b, site, tensors, self.deployed,
                                               self._heads.get(site.name, site))
