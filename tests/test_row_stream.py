@@ -163,3 +163,20 @@ def test_a_tensor_file_changed_after_the_run_is_read_again_and_refused(tmp_path)
     assert qa._row_stream.rows_for(*qa._open_traces()) == {}
     with pytest.raises(QuantLensError, match="analysis_model"):
         qa.compare_per_layer()
+
+
+def test_rows_past_the_memory_budget_wait_for_the_comparison(tmp_path, monkeypatch):
+    """A row whose float64 working set would pass ROW_BYTES is not computed beside the forward (its memory would add
+    to the forward's); compare_per_layer() computes it from the files, to the same values."""
+    import quantlens.profiler.row_stream as row_stream
+
+    model, prepared, batches = _models()
+    qa = QuantAnalysis(model, prepared, "fake_quant", tmp_path, progress=False)
+    qa.set_bad_case(batches[1])
+    monkeypatch.setattr(row_stream, "ROW_BYTES", 2 * 5 * 8 * 6)  # only rows of at most 10 elements (fc's output)
+    qa.run()
+    traces = qa._open_traces()
+    early = qa._row_stream.rows_for(*traces)
+    assert {traces[1].sites[i].name for i in early} == {"fc", "dequant"}
+    table = qa.compare_per_layer()
+    _assert_rows_equal(list(table), [_with_reach(r, table) for r in compare_traces(*traces)])
