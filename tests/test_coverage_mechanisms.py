@@ -19,7 +19,8 @@ from quantlens.quantization.qconfig_template import default_calibration_qconfig_
 
 
 def _through(model, example, batches=None):
-    prepared = calibrate(prepare(model, example, default_calibration_qconfig_setter, check_result_dir=None, allow_no_stubs=True),
+    prepared = calibrate(prepare(model, example, default_calibration_qconfig_setter, check_result_dir=None,
+                                 allow_no_stubs=True),
                          batches or [example])
     tables = pre_export(prepared, example_inputs=example)
     qat_ir = export(tables, example)
@@ -214,7 +215,8 @@ def test_where_and_comparisons_with_constants_convert_to_codes():
     from quantlens.quantization import FakeQuantState, set_fake_quantize
 
     x = torch.tensor([[-1.0, 0.0, 0.24, 0.26, 0.5, 1.0]])
-    prepared = calibrate(prepare(Select().eval(), (x,), default_calibration_qconfig_setter, check_result_dir=None, allow_no_stubs=True),
+    prepared = calibrate(prepare(Select().eval(), (x,), default_calibration_qconfig_setter, check_result_dir=None,
+                                 allow_no_stubs=True),
                          [(x,)])
     set_fake_quantize(prepared, FakeQuantState.VALIDATION)
     quantized = convert(export(prepared, (x,)))

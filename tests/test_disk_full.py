@@ -25,7 +25,8 @@ def _analysis(out_dir):
     model = _Net().eval()
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(4, 8, generator=g),) for _ in range(3)]
-    prepared = prepare(model, batches[0], default_calibration_qconfig_setter, check_result_dir=None, allow_no_stubs=True)
+    prepared = prepare(model, batches[0], default_calibration_qconfig_setter, check_result_dir=None,
+                       allow_no_stubs=True)
     calibrate(prepared, batches)
     qa = QuantAnalysis(model, prepared, "fake_quant", out_dir)
     qa.set_bad_case(batches[0])

@@ -15,7 +15,8 @@ def _prepared():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
     x = torch.randn(4, 8)
-    return calibrate(prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None, allow_no_stubs=True), [(x,)]), x
+    return calibrate(prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None,
+                             allow_no_stubs=True), [(x,)]), x
 
 
 def _count_observer_calls(model, monkeypatch) -> list:

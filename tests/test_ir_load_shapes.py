@@ -191,7 +191,8 @@ def test_an_add_with_alpha_records_the_shape_of_its_scaled_operand(tmp_path):
     model, example = _AddAlpha().eval(), (torch.randn(3, 8),)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        prepared = prepare(model, example, default_calibration_qconfig_setter, check_result_dir=None, allow_no_stubs=True)
+        prepared = prepare(model, example, default_calibration_qconfig_setter, check_result_dir=None,
+                           allow_no_stubs=True)
         calibrate(prepared, [example])
         qat = export(prepared, example)
     (mul,) = [n for n in qat.graph.nodes if n.op == "mul"]

@@ -132,7 +132,8 @@ def test_bad_group_count_is_a_clear_error():
             return F.group_norm(x, 3)
 
     with pytest.raises(QuantLensError, match="multiple of the 3 groups"):
-        prepare(Bad(), torch.randn(1, 8, 4), default_calibration_qconfig_setter, check_result_dir=None, allow_no_stubs=True)
+        prepare(Bad(), torch.randn(1, 8, 4), default_calibration_qconfig_setter, check_result_dir=None,
+                allow_no_stubs=True)
 
 
 # -- end to end ----------------------------------------------------------------------------------------------------
@@ -170,7 +171,8 @@ def test_small_model_through_every_stage(which):
     model = (_Norms() if which == "norms" else _Table(which)).eval()
     data = _data((2, 4, 14) if which == "norms" else (2, 5, 8), 5)
     x, held_out = data[0], data[-1]
-    prepared = calibrate(prepare(model, x, default_calibration_qconfig_setter, check_result_dir=None, allow_no_stubs=True), data[1:4])
+    prepared = calibrate(prepare(model, x, default_calibration_qconfig_setter, check_result_dir=None,
+                                 allow_no_stubs=True), data[1:4])
     tables = pre_export(prepared, example_inputs=x)
     qat_ir = export(tables, x)
     int_ir = convert(qat_ir)

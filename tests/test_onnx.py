@@ -482,7 +482,8 @@ def test_qat_ir_with_tables_exports_to_onnx(setter_name, tmp_path):
 
     name = "tiny_transformer"
     ex = example_inputs(name)
-    prepared = prepare(get_model(name), ex, getattr(qconfig_template, setter_name), check_result_dir=None, allow_no_stubs=True).eval()
+    prepared = prepare(get_model(name), ex, getattr(qconfig_template, setter_name), check_result_dir=None,
+                       allow_no_stubs=True).eval()
     set_fake_quantize(prepared, FakeQuantState.CALIBRATION)
     with torch.no_grad():
         for batch in sample_batches(name, 3, 4):

@@ -26,7 +26,8 @@ def test_convert_pair_on_a_conv_that_quantizes_its_own_input(tmp_path):
     torch.manual_seed(0)
     x = torch.randn(2, 3, 16, 16)
     model = Stem().eval()
-    prepared = calibrate(prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None, allow_no_stubs=True), [(x,)])
+    prepared = calibrate(prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None,
+                                 allow_no_stubs=True), [(x,)])
     qat_ir = export(pre_export(prepared), (x,))
     qa = QuantAnalysis(qat_ir, convert(qat_ir), "convert", out_dir=tmp_path, progress=False)
     qa.set_bad_case((x,))

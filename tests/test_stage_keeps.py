@@ -27,7 +27,8 @@ def _cos(a, b):
 def _prepared(model, example):
     torch.manual_seed(1)
     batches = [(torch.randn_like(example[0]),) for _ in range(3)] + [example]
-    return calibrate(prepare(model.eval(), example, default_calibration_qconfig_setter, check_result_dir=None, allow_no_stubs=True),
+    return calibrate(prepare(model.eval(), example, default_calibration_qconfig_setter, check_result_dir=None,
+                             allow_no_stubs=True),
                      batches)
 
 

@@ -33,7 +33,8 @@ def test_a_model_without_stubs_goes_through_every_analysis(tmp_path):
         model.stem[1].running_mean.uniform_(-0.3, 0.3)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(4, 3, 16, 16, generator=g),) for _ in range(3)]
-    prepared = prepare(model, batches[0], default_calibration_qconfig_setter, check_result_dir=None, allow_no_stubs=True)
+    prepared = prepare(model, batches[0], default_calibration_qconfig_setter, check_result_dir=None,
+                       allow_no_stubs=True)
     calibrate(prepared, batches)
     staged = pre_export(prepared)
     qat_ir = export(staged, batches[0])
@@ -61,7 +62,8 @@ def test_the_check_report_names_the_implicit_boundary(tmp_path):
     from quantlens.quantization import DeQuantStub, QuantStub, check_qat_model
 
     x = torch.randn(2, 3, 12, 12)
-    prepared = prepare(_NoStubs().eval(), (x,), default_calibration_qconfig_setter, check_result_dir=tmp_path, allow_no_stubs=True)
+    prepared = prepare(_NoStubs().eval(), (x,), default_calibration_qconfig_setter, check_result_dir=tmp_path,
+                       allow_no_stubs=True)
     text = (tmp_path / "model_check_result.txt").read_text()
     section = text.split("== Where the model inputs are quantized (the NPU boundary) ==")[1].split("==")[0]
     assert "no QuantStub" in section and "stem.0 (input 0)" in section and "wrap the inputs in QuantStub" in section

@@ -15,10 +15,10 @@ which computes it after the forward, when the forward's memory is free: tracing 
 memory however large the activations (``benchmarks/bench_profiler.py``), and the many smaller rows of a network
 still overlap its forward.
 
-A site is also left to ``compare_per_layer()`` when a value its row reads is kept as statistics only, when its name runs
-more than once (recurrent steps: the row is the last run's), or when computing it fails (the same call then reports
-the error in ``compare_per_layer()``, on the caller's thread). An output held by an earlier site's file (an identity
-op's) is read back from that file, as the comparison reads it.
+A site is also left to ``compare_per_layer()`` when a value its row reads is kept as statistics only, when its
+name runs more than once (recurrent steps: the row is the last run's), or when computing it fails (the same call
+then reports the error in ``compare_per_layer()``, on the caller's thread). An output held by an earlier site's
+file (an identity op's) is read back from that file, as the comparison reads it.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class RowStream:
         self._written: tuple | None = None  # what the two finished traces are on disk (:func:`_on_disk`)
 
     def __call__(self, site: TracedSite, tensors: Mapping[str, torch.Tensor]) -> None:
-        """The writer thread's hook: ``tensors`` are the site's values stored in its own file."""
+        """The writer thread's hook: ``tensors`` are the site's values as its files hold them (see
+        :attr:`~quantlens.profiler.trace.writer.TraceWriter.after_write`)."""
         if site.fused_into:
             self._heads.setdefault(site.fused_into, site)
         if site.name in self._seen:  # a repeated site: its row is its last run's, which compare computes

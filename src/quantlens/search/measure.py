@@ -32,7 +32,8 @@ class Builder:
 
     def __call__(self, selection: Sequence[Promotion]) -> nn.Module:
         setter = MixedPrecisionQconfigSetter(selection, self.base_setter)
-        # every configuration re-runs prepare and calibrate: their warnings would repeat once per measurement
+        # every configuration re-runs prepare and calibrate: their warnings would repeat once per measurement; a
+        # model without QuantStub was the user's choice at their own prepare (allow_no_stubs), not refused again
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             prepared = prepare(self.model, self.example_inputs, setter, check_result_dir=None, allow_no_stubs=True)

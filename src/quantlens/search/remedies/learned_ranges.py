@@ -118,7 +118,8 @@ def learn_ranges(model: nn.Module, example: Any, batches: Sequence[Any],
         raise QuantLensError("learn_ranges: no calibration batch.")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        prepared = calibrate(prepare(copy.deepcopy(model), example, _LearnScales(setter), check_result_dir=None, allow_no_stubs=True),
+        prepared = calibrate(prepare(copy.deepcopy(model), example, _LearnScales(setter), check_result_dir=None,
+                                     allow_no_stubs=True),
                              batches)
     with torch.no_grad():
         refs = [output_tensors(call_model(model, b)) for b in batches]

@@ -109,7 +109,8 @@ def learn_rounding(model: nn.Module, example: Any, batches: Sequence[Any],
         raise QuantLensError("learn_rounding: no calibration batch.")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        prepared = calibrate(prepare(copy.deepcopy(model), example, setter, check_result_dir=None, allow_no_stubs=True), batches)
+        prepared = calibrate(prepare(copy.deepcopy(model), example, setter, check_result_dir=None,
+                                     allow_no_stubs=True), batches)
     layers = _layers(model, prepared)
     if not layers:
         return copy.deepcopy(model), []

@@ -106,8 +106,11 @@ class _Measure:
         if key in self.values:
             return self.values[key]
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # one prepare per candidate: its warnings would repeat
-            prepared = calibrate(prepare(model, self.example, setter, check_result_dir=None, allow_no_stubs=True), self.batches)
+            # one prepare per candidate: its warnings would repeat; a model without QuantStub was the user's choice
+            # at their own prepare (allow_no_stubs), not refused again
+            warnings.simplefilter("ignore")
+            prepared = calibrate(prepare(model, self.example, setter, check_result_dir=None,
+                                         allow_no_stubs=True), self.batches)
         with torch.no_grad():
             value = float(self.evaluate(prepared))
         self.values[key] = value
@@ -125,7 +128,8 @@ def _sensitive_sites(model, example, setter, measure: _Measure, count: int, out_
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        prepared = calibrate(prepare(model, example, setter, check_result_dir=None, allow_no_stubs=True), measure.batches)
+        prepared = calibrate(prepare(model, example, setter, check_result_dir=None,
+                                     allow_no_stubs=True), measure.batches)
     qa = QuantAnalysis(model, prepared, "fake_quant", out_dir=out_dir, progress=False)
     qa.set_bad_case(example)
     sites: list[str] = []
