@@ -247,6 +247,7 @@ def compare_traces(base: TraceReader, analy: TraceReader, prefixes: Iterable[str
     its LSB verdict and histogram. ``early``: rows :func:`site_row` already computed from these very traces
     (while the analysis model ran, :mod:`.row_stream`), by analysis site index; the others are computed here."""
     check_site_match(base, analy, strict=not deployed)
+    early = early or {}
     prefixes = [prefixes] if isinstance(prefixes, str) else list(prefixes or [])
     types = [types] if isinstance(types, str) or isinstance(types, type) else list(types or [])
     # the op that computes a fused group's value (its first member: the conv/linear) gives the group's last op,
@@ -268,8 +269,8 @@ def compare_traces(base: TraceReader, analy: TraceReader, prefixes: Iterable[str
             continue
         if analy.by_name[site.name] is not site:
             continue  # a site that runs several times (recurrent steps): one row, its last run, as for an IR
-        row = (early or {}).get(site.index) or site_row(base, b, site, analy.tensors(site.name), deployed,
-                                                         heads.get(site.name, site))
+        row = early.get(site.index) or site_row(base, b, site, analy.tensors(site.name), deployed,
+                                                heads.get(site.name, site))
         if site.name in members:
             row = replace(row, group="+".join(members[site.name] + [_base_type(base, site)]))
         rows.append(row)
