@@ -180,3 +180,27 @@ def test_rows_past_the_memory_budget_wait_for_the_comparison(tmp_path, monkeypat
     assert {traces[1].sites[i].name for i in early} == {"fc", "dequant"}
     table = qa.compare_per_layer()
     _assert_rows_equal(list(table), [_with_reach(r, table) for r in compare_traces(*traces)])
+
+
+def test_the_output_quantization_split_is_computed_on_the_writer_thread(tmp_path, monkeypatch):
+    """The analysis run's sink is a tee that also records the data flow (reach.ReachTee); it must still tell the
+    probes that the writer takes the split as a callable, or the split is computed on the forward's thread."""
+    import threading
+
+    import quantlens.profiler.torch_probe as torch_probe
+
+    threads = []
+    original = torch_probe._quant_error_stats
+
+    def recording(*args):
+        threads.append(threading.current_thread().name)
+        return original(*args)
+
+    monkeypatch.setattr(torch_probe, "_quant_error_stats", recording)
+    model, prepared, batches = _models()
+    qa = QuantAnalysis(model, prepared, "fake_quant", out_dir=tmp_path, progress=False)
+    qa.set_bad_case(batches[0])
+    qa.run()
+    assert threads and all(name.startswith("quantlens-trace-") for name in threads), threads
+    rows = {r.op_name: r for r in qa.compare_per_layer()}
+    assert rows["conv"].raw_error_kind in ("rounding", "clipping")  # the split reached the row

@@ -148,6 +148,16 @@ class ReachTee:
         self.sink = sink
         self._flow = _FlowRecorder(example)
 
+    # The probes ask the sink what it takes: a tee answers for the sink behind it (without this, the analysis
+    # model's output quantization split was computed on the forward's thread instead of the writer's).
+    @property
+    def deferred_quant_error(self) -> bool:
+        return getattr(self.sink, "deferred_quant_error", False)
+
+    @property
+    def wants_index_ops(self) -> bool:
+        return getattr(self.sink, "wants_index_ops", False)
+
     def on_site(self, event: SiteEvent) -> None:
         self._flow.on_site(event)
         self.sink.on_site(event)
