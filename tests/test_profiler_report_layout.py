@@ -114,3 +114,12 @@ def test_reports_layout_and_determinism(models, tmp_path):
     assert "http://" not in bad and "https://" not in bad
     assert len(found.values["0"]["L1"]) == found.num_samples
     assert max(found.values["0"]["L1"]) == found.worst_value["0"]["L1"]
+
+
+def test_a_histogram_of_values_apart_by_float_rounding_only():
+    """Cosines of 1 +- 2e-16 (identical stages, summed in another order) are one value to the axis: round ticks
+    around it, every sample in a bar (the edges used to collapse and the bad-case report raised IndexError)."""
+    ticks = nice_ticks(0.9999999999999998, 1.0000000000000002, n=5)
+    assert len(set(ticks)) == len(ticks) >= 3 and ticks[0] < 1.0 < ticks[-1]
+    svg = str(histogram_chart("Cosine", [1.0, 1.0000000000000002, 0.9999999999999998]))
+    assert sum(int(c) for c in re.findall(r'data-count="(\d+)"', svg)) == 3

@@ -1,7 +1,7 @@
 """Issue #25 deliverable 1: compare_per_layer()'s rows are computed on the analysis trace's writer thread while the
 model runs (profiler/row_stream.py), with the same function as the comparison itself. The rows must be the very
-rows the comparison computes from the traces on disk, and the textbook formulas' values bit for bit; rows of
-traces written again since are never reused."""
+rows the comparison computes from the traces on disk, and the textbook formulas' values up to float64 summation
+order (the rows sum chunk by chunk, pair_sums); rows of traces written again since are never reused."""
 
 import math
 
@@ -100,7 +100,15 @@ def _reference(x: torch.Tensor, y: torch.Tensor) -> dict:
             "SQNR": float(20.0 * torch.log10(x.norm() / (x - y).norm())), "Atol": float((x - y).abs().max())}
 
 
-def test_streamed_rows_equal_the_textbook_formulas_bit_for_bit(tmp_path):
+def _close(got: dict, want: dict) -> bool:
+    """Equal to float64 summation order: the rows sum chunk by chunk (pair_sums), the formulas over the whole
+    tensor; a maximum is exact."""
+    return got.keys() == want.keys() and all(
+        got[k] == want[k] if k == "Atol" or math.isinf(want[k]) else got[k] == pytest.approx(want[k], rel=1e-12)
+        for k in want)
+
+
+def test_streamed_rows_equal_the_textbook_formulas(tmp_path):
     model, prepared, batches = _models()
     qa = QuantAnalysis(model, prepared, "fake_quant", tmp_path, progress=False)
     qa.set_bad_case(batches[1])
@@ -115,14 +123,15 @@ def test_streamed_rows_equal_the_textbook_formulas_bit_for_bit(tmp_path):
         x, y = bt["out0"], at["out0"]
         want = _reference(x, y)
         got = {k: getattr(row, k) for k in want}
-        assert got == want, (row.op_name, got, want)
+        assert _close(got, want), (row.op_name, got, want)
         if "same0" in at and row.same_input_sqnr is not None and row.same_input_sqnr != math.inf:
             same = _reference(x, at["same0"])
-            assert (row.same_input_cosine, row.same_input_sqnr, row.same_input_atol) == \
-                (same["Cosine"], same["SQNR"], same["Atol"]), row.op_name
+            got = {"Cosine": row.same_input_cosine, "SQNR": row.same_input_sqnr, "Atol": row.same_input_atol}
+            assert _close(got, {k: same[k] for k in got}), row.op_name
             if "samepre0" in at:
                 xd, p, s = x.double().reshape(-1), at["samepre0"].double().reshape(-1), at["same0"].double().reshape(-1)
-                assert row.same_input_inner_mse == float(((xd - p) ** 2).mean()), row.op_name
+                assert row.same_input_inner_mse == pytest.approx(float(((xd - p) ** 2).mean()), rel=1e-12), \
+                    row.op_name
                 assert row.same_input_clip_mse + row.same_input_round_mse == pytest.approx(
                     float(((p - s) ** 2).mean()), rel=1e-12), row.op_name
         checked += 1
@@ -166,14 +175,14 @@ def test_a_tensor_file_changed_after_the_run_is_read_again_and_refused(tmp_path)
 
 
 def test_rows_past_the_memory_budget_wait_for_the_comparison(tmp_path, monkeypatch):
-    """A row whose float64 working set would pass ROW_BYTES is not computed beside the forward (its memory would add
-    to the forward's); compare_per_layer() computes it from the files, to the same values."""
+    """A row whose baseline values would take more than ROW_BYTES to read back is not computed beside the forward
+    (its memory would add to the forward's); compare_per_layer() computes it from the files, to the same values."""
     import quantlens.profiler.row_stream as row_stream
 
     model, prepared, batches = _models()
     qa = QuantAnalysis(model, prepared, "fake_quant", tmp_path, progress=False)
     qa.set_bad_case(batches[1])
-    monkeypatch.setattr(row_stream, "ROW_BYTES", 2 * 5 * 8 * 6)  # only rows of at most 10 elements (fc's output)
+    monkeypatch.setattr(row_stream, "ROW_BYTES", 2 * 5 * 4)  # only rows of at most 10 elements (fc's output)
     qa.run()
     traces = qa._open_traces()
     early = qa._row_stream.rows_for(*traces)

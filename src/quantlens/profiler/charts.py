@@ -35,7 +35,8 @@ def nice_ticks(lo: float, hi: float, n: int = 5, integer: bool = False) -> list[
     if not (math.isfinite(lo) and math.isfinite(hi)):
         raise ValueError(f"nice_ticks needs finite bounds, got {lo!r}, {hi!r}")
     lo, hi = min(lo, hi), max(lo, hi)
-    if hi == lo:
+    # a span at float rounding's scale (a cosine of 1 +- 2e-16) has no round ticks of its own: one value
+    if hi - lo <= 1e-9 * max(abs(lo), abs(hi)):
         pad = abs(lo) * 0.1 or (0.5 if not integer else 1.0)
         lo, hi = lo - pad, hi + pad
     raw = (hi - lo) / max(n - 1, 1)

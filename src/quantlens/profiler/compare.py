@@ -29,6 +29,7 @@ from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType
 from quantlens.march.opset import op_def
 from quantlens.profiler.layer_row import LayerRow
+from quantlens.profiler.lsb import LSB_VERDICTS, extra_saturation, lsb_report
 from quantlens.profiler.metrics import (
     SAME_INPUT_SQNR_LIMIT,
     MetricPair,
@@ -37,11 +38,12 @@ from quantlens.profiler.metrics import (
     compute_pair,
     in_scale_units,
 )
+from quantlens.profiler.pair_sums import split_sums
 from quantlens.profiler.trace.format import TracedSite
 from quantlens.profiler.trace.reader import TraceReader
 
 __all__ = ["LayerRow", "LayerComparison", "compare_traces", "site_row", "check_site_match", "COLUMNS",
-           "channel_axis", "SAME_INPUT_SQNR_LIMIT"]
+           "channel_axis", "SAME_INPUT_SQNR_LIMIT", "lsb_report", "extra_saturation", "LSB_VERDICTS"]
 
 
 #: the table's columns, in order
@@ -181,29 +183,21 @@ def _split(same: MetricPair, pre: list[torch.Tensor] | None, dtype: str, scale: 
     ``finite``: the baseline and ``pre`` are known to be finite.
     """
     x, y = same.x, same.y
-    p = y if pre is None else _flat(pre).double().reshape(x.shape)
+    p = y if pre is None else _flat(pre).reshape(x.shape)
     if not (finite or (all_finite(x) and all_finite(p))) or x.numel() == 0:
         return {}
-    if float(same.diff_norm) <= float(same.x_norm) * _FLOAT_NOISE:
+    if same.diff_norm <= same.x_norm * _FLOAT_NOISE:
         # no error beyond float32 noise: nothing to split (the parts would only cancel each other)
         return {"error_kind": "", "same_input_inner_mse": 0.0, "same_input_clip_mse": 0.0, "same_input_round_mse": 0.0}
     if pre is None:  # the output is the op's own result: pre - same is 0 everywhere
-        inner, clipped, rounded = float((same.diff ** 2).mean()), 0.0, 0.0
+        inner, clipped, rounded = same.sums.dd / x.numel(), 0.0, 0.0
     else:
-        same.forget("diff", "absdiff")
-        inner = float(torch.sub(x, p).square_().mean())  # (in place: one temporary fewer; x * x as ** 2 is)
-        quant = torch.sub(p, y).square_()
-        clipping = False
+        low = high = None
         if scale is not None and dtype in ("qint8", "qint16"):
             dt = QuantDType.parse(dtype)
             high, low = (dt.qmax + 0.5) * scale, (dt.qmin - 0.5) * scale
-            lo, hi = torch.aminmax(p)  # (one pass; the masks only where some element saturates)
-            clipping = float(hi) > high or float(lo) < low
-        if clipping:
-            clip = (p > high) | (p < low)
-            clipped, rounded = float(quant[clip].sum()), float(quant[~clip].sum())
-        else:  # the common case: no element saturates (the same sum, without copying the tensor through a mask)
-            clipped, rounded = 0.0, float(quant.sum())
+        sums = split_sums(x, p, y, low, high)
+        inner, clipped, rounded = sums.inner / x.numel(), sums.clipped, sums.rounded
     parts = {"internal": inner, "clipping": clipped / x.numel(), "rounding": rounded / x.numel()}
     kind = max(parts, key=parts.get) if max(parts.values()) > 0 else ""
     return {"error_kind": kind, "same_input_inner_mse": parts["internal"],
@@ -287,57 +281,6 @@ def _base_type(base: TraceReader, site: TracedSite) -> str:
     """The op type of ``site`` in the baseline (what the user wrote: batch_norm, not the identity it folds to)."""
     b = base.by_name.get(site.name)
     return b.op_type if b is not None else site.op_type
-
-
-#: the verdicts of the deployed stages, best first
-LSB_VERDICTS = ("bit-exact", "within 1 LSB", "within 4 LSB", "diverged")
-#: histogram buckets of |diff| in LSB: (label, low, high), inclusive
-LSB_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2", 2, 2), ("3-4", 3, 4), ("5-8", 5, 8), (">8", 9, math.inf))
-
-
-def lsb_report(base: list[torch.Tensor], analy: list[torch.Tensor], scale: float | list[float] | None,
-               axis: int | None = None, finite: bool = False) -> dict[str, str]:
-    """``{verdict, hist}`` of ``|base - analy| / scale`` rounded to whole LSB (values on one grid differ by whole
-    steps; rounding absorbs float32 noise). A per-channel ``scale`` (a list) divides along ``axis`` of a single
-    output."""
-    if scale is None or len(base) != len(analy) or any(x.shape != y.shape for x, y in zip(base, analy)):
-        return {}
-    if isinstance(scale, list):
-        if axis is None or len(base) != 1 or base[0].dim() == 0 or min(scale) <= 0 or \
-                base[0].shape[axis % base[0].dim()] != len(scale):
-            return {}
-        shape = [1] * base[0].dim()
-        shape[axis % base[0].dim()] = -1
-        step = torch.tensor(scale, dtype=torch.float64).reshape(shape)
-        x, y = base[0].double(), analy[0].double()
-    elif scale <= 0:
-        return {}
-    else:
-        step = scale
-        x, y = _flat(base).double().reshape(-1), _flat(analy).double().reshape(-1)
-    if x.numel() == 0 or not (finite or (all_finite(x) and all_finite(y))):
-        return {}
-    lsb = torch.round((x - y).abs() / step).reshape(-1)
-    worst = float(lsb.max())
-    verdict = ("bit-exact" if worst == 0 else "within 1 LSB" if worst <= 1 else "within 4 LSB" if worst <= 4
-               else "diverged")
-    counts = [int(((lsb >= lo) & (lsb <= hi)).sum()) for _, lo, hi in LSB_BUCKETS]
-    return {"verdict": verdict, "hist": "|".join(f"{label}:{n}" for (label, _, _), n in zip(LSB_BUCKETS, counts))}
-
-
-def extra_saturation(base: list[torch.Tensor], analy: list[torch.Tensor], dtype: str, scale: float | None) -> float | None:
-    """Fraction of ``analy`` at the limit (qmin/qmax) of the integer type whose ``base`` value lies at least two
-    steps inside the range: saturation that the baseline's fake quant did not do (one step is rounding)."""
-    if scale is None or scale <= 0 or dtype not in ("qint8", "qint16") or len(base) != len(analy) or \
-            any(x.shape != y.shape for x, y in zip(base, analy)):
-        return None
-    x, y = _flat(base).double().reshape(-1), _flat(analy).double().reshape(-1)
-    if x.numel() == 0:
-        return None
-    dt = QuantDType.parse(dtype)
-    qx, qy = torch.round(x / scale), torch.round(y / scale)
-    inside = (qx >= dt.qmin + 2) & (qx <= dt.qmax - 2)
-    return float((((qy <= dt.qmin) | (qy >= dt.qmax)) & inside).sum()) / x.numel()
 
 
 def channel_axis(op_type: str, shape: Sequence[int], weight_shape: Sequence[int] | None = None) -> int | None:
@@ -424,9 +367,9 @@ def site_row(base: TraceReader, b: TracedSite, a: TracedSite, at: Mapping[str, t
         return LayerRow(**row, note=f"fused into {a.fused_into}")
     bt = base.tensors(b.name)
     keys = b.float_outputs()
-    # every tensor of the row in float64 once (the metrics, the split and the LSB reports all read float64)
-    base_out = [bt[k].double() for k in keys]
-    analy_out = [at[k].double() for k in a.float_outputs()]
+    # the tensors as stored: every figure goes to float64 a chunk at a time (pair_sums)
+    base_out = [bt[k] for k in keys]
+    analy_out = [at[k] for k in a.float_outputs()]
     # which tensors are finite, from the trace's statistics of these very values (no pass over them again)
     base_finite = _finite(b, keys)
     acc_finite = base_finite and _finite(a, a.float_outputs())
@@ -448,19 +391,17 @@ def site_row(base: TraceReader, b: TracedSite, a: TracedSite, at: Mapping[str, t
         row.update(lsb_verdict=lsb.get("verdict", ""), lsb_hist=lsb.get("hist", ""))
     del analy_out
     same_keys = [f"same{i}" for i in range(len(keys)) if f"same{i}" in at]
-    same = [at[k].double() for k in same_keys]
+    same = [at[k] for k in same_keys]
     same_finite = base_finite and _finite(a, same_keys)
     same_values, same_pair = (_metrics(base_out, same, _SAME_INPUT_METRICS, same_finite) if len(same) == len(keys)
                               else (None, None))
     note = a.same_input_note
-    if same_pair is not None:
-        same_pair.forget("absdiff")  # (Atol's: the split reads the difference and the norms only)
     if same_values is not None:
         row.update(same_input_cosine=same_values["Cosine"], same_input_sqnr=same_values["SQNR"],
                    same_input_atol=same_values["Atol"],
                    same_input_in_scale=in_scale_units(same_values["Atol"], scale))
         pre_keys = [f"samepre{i}" for i in range(len(keys)) if f"samepre{i}" in at]
-        pre = [at[k].double() for k in pre_keys]
+        pre = [at[k] for k in pre_keys]
         pre_finite = base_finite and _finite(a, pre_keys)
         if same_pair is not None:
             whole = len(pre) == len(keys)

@@ -34,7 +34,7 @@ import torch
 
 from quantlens._finite import all_finite
 from quantlens.errors import QuantLensError
-from quantlens.profiler._sums import CHUNK
+from quantlens.profiler.pair_sums import ROW_CHUNK, PairSums, pair_kl, pair_sums, scratch_rows
 from quantlens.quantization.qconfig_template import METRIC_HIGHER_IS_WORSE, register_metric_direction
 
 __all__ = ["Metric", "METRICS", "register_metric", "get_metric", "metric_names", "compute_all", "compute_pair",
@@ -59,7 +59,7 @@ class Metric:
     pair_func: Callable[["MetricPair"], float] | None = None
 
     def __call__(self, baseline: torch.Tensor, analysis: torch.Tensor) -> float:
-        x, y = _prepare(baseline), _prepare(analysis)
+        x, y = _detached(baseline), _detached(analysis)
         if x.shape != y.shape:
             raise QuantLensError(
                 f"Metric {self.name}: shapes differ, baseline {tuple(baseline.shape)} vs analysis "
@@ -67,7 +67,9 @@ class Metric:
             )
         if not (all_finite(x) and all_finite(y)):
             return math.nan
-        return float(self.func(x, y))
+        if self.pair_func is not None:
+            return float(self.pair_func(MetricPair(x, y)))
+        return float(self.func(_prepare(x), _prepare(y)))
 
     def worse(self, a: float, b: float) -> bool:
         """Whether value ``a`` is strictly worse than ``b`` (NaN counts as the worst possible value)."""
@@ -84,69 +86,55 @@ class Metric:
         return -value if self.higher_is_worse else value
 
 
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu()
+
+
 def _prepare(t: torch.Tensor) -> torch.Tensor:
+    """The float64 copy a metric that is not built in receives."""
     return t.detach().to(torch.float64).cpu()
 
 
 class MetricPair:
-    """The float64 baseline ``x`` and analysis ``y`` of one row, with the intermediates several metrics share."""
+    """The baseline ``x`` and analysis ``y`` of one row (any float dtype, one shape), and the float64 sums the
+    built-in metrics are formulas of (:func:`~quantlens.profiler.pair_sums.pair_sums`), computed once per pair:
+    no float64 copy of either tensor is made."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor):
         self.x, self.y = x, y
 
     @cached_property
-    def diff(self) -> torch.Tensor:
-        return self.x - self.y
+    def sums(self) -> PairSums:
+        return pair_sums(self.x, self.y)
 
-    @cached_property
-    def absdiff(self) -> torch.Tensor:
-        return self.diff.abs()
+    @property
+    def x_norm(self) -> float:
+        return math.sqrt(self.sums.xx)
 
-    @cached_property
-    def x_norm(self) -> torch.Tensor:
-        return self.x.norm()
-
-    @cached_property
-    def diff_norm(self) -> torch.Tensor:
-        return self.diff.norm()
-
-    def forget(self, *names: str) -> None:
-        """Free cached intermediates no later figure of this pair reads (each is an activation-sized tensor)."""
-        for name in names:
-            vars(self).pop(name, None)
+    @property
+    def diff_norm(self) -> float:
+        return math.sqrt(self.sums.dd)
 
 
 def _cosine(p: MetricPair) -> float:
-    x, y = p.x, p.y
-    nx, ny = p.x_norm, y.norm()
+    nx, ny = p.x_norm, math.sqrt(p.sums.yy)
     if nx == 0 and ny == 0:
         return 1.0
     if nx == 0 or ny == 0:
         return 0.0
-    return float((x.flatten() @ y.flatten()) / (nx * ny))
+    return p.sums.xy / (nx * ny)
 
 
 def _mse(p: MetricPair) -> float:
-    return float((p.diff ** 2).mean()) if p.x.numel() else 0.0
+    return p.sums.dd / p.sums.count if p.sums.count else 0.0
 
 
 def _l1(p: MetricPair) -> float:
-    return float(p.absdiff.mean()) if p.x.numel() else 0.0
+    return p.sums.ad / p.sums.count if p.sums.count else 0.0
 
 
 def _kl(p: MetricPair) -> float:
-    x, y = p.x, p.y
-    if x.numel() == 0:
-        return 0.0
-    if x.dim() == 0:
-        return 0.0
-    dim = 1 if x.dim() > 2 else -1
-    log_p = torch.log_softmax(x, dim=dim)
-    log_q = torch.log_softmax(y, dim=dim)
-    # p * (log p - log q), in place: -(log q - log p) is exactly log p - log q, so the value is the plain formula's
-    # bit for bit, with two temporaries of an activation's size fewer
-    ratio = log_q.sub_(log_p).neg_()
-    return float(log_p.exp_().mul_(ratio).sum(dim=dim).mean())
+    return pair_kl(p.x, p.y)
 
 
 def _sqnr(p: MetricPair) -> float:
@@ -156,11 +144,11 @@ def _sqnr(p: MetricPair) -> float:
     signal = p.x_norm
     if signal == 0:
         return -math.inf
-    return float(20.0 * torch.log10(signal / noise))
+    return 20.0 * math.log10(signal / noise)
 
 
 def _atol(p: MetricPair) -> float:
-    return float(p.absdiff.max()) if p.x.numel() else 0.0
+    return p.sums.amax
 
 
 METRICS: dict[str, Metric] = {}
@@ -202,14 +190,22 @@ def compute_pair(baseline: torch.Tensor, analysis: torch.Tensor, names: Sequence
     differ), for more figures of the same pair without computing them again. ``finite``: both tensors are known
     to be finite (a trace's statistics say so), so they are not checked again."""
     chosen = {n: METRICS[n] for n in names} if names is not None else METRICS
-    x, y = _prepare(baseline), _prepare(analysis)
+    x, y = _detached(baseline), _detached(analysis)
     if x.shape != y.shape:
         return {name: metric(baseline, analysis) for name, metric in chosen.items()}, None  # raises, naming it
     pair = MetricPair(x, y)
     if not finite and not (all_finite(x) and all_finite(y)):
         return {name: math.nan for name in chosen}, pair
-    return {name: float(metric.pair_func(pair) if metric.pair_func is not None else metric.func(x, y))
-            for name, metric in chosen.items()}, pair
+    copies: list[torch.Tensor] = []  # float64 copies, made only for a metric that is not built in
+
+    def value(metric: Metric) -> float:
+        if metric.pair_func is not None:
+            return float(metric.pair_func(pair))
+        if not copies:
+            copies.extend((_prepare(x), _prepare(y)))
+        return float(metric.func(*copies))
+
+    return {name: value(metric) for name, metric in chosen.items()}, pair
 
 
 def metric_names() -> list[str]:
@@ -263,29 +259,30 @@ def in_scale_units(atol: float | None, scale: float | None) -> float | None:
 
 
 def _energy(t: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of a ``(before, channel, after)`` tensor per channel."""
+    """Sum of squares of a float64 ``(before, channel, after)`` tensor per channel."""
     if t.shape[2] == 1:  # channels last (a linear's output): a column sum
         return t.reshape(t.shape[0], t.shape[1]).square().sum(0)
     return torch.linalg.vector_norm(t, dim=2).square().sum(0)  # contiguous rows: no temporary
 
 
 def _by_channel(t: torch.Tensor, axis: int) -> torch.Tensor:
-    return t.reshape(math.prod(t.shape[:axis]), t.shape[axis], -1)
+    return t.detach().cpu().reshape(math.prod(t.shape[:axis]), t.shape[axis], -1)
 
 
 def _step(t3: torch.Tensor) -> int:
-    """Rows of ``before`` per slice: a slice's temporary is about one chunk."""
-    return max(1, CHUNK // max(1, t3.shape[1] * t3.shape[2]))
+    """Rows of ``before`` per slice: a slice is about one chunk."""
+    return max(1, ROW_CHUNK // max(1, t3.shape[1] * t3.shape[2]))
 
 
 def channel_signal(baseline: torch.Tensor, axis: int) -> torch.Tensor:
     """The energy (sum of squares, float64) of each channel of ``baseline`` along ``axis``: the signal of
     :func:`channel_sqnr`."""
-    x3 = _by_channel(_prepare(baseline), axis % baseline.dim())
+    x3 = _by_channel(baseline, axis % baseline.dim())
     signal = torch.zeros(x3.shape[1], dtype=torch.float64)
     step = _step(x3)
     for start in range(0, x3.shape[0], step):
-        signal += _energy(x3[start:start + step])
+        (a,) = scratch_rows(x3[start:start + step])
+        signal += _energy(a)
     return signal
 
 
@@ -300,10 +297,11 @@ def channel_sqnr(baseline: torch.Tensor, analysis: torch.Tensor, axis: int,
     are NaN then) or no channel has signal.
 
     One pass over each tensor: the values are viewed as ``(before, channel, after)`` and the norms taken over
-    ``after`` (contiguous), then summed over ``before``; the difference is made a slice of ``before`` at a time
-    (a small temporary, not a copy of the activation). ``signal``: :func:`channel_signal` of ``baseline`` when
+    ``after`` (contiguous), then summed over ``before``; the values go to float64 a slice of ``before`` at a time,
+    into reused scratch buffers (:func:`~quantlens.profiler.pair_sums.scratch_rows`), not as copies of the
+    activation. ``signal``: :func:`channel_signal` of ``baseline`` when
     already computed (several analysis tensors against one baseline); ``finite``: both are known to be finite."""
-    x, y = _prepare(baseline), _prepare(analysis)
+    x, y = _detached(baseline), _detached(analysis)
     if x.shape != y.shape or x.dim() == 0 or x.numel() == 0 or not (finite or (all_finite(x) and all_finite(y))):
         return None
     axis %= x.dim()
@@ -312,7 +310,8 @@ def channel_sqnr(baseline: torch.Tensor, analysis: torch.Tensor, axis: int,
     noise = torch.zeros_like(signal)
     step = _step(x3)
     for start in range(0, x3.shape[0], step):
-        noise += _energy(x3[start:start + step] - y3[start:start + step])
+        a, b = scratch_rows(x3[start:start + step], y3[start:start + step])
+        noise += _energy(a.sub_(b))
     has_signal = signal > 0
     if not bool(has_signal.any()):
         return None

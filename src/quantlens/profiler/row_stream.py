@@ -9,11 +9,12 @@ the rows back, as long as both traces are still the very files they came from: t
 ``trace.json`` bytes, and every tensor file as it was written (name, size, inode, mtime: a file replaced, damaged
 or copied elsewhere is read again, and refused there when it is not a trace's).
 
-A row takes about six float64 copies of its op's output while it is computed; on the writer thread that memory adds
-to the forward's. So a site whose row would take more than :data:`ROW_BYTES` is left to ``compare_per_layer()``,
-which computes it after the forward, when the forward's memory is free: tracing stays within a few layers' worth of
-memory however large the activations (``benchmarks/bench_profiler.py``), and the many smaller rows of a network
-still overlap its forward.
+A row reads the baseline's values of its op back from disk (float32, 4 bytes per element) and goes through both
+sides a chunk at a time (:mod:`~quantlens.profiler.pair_sums`): no float64 copy of an activation. On the writer
+thread that read-back adds to the forward's memory, so a site whose outputs would take more than :data:`ROW_BYTES`
+to read back is left to ``compare_per_layer()``, which computes it after the forward, when the forward's memory is
+free: tracing stays within a few layers' worth of memory however large the activations
+(``benchmarks/bench_profiler.py``).
 
 A site is also left to ``compare_per_layer()`` when a value its row reads is kept as statistics only, when its
 name runs more than once (recurrent steps: the row is the last run's), or when computing it fails (the same call
@@ -38,10 +39,10 @@ from quantlens.profiler.trace.reader import TraceReader
 
 __all__ = ["RowStream", "ROW_BYTES"]
 
-#: the most float64 working memory a row computed during the forward may take (:data:`_ROW_COPIES` copies of its
-#: output); a larger row is computed by compare_per_layer() after the forward
+#: the most memory a row computed during the forward may read back (its baseline values: :data:`_ROW_BYTES_PER`
+#: bytes per output element); a larger row is computed by compare_per_layer() after the forward
 ROW_BYTES = 64 * 1024 * 1024
-_ROW_COPIES = 6
+_ROW_BYTES_PER = 4
 
 
 class RowStream:
@@ -65,7 +66,7 @@ class RowStream:
         b = self.base.by_name.get(site.name)
         if b is None or any(k not in tensors for k in site.stats if k.startswith(("out", "same"))):
             return
-        if sum(t.numel() for k, t in tensors.items() if k.startswith("out")) * 8 * _ROW_COPIES > ROW_BYTES:
+        if sum(t.numel() for k, t in tensors.items() if k.startswith("out")) * _ROW_BYTES_PER > ROW_BYTES:
             return  # too large to compute beside the forward (see the module docstring)
         try:
             self._rows[site.index] = site_row(self.base, b, site, tensors, self.deployed,

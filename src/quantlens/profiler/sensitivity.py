@@ -40,6 +40,7 @@ import torch
 
 from quantlens._finite import all_finite
 from quantlens.errors import QuantLensError
+from quantlens.profiler.lsb import LSB_BUCKETS
 from quantlens.profiler.metrics import get_metric
 from quantlens.profiler.model_access import AnalysisType, ModelAccess, SiteEvent
 from quantlens.profiler.outputs import PostProcess, float_outputs, named_outputs
@@ -170,8 +171,6 @@ class _TableErrors:
                 any(x.shape != y.shape for x, y in zip(base, same)):
             rec.table_errors[event.name] = (None, "")
             return
-        from quantlens.profiler.compare import LSB_BUCKETS  # compare imports this module's users
-
         x = torch.cat([t.detach().double().reshape(-1) for t in base])
         y = torch.cat([t.detach().double().reshape(-1) for t in same])
         if not (all_finite(x) and all_finite(y)):
