@@ -15,7 +15,7 @@ import torch
 
 from quantlens._finite import all_finite
 from quantlens.march import QuantDType
-from quantlens.profiler.pair_sums import ROW_CHUNK, scratch_rows
+from quantlens.profiler.pair_sums import blocks, scratch_rows
 
 __all__ = ["LSB_VERDICTS", "LSB_BUCKETS", "lsb_report", "extra_saturation"]
 
@@ -34,10 +34,10 @@ def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _slices(x3: torch.Tensor, y3: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Float64 copies of consecutive slices of rows of two same-shaped ``(rows, channel, after)`` views."""
-    step = max(1, ROW_CHUNK // max(1, x3.shape[1] * x3.shape[2]))
-    for start in range(0, x3.shape[0], step):
-        a, b = scratch_rows(x3[start:start + step], y3[start:start + step])
+    """Float64 copies of consecutive blocks (channels whole) of two same-shaped ``(before, channel, after)``
+    views."""
+    for rows, cols in blocks(x3.shape):
+        a, b = scratch_rows(x3[rows, :, cols], y3[rows, :, cols])
         yield a, b
 
 

@@ -34,7 +34,7 @@ import torch
 
 from quantlens._finite import all_finite
 from quantlens.errors import QuantLensError
-from quantlens.profiler.pair_sums import ROW_CHUNK, PairSums, pair_kl, pair_sums, scratch_rows
+from quantlens.profiler.pair_sums import PairSums, blocks, pair_kl, pair_sums, scratch_rows
 from quantlens.quantization.qconfig_template import METRIC_HIGHER_IS_WORSE, register_metric_direction
 
 __all__ = ["Metric", "METRICS", "register_metric", "get_metric", "metric_names", "compute_all", "compute_pair",
@@ -269,19 +269,13 @@ def _by_channel(t: torch.Tensor, axis: int) -> torch.Tensor:
     return t.detach().cpu().reshape(math.prod(t.shape[:axis]), t.shape[axis], -1)
 
 
-def _step(t3: torch.Tensor) -> int:
-    """Rows of ``before`` per slice: a slice is about one chunk."""
-    return max(1, ROW_CHUNK // max(1, t3.shape[1] * t3.shape[2]))
-
-
 def channel_signal(baseline: torch.Tensor, axis: int) -> torch.Tensor:
     """The energy (sum of squares, float64) of each channel of ``baseline`` along ``axis``: the signal of
     :func:`channel_sqnr`."""
     x3 = _by_channel(baseline, axis % baseline.dim())
     signal = torch.zeros(x3.shape[1], dtype=torch.float64)
-    step = _step(x3)
-    for start in range(0, x3.shape[0], step):
-        (a,) = scratch_rows(x3[start:start + step])
+    for rows, cols in blocks(x3.shape):
+        (a,) = scratch_rows(x3[rows, :, cols])
         signal += _energy(a)
     return signal
 
@@ -308,9 +302,8 @@ def channel_sqnr(baseline: torch.Tensor, analysis: torch.Tensor, axis: int,
     x3, y3 = _by_channel(x, axis), _by_channel(y, axis)
     signal = channel_signal(x, axis) if signal is None else signal
     noise = torch.zeros_like(signal)
-    step = _step(x3)
-    for start in range(0, x3.shape[0], step):
-        a, b = scratch_rows(x3[start:start + step], y3[start:start + step])
+    for rows, cols in blocks(x3.shape):
+        a, b = scratch_rows(x3[rows, :, cols], y3[rows, :, cols])
         noise += _energy(a.sub_(b))
     has_signal = signal > 0
     if not bool(has_signal.any()):

@@ -19,10 +19,11 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
-__all__ = ["ROW_CHUNK", "PairSums", "pair_sums", "pair_kl", "SplitSums", "split_sums", "kl_dim", "scratch_rows"]
+__all__ = ["ROW_CHUNK", "PairSums", "pair_sums", "pair_kl", "SplitSums", "split_sums", "kl_dim", "scratch_rows", "blocks"]
 
 #: elements per chunk (256 KiB per float64 buffer: a row's working set stays in the core's cache)
 ROW_CHUNK = 1 << 15
@@ -45,6 +46,19 @@ def scratch_rows(*slices: torch.Tensor) -> list[torch.Tensor]:
     if slices[0].numel() > ROW_CHUNK:
         return [t.to(torch.float64, copy=True) for t in slices]
     return [buf[:t.numel()].view(t.shape).copy_(t) for buf, t in zip(_scratch(len(slices)), slices)]
+
+
+def blocks(shape: torch.Size | tuple[int, int, int]) -> Iterator[tuple[slice, slice]]:
+    """Blocks ``[rows, :, cols]`` of a ``(before, channel, after)`` tensor of ``shape``, in order, each of at most
+    :data:`ROW_CHUNK` elements with every channel whole: whole rows of ``before`` where a row fits a chunk, else
+    slices of one row's ``after`` (a single position's channels larger than a chunk make a block of their own)."""
+    outer, channels, inner = shape
+    per_row = channels * inner
+    rows = max(1, ROW_CHUNK // max(1, per_row))
+    cols = inner if per_row <= ROW_CHUNK else max(1, ROW_CHUNK // max(1, channels))
+    for r0 in range(0, outer, rows):
+        for c0 in range(0, max(inner, 1), cols):
+            yield slice(r0, r0 + rows), slice(c0, c0 + cols)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -95,33 +109,21 @@ def kl_dim(shape: torch.Size) -> int:
 
 def pair_kl(x: torch.Tensor, y: torch.Tensor) -> float:
     """``mean over positions of Σ_c p_c (log p_c - log q_c)``, ``p = softmax(x)``, ``q = softmax(y)`` over
-    :func:`kl_dim`; each position's softmax is whole in one chunk (blocks of ``(outer, channels, inner)``)."""
+    :func:`kl_dim`; each position's softmax is whole in one chunk (:func:`blocks`)."""
     if x.numel() == 0 or x.dim() == 0:
         return 0.0
     dim = kl_dim(x.shape)
     outer, channels = math.prod(x.shape[:dim]), x.shape[dim]
     inner = x.numel() // (outer * channels)
     x3, y3 = x.detach().reshape(outer, channels, inner), y.detach().reshape(outer, channels, inner)
-    # a block of whole softmaxes: ``rows`` outer rows of all their inner positions, or a slice of one row's inner
-    # positions; a single softmax larger than a chunk gets a block of its own
-    per_row = channels * inner
-    rows = max(1, ROW_CHUNK // per_row)
-    cols = inner if per_row <= ROW_CHUNK else max(1, ROW_CHUNK // channels)
-    size = rows * channels * cols
-    buffers = _scratch(2) if size <= ROW_CHUNK else [torch.empty(size, dtype=torch.float64) for _ in range(2)]
     total = 0.0
-    for r0 in range(0, outer, rows):
-        r = min(rows, outer - r0)
-        for c0 in range(0, inner, cols):
-            c = min(cols, inner - c0)
-            shape = (r, channels, c)
-            p = buffers[0][:r * channels * c].view(shape)
-            q = buffers[1][:r * channels * c].view(shape)
-            torch.log_softmax(p.copy_(x3[r0:r0 + r, :, c0:c0 + c]), 1, out=p)
-            torch.log_softmax(q.copy_(y3[r0:r0 + r, :, c0:c0 + c]), 1, out=q)
-            # p * (log p - log q), in place: -(log q - log p) is exactly log p - log q
-            q.sub_(p).neg_()
-            total += float(p.exp_().mul_(q).sum())
+    for rows, cols in blocks(x3.shape):
+        p, q = scratch_rows(x3[rows, :, cols], y3[rows, :, cols])
+        torch.log_softmax(p, 1, out=p)
+        torch.log_softmax(q, 1, out=q)
+        # p * (log p - log q), in place: -(log q - log p) is exactly log p - log q
+        q.sub_(p).neg_()
+        total += float(p.exp_().mul_(q).sum())
     return total / (outer * inner)
 
 

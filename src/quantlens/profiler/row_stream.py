@@ -40,8 +40,11 @@ from quantlens.profiler.trace.reader import TraceReader
 __all__ = ["RowStream", "ROW_BYTES"]
 
 #: the most memory a row computed during the forward may read back (its baseline values: :data:`_ROW_BYTES_PER`
-#: bytes per output element); a larger row is computed by compare_per_layer() after the forward
-ROW_BYTES = 64 * 1024 * 1024
+#: bytes per output element, 2 MiB: outputs of up to 512 Ki elements); a larger row is computed by
+#: compare_per_layer() after the forward. Measured (docs/performance.md): on large activations the writer thread
+#: is already the forward's bottleneck, so their rows cost run() what they save compare_per_layer(), and their
+#: read-back adds to the forward's peak memory
+ROW_BYTES = 2 * 1024 * 1024
 _ROW_BYTES_PER = 4
 
 
