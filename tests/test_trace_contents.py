@@ -53,9 +53,12 @@ def test_an_analysis_trace_keeps_a_fused_members_statistics_not_its_values(small
     rows = {r.op_name: r for r in qa.compare_per_layer()}
     analysis, baseline = TraceReader(tmp_path / "analysis_model"), TraceReader(tmp_path / "baseline_model")
     conv = analysis.by_name["1"]
-    assert conv.fused_into and conv.stats_only == ["out0"]
+    assert conv.fused_into and conv.stats_only == ["out0", "weight"]  # (a weight is never copied: the model's)
     with safe_open(str(analysis.dir / conv.file), framework="pt") as f:
-        assert "out0" not in f.keys() and "weight" in f.keys()
+        assert "out0" not in f.keys() and "weight" not in f.keys()
+    assert conv.stats["weight"].shape == (8, 3, 3, 3)
+    with pytest.raises(QuantLensError, match="only the statistics of the weight.*state_dict"):
+        analysis.tensors("1")["weight"]
     # the statistics are the fused conv's (BN folded in): its range is the BN output's, not the bare conv's
     with torch.no_grad():
         bn_out = model[2](model[1](model[0](x)))
@@ -68,14 +71,16 @@ def test_an_analysis_trace_keeps_a_fused_members_statistics_not_its_values(small
     assert rows["3"].same_input_sqnr > 20
     # traced for this comparison, the baseline keeps the conv's and BN's statistics only: nothing reads them
     # (the analysis fuses them; its same-input run of the BN and ReLU takes the group's own values)
-    assert [baseline.by_name[k].stats_only for k in ("1", "2", "3", "4")] == [["out0"], ["out0"], [], []]
+    assert [baseline.by_name[k].stats_only for k in ("1", "2", "3", "4")] == [["out0", "weight"], ["out0", "weight"],
+                                                                               [], ["weight"]]
     assert baseline.by_name["1"].stats["out0"].shape == (2, 8, 8, 8)
     with pytest.raises(QuantLensError, match="fuses this op site.*Trace this model again"):
         baseline.tensors("2")["out0"]
     # a baseline traced on its own keeps every value (it may serve other comparisons)
     qa.run(run_analysis_model=False)
     baseline = TraceReader(tmp_path / "baseline_model")
-    assert not any(s.stats_only for s in baseline.sites) and baseline.tensors("1")["out0"].shape == (2, 8, 8, 8)
+    assert all(set(s.stats_only) <= {"weight"} for s in baseline.sites)
+    assert baseline.tensors("1")["out0"].shape == (2, 8, 8, 8)
     qa.run(run_baseline_model=False)
     assert [(r.op_name, r.same_input_sqnr) for r in qa.compare_per_layer()] == \
         [(op, r.same_input_sqnr) for op, r in rows.items()]

@@ -116,6 +116,10 @@ class TraceReader:
             owner = self._by_file.get(file)
             codes = owner.codes if owner is not None else {}
             missing = [stored for _, stored in items if owner is not None and stored in owner.stats_only]
+            if missing == ["weight"]:
+                raise QuantLensError(f"The trace in {self.dir} keeps only the statistics of the weight of op site "
+                                     f"'{owner.name}' (a trace does not copy a model's weights): read the weight "
+                                     "from the model itself, e.g. its state_dict().")
             if missing:
                 where = (f"the site is fused into '{owner.fused_into}', whose output is the group's value. Read that "
                          "site's tensors instead." if owner.fused_into else

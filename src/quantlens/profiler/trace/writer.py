@@ -194,6 +194,10 @@ class TraceWriter:
             else:
                 stored[key] = t
                 seen[id(t)] = key
+        # A weight is kept as statistics only, taken now from the tensor the op read (no copy to queue): its values
+        # are the model's own (its state_dict), and copying and writing them every run cost a third of a traced
+        # transformer's writing. Nothing reads a trace's weight values.
+        early = {"weight": tensor_stat(stored.pop("weight"))} if "weight" in stored else {}
         quant_error = event.quant_error
         site = TracedSite(
             index=event.index, name=event.name, op_type=event.op_type, module_type=event.module_type, file=file,
@@ -223,6 +227,7 @@ class TraceWriter:
         fused_member = bool(event.fused_into) and not self.save_inputs
         stats_only = frozenset(k for k in stored if k.startswith(("out", "same"))) \
             if fused_member or event.name in self.values_not_needed else frozenset()
+        stats_only |= frozenset(early)
         site.stats_only = sorted(stats_only)
         for key, t in stored.items():
             # An analysis trace's fused member: a later site holding the same tensor stores it itself (that site
@@ -231,7 +236,7 @@ class TraceWriter:
             if key not in stats_only or not fused_member:
                 self._remember(t, file, key)
         job = _Job(site, copies, list(tensors), nbytes, quant_error if callable(quant_error) else None,
-                   buffer=buffer, stats_only=stats_only)
+                   buffer=buffer, stats_only=stats_only, stats=early)
         grid = _CODE_DTYPES.get(event.quant_dtype)
         if grid is not None and site.per_tensor_scale is not None and not event.fused_into:
             # the site's values on its output grid go to disk as integer codes (checked exactly when written)
@@ -284,7 +289,7 @@ class TraceWriter:
 
     def _write_job(self, job: _Job) -> None:
         stat_scratch = self._scratch_of("stat")
-        job.stats = {k: tensor_stat(v, stat_scratch) for k, v in job.tensors.items()}
+        job.stats.update({k: tensor_stat(v, stat_scratch) for k, v in job.tensors.items()})
         payload = {k: v for k, v in job.tensors.items() if k not in job.stats_only}
         for key, (scale, qmin, qmax, dtype) in job.encode.items():
             codes = _encode(payload[key], scale, qmin, qmax, dtype, stat_scratch, self._scratch_of(f"codes:{key}"))
