@@ -36,7 +36,9 @@ def tensor_file(index: int) -> str:
 
 @dataclass(frozen=True)
 class TensorStat:
-    """Statistics of one tensor (over its finite values; counts of NaN and Inf separately)."""
+    """Statistics of one tensor (over its finite values; counts of NaN and Inf separately). ``mean`` and ``var``
+    are None for an empty tensor, and for a same-input value (``same<i>``, ``samepre<i>``), of which only the
+    extremes and the NaN/Inf counts are read."""
 
     shape: tuple[int, ...]
     dtype: str

@@ -15,9 +15,11 @@ from quantlens.profiler.trace.format import TensorStat
 __all__ = ["tensor_stat", "input_digest"]
 
 
-def tensor_stat(t: torch.Tensor, scratch: Callable[[int], torch.Tensor] | None = None) -> TensorStat:
+def tensor_stat(t: torch.Tensor, scratch: Callable[[int], torch.Tensor] | None = None,
+                moments: bool = True) -> TensorStat:
     """``scratch(nbytes)``, when given, lends a byte buffer for the variance pass's temporary (the writer
-    thread reuses one instead of allocating an activation-sized tensor per call)."""
+    thread reuses one instead of allocating an activation-sized tensor per call). ``moments=False``: the extremes
+    and the NaN/Inf counts only (mean and var None), one pass instead of three."""
     x = t.detach()
     shape, dtype = tuple(x.shape), str(x.dtype).replace("torch.", "")
     if x.numel() == 0:
@@ -39,6 +41,8 @@ def tensor_stat(t: torch.Tensor, scratch: Callable[[int], torch.Tensor] | None =
         x, lo, hi = x.double(), None, None
     if lo is None:
         lo, hi = torch.aminmax(x)
+    if not moments:
+        return TensorStat(shape, dtype, float(lo), float(hi), None, None, nan, inf)
     mean = sum64(x) / x.numel()
     if scratch is not None and x.is_contiguous():
         # chunk by chunk: the writer thread's temporary is one chunk (a few activations' temporaries would be

@@ -289,7 +289,9 @@ class TraceWriter:
 
     def _write_job(self, job: _Job) -> None:
         stat_scratch = self._scratch_of("stat")
-        job.stats.update({k: tensor_stat(v, stat_scratch) for k, v in job.tensors.items()})
+        # (a same-input value's mean and variance are read by nothing: its extremes and NaN/Inf counts are)
+        job.stats.update({k: tensor_stat(v, stat_scratch, moments=not k.startswith("same"))
+                          for k, v in job.tensors.items()})
         payload = {k: v for k, v in job.tensors.items() if k not in job.stats_only}
         for key, (scale, qmin, qmax, dtype) in job.encode.items():
             codes = _encode(payload[key], scale, qmin, qmax, dtype, stat_scratch, self._scratch_of(f"codes:{key}"))
