@@ -51,7 +51,7 @@ _CODE_DTYPES = {"qint8": (-128, 127, torch.int8), "qint16": (-32768, 32767, torc
 def _scale_value(scale: torch.Tensor | None) -> float | list[float] | None:
     if scale is None:
         return None
-    values = [float(v) for v in scale.detach().reshape(-1)]
+    values = [float(v) for v in scale.detach().cpu().reshape(-1).tolist()]  # (one call, not a tensor per value)
     return values[0] if len(values) == 1 and scale.dim() == 0 else values
 
 
