@@ -80,3 +80,15 @@ def test_identical_and_empty_pairs():
     assert values["Cosine"] == pytest.approx(1.0, rel=1e-15)
     empty = compute_all(torch.empty(0, 3), torch.empty(0, 3))
     assert empty["MSE"] == 0.0 and empty["Atol"] == 0.0 and empty["Cosine"] == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_other_float_dtypes_are_converted_chunk_by_chunk(dtype):
+    x, y = _pair((3, 4, ROW_CHUNK // 5))
+    x, y = x.to(dtype), y.to(dtype)
+    xd, yd = x.double().reshape(-1), y.double().reshape(-1)
+    s = pair_sums(x, y)
+    assert s.dd == pytest.approx(float(((xd - yd) ** 2).sum()), rel=1e-12)
+    assert s.amax == float((xd - yd).abs().max())
+    assert compute_all(x, y)["KL"] == pytest.approx(_kl_reference(x, y), rel=1e-10)
+    assert torch.allclose(channel_sqnr(x, y, 1), channel_sqnr(x.double(), y.double(), 1), rtol=1e-12, atol=0)
