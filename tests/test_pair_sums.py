@@ -92,3 +92,11 @@ def test_other_float_dtypes_are_converted_chunk_by_chunk(dtype):
     assert s.amax == float((xd - yd).abs().max())
     assert compute_all(x, y)["KL"] == pytest.approx(_kl_reference(x, y), rel=1e-10)
     assert torch.allclose(channel_sqnr(x, y, 1), channel_sqnr(x.double(), y.double(), 1), rtol=1e-12, atol=0)
+
+
+def test_empty_channel_blocks():
+    from quantlens.profiler.pair_sums import blocks
+
+    assert list(blocks((2, 8, 0))) == [] and list(blocks((0, 8, 5))) == []
+    assert channel_signal(torch.empty(2, 8, 0), 1).tolist() == [0.0] * 8
+    assert compute_all(torch.empty(2, 8, 0), torch.empty(2, 8, 0))["KL"] == 0.0

@@ -53,11 +53,13 @@ def blocks(shape: torch.Size | tuple[int, int, int]) -> Iterator[tuple[slice, sl
     :data:`ROW_CHUNK` elements with every channel whole: whole rows of ``before`` where a row fits a chunk, else
     slices of one row's ``after`` (a single position's channels larger than a chunk make a block of their own)."""
     outer, channels, inner = shape
+    if outer * channels * inner == 0:
+        return  # (nothing to sum)
     per_row = channels * inner
-    rows = max(1, ROW_CHUNK // max(1, per_row))
-    cols = inner if per_row <= ROW_CHUNK else max(1, ROW_CHUNK // max(1, channels))
+    rows = max(1, ROW_CHUNK // per_row)
+    cols = inner if per_row <= ROW_CHUNK else max(1, ROW_CHUNK // channels)
     for r0 in range(0, outer, rows):
-        for c0 in range(0, max(inner, 1), cols):
+        for c0 in range(0, inner, cols):
             yield slice(r0, r0 + rows), slice(c0, c0 + cols)
 
 
