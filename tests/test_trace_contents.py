@@ -126,3 +126,21 @@ def test_output_quantization_split_over_chunks_matches_a_float64_reference():
     # (the rounding part is a hundred-thousandth of the clipping part here: summed apart, not as the difference)
     assert st.round_sq_err == pytest.approx(float(err[~clipped].sum()), rel=1e-5)
     assert (st.raw_min, st.raw_max) == (float(x.min()), float(x.max()))
+
+
+def test_output_quantization_split_without_saturation_is_all_rounding():
+    """The split skips the saturation masks when the extremes show none saturates: the same figures as the
+    masked path, and an element exactly at the last level's half step still counts as rounding."""
+    from quantlens.march import QuantDType
+    from quantlens.profiler._sums import CHUNK
+    from quantlens.profiler.torch_probe import _quant_error_stats
+
+    g = torch.Generator().manual_seed(3)
+    scale = torch.tensor(0.02)
+    x = (torch.rand(CHUNK + 91, generator=g) * 2 - 1) * 2.5  # inside [-128.5, 127.5] steps
+    x[5] = torch.tensor(127.5 * 0.02, dtype=torch.float32)  # the edge itself: not beyond it
+    st = _quant_error_stats(x, scale, QuantDType.qint8)
+    xd = x.double()
+    q = torch.clamp(torch.round(xd / 0.02), -128, 127) * 0.02
+    assert st.clipped == 0 and st.clip_sq_err == 0.0
+    assert st.round_sq_err == pytest.approx(float(((q - xd) ** 2).sum()), rel=1e-5)

@@ -99,12 +99,18 @@ def _quant_error_stats(x: torch.Tensor, scale: torch.Tensor, dtype) -> QuantErro
         return QuantErrorStats(float("nan"), float("nan"), 0, 0, 0.0, 0.0, qmin, qmax)
     clip_sq = round_sq = 0.0
     clipped_n = 0
+    # Beyond half a step past the last level the value saturates: that is clipping, not rounding. The extremes
+    # say whether any element does; where none does (the usual case) no chunk needs the mask.
+    high, low = (qmax + 0.5) * s, (qmin - 0.5) * s
+    saturates = bool(hi > high) or bool(lo < low)  # (compared as the chunks' masks compare: in x's dtype)
     # chunk by chunk (the writer thread's temporaries are a chunk's, not an activation's)
     for c in chunks(x.contiguous()):
         err = fake_quant(c, scale, dtype).sub_(c)  # -(x - fq(x)), exactly: only its square is used
         err.mul_(err)
-        # Beyond half a step past the last level the value saturates: that is clipping, not rounding.
-        clipped = (c > (qmax + 0.5) * s) | (c < (qmin - 0.5) * s)
+        if not saturates:
+            round_sq += sum64(err)
+            continue
+        clipped = (c > high) | (c < low)
         n = int(clipped.sum())
         if n:
             clip_sq += sum64(err[clipped])
