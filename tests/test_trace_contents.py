@@ -144,3 +144,19 @@ def test_output_quantization_split_without_saturation_is_all_rounding():
     q = torch.clamp(torch.round(xd / 0.02), -128, 127) * 0.02
     assert st.clipped == 0 and st.clip_sq_err == 0.0
     assert st.round_sq_err == pytest.approx(float(((q - xd) ** 2).sum()), rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.float16, torch.bfloat16, torch.bool])
+def test_statistics_of_other_dtypes_go_to_float64_chunk_by_chunk(dtype):
+    """An IR's integer weights and half-precision tensors: the statistics of their values, over several chunks
+    (no float64 copy of the whole tensor is made), as the float64 formulas give them."""
+    from quantlens.profiler._sums import CHUNK
+    from quantlens.profiler.trace.stats import tensor_stat
+
+    g = torch.Generator().manual_seed(4)
+    t = (torch.randn(2 * CHUNK + 17, generator=g) * 40).to(dtype)
+    st = tensor_stat(t)
+    d = t.double()
+    assert (st.min, st.max) == (float(d.min()), float(d.max())) and st.dtype == str(dtype).replace("torch.", "")
+    assert st.mean == pytest.approx(float(d.mean()), rel=1e-12, abs=1e-12)
+    assert st.var == pytest.approx(float(d.var(unbiased=False)), rel=1e-9)

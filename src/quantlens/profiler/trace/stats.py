@@ -36,21 +36,23 @@ def tensor_stat(t: torch.Tensor, scratch: Callable[[int], torch.Tensor] | None =
             lo = hi = None
             if x.numel() == 0:
                 return TensorStat(shape, dtype, None, None, None, None, nan, inf)
-    # A few cheap passes with float64 accumulation, and no float64 copy of a large activation.
-    if x.dtype not in (torch.float32, torch.float64):
-        x, lo, hi = x.double(), None, None
+    # A few cheap passes with float64 accumulation, and no copy of the tensor: an integer or half-precision one
+    # (an IR's weight codes) goes to float64 a chunk at a time, and the variance pass's temporary is one chunk
+    # (a few activations' temporaries would be a tenth of a traced run's memory; the forward's thread computes
+    # a weight's statistics without a scratch buffer).
+    wide = x.dtype not in (torch.float32, torch.float64)
     if lo is None:
         lo, hi = torch.aminmax(x)
     if not moments:
         return TensorStat(shape, dtype, float(lo), float(hi), None, None, nan, inf)
-    mean = sum64(x) / x.numel()
-    if scratch is not None and x.is_contiguous():
-        # chunk by chunk: the writer thread's temporary is one chunk (a few activations' temporaries would be
-        # a tenth of a traced run's memory)
+    x = x.contiguous()
+    pieces = (lambda: (c.double() for c in chunks(x))) if wide else (lambda: chunks(x))
+    mean = (sum(sum64(c) for c in pieces()) if wide else sum64(x)) / x.numel()
+    buf = None
+    if scratch is not None and not wide:
         buf = scratch(min(x.numel(), CHUNK) * x.element_size()).view(x.dtype)
-        var = sum(sum64(torch.sub(c, mean, out=buf[:c.numel()]).square_()) for c in chunks(x)) / x.numel()
-    else:
-        var = sum64((x - mean).square_()) / x.numel()
+    var = sum(sum64(torch.sub(c, mean, out=buf[:c.numel()] if buf is not None else None).square_())
+              for c in pieces()) / x.numel()
     return TensorStat(shape, dtype, float(lo), float(hi), mean, var, nan, inf)
 
 
