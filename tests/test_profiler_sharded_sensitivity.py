@@ -178,3 +178,9 @@ def test_a_changed_post_process_does_not_reuse_progress(tmp_path):
 
 if __name__ == "__main__":
     worker(*sys.argv[1:4])
+    # The results are written and the group is destroyed on both ranks. Leave without Python's finalization:
+    # there a gloo rank now and then aborted ("terminate called without an active exception", 2 of 37 runs
+    # of this file), a C++ thread torn down at exit, after the work this test checks was done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
