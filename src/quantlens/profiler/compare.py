@@ -38,7 +38,7 @@ from quantlens.profiler.metrics import (
     compute_pair,
     in_scale_units,
 )
-from quantlens.profiler.pair_sums import split_sums
+from quantlens.profiler.pair_sums import joined, split_sums
 from quantlens.profiler.trace.format import TracedSite
 from quantlens.profiler.trace.reader import TraceReader
 
@@ -146,18 +146,12 @@ def check_site_match(base: TraceReader, analy: TraceReader, strict: bool = True)
     )
 
 
-def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    if len(tensors) == 1:
-        return tensors[0]
-    return torch.cat([t.reshape(-1).double() for t in tensors])
-
-
 def _metrics(base: list[torch.Tensor], analy: list[torch.Tensor], names: Sequence[str] | None = None,
              finite: bool = False) -> tuple[dict[str, float] | None, MetricPair | None]:
     """The row's metrics of one pair, and the float64 pair (both None where the shapes differ)."""
     if len(base) != len(analy) or any(x.shape != y.shape for x, y in zip(base, analy)) or not base:
         return None, None
-    return compute_pair(_flat(base), _flat(analy), names, finite)
+    return compute_pair(joined(base), joined(analy), names, finite)
 
 
 #: the metrics a row shows of the same-input pair (the others, KL the costliest, are not computed)
@@ -183,7 +177,7 @@ def _split(same: MetricPair, pre: list[torch.Tensor] | None, dtype: str, scale: 
     ``finite``: the baseline and ``pre`` are known to be finite.
     """
     x, y = same.x, same.y
-    p = y if pre is None else _flat(pre).reshape(x.shape)
+    p = y if pre is None else joined(pre).reshape(x.shape)
     if not (finite or (all_finite(x) and all_finite(p))) or x.numel() == 0:
         return {}
     if same.diff_norm <= same.x_norm * _FLOAT_NOISE:

@@ -15,7 +15,7 @@ import torch
 
 from quantlens._finite import all_finite
 from quantlens.march import QuantDType
-from quantlens.profiler.pair_sums import blocks, scratch_rows
+from quantlens.profiler.pair_sums import blocks, joined, scratch_rows
 
 __all__ = ["LSB_VERDICTS", "LSB_BUCKETS", "lsb_report", "extra_saturation"]
 
@@ -25,12 +25,6 @@ LSB_VERDICTS = ("bit-exact", "within 1 LSB", "within 4 LSB", "diverged")
 LSB_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2", 2, 2), ("3-4", 3, 4), ("5-8", 5, 8), (">8", 9, math.inf))
 #: steps counted one by one up to this one; every larger step falls in the last bucket
 _LAST_STEP = 9
-
-
-def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
-    if len(tensors) == 1:
-        return tensors[0].detach().reshape(-1)
-    return torch.cat([t.detach().reshape(-1).double() for t in tensors])
 
 
 def _slices(x3: torch.Tensor, y3: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -64,7 +58,7 @@ def lsb_report(base: list[torch.Tensor], analy: list[torch.Tensor], scale: float
     elif scale <= 0:
         return {}
     else:
-        x, y = _joined(base), _joined(analy)
+        x, y = joined(base).reshape(-1), joined(analy).reshape(-1)
         x3, y3 = x.reshape(-1, 1, 1), y.reshape(-1, 1, 1)
         step = scale
     if x.numel() == 0 or not (finite or (all_finite(x) and all_finite(y))):
@@ -86,7 +80,7 @@ def extra_saturation(base: list[torch.Tensor], analy: list[torch.Tensor], dtype:
     steps inside the range: saturation that the baseline's fake quant did not do (one step is rounding)."""
     if scale is None or scale <= 0 or dtype not in ("qint8", "qint16") or not _same_shapes(base, analy):
         return None
-    x, y = _joined(base), _joined(analy)
+    x, y = joined(base).reshape(-1), joined(analy).reshape(-1)
     if x.numel() == 0:
         return None
     dt = QuantDType.parse(dtype)

@@ -291,8 +291,8 @@ def channel_sqnr(baseline: torch.Tensor, analysis: torch.Tensor, axis: int,
     are NaN then) or no channel has signal.
 
     One pass over each tensor: the values are viewed as ``(before, channel, after)`` and the norms taken over
-    ``after`` (contiguous), then summed over ``before``; the values go to float64 a slice of ``before`` at a time,
-    into reused scratch buffers (:func:`~quantlens.profiler.pair_sums.scratch_rows`), not as copies of the
+    ``after`` (contiguous), then summed over ``before``; the values go to float64 a block at a time (every
+    channel whole: :func:`~quantlens.profiler.pair_sums.blocks`), into reused scratch buffers (:func:`~quantlens.profiler.pair_sums.scratch_rows`), not as copies of the
     activation. ``signal``: :func:`channel_signal` of ``baseline`` when
     already computed (several analysis tensors against one baseline); ``finite``: both are known to be finite."""
     x, y = _detached(baseline), _detached(analysis)

@@ -23,7 +23,8 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["ROW_CHUNK", "PairSums", "pair_sums", "pair_kl", "SplitSums", "split_sums", "kl_dim", "scratch_rows", "blocks"]
+__all__ = ["ROW_CHUNK", "PairSums", "pair_sums", "pair_kl", "SplitSums", "split_sums", "kl_dim", "scratch_rows", "blocks",
+           "joined"]
 
 #: elements per chunk (256 KiB per float64 buffer: a row's working set stays in the core's cache)
 ROW_CHUNK = 1 << 15
@@ -61,6 +62,14 @@ def blocks(shape: torch.Size | tuple[int, int, int]) -> Iterator[tuple[slice, sl
     for r0 in range(0, outer, rows):
         for c0 in range(0, inner, cols):
             yield slice(r0, r0 + rows), slice(c0, c0 + cols)
+
+
+def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A row's values as one tensor: a single output as it is (its shape is the KL's and the channels'), several
+    flattened and concatenated in float64."""
+    if len(tensors) == 1:
+        return tensors[0].detach()
+    return torch.cat([t.detach().reshape(-1).double() for t in tensors])
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
