@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from quantlens.profiler.metrics import channel_signal, channel_sqnr, compute_all, get_metric
-from quantlens.profiler.pair_sums import ROW_CHUNK, pair_kl, pair_sums, split_sums
+from quantlens.profiler.pair_sums import ROW_CHUNK, pair_kl, pair_sums, row_sums, split_sums
 
 
 def _pair(shape, seed=0):
@@ -100,3 +100,58 @@ def test_empty_channel_blocks():
     assert list(blocks((2, 8, 0))) == [] and list(blocks((0, 8, 5))) == []
     assert channel_signal(torch.empty(2, 8, 0), 1).tolist() == [0.0] * 8
     assert compute_all(torch.empty(2, 8, 0), torch.empty(2, 8, 0))["KL"] == 0.0
+
+
+def _fq(p: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.clamp(torch.round(p / scale), -128, 127) * scale
+
+
+# (shape, channel axis): channels in the middle, channels last (a linear's output), one position's channels larger
+# than a chunk, no axis, a partial last block
+@pytest.mark.parametrize("shape,axis", [((3, 5, 67, 71), 1), ((9, 11, 3001), 2), ((2, ROW_CHUNK + 9, 3), 1),
+                                        ((2 * ROW_CHUNK + 17,), None), ((4, 7, 1), 1)])
+@pytest.mark.parametrize("saturation", ["none", "some blocks", "most elements"])
+def test_one_pass_row_sums_equal_the_separate_functions(shape, axis, saturation):
+    """The fused pass (compare's fast path) against each figure's own function (its exact path), on every block
+    layout: pairs, channel energies and the error split, to 1e-12; the same bits on every call."""
+    x, y = _pair(shape, seed=1)
+    g = torch.Generator().manual_seed(2)
+    p = x + 0.01 * torch.randn(shape, generator=g)
+    scale = {"none": 1.0, "some blocks": 0.02, "most elements": 0.001}[saturation]
+    if saturation == "some blocks":  # only the first block reaches past the grid
+        p = p.clone()
+        p.reshape(-1)[:50] *= 100
+    s = _fq(p, scale)
+    low, high = -128.5 * scale, 127.5 * scale
+    r = row_sums(x, [y, s, p], axis, frozenset({2}), (2, 1, low, high))
+    for got, want in ((r.pairs[0], pair_sums(x, y)), (r.pairs[1], pair_sums(x, s))):
+        for field in ("xx", "yy", "xy", "dd", "ad"):
+            assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-12), field
+        assert got.amax == want.amax and got.count == want.count
+    assert r.pairs[2].dd == pytest.approx(pair_sums(x, p).dd, rel=1e-12)
+    assert math.isnan(r.pairs[2].xy)  # (not computed: a pair that only needs its squared difference)
+    split = split_sums(x, p, s, low, high)
+    assert (r.split.clipped > 0) == (saturation != "none")
+    for field in ("inner", "clipped", "rounded"):
+        assert getattr(r.split, field) == pytest.approx(getattr(split, field), rel=1e-12, abs=1e-300), field
+    if axis is None:
+        assert r.signal is None and r.noise is None
+    else:
+        assert torch.allclose(r.signal, channel_signal(x, axis), rtol=1e-12, atol=0)
+        for i, t in enumerate((y, s, p)):
+            assert torch.allclose(10 * torch.log10(r.signal / r.noise[i]), channel_sqnr(x, t, axis, finite=True),
+                                  rtol=1e-12, atol=0)
+    again = row_sums(x.clone(), [y.clone(), s.clone(), p.clone()], axis, frozenset({2}), (2, 1, low, high))
+    assert again.pairs == r.pairs and again.split == r.split
+
+
+def test_the_split_keeps_a_small_rounding_part_next_to_a_large_clipping_one():
+    """Where clipping dominates, the rounding part is summed on its own, not as total - clipping."""
+    x = torch.zeros(3 * ROW_CHUNK)
+    p = torch.full((3 * ROW_CHUNK,), 0.0011)
+    p[::7] = 50.0  # far past the grid: clipping errors of ~2500 each
+    s = _fq(p, 0.001)
+    r = row_sums(x, [s, p], None, frozenset({1}), (1, 0, -128.5e-3, 127.5e-3))
+    want = split_sums(x, p, s, -128.5e-3, 127.5e-3)
+    assert r.split.clipped > 1e6 * r.split.rounded > 0
+    assert r.split.rounded == pytest.approx(want.rounded, rel=1e-12)

@@ -213,3 +213,32 @@ def test_the_output_quantization_split_is_computed_on_the_writer_thread(tmp_path
     assert threads and all(name.startswith("quantlens-trace-") for name in threads), threads
     rows = {r.op_name: r for r in qa.compare_per_layer()}
     assert rows["conv"].raw_error_kind in ("rounding", "clipping")  # the split reached the row
+
+
+@pytest.mark.parametrize("kind", ["fake_quant", "convert"])
+def test_the_one_pass_rows_equal_the_rows_figure_by_figure(kind, tmp_path, monkeypatch):
+    """compare.site_row's fast path (every sum of a row in one pass: pair_sums.row_sums) against its exact path
+    (each figure from its own function), on the same traces: every field equal, floats to 1e-12."""
+    model, prepared, batches = _models()
+    if kind == "convert":
+        base_model = export(pre_export(prepared), batches[0])
+        qa = QuantAnalysis(base_model, convert(base_model), "convert", tmp_path, progress=False)
+    else:
+        qa = QuantAnalysis(model, prepared, "fake_quant", tmp_path, progress=False)
+    qa.set_bad_case(batches[1])
+    qa.run()
+    base, analy = qa._open_traces()
+    fast = compare_traces(base, analy, deployed=kind == "convert")
+    fused = []
+    real = compare_module._fused_sums
+    monkeypatch.setattr(compare_module, "_fused_sums", lambda *a: fused.append(real(*a)) or None)
+    exact = compare_traces(base, analy, deployed=kind == "convert")
+    assert sum(f is not None for f in fused) >= 4  # the fast path was taken on most rows
+    assert [r.op_name for r in fast] == [r.op_name for r in exact]
+    for f, e in zip(fast, exact):
+        for k in f.__dataclass_fields__:
+            got, want = getattr(f, k), getattr(e, k)
+            if isinstance(want, float) and math.isfinite(want):
+                assert got == pytest.approx(want, rel=1e-12, abs=1e-300), (f.op_name, k)
+            else:
+                assert _same(got, want), (f.op_name, k, got, want)

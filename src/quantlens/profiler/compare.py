@@ -37,8 +37,9 @@ from quantlens.profiler.metrics import (
     channel_sqnr,
     compute_pair,
     in_scale_units,
+    sqnr_of_energies,
 )
-from quantlens.profiler.pair_sums import joined, split_sums
+from quantlens.profiler.pair_sums import PairSums, RowSums, SplitSums, joined, row_sums, split_sums
 from quantlens.profiler.trace.format import TracedSite
 from quantlens.profiler.trace.reader import TraceReader
 
@@ -147,11 +148,43 @@ def check_site_match(base: TraceReader, analy: TraceReader, strict: bool = True)
 
 
 def _metrics(base: list[torch.Tensor], analy: list[torch.Tensor], names: Sequence[str] | None = None,
-             finite: bool = False) -> tuple[dict[str, float] | None, MetricPair | None]:
-    """The row's metrics of one pair, and the float64 pair (both None where the shapes differ)."""
-    if len(base) != len(analy) or any(x.shape != y.shape for x, y in zip(base, analy)) or not base:
+             finite: bool = False, sums: PairSums | None = None) -> tuple[dict[str, float] | None, MetricPair | None]:
+    """The row's metrics of one pair, and the float64 pair (both None where the shapes differ); ``sums``: the
+    pair's sums, computed already (:func:`_fused_sums`)."""
+    if not _same_shapes(base, analy):
         return None, None
-    return compute_pair(joined(base), joined(analy), names, finite)
+    return compute_pair(joined(base), joined(analy), names, finite, sums)
+
+
+def _same_shapes(base: list[torch.Tensor], other: list[torch.Tensor]) -> bool:
+    return bool(base) and len(base) == len(other) and all(x.shape == y.shape for x, y in zip(base, other))
+
+
+def _bounds(dtype: str, scale: float | None) -> tuple[float | None, float | None]:
+    """Where an op's value saturates its output grid: below ``(qmin - 0.5) * scale`` or above
+    ``(qmax + 0.5) * scale`` (None, None: an output without a per-tensor integer grid)."""
+    if scale is None or dtype not in ("qint8", "qint16"):
+        return None, None
+    dt = QuantDType.parse(dtype)
+    return (dt.qmin - 0.5) * scale, (dt.qmax + 0.5) * scale
+
+
+def _fused_sums(base: list[torch.Tensor], analy: list[torch.Tensor], same: list[torch.Tensor],
+                pre: list[torch.Tensor], axis: int | None, dtype: str, scale: float | None,
+                finite: bool) -> RowSums | None:
+    """Every sum of the row in one pass (:func:`~quantlens.profiler.pair_sums.row_sums`: the baseline against the
+    analysis values, the same-input values and their pre-rounding values, the channels' energies and the
+    same-input split), where all of them are finite and shaped like the baseline; None otherwise (each figure is
+    then computed on its own, with its own NaN and shape rules)."""
+    if not finite or not _same_shapes(base, analy) or (same and not _same_shapes(base, same)) \
+            or (pre and not _same_shapes(base, pre)) or not all(t.numel() for t in base):
+        return None
+    others = [joined(analy)] + ([joined(same)] if same else []) + ([joined(pre)] if pre else [])
+    single = len(base) == 1 and base[0].dim() > 0
+    # the same-input error split: baseline, pre-rounding value, result (without a pre-rounding value the whole
+    # same-input error is the op's own: nothing to split)
+    split = (2, 1, *_bounds(dtype, scale)) if pre else None
+    return row_sums(joined(base), others, axis if single else None, frozenset({2}) if pre else frozenset(), split)
 
 
 #: the metrics a row shows of the same-input pair (the others, KL the costliest, are not computed)
@@ -164,7 +197,7 @@ _FLOAT_NOISE = 1e-6
 
 
 def _split(same: MetricPair, pre: list[torch.Tensor] | None, dtype: str, scale: float | None,
-           finite: bool = False) -> dict:
+           finite: bool = False, sums: SplitSums | None = None) -> dict:
     """Split the same-input error ``baseline - same`` (``same``: that pair, float64) into two exact parts,
     reported as mean squared errors:
 
@@ -174,7 +207,7 @@ def _split(same: MetricPair, pre: list[torch.Tensor] | None, dtype: str, scale: 
       the others.
 
     The kind is the largest of the three; none when the error is within float32 noise (:data:`_FLOAT_NOISE`).
-    ``finite``: the baseline and ``pre`` are known to be finite.
+    ``finite``: the baseline and ``pre`` are known to be finite. ``sums``: the split's sums, computed already.
     """
     x, y = same.x, same.y
     p = y if pre is None else joined(pre).reshape(x.shape)
@@ -186,11 +219,7 @@ def _split(same: MetricPair, pre: list[torch.Tensor] | None, dtype: str, scale: 
     if pre is None:  # the output is the op's own result: pre - same is 0 everywhere
         inner, clipped, rounded = same.sums.dd / x.numel(), 0.0, 0.0
     else:
-        low = high = None
-        if scale is not None and dtype in ("qint8", "qint16"):
-            dt = QuantDType.parse(dtype)
-            high, low = (dt.qmax + 0.5) * scale, (dt.qmin - 0.5) * scale
-        sums = split_sums(x, p, y, low, high)
+        sums = sums or split_sums(x, p, y, *_bounds(dtype, scale))
         inner, clipped, rounded = sums.inner / x.numel(), sums.clipped, sums.rounded
     parts = {"internal": inner, "clipping": clipped / x.numel(), "rounding": rounded / x.numel()}
     kind = max(parts, key=parts.get) if max(parts.values()) > 0 else ""
@@ -293,11 +322,15 @@ def channel_axis(op_type: str, shape: Sequence[int], weight_shape: Sequence[int]
 
 
 def _channel_figures(x: list[torch.Tensor], y: list[torch.Tensor], axis: int | None,
-                     signal: torch.Tensor | None = None, finite: bool = False) -> torch.Tensor | None:
+                     signal: torch.Tensor | None = None, finite: bool = False, fused: RowSums | None = None,
+                     which: int = 0) -> torch.Tensor | None:
     """Per-channel SQNR of a single-output pair along ``axis`` (None without an axis or with several outputs);
-    ``signal``: the baseline's :func:`channel_signal`, when computed already."""
+    ``signal``: the baseline's :func:`channel_signal`, when computed already; ``fused``: the row's sums, whose
+    energies of pair ``which`` give it without another pass."""
     if axis is None or len(x) != 1 or len(y) != 1:
         return None
+    if fused is not None:
+        return sqnr_of_energies(fused.signal, fused.noise[which]) if fused.signal is not None else None
     return channel_sqnr(x[0], y[0], axis, signal, finite)
 
 
@@ -367,16 +400,24 @@ def site_row(base: TraceReader, b: TracedSite, a: TracedSite, at: Mapping[str, t
     # which tensors are finite, from the trace's statistics of these very values (no pass over them again)
     base_finite = _finite(b, keys)
     acc_finite = base_finite and _finite(a, a.float_outputs())
-    values = _metrics(base_out, analy_out, finite=acc_finite)[0]
+    same_keys = [f"same{i}" for i in range(len(keys)) if f"same{i}" in at]
+    same = [at[k] for k in same_keys] if len(same_keys) == len(keys) else []
+    same_finite = base_finite and _finite(a, same_keys)
+    pre_keys = [f"samepre{i}" for i in range(len(keys)) if f"samepre{i}" in at]
+    pre = [at[k] for k in pre_keys] if same and len(pre_keys) == len(keys) else []
+    pre_finite = base_finite and _finite(a, pre_keys)
+    axis = _output_axis(owner, a, base_out)
+    fused = _fused_sums(base_out, analy_out, same, pre, axis, a.quant_dtype, scale,
+                        acc_finite and (not same or same_finite) and (not pre or pre_finite))
+    values = _metrics(base_out, analy_out, finite=acc_finite, sums=fused.pairs[0] if fused else None)[0]
     if values is None:
         return LayerRow(**row, note="mismatch shape" if keys or a.float_outputs() else "no float output")
     row.update(values)
     row["atol_in_scale"] = in_scale_units(values["Atol"], scale)
-    axis = _output_axis(owner, a, base_out)
     signal = None  # the baseline's channel energies, shared by the row's per-channel figures
-    if axis is not None and len(base_out) == 1 and base_out[0].dim() > 0 and base_finite:
+    if fused is None and axis is not None and len(base_out) == 1 and base_out[0].dim() > 0 and base_finite:
         signal = channel_signal(base_out[0], axis)
-    per_channel = _channel_figures(base_out, analy_out, axis, signal, acc_finite)
+    per_channel = _channel_figures(base_out, analy_out, axis, signal, acc_finite, fused, 0)
     row.update(worst_channel_sqnr=_worst(per_channel), channels_below=_below(per_channel))
     if deployed and a.quant_dtype != "qint32":
         # (an int32 high-precision output's LSB is the accumulator's: one input step upstream is thousands of them,
@@ -384,29 +425,22 @@ def site_row(base: TraceReader, b: TracedSite, a: TracedSite, at: Mapping[str, t
         lsb = lsb_report(base_out, analy_out, a.scale, a.scale_axis, acc_finite)
         row.update(lsb_verdict=lsb.get("verdict", ""), lsb_hist=lsb.get("hist", ""))
     del analy_out
-    same_keys = [f"same{i}" for i in range(len(keys)) if f"same{i}" in at]
-    same = [at[k] for k in same_keys]
-    same_finite = base_finite and _finite(a, same_keys)
-    same_values, same_pair = (_metrics(base_out, same, _SAME_INPUT_METRICS, same_finite) if len(same) == len(keys)
-                              else (None, None))
+    same_values, same_pair = (_metrics(base_out, same, _SAME_INPUT_METRICS, same_finite,
+                                       fused.pairs[1] if fused else None) if same else (None, None))
     note = a.same_input_note
     if same_values is not None:
         row.update(same_input_cosine=same_values["Cosine"], same_input_sqnr=same_values["SQNR"],
                    same_input_atol=same_values["Atol"],
                    same_input_in_scale=in_scale_units(same_values["Atol"], scale))
-        pre_keys = [f"samepre{i}" for i in range(len(keys)) if f"samepre{i}" in at]
-        pre = [at[k] for k in pre_keys]
-        pre_finite = base_finite and _finite(a, pre_keys)
         if same_pair is not None:
-            whole = len(pre) == len(keys)
-            row.update(_split(same_pair, pre if whole else None, a.quant_dtype, scale,
-                              pre_finite if whole else same_finite))
-        same_channels = _channel_figures(base_out, same, axis, signal, same_finite)
+            row.update(_split(same_pair, pre or None, a.quant_dtype, scale, pre_finite if pre else same_finite,
+                              fused.split if fused else None))
+        same_channels = _channel_figures(base_out, same, axis, signal, same_finite, fused, 1)
         if same_channels is not None:
             row.update(same_input_worst_channel_sqnr=_worst(same_channels), channels_below=_below(same_channels))
-        if len(pre) == len(keys):
+        if pre:
             row["same_input_inner_worst_channel_sqnr"] = _worst(_channel_figures(base_out, pre, axis, signal,
-                                                                                  pre_finite))
+                                                                                  pre_finite, fused, 2))
         if deployed:
             lsb = lsb_report(base_out, same, a.scale, a.scale_axis, same_finite)
             row.update(same_input_lsb_verdict=lsb.get("verdict", ""), same_input_lsb_hist=lsb.get("hist", ""))

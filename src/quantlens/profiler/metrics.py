@@ -38,7 +38,8 @@ from quantlens.profiler.pair_sums import PairSums, blocks, pair_kl, pair_sums, s
 from quantlens.quantization.qconfig_template import METRIC_HIGHER_IS_WORSE, register_metric_direction
 
 __all__ = ["Metric", "METRICS", "register_metric", "get_metric", "metric_names", "compute_all", "compute_pair",
-           "MetricPair", "in_scale_units", "custom_metric", "channel_sqnr", "channel_signal", "SAME_INPUT_SQNR_LIMIT"]
+           "MetricPair", "in_scale_units", "custom_metric", "channel_sqnr", "channel_signal", "sqnr_of_energies",
+           "SAME_INPUT_SQNR_LIMIT"]
 
 #: a same-input SQNR below this (dB) means the op itself loses precision (int8 on well-scaled data gives ~35-45);
 #: also the limit of the per-channel share ``channels_below`` (a channel below it is a damaged channel). The
@@ -100,8 +101,10 @@ class MetricPair:
     built-in metrics are formulas of (:func:`~quantlens.profiler.pair_sums.pair_sums`), computed once per pair:
     no float64 copy of either tensor is made."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, sums: PairSums | None = None):
         self.x, self.y = x, y
+        if sums is not None:  # computed already, with the row's other sums (pair_sums.row_sums)
+            self.__dict__["sums"] = sums
 
     @cached_property
     def sums(self) -> PairSums:
@@ -185,15 +188,16 @@ def compute_all(baseline: torch.Tensor, analysis: torch.Tensor,
 
 
 def compute_pair(baseline: torch.Tensor, analysis: torch.Tensor, names: Sequence[str] | None = None,
-                 finite: bool = False) -> tuple[dict[str, float], MetricPair | None]:
+                 finite: bool = False, sums: PairSums | None = None) -> tuple[dict[str, float], MetricPair | None]:
     """:func:`compute_all`, and the float64 pair with the intermediates it computed (None when the shapes
     differ), for more figures of the same pair without computing them again. ``finite``: both tensors are known
-    to be finite (a trace's statistics say so), so they are not checked again."""
+    to be finite (a trace's statistics say so), so they are not checked again. ``sums``: the pair's
+    :class:`PairSums`, computed already."""
     chosen = {n: METRICS[n] for n in names} if names is not None else METRICS
     x, y = _detached(baseline), _detached(analysis)
     if x.shape != y.shape:
         return {name: metric(baseline, analysis) for name, metric in chosen.items()}, None  # raises, naming it
-    pair = MetricPair(x, y)
+    pair = MetricPair(x, y, sums)
     if not finite and not (all_finite(x) and all_finite(y)):
         return {name: math.nan for name in chosen}, pair
     copies: list[torch.Tensor] = []  # float64 copies, made only for a metric that is not built in
@@ -305,6 +309,11 @@ def channel_sqnr(baseline: torch.Tensor, analysis: torch.Tensor, axis: int,
     for rows, cols in blocks(x3.shape):
         a, b = scratch_rows(x3[rows, :, cols], y3[rows, :, cols])
         noise += _energy(a.sub_(b))
+    return sqnr_of_energies(signal, noise)
+
+
+def sqnr_of_energies(signal: torch.Tensor, noise: torch.Tensor) -> torch.Tensor | None:
+    """:func:`channel_sqnr` from the channels' energies ``Σx_c²`` and ``Σ(x_c - y_c)²`` (float64)."""
     has_signal = signal > 0
     if not bool(has_signal.any()):
         return None
