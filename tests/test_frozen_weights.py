@@ -3,6 +3,8 @@ profiler's forwards), where each parameter's scale is computed once per window a
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -57,3 +59,43 @@ def test_a_weight_edited_through_data_is_seen_outside_and_in_a_new_window(monkey
         again = model(x)
     with torch.no_grad():
         assert torch.equal(again, model(x))
+
+
+def test_a_profiler_run_folds_each_conv_bn_once_and_computes_its_scale_once(monkeypatch, tmp_path):
+    """run() traces the model and re-runs each op on the baseline's input: a conv + BN folded for that call
+    (qat_modules.frozen_folds) is folded once and its folded weight's scale computed once, with the rows of a run
+    that folds at every call."""
+    from quantlens.profiler import QuantAnalysis
+    from quantlens.quantization import qat_modules
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.BatchNorm2d(4)).eval()
+    with torch.no_grad():
+        model[1].running_var.uniform_(0.5, 2.0)
+    x = torch.randn(2, 3, 9, 9)
+    prepared = calibrate(prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None,
+                                 allow_no_stubs=True), [(x,)])
+    folded = [m for m in prepared.modules() if isinstance(m, qat_modules._FoldedBnMixin)]
+    assert len(folded) == 2
+    calls = _count_observer_calls(prepared, monkeypatch)
+    folds = []
+    real_fold = qat_modules._FoldedBnMixin._fold
+    monkeypatch.setattr(qat_modules._FoldedBnMixin, "_fold", lambda self: folds.append(1) or real_fold(self))
+    qa = QuantAnalysis(model, prepared, "fake_quant", tmp_path / "a", progress=False)
+    qa.set_bad_case((x,))
+    qa.run()
+    assert len(folds) == 2 and len(calls) == 2  # not once per forward (traced and same-input): 4 each
+    rows = qa.compare_per_layer()
+
+    # the same rows as forwards that fold and observe at every call
+    import quantlens.profiler.torch_access as torch_access
+
+    monkeypatch.setattr(torch_access, "frozen_folds", lambda modules: contextlib.nullcontext())
+    qa2 = QuantAnalysis(model, prepared, "fake_quant", tmp_path / "b", progress=False)
+    qa2.set_bad_case((x,))
+    before = len(folds)
+    qa2.run()
+    assert len(folds) - before == 4
+    again = qa2.compare_per_layer()
+    assert [(r.op_name, r.SQNR, r.same_input_sqnr, r.Atol) for r in rows] == \
+        [(r.op_name, r.SQNR, r.same_input_sqnr, r.Atol) for r in again]

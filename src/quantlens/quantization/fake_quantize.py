@@ -6,7 +6,7 @@ import contextlib
 import math
 import warnings
 from enum import Enum
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from quantlens.quantization.scale_policy import group_scale, pow2_ceil, sync_gro
 from quantlens.quantization.tracing_state import export_tracing
 
 __all__ = ["FakeQuantState", "FakeQuantize", "set_fake_quantize", "calibrate", "int32_bias", "nonfinite_sites", "fake_quant_sites",
-           "frozen_weights"]
+           "frozen_weights", "held_weights"]
 
 
 class FakeQuantState(str, Enum):
@@ -221,8 +221,8 @@ class FakeQuantize(nn.Module):
         weight: the window, the parameter object, its storage, shape and in-place version, and the observer. None
         (always recompute) for a weight computed in the forward (a BatchNorm folded into its conv: a new tensor on
         every call, whose id and memory may be reused) and while torch.export traces."""
-        if not isinstance(w, nn.Parameter) or export_tracing():  # (the real answer: is_compiling() is set in a traced forward)
-            return None
+        if not (isinstance(w, nn.Parameter) or _HELD.get(id(w)) is w) or export_tracing():
+            return None  # (export_tracing: the real answer; is_compiling() is set in a traced forward)
         return (_FROZEN[1], id(w), w.data_ptr(), w._version, tuple(w.shape), w.dtype, id(self.observer), self.dtype,
                 self.ch_axis)
 
@@ -254,6 +254,24 @@ class FakeQuantize(nn.Module):
 
 #: [depth, window]: inside frozen_weights() (depth > 0) a weight's scale is computed once per parameter and window
 _FROZEN = [0, 0]
+#: id -> tensor: weights computed from parameters that a window holds unchanged (:func:`held_weights`), whose scale
+#: frozen_weights() computes once like a parameter's
+_HELD: dict[int, torch.Tensor] = {}
+
+
+@contextlib.contextmanager
+def held_weights(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """While inside, ``tensors`` (weights computed from parameters, e.g. a BatchNorm folded into its conv, which
+    the caller holds unchanged and fake-quantizes again and again: ``qat_modules.frozen_folds``) count as
+    parameters for :func:`frozen_weights`: one scale computation per window rather than one per call. The
+    tensors are held here, so their ids stay theirs."""
+    added = {id(t): t for t in tensors if id(t) not in _HELD}
+    _HELD.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            _HELD.pop(key, None)
 
 
 @contextlib.contextmanager

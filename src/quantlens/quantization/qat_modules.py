@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantlens.quantization.fake_quantize import FakeQuantize, int32_bias
+from quantlens.quantization.fake_quantize import FakeQuantize, held_weights, int32_bias
 from quantlens.quantization.op_rules import computes_as
 from quantlens.quantization.qconfig import QuantSpec
 
@@ -54,7 +54,8 @@ def frozen_folds(modules: Iterable[nn.Module]) -> Iterator[None]:
                 folds[id(m)] = (w, factor, beta, bias, beta + (bias - m.bn.running_mean) * factor)
     token = _FROZEN_FOLDS.set(folds)
     try:
-        yield
+        with held_weights(fold[0] for fold in folds.values()):  # (inside frozen_weights(): one scale per fold)
+            yield
     finally:
         _FROZEN_FOLDS.reset(token)
 
