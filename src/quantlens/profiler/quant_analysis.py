@@ -49,7 +49,7 @@ from quantlens.profiler.sensitivity import SensitivityResult, run_sensitivity
 from quantlens.profiler.trace._lock import FolderLock
 from quantlens.profiler.trace.reader import TraceReader
 from quantlens.profiler.trace.stats import input_digest
-from quantlens.profiler.trace.writer import TraceWriter
+from quantlens.profiler.trace.writer import HOLD_BYTES, TraceWriter
 from quantlens.quantization.fake_quantize import uncalibrated_message, uncalibrated_sites
 
 __all__ = ["QuantAnalysis", "RunResult"]
@@ -284,12 +284,12 @@ class QuantAnalysis:
         return base, analy
 
     # -- run -------------------------------------------------------------------------------------------------
-    def _trace(self, access, directory: Path, same_input=None,
-               values_not_needed: frozenset[str] = frozenset()) -> tuple[TraceReader, list[str]]:
+    def _trace(self, access, directory: Path, same_input=None, values_not_needed: frozenset[str] = frozenset(),
+               hold_bytes: int = 0) -> tuple[TraceReader, list[str]]:
         # the analysis run computes compare_per_layer()'s rows on its writer thread as it goes (row_stream)
         stream = RowStream(same_input, self.analysis_type.deployed) if same_input is not None else None
         writer = TraceWriter(directory, access.label, access.describe(), save_inputs=same_input is None,
-                             values_not_needed=values_not_needed, after_write=stream)
+                             values_not_needed=values_not_needed, after_write=stream, hold_bytes=hold_bytes)
         example = self._require_bad_case()
         # the run that traces the model _reach() reads also records its data flow: no extra forward later
         tee = ReachTee(writer, example) if access is self._reach_access() and not hasattr(access, "module") else None
@@ -300,8 +300,7 @@ class QuantAnalysis:
             raise QuantLensError(
                 f"The {access.label} model ({access.describe()}) cannot be called with the bad case: {exc}. A torch "
                 "model takes its full input pytree (non-tensor arguments such as a task list included); an IR also "
-                "takes the deployment format. Set a bad case in a format this model accepts before running it."
-            ) from exc
+                "takes the deployment format. Set a bad case in a format this model accepts before running it.") from exc
         except BaseException:
             writer.close()  # stop its writer thread; the previous complete trace stays as it was
             raise
@@ -321,7 +320,7 @@ class QuantAnalysis:
         except BaseException:
             writer.close()
             raise
-        trace = TraceReader(directory)
+        trace = TraceReader(directory, held=writer.held)
         if stream is not None:
             stream.seal(trace)
             self._row_stream = stream
@@ -345,7 +344,8 @@ class QuantAnalysis:
         if run_baseline_model:
             # traced together with the analysis: the values only the analysis model's fused ops hold are not kept
             internal = self.analysis.group_internal_sites() if run_analysis_model else frozenset()
-            base, outputs = self._trace(self.baseline, base_dir, values_not_needed=internal)
+            base, outputs = self._trace(self.baseline, base_dir, values_not_needed=internal,  # (values held for:)
+                                        hold_bytes=HOLD_BYTES if run_analysis_model else 0)  # (the analysis run)
             self._base_dir = base_dir
         if run_analysis_model:
             source = base if base is not None else TraceReader(base_dir)
@@ -357,6 +357,7 @@ class QuantAnalysis:
                     "cannot feed the analysis model's same-input run. Run both models: qa.run()."
                 )
             analy, outputs = self._trace(self.analysis, analy_dir, same_input=source)
+            source.drop_held()  # (the row stream keeps the reader)
             self._analy_dir = analy_dir
             check_site_match(source, analy, strict=not self.analysis_type.deployed)
         return RunResult(base_dir if base else None, analy_dir if analy else None,

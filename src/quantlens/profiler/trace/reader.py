@@ -27,8 +27,11 @@ class TraceReader:
     that take an ``occurrence`` give the others (``occurrence`` indexes the site's runs as a list does: 0 is the
     first, -1 the last, -2 the one before; None is the last)."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, held: Mapping[tuple[str, str], torch.Tensor] | None = None):
+        """``held``: values of this trace's files still in memory (the writer's :attr:`~.writer.TraceWriter.held`,
+        by ``(file, key)``), read there instead of from the files until :meth:`drop_held`."""
         self.dir = Path(directory)
+        self._held: Mapping[tuple[str, str], torch.Tensor] = held or {}
         path = self.dir / TRACE_FILE
         if not path.is_file():
             raise QuantLensError(
@@ -105,13 +108,23 @@ class TraceReader:
             raise KeyError(f"{name} (occurrence {occurrence})" if name in self.occurrences else name)
         return SiteTensors(self, site)
 
-    def _load(self, site: TracedSite, keys: list[str]) -> list[torch.Tensor]:
-        """The tensors ``keys`` of ``site``, references followed, each file opened once."""
+    def drop_held(self) -> None:
+        """Read every tensor from the files from now on (frees the values held in memory)."""
+        self._held = {}
+
+    def _load(self, site: TracedSite, keys: list[str], copy: bool = False) -> list[torch.Tensor]:
+        """The tensors ``keys`` of ``site``, references followed, each file opened once. A value held in memory is
+        returned as it is, or as a copy with ``copy`` (for a caller that may change it in place: every call then
+        gets its own tensor, as from a file)."""
         where: dict[str, list[tuple[int, str]]] = {}
+        out: list[Any] = [None] * len(keys)
         for i, key in enumerate(keys):
             file, stored = site.refs.get(key, (site.file, key))
-            where.setdefault(file, []).append((i, stored))
-        out: list[Any] = [None] * len(keys)
+            held = self._held.get((file, stored))
+            if held is not None:  # (the very values the writer stored and took the statistics of: no check)
+                out[i] = held.clone() if copy else held
+            else:
+                where.setdefault(file, []).append((i, stored))
         for file, items in where.items():
             owner = self._by_file.get(file)
             codes = owner.codes if owner is not None else {}
@@ -175,7 +188,8 @@ class TraceReader:
         if s is None:
             return None
         keys = [k for k in s.stats if k.startswith("in") and not self._stats_only(s, k)]
-        return {int(k[2:]): t for k, t in zip(keys, self._load(s, keys))}
+        # (copies: the same-input run feeds them to the other model's op, which may work in place)
+        return {int(k[2:]): t for k, t in zip(keys, self._load(s, keys, copy=True))}
 
     def _stats_only(self, site: TracedSite, key: str) -> bool:
         """Whether only the statistics of ``key`` are kept (references followed): an input a fused group's member

@@ -39,11 +39,16 @@ from quantlens.profiler.trace.format import (
 )
 from quantlens.profiler.trace.stats import tensor_stat
 
-__all__ = ["TraceWriter", "QUEUE_BYTES"]
+__all__ = ["TraceWriter", "QUEUE_BYTES", "HOLD_BYTES"]
 
 #: the most bytes of tensor copies waiting for the writer thread; the traced forward waits when it is reached
 #: (one item larger than this is still taken, alone)
 QUEUE_BYTES = 24 * 1024 * 1024
+#: the most bytes of a baseline trace's copies kept in memory after they are written (:attr:`TraceWriter.held`), for
+#: the analysis run that follows: its same-input runs and rows read them there instead of from the files. Small
+#: enough that a run's peak memory stays within 1.2x a plain forward's on large activations
+#: (``benchmarks/bench_profiler.py``); a small net's whole baseline fits.
+HOLD_BYTES = 16 * 1024 * 1024
 #: the integer grids whose values may be stored as codes: quant dtype -> (qmin, qmax, code dtype)
 _CODE_DTYPES = {"qint8": (-128, 127, torch.int8), "qint16": (-32768, 32767, torch.int16)}
 
@@ -76,6 +81,7 @@ class _Job:
     encode: dict[str, tuple[float, int, int, torch.dtype]] = field(default_factory=dict)  # key -> grid
     buffer: torch.Tensor | None = None  # the pool buffer holding the copies
     stats_only: frozenset[str] = frozenset()  # keys whose statistics are computed but which are not written
+    held: bool = False  # the copies stay in memory, in TraceWriter.held (the buffer is not given back)
 
 
 def _encode(x: torch.Tensor, scale: float, qmin: int, qmax: int, dtype: torch.dtype,
@@ -116,7 +122,8 @@ class TraceWriter:
 
     def __init__(self, directory: str | os.PathLike, label: str, description: str, save_inputs: bool = True,
                  queue_bytes: int = QUEUE_BYTES, values_not_needed: frozenset[str] = frozenset(),
-                 after_write: Callable[[TracedSite, Mapping[str, torch.Tensor]], None] | None = None):
+                 after_write: Callable[[TracedSite, Mapping[str, torch.Tensor]], None] | None = None,
+                 hold_bytes: int = 0):
         #: where the trace ends up; it is written to the sibling staging folder :attr:`dir` and moved here by
         #: :meth:`finish`, so until then ``target`` keeps the previous complete trace (an interrupted run
         #: changes nothing there)
@@ -132,6 +139,11 @@ class TraceWriter:
         #: tensors as the file holds them (the values read back, codes decoded): its own file's still in memory,
         #: its outputs held by an earlier site's file (an identity op's) read back from there
         self.after_write = after_write
+        #: (file, key) -> the value written there, kept in memory (each site's copies whole, while they fit in
+        #: ``hold_bytes``); the reader of this trace takes them instead of reading the file (TraceReader(held=))
+        self.held: dict[tuple[str, str], torch.Tensor] = {}
+        self.hold_bytes = hold_bytes
+        self._held_bytes = 0
         self._stats_by_file: dict[str, dict[str, TensorStat]] = {}  # (the writer thread's)
         self._site_by_file: dict[str, TracedSite] = {}  # (the writer thread's)
         self.label = label
@@ -275,9 +287,11 @@ class TraceWriter:
                 self._error = exc
             finally:
                 job.tensors, job.quant_error = {}, None
-                if job.buffer is not None:
+                if job.held:
+                    self._pool.release(job.nbytes)
+                elif job.buffer is not None:
                     self._pool.give(job.buffer, job.nbytes)
-                    job.buffer = None
+                job.buffer = None
 
     def _scratch_of(self, name: str) -> Callable[[int], torch.Tensor]:
         def get(nbytes: int) -> torch.Tensor:
@@ -299,6 +313,7 @@ class TraceWriter:
                 payload[key] = codes
                 job.site.codes[key] = scale
         write_safetensors(self.dir / job.site.file, payload)
+        self._hold(job, payload)
         if job.quant_error is not None:
             job.site.quant_error = job.quant_error()
         self._stats_by_file[job.site.file] = job.stats
@@ -315,6 +330,16 @@ class TraceWriter:
                     if value is not None:
                         values[key] = value
             self.after_write(job.site, values)
+
+    def _hold(self, job: _Job, payload: dict[str, torch.Tensor]) -> None:
+        """Keep the site's copies (as the file holds them: float values, no codes) while they fit in
+        :attr:`hold_bytes`."""
+        if not payload or job.site.codes or job.nbytes + self._held_bytes > self.hold_bytes \
+                or any(payload[k] is not job.tensors[k] for k in payload):
+            return
+        job.held = True
+        self._held_bytes += job.nbytes
+        self.held.update({(job.site.file, k): t for k, t in payload.items()})
 
     def _read_back(self, file: str, key: str) -> torch.Tensor | None:
         """Tensor ``key`` of an earlier site's file, as the reader returns it (codes decoded); None where only
