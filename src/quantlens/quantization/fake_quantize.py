@@ -254,9 +254,7 @@ class FakeQuantize(nn.Module):
 
 #: [depth, window]: inside frozen_weights() (depth > 0) a weight's scale is computed once per parameter and window
 _FROZEN = [0, 0]
-#: id -> tensor: weights computed from parameters that a window holds unchanged (:func:`held_weights`), whose scale
-#: frozen_weights() computes once like a parameter's
-_HELD: dict[int, torch.Tensor] = {}
+_HELD: dict[int, torch.Tensor] = {}  # id -> tensor: see held_weights()
 
 
 @contextlib.contextmanager
