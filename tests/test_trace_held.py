@@ -9,6 +9,7 @@ from torch import nn
 
 import quantlens.profiler.quant_analysis as qa_module
 import quantlens.profiler.trace.reader as reader_module
+import quantlens.profiler.trace.writer as writer_module
 from quantlens.profiler import QuantAnalysis
 from quantlens.profiler.trace.writer import TraceWriter
 from quantlens.quantization import DeQuantStub, QuantStub, calibrate, prepare
@@ -86,6 +87,8 @@ def test_the_writer_holds_whole_sites_within_its_budget(tmp_path):
         writer.finish({})
         held = sum(t.numel() * t.element_size() for t in writer.held.values())
         assert held <= budget
+        # each held value owns its memory: no pool buffer (possibly an earlier, larger site's) is pinned by it
+        assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in writer.held.values())
         files = {f for f, _ in writer.held}
         # a site is held whole: every key its file holds, or none
         for f in files:
@@ -94,6 +97,22 @@ def test_the_writer_holds_whole_sites_within_its_budget(tmp_path):
             assert {k for ff, k in writer.held if ff == f} == stored
         sizes.append(held)
     assert sizes[0] == 0 and 0 < sizes[1] < sizes[2]
+
+
+def test_a_large_site_is_not_held_whatever_the_budget(tmp_path, monkeypatch):
+    """Holding a large activation raised bench_profiler's peak memory (1.17x -> 1.21x a plain forward): only sites up
+    to HOLD_SITE_BYTES are held."""
+    model, prepared, batches = _models()
+    from quantlens.profiler.torch_access import TorchModelAccess
+
+    monkeypatch.setattr(writer_module, "HOLD_SITE_BYTES", 2 * 8 * 12 * 12 * 4 - 1)  # under a conv's output
+    writer = TraceWriter(tmp_path / "t", "baseline", "float", hold_bytes=1 << 30)
+    TorchModelAccess(model, "baseline").run(batches[1], sink=writer)
+    writer.finish({})
+    held_files = {f for f, _ in writer.held}
+    big = {s.file for s in writer.sites if s.name in ("conv1", "act1", "conv2")}
+    assert big and not big & held_files
+    assert held_files  # the small sites (the linear, the mean) still are
 
 
 def test_a_held_value_is_handed_to_the_same_input_run_as_a_copy(tmp_path):

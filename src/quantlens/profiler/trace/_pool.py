@@ -46,12 +46,6 @@ class BufferPool:
             self.free.append(buf)
             self.cond.notify_all()
 
-    def release(self, nbytes: int) -> None:
-        """A buffer handed out is kept by its taker (:attr:`TraceWriter.held`): its bytes no longer count here."""
-        with self.cond:
-            self.out -= nbytes
-            self.cond.notify_all()
-
     def clear(self) -> None:
         with self.cond:
             self.free = []

@@ -39,7 +39,7 @@ from quantlens.profiler.trace.format import (
 )
 from quantlens.profiler.trace.stats import tensor_stat
 
-__all__ = ["TraceWriter", "QUEUE_BYTES", "HOLD_BYTES"]
+__all__ = ["TraceWriter", "QUEUE_BYTES", "HOLD_BYTES", "HOLD_SITE_BYTES"]
 
 #: the most bytes of tensor copies waiting for the writer thread; the traced forward waits when it is reached
 #: (one item larger than this is still taken, alone)
@@ -49,6 +49,10 @@ QUEUE_BYTES = 24 * 1024 * 1024
 #: enough that a run's peak memory stays within 1.2x a plain forward's on large activations
 #: (``benchmarks/bench_profiler.py``); a small net's whole baseline fits.
 HOLD_BYTES = 16 * 1024 * 1024
+#: the largest site held (its copies' bytes). Holding saves a file's fixed costs (open, header, mapping), which
+#: dominate small tensors; a large one reads back from the page cache for about what its copy costs, and holding
+#: it raised ``bench_profiler``'s peak from 1.17x to 1.21x a plain forward at 128x128 (8 MB activations)
+HOLD_SITE_BYTES = 1024 * 1024
 #: the integer grids whose values may be stored as codes: quant dtype -> (qmin, qmax, code dtype)
 _CODE_DTYPES = {"qint8": (-128, 127, torch.int8), "qint16": (-32768, 32767, torch.int16)}
 
@@ -81,7 +85,6 @@ class _Job:
     encode: dict[str, tuple[float, int, int, torch.dtype]] = field(default_factory=dict)  # key -> grid
     buffer: torch.Tensor | None = None  # the pool buffer holding the copies
     stats_only: frozenset[str] = frozenset()  # keys whose statistics are computed but which are not written
-    held: bool = False  # the copies stay in memory, in TraceWriter.held (the buffer is not given back)
 
 
 def _encode(x: torch.Tensor, scale: float, qmin: int, qmax: int, dtype: torch.dtype,
@@ -287,9 +290,7 @@ class TraceWriter:
                 self._error = exc
             finally:
                 job.tensors, job.quant_error = {}, None
-                if job.held:
-                    self._pool.release(job.nbytes)
-                elif job.buffer is not None:
+                if job.buffer is not None:
                     self._pool.give(job.buffer, job.nbytes)
                 job.buffer = None
 
@@ -333,13 +334,14 @@ class TraceWriter:
 
     def _hold(self, job: _Job, payload: dict[str, torch.Tensor]) -> None:
         """Keep the site's copies (as the file holds them: float values, no codes) while they fit in
-        :attr:`hold_bytes`."""
-        if not payload or job.site.codes or job.nbytes + self._held_bytes > self.hold_bytes \
+        :attr:`hold_bytes`, if the site is small (:data:`HOLD_SITE_BYTES`)."""
+        if not payload or job.site.codes or job.nbytes > HOLD_SITE_BYTES \
+                or job.nbytes + self._held_bytes > self.hold_bytes \
                 or any(payload[k] is not job.tensors[k] for k in payload):
             return
-        job.held = True
         self._held_bytes += job.nbytes
-        self.held.update({(job.site.file, k): t for k, t in payload.items()})
+        # (copies of their own: the pool's buffer may be an earlier, larger site's, which holding would pin)
+        self.held.update({(job.site.file, k): t.clone() for k, t in payload.items()})
 
     def _read_back(self, file: str, key: str) -> torch.Tensor | None:
         """Tensor ``key`` of an earlier site's file, as the reader returns it (codes decoded); None where only
