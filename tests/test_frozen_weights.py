@@ -8,7 +8,7 @@ import contextlib
 import torch
 from torch import nn
 
-from quantlens.quantization import calibrate, prepare
+from quantlens.quantization import calibrate, fake_quantize, prepare
 from quantlens.quantization.fake_quantize import FakeQuantize, frozen_weights
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 
@@ -69,33 +69,44 @@ def test_a_profiler_run_folds_each_conv_bn_once_and_computes_its_scale_once(monk
     from quantlens.quantization import qat_modules
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.BatchNorm2d(4)).eval()
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.BatchNorm2d(4),
+                          nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)).eval()
     with torch.no_grad():
         model[1].running_var.uniform_(0.5, 2.0)
     x = torch.randn(2, 3, 9, 9)
     prepared = calibrate(prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None,
                                  allow_no_stubs=True), [(x,)])
     folded = [m for m in prepared.modules() if isinstance(m, qat_modules._FoldedBnMixin)]
-    assert len(folded) == 2
+    assert len(folded) == 4
     calls = _count_observer_calls(prepared, monkeypatch)
-    folds = []
+    folds, live = [], []
     real_fold = qat_modules._FoldedBnMixin._fold
-    monkeypatch.setattr(qat_modules._FoldedBnMixin, "_fold", lambda self: folds.append(1) or real_fold(self))
+
+    def counting_fold(self):
+        frozen = qat_modules._FROZEN_FOLDS.get()
+        live.append(len(frozen.folds) if frozen is not None else 0)
+        folds.append(1)
+        return real_fold(self)
+
+    monkeypatch.setattr(qat_modules._FoldedBnMixin, "_fold", counting_fold)
     qa = QuantAnalysis(model, prepared, "fake_quant", tmp_path / "a", progress=False)
     qa.set_bad_case((x,))
     qa.run()
-    assert len(folds) == 2 and len(calls) == 2  # not once per forward (traced and same-input): 4 each
+    assert len(folds) == 4 and len(calls) == 4  # not once per forward (traced and same-input): 8 each
+    # folded at first use, the last two kept: a layer's weights held, not a second copy of the model's
+    assert max(live) == 2 and qat_modules._FROZEN_FOLDS.get() is None
+    assert not fake_quantize._HELD  # every fold released after the call
     rows = qa.compare_per_layer()
 
     # the same rows as forwards that fold and observe at every call
     import quantlens.profiler.torch_access as torch_access
 
-    monkeypatch.setattr(torch_access, "frozen_folds", lambda modules: contextlib.nullcontext())
+    monkeypatch.setattr(torch_access, "frozen_folds", lambda modules, keep=None: contextlib.nullcontext())
     qa2 = QuantAnalysis(model, prepared, "fake_quant", tmp_path / "b", progress=False)
     qa2.set_bad_case((x,))
     before = len(folds)
     qa2.run()
-    assert len(folds) - before == 4
+    assert len(folds) - before == 8
     again = qa2.compare_per_layer()
     assert [(r.op_name, r.SQNR, r.same_input_sqnr, r.Atol) for r in rows] == \
         [(r.op_name, r.SQNR, r.same_input_sqnr, r.Atol) for r in again]

@@ -132,9 +132,10 @@ class TorchModelAccess(ModelAccess):
             object.__setattr__(m, "training", False)
         for m in paused:
             object.__setattr__(m, "observe_enabled", False)
-        # each conv/linear + BN folded once for this call's forwards (the traced one and its same-input re-runs), its
-        # weight's scale computed once; an ablation's window has folded them already
-        folds = frozen_folds(modules) if self.prepared and self._frozen_modules is None else nullcontext()
+        # each conv/linear + BN folded once for this call's forwards (the traced one and its same-input re-runs, which
+        # follow each op: the last two folds kept), its weight's scale computed once; an ablation's window has
+        # folded them already
+        folds = frozen_folds(modules, keep=2) if self.prepared and self._frozen_modules is None else nullcontext()
         try:
             with torch.no_grad(), frozen_weights(), folds:  # the profiler changes no weight: each scale computed once
                 yield

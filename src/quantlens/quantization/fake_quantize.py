@@ -6,7 +6,7 @@ import contextlib
 import math
 import warnings
 from enum import Enum
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from quantlens.quantization.scale_policy import group_scale, pow2_ceil, sync_gro
 from quantlens.quantization.tracing_state import export_tracing
 
 __all__ = ["FakeQuantState", "FakeQuantize", "set_fake_quantize", "calibrate", "int32_bias", "nonfinite_sites", "fake_quant_sites",
-           "frozen_weights", "held_weights"]
+           "frozen_weights", "hold_weight", "release_weight"]
 
 
 class FakeQuantState(str, Enum):
@@ -254,22 +254,20 @@ class FakeQuantize(nn.Module):
 
 #: [depth, window]: inside frozen_weights() (depth > 0) a weight's scale is computed once per parameter and window
 _FROZEN = [0, 0]
-_HELD: dict[int, torch.Tensor] = {}  # id -> tensor: see held_weights()
+_HELD: dict[int, torch.Tensor] = {}  # id -> tensor: see hold_weight()
 
 
-@contextlib.contextmanager
-def held_weights(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
-    """While inside, ``tensors`` (weights computed from parameters, e.g. a BatchNorm folded into its conv, which
-    the caller holds unchanged and fake-quantizes again and again: ``qat_modules.frozen_folds``) count as
-    parameters for :func:`frozen_weights`: one scale computation per window rather than one per call. The
-    tensors are held here, so their ids stay theirs."""
-    added = {id(t): t for t in tensors if id(t) not in _HELD}
-    _HELD.update(added)
-    try:
-        yield
-    finally:
-        for key in added:
-            _HELD.pop(key, None)
+def hold_weight(t: torch.Tensor) -> None:
+    """Until :func:`release_weight`, ``t`` (a weight computed from parameters, e.g. a BatchNorm folded into its
+    conv, which the caller holds unchanged and fake-quantizes again and again: ``qat_modules.frozen_folds``)
+    counts as a parameter for :func:`frozen_weights`: one scale computation per window rather than one per call.
+    The tensor is held here, so its id stays its own."""
+    _HELD[id(t)] = t
+
+
+def release_weight(t: torch.Tensor) -> None:
+    if _HELD.get(id(t)) is t:
+        del _HELD[id(t)]
 
 
 @contextlib.contextmanager

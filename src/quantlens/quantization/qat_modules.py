@@ -9,6 +9,7 @@ exactly as the integer kernel adds it to the accumulator (``docs/march.md``, "Bi
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 from typing import Iterable, Iterator
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantlens.quantization.fake_quantize import FakeQuantize, held_weights, int32_bias
+from quantlens.quantization.fake_quantize import FakeQuantize, hold_weight, int32_bias, release_weight
 from quantlens.quantization.op_rules import computes_as
 from quantlens.quantization.qconfig import QuantSpec
 
@@ -37,27 +38,64 @@ __all__ = [
     "frozen_folds",
 ]
 
-#: id(module) -> its folded (weight, factor, beta, bias, folded bias), while :func:`frozen_folds` holds them
-_FROZEN_FOLDS: contextvars.ContextVar[dict[int, tuple] | None] = contextvars.ContextVar("frozen_folds", default=None)
+class _Folds:
+    """The folds of a :func:`frozen_folds` block: id(module) -> its folded (weight, factor, beta, bias, folded bias).
+    Without ``keep`` every module's is made on entry; with ``keep``, each is made at the module's first call and
+    at most ``keep`` are kept, the least recently used dropped first."""
+
+    def __init__(self, modules: Iterable[nn.Module], keep: int | None):
+        self.keep = keep
+        self.folds: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+        if keep is None:
+            for m in modules:
+                if isinstance(m, _FoldedBnMixin):  # (the fold is the same in either mode; training forwards skip it)
+                    self._add(m)
+
+    def _add(self, m: "_FoldedBnMixin") -> tuple:
+        with torch.no_grad():
+            w, factor, beta, bias = m._fold()
+            fold = self.folds[id(m)] = (w, factor, beta, bias, beta + (bias - m.bn.running_mean) * factor)
+        hold_weight(w)  # (one scale per fold in frozen_weights())
+        return fold
+
+    def of(self, m: "_FoldedBnMixin") -> tuple | None:
+        fold = self.folds.get(id(m))
+        if self.keep is None or fold is not None:
+            if fold is not None and self.keep is not None:
+                self.folds.move_to_end(id(m))
+            return fold
+        fold = self._add(m)
+        while len(self.folds) > self.keep:
+            release_weight(self.folds.popitem(last=False)[1][0])
+        return fold
+
+    def close(self) -> None:
+        for fold in self.folds.values():
+            release_weight(fold[0])
+        self.folds.clear()
+
+
+_FROZEN_FOLDS: contextvars.ContextVar[_Folds | None] = contextvars.ContextVar("frozen_folds", default=None)
 
 
 @contextlib.contextmanager
-def frozen_folds(modules: Iterable[nn.Module]) -> Iterator[None]:
+def frozen_folds(modules: Iterable[nn.Module], keep: int | None = None) -> Iterator[None]:
     """Fold each conv/linear + BatchNorm of ``modules`` once, for a stretch of eval forwards in which neither the
-    weights nor the BN statistics change (the profiler's ablation forwards: only fake quants are switched), instead
-    of at every forward. Outside the block, and for a module in training mode, every forward folds afresh."""
-    folds = {}
-    with torch.no_grad():
-        for m in modules:
-            if isinstance(m, _FoldedBnMixin):  # (the fold is the same in either mode; training forwards skip it)
-                w, factor, beta, bias = m._fold()
-                folds[id(m)] = (w, factor, beta, bias, beta + (bias - m.bn.running_mean) * factor)
+    weights nor the BN statistics change (the profiler's forwards: only fake quants are switched), instead of at
+    every forward. Outside the block, and for a module in training mode, every forward folds afresh.
+
+    ``keep=None`` folds every module on entry and keeps them all: the ablation forwards, which run the whole model
+    again and again. ``keep=n`` folds a module at its first call and keeps the ``n`` most recently used: a traced
+    forward whose same-input re-run follows each op (``run()``), so the folds held stay a layer's weights, not a
+    second copy of the model's (resnet18: +27-30 MiB of peak memory with every fold kept)."""
+    folds = _Folds(modules, keep)
     token = _FROZEN_FOLDS.set(folds)
     try:
-        with held_weights(fold[0] for fold in folds.values()):  # (inside frozen_weights(): one scale per fold)
-            yield
+        yield
     finally:
         _FROZEN_FOLDS.reset(token)
+        folds.close()
+
 
 class _WeightQuantMixin:
     """Shared by every QAT class: the weight fake quant and the int32 bias rule."""
@@ -192,7 +230,7 @@ class _FoldedBnMixin(_WeightQuantMixin):
 
     def forward(self, x):
         frozen = _FROZEN_FOLDS.get()
-        fold = frozen.get(id(self)) if frozen and not self.training else None
+        fold = frozen.of(self) if frozen is not None and not self.training else None
         if fold is not None:
             w, factor, beta, bias, b_fold = fold
             return self._affine(x, self.weight_fake_quant(w), self._quant_bias(b_fold))
