@@ -110,13 +110,16 @@ def _quant_error_stats(x: torch.Tensor, scale: torch.Tensor, dtype) -> QuantErro
         if not saturates:
             round_sq += sum64(err)
             continue
-        clipped = (c > high) | (c < low)
-        n = int(clipped.sum())
+        clipped = torch.gt(c, high).logical_or_(torch.lt(c, low))
+        n = int(torch.count_nonzero(clipped))
         if n:
-            clip_sq += sum64(err[clipped])
+            # the clipped squares in place (err * 1, the others err * 0 = 0: exact), not gathered by the mask:
+            # indexing and masked_fill_ took 6x as long (94 against 15 ms on a saturating 1M-element activation)
+            clip = err * clipped
+            clip_sq += sum64(clip)
             # each part summed on its own: as total - clipping, a small rounding part next to a large clipping
             # one would be lost to cancellation
-            round_sq += sum64(err.masked_fill_(clipped, 0.0))
+            round_sq += sum64(err.sub_(clip))
         else:
             round_sq += sum64(err)
         clipped_n += n
