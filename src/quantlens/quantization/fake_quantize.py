@@ -266,6 +266,7 @@ def hold_weight(t: torch.Tensor) -> None:
 
 
 def release_weight(t: torch.Tensor) -> None:
+    """Ends :func:`hold_weight` for ``t`` (a no-op where ``t`` is not held)."""
     if _HELD.get(id(t)) is t:
         del _HELD[id(t)]
 

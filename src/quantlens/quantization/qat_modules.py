@@ -59,10 +59,12 @@ class _Folds:
         return fold
 
     def of(self, m: "_FoldedBnMixin") -> tuple | None:
+        """The module's fold (None: not one of the block's modules, which then folds at every call)."""
         fold = self.folds.get(id(m))
-        if self.keep is None or fold is not None:
-            if fold is not None and self.keep is not None:
-                self.folds.move_to_end(id(m))
+        if self.keep is None:
+            return fold
+        if fold is not None:
+            self.folds.move_to_end(id(m))
             return fold
         fold = self._add(m)
         while len(self.folds) > self.keep:
