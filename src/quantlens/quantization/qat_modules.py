@@ -89,7 +89,7 @@ def frozen_folds(modules: Iterable[nn.Module], keep: int | None = None) -> Itera
     ``keep=None`` folds every module on entry and keeps them all: the ablation forwards, which run the whole model
     again and again. ``keep=n`` folds a module at its first call and keeps the ``n`` most recently used: a traced
     forward whose same-input re-run follows each op (``run()``), so the folds held stay a layer's weights, not a
-    second copy of the model's (resnet18: +27-30 MiB of peak memory with every fold kept)."""
+    second copy of the model's (resnet18: +30-40 MiB of peak memory with every fold kept)."""
     folds = _Folds(modules, keep)
     token = _FROZEN_FOLDS.set(folds)
     try:
