@@ -43,6 +43,14 @@ def test_chunked_sums_are_the_whole_tensor_formulas(shape):
     assert pair_sums(x.clone(), y.clone()) == s
 
 
+@pytest.mark.parametrize("shape", [(300, 384), (64, 10), (1, 7), (ROW_CHUNK // 8 + 3, 8)])
+def test_the_kl_of_a_2d_tensor_is_taken_over_its_last_dim(shape):
+    """A 2-D tensor's softmax runs over its last dim, taken as a 2-D view (a 3-D block with a last dim of 1 took
+    7x as long); several rows per block, one, and a row count past a chunk."""
+    x, y = _pair(shape, seed=3)
+    assert pair_kl(x, y) == pytest.approx(_kl_reference(x, y), rel=1e-10)
+
+
 def test_a_softmax_larger_than_a_chunk():
     x, y = _pair((2, ROW_CHUNK + 9, 3))  # 2 outer rows, the softmax over ROW_CHUNK + 9 channels
     assert pair_kl(x, y) == pytest.approx(_kl_reference(x, y), rel=1e-10)

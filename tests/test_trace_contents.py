@@ -20,6 +20,54 @@ def test_float32_statistics_match_float64_references(n):
     assert st.shape == ((n, 1) if n % 2 else (n,))
 
 
+@pytest.mark.parametrize("moments", [True, False])
+def test_the_numpy_statistics_of_small_tensors_agree_with_the_torch_passes_at_their_limit(moments):
+    """At most NUMPY_MOMENTS elements (NUMPY_EXTREMES for the extremes alone) the statistics are numpy's, in
+    float64; one element more takes torch's chunked passes. Both sides of the limit give the float64 figures,
+    the numpy side to float64 rounding."""
+    from quantlens.profiler.trace import stats
+
+    limit = stats.NUMPY_MOMENTS if moments else stats.NUMPY_EXTREMES
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(limit + 1, generator=g) * 3 + 1000.0
+    calls = []
+    real = stats._numpy_stat
+    try:
+        stats._numpy_stat = lambda *a: calls.append(a[0].numel()) or real(*a)
+        small, large = stats.tensor_stat(x[:limit], moments=moments), stats.tensor_stat(x, moments=moments)
+    finally:
+        stats._numpy_stat = real
+    assert calls == [limit]  # the numpy path up to the limit, torch's beyond it
+    for st, ref in ((small, x[:limit].double()), (large, x.double())):
+        assert (st.min, st.max) == (float(ref.min()), float(ref.max()))
+        if moments:
+            exact = st is small
+            assert st.mean == pytest.approx(float(ref.mean()), rel=1e-15 if exact else 1e-7)
+            assert st.var == pytest.approx(float(ref.var(correction=0)), rel=1e-12 if exact else 1e-5)
+        else:
+            assert st.mean is None and st.var is None
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int64, torch.float16, torch.float64, torch.bool])
+def test_small_tensors_of_other_dtypes_take_the_numpy_path_with_float64_moments(dtype):
+    g = torch.Generator().manual_seed(5)
+    t = (torch.randn(4097, generator=g) * 40).to(dtype)
+    st = tensor_stat(t.reshape(17, 241))
+    d = t.double()
+    assert (st.min, st.max) == (float(d.min()), float(d.max()))
+    assert st.shape == (17, 241) and st.dtype == str(dtype).replace("torch.", "")
+    assert st.mean == pytest.approx(float(d.mean()), rel=1e-13, abs=1e-13)
+    assert st.var == pytest.approx(float(d.var(unbiased=False)), rel=1e-12)
+
+
+def test_a_small_tensor_with_nan_or_inf_is_counted_like_a_large_one():
+    x = torch.arange(100, dtype=torch.float32)
+    x[3], x[7] = float("nan"), -float("inf")
+    st = tensor_stat(x)
+    assert (st.nan, st.inf) == (1, 1) and (st.min, st.max) == (0.0, 99.0)
+    assert tensor_stat(torch.full((5,), float("nan"))).min is None
+
+
 def test_nonfinite_values_are_counted_and_left_out():
     x = torch.arange(10000, dtype=torch.float32)
     x[3], x[5], x[9000] = float("nan"), float("inf"), -float("inf")
