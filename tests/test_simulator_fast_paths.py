@@ -87,6 +87,30 @@ def test_requantize_fast_path_at_its_bound(mult, shift, dtype):
     assert apply_requantize(inside.to(torch.float64), p, bound=float(limit - 1), consume=True).tolist() == want_in
 
 
+@pytest.mark.parametrize("mult,shift", [(46341, 16), (65535, 30), (2**23 - 1, 31), (2**30 + 12345, 31)])
+@pytest.mark.parametrize("dtype", [QuantDType.qint8, QuantDType.qint16])
+def test_requantize_float32_path_at_its_bound(mult, shift, dtype):
+    """Below 2**(24 - bitlen(M)) the product acc · M·2**-shift is exact in float32: at the bound, at ties and at
+    saturation the integer rule's bits, per tensor and per channel (one channel's multiplier past 2**24 / |acc|
+    sends the whole call to float64)."""
+    limit = 2 ** max(0, 24 - mult.bit_length())
+    values = [v for v in _near(limit) if abs(v) < limit] + list(range(-3, 4))
+    values += [(2 * j + 1) * (1 << (shift - 1)) // mult for j in range(-3, 3)]  # near ties
+    values = [v for v in values if abs(v) < limit]
+    acc = torch.tensor(values, dtype=torch.float32)
+    p = requantize_params(mult, shift, dtype)
+    assert p.exact_bound32 == limit and (p.real32 is not None) == (mult < 2**24)  # (else float64)
+    want = [_sat(_rhe(v * mult, shift), dtype) for v in values]
+    assert apply_requantize(acc, p, bound=float(limit - 1), storage=dtype_storage(dtype)).tolist() == want
+    # per channel: two channels, the second's multiplier 4x the first's (its bound a quarter)
+    mults = torch.tensor([mult, min(4 * mult, 2**31 - 1)]).reshape(1, 2)
+    pc = requantize_params(mults, torch.tensor([shift, shift + 2]).reshape(1, 2), dtype)
+    acc2 = torch.stack([acc, acc], dim=1)
+    want2 = [[_sat(_rhe(v * int(m), sh), dtype) for m, sh in zip(mults[0].tolist(), (shift, shift + 2))]
+             for v in values]
+    assert apply_requantize(acc2, pc, bound=float(limit - 1), storage=dtype_storage(dtype)).tolist() == want2
+
+
 def test_requantize_of_a_large_accumulator_reuses_its_scratch_but_not_its_results():
     """A float32 GEMM output of 2 MB and more is requantized in a reused float64 buffer: each result is its own
     tensor (the buffer is written again by the next call) and equals the integer path near the fast path's
@@ -143,6 +167,34 @@ def test_rescaled_sum_fast_path_matches_integer_rule(frac, storage):
                 tb = max(min(_rhe(b * 34730, 16 - frac), 2**31 - 1), -(2**31))
                 want.append(_sat(_rhe(ta - tb + (5 << frac), frac), QuantDType.qint16))
             assert got.tolist() == want, (mult, shift)
+
+
+@pytest.mark.parametrize("frac", [0, 8])
+def test_rescaled_sum_float32_path_at_its_bounds(frac):
+    """float32 where every storage-type bound |q|·M and the sum of the rounded terms stay below 2**24: around
+    both limits (M = 511 and 512 on int16: 32768·M just below and at 2**24; the sum of two terms just below and
+    above it), at the extremes and at ties, the integer rule's bits, and the dtype each side computes in."""
+    from quantlens.march.numerics import _rescale_dtype
+
+    q16 = [-32768, -32767, -2, -1, 0, 1, 2, 3, 5, 32766, 32767]
+    cases = [(511, frac + 1, torch.float32), (512, frac + 1, torch.float64),  # one term's |q·M|
+             (511, frac, torch.float64),  # the sum of two terms (2 · 32768 · 511) passes 2**24
+             (255, frac, torch.float32)]  # and here stays below it
+    for mult, shift, work in cases:
+        qa = torch.tensor(q16, dtype=torch.int16)
+        qb = torch.tensor(list(reversed(q16)), dtype=torch.int16)
+        terms = [(qa, mult, shift, 1), (qb, mult, shift, -1 if mult == 255 else 1)]
+        assert _rescale_dtype(terms, 3, frac) == work, (mult, shift)
+        got = rescaled_sum(terms, 3, QuantDType.qint16, frac, storage=torch.int16)
+        want = []
+        for a, b in zip(q16, reversed(q16)):
+            ta = max(min(_rhe(a * mult, shift - frac), 2**31 - 1), -(2**31))
+            tb = max(min(_rhe(b * mult, shift - frac), 2**31 - 1), -(2**31))
+            want.append(_sat(_rhe(ta + (-tb if mult == 255 else tb) + 3, frac), QuantDType.qint16))
+        assert got.dtype == torch.int16 and got.tolist() == want, (mult, shift)
+    # int8 inputs with 16-bit multipliers, the simulator's usual add: float32
+    q8 = torch.tensor([-128, -1, 0, 1, 127], dtype=torch.int8)
+    assert _rescale_dtype([(q8, 65535, 16, 1), (q8, 65535, 16, -1)], 0, 0) == torch.float32
 
 
 def test_rescaled_sum_broadcasts_like_before():

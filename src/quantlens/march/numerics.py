@@ -195,13 +195,24 @@ def requantize(
 
 class RequantizeParams:
     """The parameters of :func:`requantize`, prepared once: ``multiplier``/``shift`` (ints or int64 tensors),
-    the output ``dtype``, ``real = M * 2**-shift`` (float64, exact) and the fast path's ``exact_bound``."""
+    the output ``dtype``, ``real = M * 2**-shift`` (float64, exact) and the fast path's ``exact_bound``; ``real32``:
+    ``real`` in float32 where that is exact (else None), for accumulators below ``exact_bound32``."""
 
-    __slots__ = ("multiplier", "shift", "dtype", "real", "exact_bound")
+    __slots__ = ("multiplier", "shift", "dtype", "real", "exact_bound", "real32", "exact_bound32")
 
     def __init__(self, multiplier, shift, dtype: QuantDType, real, exact_bound: int):
         self.multiplier, self.shift, self.dtype, self.real, self.exact_bound = (
             multiplier, shift, dtype, real, exact_bound)
+        self.real32, self.exact_bound32 = _float32_of(real), _exact_bound(multiplier, 24)
+
+
+def _float32_of(real: "float | torch.Tensor") -> "float | torch.Tensor | None":
+    """``real`` as float32, where that is the same value (a multiplier below 2**24, a normal exponent)."""
+    if isinstance(real, torch.Tensor):
+        r32 = real.to(torch.float32)
+        return r32 if bool(torch.equal(r32.to(torch.float64), real)) else None
+    r32 = torch.tensor(real, dtype=torch.float32)
+    return real if float(r32) == real else None
 
 
 def requantize_params(multiplier: "int | torch.Tensor", shift: "int | torch.Tensor",
@@ -226,6 +237,15 @@ def apply_requantize(acc: torch.Tensor, p: RequantizeParams, *, bound: "float | 
         if amax is None or amax >= p.exact_bound:
             data = float(acc.abs().max() if acc.is_floating_point() else acc.to(torch.int64).abs().max())
             amax = data if amax is None else min(amax, data)
+        if amax < p.exact_bound32 and p.real32 is not None and not storage.is_floating_point:
+            # |acc · M| < 2**24: the product is exact in float32 too (half the bytes of the float64 path)
+            y = acc.to(torch.float32, copy=True)
+            real = p.real32
+            if isinstance(real, torch.Tensor) and _broadcast_shape(y.shape, real.shape) != y.shape:
+                y = y * real
+            else:
+                y.mul_(real)
+            return y.round_().clamp_(p.dtype.qmin, p.dtype.qmax).to(storage)
         if amax < p.exact_bound:
             real = p.real
             if consume and acc.dtype == torch.float64:
@@ -291,11 +311,14 @@ def _broadcast_shape(a: "torch.Size", b: "torch.Size") -> tuple:
     return tuple(out)
 
 
-def _exact_bound(multiplier: "int | torch.Tensor") -> int:
-    """``2**(53 - b)``, ``b`` the bit length of the largest multiplier: below it ``|x · M| < 2**53`` (exact in
-    float64)."""
-    m = int(multiplier.max()) if isinstance(multiplier, torch.Tensor) else int(multiplier)
-    return 2 ** max(0, 53 - abs(m).bit_length())
+def _exact_bound(multiplier: "int | torch.Tensor", digits: int = 53) -> int:
+    """``2**(digits - b)``, ``b`` the bit length of the largest multiplier: below it ``|x · M| < 2**digits``
+    (exact in float64, or in float32 with ``digits=24``)."""
+    if isinstance(multiplier, torch.Tensor):
+        m = int(multiplier.abs().max()) if multiplier.numel() else 0
+    else:
+        m = int(multiplier)
+    return 2 ** max(0, digits - abs(m).bit_length())
 
 
 def rescaled_sum(
@@ -319,19 +342,23 @@ def rescaled_sum(
                 "its scale is too large next to the output scale for the march to rescale it. Check the observers "
                 "of this op's inputs."
             )
-    if all(_magnitude_bound(q, mult) for q, mult, *_ in terms):
+    work = _rescale_dtype(terms, addend, frac)
+    if work is not None:
         # Same result in float64: |q·M| < 2**53 is exact (the bound of _exact_bound: |q| < 2**22 for a 31-bit M,
         # 2**37 for a 16-bit one), scaling by powers of two is exact, torch.round is half to even, and the
-        # int32-bounded terms and their sum (plus an int32 addend) are exact. (In place on fresh tensors; a term
-        # whose bound |q|·M·2**(F - shift) is below 2**31 - 1 needs no int32 clamp.)
+        # int32-bounded terms and their sum (plus an int32 addend) are exact. Likewise in float32 where every
+        # |q·M| and the sum stay below 2**24 (_rescale_dtype). (In place on fresh tensors; a term whose bound
+        # |q|·M·2**(F - shift) is below 2**31 - 1 needs no int32 clamp, and takes its sign with the factor:
+        # rounding half to even is symmetric.)
         total = None
         for q, mult, shift, sign in terms:
             factor = int(mult) * 2.0 ** (frac - int(shift))
-            t = q.to(torch.float64, copy=True).mul_(factor).round_()
-            if _STORAGE_MAGNITUDE.get(q.dtype, 2**63) * abs(factor) > 2**31 - 1:
+            clamp = _STORAGE_MAGNITUDE.get(q.dtype, 2**63) * abs(factor) > 2**31 - 1
+            t = q.to(work, copy=True).mul_(-factor if sign < 0 and not clamp else factor).round_()
+            if clamp:
                 t.clamp_(-(2**31), 2**31 - 1)
-            if sign < 0:
-                t.neg_()
+                if sign < 0:
+                    t.neg_()
             if total is None:
                 total = t
             else:
@@ -341,7 +368,7 @@ def rescaled_sum(
                 else:
                     total = t.add_(total) if shape == t.shape else total + t
         if total is None:
-            total = torch.zeros((), dtype=torch.float64)
+            total = torch.zeros((), dtype=work)
         if float(addend) != 0.0:
             total = total + float(addend) if total.dim() == 0 else total.add_(float(addend))
         if frac:
@@ -357,6 +384,23 @@ def rescaled_sum(
 #: the largest magnitude of each integer storage dtype (a static bound on |q|, no pass over the data).
 _STORAGE_MAGNITUDE = {torch.int8: 2**7, torch.int16: 2**15, torch.int32: 2**31, torch.uint8: 2**8 - 1,
                       torch.bool: 1}
+
+
+def _rescale_dtype(terms: "list[tuple[torch.Tensor, int, int, int]]", addend: "int | torch.Tensor",
+                   frac: int) -> "torch.dtype | None":
+    """The float dtype :func:`rescaled_sum` computes in exactly: float32 where, from the terms' storage types
+    alone, every ``|q·M| < 2**24`` and the rounded terms with the addend sum to below ``2**24`` (an int8 add with
+    16-bit multipliers: half the bytes of float64); float64 where every ``|q·M| < 2**53`` (:func:`_exact_bound`);
+    None: neither (the int64 rule)."""
+    if not all(_magnitude_bound(q, mult) for q, mult, *_ in terms):
+        return None
+    total = abs(float(addend))
+    for q, mult, shift, _ in terms:
+        magnitude = _STORAGE_MAGNITUDE.get(q.dtype)
+        if magnitude is None or magnitude * abs(int(mult)) >= 2**24:
+            return torch.float64
+        total += magnitude * abs(int(mult)) * 2.0 ** (frac - int(shift)) + 0.5  # (+ 0.5: the rounding)
+    return torch.float32 if total < 2**24 else torch.float64
 
 
 def _magnitude_bound(q: torch.Tensor, mult: int) -> bool:
