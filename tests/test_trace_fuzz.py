@@ -501,3 +501,18 @@ def test_a_damaged_trace_folder_is_refused_or_read_as_it_was(traced, case):
                 raise
     finally:
         _release(fifos)
+
+
+def test_a_per_channel_scale_list_is_refused_for_any_bad_element():
+    """The per-channel scale check runs over whole lists at C speed; each element must still be a non-negative
+    finite int or float (a bool, a string, None, a negative, NaN or Inf anywhere in the list is refused)."""
+    from quantlens.profiler.trace.format import _scale
+
+    good = [0.5] * 1000
+    assert _scale(good) and _scale([0, 1, 2.5]) and _scale(None) and _scale(0.25)
+    for bad in (True, "x", None, -1e-9, float("nan"), float("inf"), [0.1], {}):
+        for at in (0, 500, 999):
+            values = list(good)
+            values[at] = bad
+            assert not _scale(values), (bad, at)
+    assert not _scale([]) and not _scale(-0.5) and not _scale(True)

@@ -177,9 +177,16 @@ def _str_list(v) -> bool:
     return isinstance(v, list) and all(isinstance(x, str) for x in v)
 
 
+#: the types JSON gives numbers (a bool is neither)
+_NUMBER_TYPES = frozenset({int, float})
+
+
 def _scale(v) -> bool:
+    # (a per-channel list is checked by C-level loops: a transformer's trace holds hundreds of thousands of scales,
+    # and element by element in Python the check took most of the time to open a trace)
     return v is None or (_number(v) and math.isfinite(v) and v >= 0) or \
-        (isinstance(v, list) and len(v) > 0 and all(_number(x) and math.isfinite(x) and x >= 0 for x in v))
+        (isinstance(v, list) and len(v) > 0 and {type(x) for x in v} <= _NUMBER_TYPES
+         and all(map(math.isfinite, v)) and min(v) >= 0)
 
 
 def _opt(check):
