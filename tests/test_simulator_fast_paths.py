@@ -100,6 +100,11 @@ def test_requantize_float32_path_at_its_bound(mult, shift, dtype):
     acc = torch.tensor(values, dtype=torch.float32)
     p = requantize_params(mult, shift, dtype)
     assert p.exact_bound32 == limit and (p.real32 is not None) == (mult < 2**24)  # (else float64)
+    # trailing zeros do not count: M = mult * 2**6 (shift + 6) has the same bound and the same results
+    p6 = requantize_params(mult << 6, shift + 6, dtype)
+    assert p6.exact_bound32 == limit
+    assert apply_requantize(acc, p6, bound=float(limit - 1), storage=dtype_storage(dtype)).tolist() == \
+        [_sat(_rhe(v * mult, shift), dtype) for v in values]
     want = [_sat(_rhe(v * mult, shift), dtype) for v in values]
     assert apply_requantize(acc, p, bound=float(limit - 1), storage=dtype_storage(dtype)).tolist() == want
     # per channel: two channels, the second's multiplier 4x the first's (its bound a quarter)
@@ -171,13 +176,15 @@ def test_rescaled_sum_fast_path_matches_integer_rule(frac, storage):
 
 @pytest.mark.parametrize("frac", [0, 8])
 def test_rescaled_sum_float32_path_at_its_bounds(frac):
-    """float32 where every storage-type bound |q|·M and the sum of the rounded terms stay below 2**24: around
-    both limits (M = 511 and 512 on int16: 32768·M just below and at 2**24; the sum of two terms just below and
-    above it), at the extremes and at ties, the integer rule's bits, and the dtype each side computes in."""
+    """float32 where every storage-type bound |q|·M' (M' = M without its trailing zeros) and the sum of the
+    rounded terms stay below 2**24: around both limits (M = 511 and 513 on int16: 32768·M just below and above
+    2**24; M = 2**15, an unchanged scale, one significant bit; the sum of two terms just below and above 2**24), at
+    the extremes and at ties, the integer rule's bits, and the dtype each side computes in."""
     from quantlens.march.numerics import _rescale_dtype
 
     q16 = [-32768, -32767, -2, -1, 0, 1, 2, 3, 5, 32766, 32767]
-    cases = [(511, frac + 1, torch.float32), (512, frac + 1, torch.float64),  # one term's |q·M|
+    cases = [(511, frac + 1, torch.float32), (513, frac + 1, torch.float64),  # one term's |q·M|
+             (2**15, frac + 15, torch.float32),  # (M's trailing zeros: a power-of-two scaling)
              (511, frac, torch.float64),  # the sum of two terms (2 · 32768 · 511) passes 2**24
              (255, frac, torch.float32)]  # and here stays below it
     for mult, shift, work in cases:

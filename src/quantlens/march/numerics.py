@@ -312,13 +312,18 @@ def _broadcast_shape(a: "torch.Size", b: "torch.Size") -> tuple:
 
 
 def _exact_bound(multiplier: "int | torch.Tensor", digits: int = 53) -> int:
-    """``2**(digits - b)``, ``b`` the bit length of the largest multiplier: below it ``|x · M| < 2**digits``
-    (exact in float64, or in float32 with ``digits=24``)."""
-    if isinstance(multiplier, torch.Tensor):
-        m = int(multiplier.abs().max()) if multiplier.numel() else 0
-    else:
-        m = int(multiplier)
-    return 2 ** max(0, digits - abs(m).bit_length())
+    """``2**(digits - b)``, ``b`` the most significant bits of a multiplier (its bit length without its trailing
+    zeros, which only scale by a power of two): below it ``x · M`` is exact in float64, or in float32 with
+    ``digits=24``. (``M = 2**15``, an unchanged scale, has 1: any int8 or int16 value times it is exact in float32.)"""
+    values = multiplier.reshape(-1).tolist() if isinstance(multiplier, torch.Tensor) else [multiplier]
+    bits = max((_odd_part(int(m)).bit_length() for m in values), default=0)
+    return 2 ** max(0, digits - bits)
+
+
+def _odd_part(m: int) -> int:
+    """``|m|`` without its trailing zero bits (0 for 0)."""
+    m = abs(m)
+    return m >> ((m & -m).bit_length() - 1) if m else 0
 
 
 def rescaled_sum(
@@ -397,7 +402,7 @@ def _rescale_dtype(terms: "list[tuple[torch.Tensor, int, int, int]]", addend: "i
     total = abs(float(addend))
     for q, mult, shift, _ in terms:
         magnitude = _STORAGE_MAGNITUDE.get(q.dtype)
-        if magnitude is None or magnitude * abs(int(mult)) >= 2**24:
+        if magnitude is None or magnitude * _odd_part(int(mult)) >= 2**24:  # (trailing zeros: exact scaling)
             return torch.float64
         total += magnitude * abs(int(mult)) * 2.0 ** (frac - int(shift)) + 0.5  # (+ 0.5: the rounding)
     return torch.float32 if total < 2**24 else torch.float64
