@@ -4,6 +4,7 @@ rows the comparison computes from the traces on disk, and the textbook formulas'
 order (the rows sum chunk by chunk, pair_sums); rows of traces written again since are never reused."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -242,3 +243,26 @@ def test_the_one_pass_rows_equal_the_rows_figure_by_figure(kind, tmp_path, monke
                 assert got == pytest.approx(want, rel=1e-12, abs=1e-300), (f.op_name, k)
             else:
                 assert _same(got, want), (f.op_name, k, got, want)
+
+
+def test_compare_per_layer_reuses_runs_readers_until_a_trace_json_changes(tmp_path, monkeypatch):
+    """compare_per_layer() takes the readers run() opened instead of parsing trace.json again, as long as each
+    folder's trace.json is the very file they read; a trace written again (another run, or an edit) is read anew."""
+    import quantlens.profiler.quant_analysis as qa_module
+    from quantlens.profiler.trace.format import TRACE_FILE
+
+    model, prepared, batches = _models()
+    qa = QuantAnalysis(model, prepared, "fake_quant", out_dir=tmp_path, progress=False)
+    qa.set_bad_case(batches[0])
+    qa.run()
+    opened = []
+    real = qa_module.TraceReader
+    monkeypatch.setattr(qa_module, "TraceReader", lambda *a, **k: opened.append(a[0]) or real(*a, **k))
+    first = {r.op_name: r.SQNR for r in qa.compare_per_layer()}
+    assert opened == []  # both of run()'s readers stood
+    path = tmp_path / "analysis_model" / TRACE_FILE
+    text = path.read_text()
+    path.write_text(text.replace('"description": "', '"description": "edited ', 1))
+    qa.compare_per_layer()
+    assert [Path(p).name for p in opened] == ["analysis_model"]  # the edited trace only
+    assert {r.op_name: r.SQNR for r in qa.compare_per_layer()} == first

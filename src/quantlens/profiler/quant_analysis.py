@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import pickle
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -45,6 +44,7 @@ from quantlens.profiler.report import (
     write_statistic,
 )
 from quantlens.profiler.row_stream import RowStream
+from quantlens.profiler.run_result import RunResult
 from quantlens.profiler.sensitivity import SensitivityResult, run_sensitivity
 from quantlens.profiler.trace._lock import FolderLock
 from quantlens.profiler.trace.reader import TraceReader
@@ -56,20 +56,6 @@ __all__ = ["QuantAnalysis", "RunResult"]
 
 BASELINE_DIR, ANALYSIS_DIR = "baseline_model", "analysis_model"
 BAD_CASE_FILE, ALL_BAD_CASE_FILE = "badcase.pt", "all_badcase_info.pt"
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """What :meth:`QuantAnalysis.run` traced: the folders and the number of op sites per model."""
-
-    baseline_dir: Path | None
-    analysis_dir: Path | None
-    baseline_sites: int | None
-    analysis_sites: int | None
-    outputs: list[str]
-    #: the consistency level the models were built with (the analysis model's, else the baseline's; None for
-    #: two float/torch models without one): ``consistency.describe()`` is the line the reports show
-    consistency: ConsistencyInfo | None = None
 
 
 def _refuse_empty(data: Any) -> None:
@@ -149,6 +135,7 @@ class QuantAnalysis:
         #: the traces compare_per_layer() reads: run()'s folders, or set_model_profiler_dir()'s
         self._base_dir, self._analy_dir = self.out_dir / BASELINE_DIR, self.out_dir / ANALYSIS_DIR
         self._row_stream: RowStream | None = None  # the rows the last analysis run computed (row_stream)
+        self._readers: dict[Path, TraceReader] = {}  # folder -> the reader run() opened on its trace
 
     # -- bad case ---------------------------------------------------------------------------------------------
     def auto_find_bad_case(self, data_generator: Iterable[Any], num_steps: int | None = None, metric: str = "L1",
@@ -258,8 +245,9 @@ class QuantAnalysis:
         analy_dir = self._analy_dir if analy_dir is None else analy_dir
         traces = []
         for label, folder in (("baseline", base_dir), ("analysis", analy_dir)):
+            opened = self._readers.get(Path(folder))  # run()'s reader, while trace.json is the file it read
             try:
-                trace = TraceReader(folder)
+                trace = opened if opened is not None and opened.unchanged() else TraceReader(folder)
             except QuantLensError as exc:  # names the folder (missing folder, no trace.json, old format)
                 raise QuantLensError(
                     f"{exc} (the {label} trace{'' if folder.is_dir() else '; the folder does not exist'}: "
@@ -321,6 +309,8 @@ class QuantAnalysis:
             writer.close()
             raise
         trace = TraceReader(directory, held=writer.held)
+        if not writer.held:  # (a baseline holding values for the analysis run: kept once it has dropped them)
+            self._readers[Path(directory)] = trace
         if stream is not None:
             stream.seal(trace)
             self._row_stream = stream
@@ -358,6 +348,7 @@ class QuantAnalysis:
                 )
             analy, outputs = self._trace(self.analysis, analy_dir, same_input=source)
             source.drop_held()  # (the row stream keeps the reader)
+            self._readers[Path(base_dir)] = source
             self._analy_dir = analy_dir
             check_site_match(source, analy, strict=not self.analysis_type.deployed)
         return RunResult(base_dir if base else None, analy_dir if analy else None,

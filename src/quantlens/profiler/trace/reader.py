@@ -19,6 +19,11 @@ from quantlens.profiler.trace.format import ALIGN, OUTPUTS_FILE, TRACE_FILE, Ten
 __all__ = ["TraceReader", "SiteTensors"]
 
 
+def _stamp(path: str) -> tuple:
+    st = os.stat(path)
+    return path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class TraceReader:
     """Reads a trace written by :class:`~.writer.TraceWriter`; also the same-input source of the analysis run.
 
@@ -39,7 +44,9 @@ class TraceReader:
                 "(run(run_baseline_model=True) for the baseline trace), and let it finish."
             )
         try:
-            index = TraceIndex.read(Path(self._open(TRACE_FILE)))
+            real = self._open(TRACE_FILE)
+            self._stamp = _stamp(real)  # (before reading: a file replaced meanwhile is never taken as this one)
+            index = TraceIndex.read(Path(real))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:  # damaged JSON or entries of the wrong type
             raise QuantLensError(
                 f"The trace in {self.dir} is damaged: {TRACE_FILE} cannot be read ({type(exc).__name__}: {exc}). "
@@ -85,6 +92,14 @@ class TraceReader:
                 f"The trace in {self.dir}: {name} is {'a link out of the folder' if not inside else 'not a regular file'}"
                 "; quantlens opens only the regular files of a trace folder. Re-run QuantAnalysis.run().")
         return str(real)
+
+    def unchanged(self) -> bool:
+        """Whether the folder's ``trace.json`` is still the very file this reader read (its device, inode, size and
+        modification time): a reader can then stand for a fresh one (the tensor files are read on demand anyway)."""
+        try:
+            return _stamp(self._open(TRACE_FILE)) == self._stamp
+        except QuantLensError:
+            return False
 
     def occurrence_count(self, name: str) -> int:
         """How many times the op site ran in the traced forward (0: not in the trace)."""
