@@ -15,6 +15,7 @@ one implementation of each rule:
 from __future__ import annotations
 
 import math
+import struct
 import threading
 
 import torch
@@ -203,16 +204,16 @@ class RequantizeParams:
     def __init__(self, multiplier, shift, dtype: QuantDType, real, exact_bound: int):
         self.multiplier, self.shift, self.dtype, self.real, self.exact_bound = (
             multiplier, shift, dtype, real, exact_bound)
-        self.real32, self.exact_bound32 = _float32_of(real), _exact_bound(multiplier, 24)
+        # 2**(53 - b) >> 29 is 2**(24 - b): the float32 bound of the same multiplier bits (at least 1)
+        self.real32, self.exact_bound32 = _float32_of(real), max(1, exact_bound >> 29)
 
 
 def _float32_of(real: "float | torch.Tensor") -> "float | torch.Tensor | None":
     """``real`` as float32, where that is the same value (a multiplier below 2**24, a normal exponent)."""
     if isinstance(real, torch.Tensor):
         r32 = real.to(torch.float32)
-        return r32 if bool(torch.equal(r32.to(torch.float64), real)) else None
-    r32 = torch.tensor(real, dtype=torch.float32)
-    return real if float(r32) == real else None
+        return r32 if torch.equal(r32.to(torch.float64), real) else None
+    return real if struct.unpack("f", struct.pack("f", real))[0] == real else None
 
 
 def requantize_params(multiplier: "int | torch.Tensor", shift: "int | torch.Tensor",
@@ -237,16 +238,11 @@ def apply_requantize(acc: torch.Tensor, p: RequantizeParams, *, bound: "float | 
         if amax is None or amax >= p.exact_bound:
             data = float(acc.abs().max() if acc.is_floating_point() else acc.to(torch.int64).abs().max())
             amax = data if amax is None else min(amax, data)
+        y = None
         if amax < p.exact_bound32 and p.real32 is not None and not storage.is_floating_point:
             # |acc · M| < 2**24: the product is exact in float32 too (half the bytes of the float64 path)
-            y = acc.to(torch.float32, copy=True)
-            real = p.real32
-            if isinstance(real, torch.Tensor) and _broadcast_shape(y.shape, real.shape) != y.shape:
-                y = y * real
-            else:
-                y.mul_(real)
-            return y.round_().clamp_(p.dtype.qmin, p.dtype.qmax).to(storage)
-        if amax < p.exact_bound:
+            real, y = p.real32, acc.to(torch.float32, copy=True)
+        elif amax < p.exact_bound:
             real = p.real
             if consume and acc.dtype == torch.float64:
                 y = acc
@@ -254,6 +250,7 @@ def apply_requantize(acc: torch.Tensor, p: RequantizeParams, *, bound: "float | 
                 y = acc.to(torch.float64, copy=True)
             else:  # (the result is copied out into the integer storage type below)
                 y = _float64_scratch(acc)
+        if y is not None:  # (float32 or float64 above: the same steps)
             if isinstance(real, torch.Tensor) and _broadcast_shape(y.shape, real.shape) != y.shape:
                 y = y * real
             else:
