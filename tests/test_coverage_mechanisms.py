@@ -79,6 +79,57 @@ def test_an_op_without_a_rule_is_decomposed_and_keeps_its_op_site():
         assert _cos(quantized(x), qat_ir(x)) > 0.998
 
 
+class InPlaceAndDecomposed(nn.Module):
+    """In-place ops (functionalized), and two ops without a rule: conv2d's "same" padding and ``new_ones``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 4, padding="same")
+
+    def forward(self, x):
+        y = self.conv(x)
+        y += 0.5
+        y = y * y.new_ones(y.shape[-1])
+        return y.clamp_(min=-1.0)
+
+
+def _ir_nodes(ir):
+    return [(n.op, n.site, n.inputs, n.outputs, repr(sorted(n.attrs.items()))) for n in ir.graph.nodes]
+
+
+def test_one_retrace_functionalizes_and_decomposes_and_gives_the_ir_of_two(monkeypatch):
+    import importlib
+
+    export_module = importlib.import_module("quantlens.compiler.export")
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 8, 8)
+    model = InPlaceAndDecomposed().eval()
+    prepared = calibrate(prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None,
+                                 allow_no_stubs=True), [(x,)])
+    tables = pre_export(prepared, example_inputs=(x,))
+    calls = []
+    run_decompositions = torch.export.ExportedProgram.run_decompositions
+
+    def counted(self, table=None, *args, **kwargs):
+        calls.append(sorted(str(op) for op in (table or {})))
+        return run_decompositions(self, table, *args, **kwargs)
+
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", counted)
+    qat_ir = export(tables, (x,))
+    # the first retrace functionalizes and decomposes; conv2d.padding's pieces need one more
+    assert calls == [["aten.conv2d.padding", "aten.new_ones.default"], ["aten._convolution_mode.default"]]
+    # the IR the former sequence gave: functionalize alone first, then decompose
+    real = export_module.decompose_unlowered
+    monkeypatch.setattr(export_module, "decompose_unlowered", lambda ep: real(ep.run_decompositions({})))
+    calls.clear()
+    two = export(tables, (x,))
+    assert calls[0] == [] and len(calls) == 3
+    assert _ir_nodes(qat_ir) == _ir_nodes(two)
+    assert not any(n.op in ("add_", "clamp_") for n in qat_ir.graph.nodes)
+    with torch.no_grad():
+        assert torch.equal(qat_ir(x), tables(x)) and torch.equal(two(x), qat_ir(x))
+
+
 class PositionIds(nn.Module):
     """RoBERTa's position ids: a cumsum of the padding mask (integer math) into an embedding."""
 

@@ -187,10 +187,9 @@ def export(
                     f"on a batch-2 copy, and that failed: {exc} If the forward depends on the batch size, export "
                     "with the default dynamic_batch=False, or with an example of the deployment batch size."
                 ) from exc
-            # In-place ops (x += y, x.mul_(2), x[:, 0] = 0, clamp_) become their functional forms; an empty
-            # decomposition table decomposes nothing else.
-            ep = ep.run_decompositions({})
-            ep = decompose_unlowered(ep)  # an op with no lowering rule: torch's own decomposition, before refusing
+            # In-place ops (x += y, x.mul_(2), x[:, 0] = 0, clamp_) become their functional forms, and an op with no
+            # lowering rule takes torch's own decomposition before lowering refuses it
+            ep = decompose_unlowered(ep)
     # Ops after a DeQuantStub are host post-processing: they stay float through convert, and any aten op may be one.
     host_sites = frozenset(s.name for s in model._quantlens_state.record.sites.values() if s.after_dequant)
     graph = lower_exported_program(ep, [names[i] for i in tensor_positions], host_sites)

@@ -44,9 +44,22 @@ from quantlens.march.opset import IR_OPS, Category
 __all__ = ["lower_exported_program", "decompose_unlowered", "LOWERINGS", "TORCH_OPS"]
 
 
-def _unlowered(ep: torch.export.ExportedProgram) -> set:
-    return {n.target for n in ep.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-            and n.target.namespace == "aten" and n.target not in LOWERINGS and _reads_a_node(n)}
+def _unlowered(ep: torch.export.ExportedProgram, functional: bool = False) -> set:
+    """The aten ops of ``ep`` with no lowering rule; ``functional``: each in-place op (``add_``) as the functional op
+    (``add``) that functionalization makes of it."""
+    ops = {n.target for n in ep.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+           and n.target.namespace == "aten" and _reads_a_node(n)}
+    if functional:
+        ops = {_functional_form(op) for op in ops}
+    return {op for op in ops if op not in LOWERINGS}
+
+
+def _functional_form(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
+    name = op._overloadpacket.__name__
+    if not (op._schema.is_mutable and name.endswith("_")):
+        return op
+    packet = getattr(aten, name[:-1], None)
+    return getattr(packet, op._overloadname, op) if packet is not None else op
 
 
 def _reads_a_node(node: fx.Node) -> bool:
@@ -57,23 +70,30 @@ def _reads_a_node(node: fx.Node) -> bool:
 
 
 def decompose_unlowered(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """Decompose every aten op that has no lowering rule with torch's own decomposition tables (core ATen first,
-    then torch's full table), until each op lowers or has no decomposition (then lowering refuses it, naming it).
-    The decomposed nodes keep the op site of the op they replace (torch.export carries node metadata through)."""
+    """Functionalize ``ep`` (in-place ops such as ``x += y``, ``x[:, 0] = 0``, ``clamp_`` become their functional
+    forms) and decompose every aten op that has no lowering rule with torch's own decomposition tables (core ATen
+    first, then torch's full table), until each op lowers or has no decomposition (then lowering refuses it, naming
+    it). The decomposed nodes keep the op site of the op they replace (torch.export carries node metadata through).
+
+    Each ``run_decompositions`` retraces the whole program (6 s for the sentence transformer here), so the first
+    one both functionalizes and decomposes the ops the exported program already shows; a later one runs only when
+    a decomposition produced another op without a rule."""
     from torch._decomp import core_aten_decompositions, decomposition_table
 
     tables = (core_aten_decompositions(), decomposition_table)
     tried: set = set()
-    for _ in range(8):  # a decomposition may produce ops that decompose further
+    unlowered = _unlowered(ep, functional=True)
+    for round_ in range(8):  # a decomposition may produce ops that decompose further
         todo = {}
-        for op in _unlowered(ep) - tried:
+        for op in unlowered - tried:
             fn = next((t[op] for t in tables if op in t), None)
             if fn is not None:
                 todo[op] = fn
-        if not todo:
+        if round_ and not todo:
             break
         tried |= set(todo)
-        ep = ep.run_decompositions(todo)
+        ep = ep.run_decompositions(todo)  # (the first call, even with an empty table, functionalizes)
+        unlowered = _unlowered(ep)
     return ep
 
 
