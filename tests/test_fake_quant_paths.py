@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
 from quantlens.march import QuantDType
-from quantlens.march.numerics import fake_quant
+from quantlens.march.numerics import fake_quant, fake_quant_range
 
 I8, I16 = QuantDType.qint8, QuantDType.qint16
 
@@ -70,6 +70,15 @@ def test_a_value_that_needs_a_gradient_takes_the_op_and_its_straight_through_gra
     assert x.grad.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
 
 
+def test_an_int32_range_takes_the_same_function():
+    x, s = torch.tensor([1e9, -1.5e9, 12.5, 3e4]), torch.tensor([2.0, 0.5, 4.0, 1.0])
+    with torch.no_grad():
+        direct = fake_quant_range(x, s, -(2**31), 2**31 - 1, 0)
+        via_op = torch.ops.quantlens.fake_quant(x, s, -(2**31), 2**31 - 1, 0)
+    assert torch.equal(direct, via_op)
+    assert direct.tolist() == [1e9, -1073741824.0, 12.0, 3e4]  # -3e9 saturates at -2**31 (times 0.5)
+
+
 def test_a_learned_scale_keeps_the_op_even_when_the_input_needs_no_gradient():
     s = torch.tensor(0.25, requires_grad=True)
     x = torch.tensor([0.3, 10.0])
@@ -102,3 +111,24 @@ def test_a_torch_function_mode_sees_no_op_of_a_direct_fake_quant():
             y = fake_quant(x, torch.tensor(0.25), I8)
     assert torch.equal(y, expected)
     assert not any(name in ("div", "round_", "clamp_", "mul_") for name in seen), seen
+
+
+def test_the_qat_ir_runs_its_fake_quants_without_the_op_and_gives_the_op_s_bits(monkeypatch):
+    import quantlens.march.fake_quant as fq_module
+    from quantlens import zoo
+    from quantlens.compiler import export
+    from quantlens.quantization import calibrate, prepare
+    from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+
+    model = zoo.get_model("tiny_resnet").eval()
+    x = zoo.example_inputs("tiny_resnet", 4)
+    prepared = calibrate(prepare(model, x, default_calibration_qconfig_setter, check_result_dir=None),
+                         zoo.sample_batches("tiny_resnet", 2, 4))
+    qat_ir = export(prepared, x)
+    assert any(n.op == "fake_quant" for n in qat_ir.graph.nodes)
+    with torch.no_grad():
+        direct = qat_ir(*x)
+        assert not any("quantlens::fake_quant" in name for name in _ops_run(lambda: qat_ir(*x)))
+        monkeypatch.setattr(fq_module, "_plain_eager", lambda *a: False)  # every fake quant through the op
+        assert any("quantlens::fake_quant" in name for name in _ops_run(lambda: qat_ir(*x)))
+        assert torch.equal(qat_ir(*x), direct)

@@ -20,6 +20,7 @@ from quantlens.compiler.lowering import TORCH_OPS
 from quantlens.errors import QuantLensError
 from quantlens.kernels import TABLE_OP_IO, table_torch_op
 from quantlens.kernels.integer import call_op
+from quantlens.march.numerics import fake_quant_range
 from quantlens.march.opset import IR_OPS
 
 __all__ = ["run_graph", "run_nodes", "RunHooks", "QAT_KERNELS", "qat_kernel", "call_torch_op", "check_ops"]
@@ -36,6 +37,13 @@ def call_torch_op(torch_op, node: Node, inputs: list) -> Any:
 @qat_kernel("host_aten")
 def _host_aten(node: Node, inputs: list):
     return call_host_aten(node.attrs, inputs, node.site)
+
+
+@qat_kernel("fake_quant")
+def _fake_quant(node: Node, inputs: list):
+    # numerics' function rather than the custom op: the same bits, without the op's dispatch in eager runs
+    a = node.attrs
+    return fake_quant_range(inputs[0], inputs[1], a["qmin"], a["qmax"], a.get("axis", -1))
 
 
 @qat_kernel("split")

@@ -8,8 +8,9 @@ one implementation of each rule:
 * requantize: ``y = saturate(rshift_round_half_to_even(acc * M, shift))`` in int64, where ``M * 2**-shift``
   approximates a real multiplier.
 
-``fake_quant`` is a ``torch.library`` custom op (``torch.ops.quantlens.fake_quant``) so that it survives
-``torch.export`` as one node, with a straight-through gradient for QAT.
+``fake_quant`` (:mod:`quantlens.march.fake_quant`, re-exported here) is a ``torch.library`` custom op
+(``torch.ops.quantlens.fake_quant``) so that it survives ``torch.export`` as one node, with a straight-through
+gradient for QAT.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import threading
 import torch
 
 from quantlens.errors import QuantLensError
+from quantlens.march.fake_quant import _broadcast_scale, fake_quant, fake_quant_range
 from quantlens.march.spec import Qpp, QuantDType, get_march
 
 __all__ = [
     "fake_quant",
+    "fake_quant_range",
     "quantize",
     "dequantize",
     "quantize_multiplier",
@@ -41,69 +44,6 @@ __all__ = [
     "interpolation_weights",
     "channel_affine_params",
 ]
-
-
-def _broadcast_scale(scale: torch.Tensor, x: torch.Tensor, axis: int) -> torch.Tensor:
-    if axis < 0 or scale.numel() == 1:
-        return scale.reshape(())
-    shape = [1] * x.dim()
-    shape[axis] = -1
-    return scale.reshape(shape)
-
-
-def _fake_quant_math(x: torch.Tensor, scale: torch.Tensor, qmin: int, qmax: int, axis: int) -> torch.Tensor:
-    s = _broadcast_scale(scale.to(torch.float32), x, axis)
-    # One fresh tensor, then in place: the same arithmetic as quantize() followed by dequantize().
-    q = torch.div(x.to(torch.float32), s)
-    q.round_().clamp_(qmin, qmax).mul_(s)
-    return q.to(x.dtype)
-
-
-@torch.library.custom_op("quantlens::fake_quant", mutates_args=())
-def _fake_quant_op(x: torch.Tensor, scale: torch.Tensor, qmin: int, qmax: int, axis: int) -> torch.Tensor:
-    return _fake_quant_math(x, scale, qmin, qmax, axis)
-
-
-@_fake_quant_op.register_fake
-def _(x, scale, qmin, qmax, axis):
-    return torch.empty_like(x)
-
-
-def _fake_quant_setup(ctx, inputs, output):
-    x, scale, qmin, qmax, axis = inputs
-    ctx.save_for_backward(x, scale)
-    ctx.qmin, ctx.qmax, ctx.axis = qmin, qmax, axis
-
-
-def _fake_quant_backward(ctx, grad):
-    # Straight-through estimator, clipped: the gradient passes where x lies inside the representable range.
-    x, scale = ctx.saved_tensors
-    s = _broadcast_scale(scale.to(torch.float32), x, ctx.axis)
-    inside = (x >= ctx.qmin * s) & (x <= ctx.qmax * s)
-    return grad * inside.to(grad.dtype), None, None, None, None
-
-
-_fake_quant_op.register_autograd(_fake_quant_backward, setup_context=_fake_quant_setup)
-
-
-def fake_quant(x: torch.Tensor, scale: torch.Tensor, dtype: QuantDType, axis: int | None = None) -> torch.Tensor:
-    """Quantize then dequantize ``x`` with a symmetric scale (per-tensor, or per-channel along ``axis``). Graphs and
-    autograd see one ``quantlens::fake_quant`` op (straight-through gradient); a plain eager call recording no
-    gradient runs the op's arithmetic directly, without its dispatch (20 µs a call, a third more on 4 MB)."""
-    axis_ = -1 if axis is None else axis
-    if _plain_eager(x, scale):
-        with torch._C.DisableTorchFunction():  # one fake quant, not four ops, for a TorchFunctionMode above
-            return _fake_quant_math(x, scale, dtype.qmin, dtype.qmax, axis_)
-    return torch.ops.quantlens.fake_quant(x, scale, dtype.qmin, dtype.qmax, axis_)
-
-
-def _plain_eager(x: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether a fake quant may skip its op: real tensors, no gradient to record, nothing tracing the call."""
-    return (type(x) is torch.Tensor and type(scale) is torch.Tensor
-            and not (torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad))
-            and not torch._C._len_torch_dispatch_stack()  # FakeTensorMode / make_fx / torch.export
-            and not torch._C._are_functorch_transforms_active()  # vmap / grad wrap plain-typed tensors
-            and not torch.compiler.is_dynamo_compiling())
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: QuantDType, axis: int | None = None,

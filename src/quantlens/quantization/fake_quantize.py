@@ -13,7 +13,7 @@ from torch import nn
 
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType
-from quantlens.march.numerics import fake_quant
+from quantlens.march.numerics import fake_quant, fake_quant_range
 from quantlens.quantization.qconfig import QuantSpec
 from quantlens.quantization.scale_policy import group_scale, pow2_ceil, sync_groups
 from quantlens.quantization.tracing_state import export_tracing
@@ -461,7 +461,7 @@ def int32_bias(bias: torch.Tensor | None, in_fq: "FakeQuantize | None", w_fq: Fa
     if not (in_fq.fake_quant_enabled and w_fq.fake_quant_enabled):
         return bias
     scale = (in_fq.scale.reshape(()) * w_fq.scale).reshape(-1).expand(bias.shape[0]).contiguous()
-    return torch.ops.quantlens.fake_quant(bias, scale, -(2**31), 2**31 - 1, 0)
+    return fake_quant_range(bias, scale, -(2**31), 2**31 - 1, 0)
 
 
 def uncalibrated_sites(model: nn.Module) -> list[str]:
