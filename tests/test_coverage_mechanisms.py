@@ -130,6 +130,42 @@ def test_one_retrace_functionalizes_and_decomposes_and_gives_the_ir_of_two(monke
         assert torch.equal(qat_ir(x), tables(x)) and torch.equal(two(x), qat_ir(x))
 
 
+def test_a_dynamic_batch_export_does_not_retrace_for_its_shape_math(monkeypatch):
+    """``sym_size`` nodes (the batch read under ``dynamic_batch``) are shape math that lowering skips: decomposing
+    them, as export did, retraced the whole program for the same graph."""
+    import importlib
+
+    from torch._decomp import core_aten_decompositions
+
+    from quantlens import zoo
+
+    export_module = importlib.import_module("quantlens.compiler.export")
+    model = zoo.get_model("digits_cnn").eval()
+    x = zoo.example_inputs("digits_cnn", 4)
+    prepared = calibrate(prepare(model, x, default_calibration_qconfig_setter, check_result_dir=None),
+                         zoo.sample_batches("digits_cnn", 2, 4))
+    calls = []
+    run_decompositions = torch.export.ExportedProgram.run_decompositions
+
+    def counted(self, table=None, *args, **kwargs):
+        calls.append(sorted(str(op) for op in (table or {})))
+        return run_decompositions(self, table, *args, **kwargs)
+
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", counted)
+    ir = export(prepared, x, dynamic_batch=True)
+    assert calls == [[]]  # the functionalizing retrace only
+    sym_size = torch.ops.aten.sym_size.int
+    real = export_module.decompose_unlowered
+    monkeypatch.setattr(export_module, "decompose_unlowered",
+                        lambda ep: real(ep).run_decompositions({sym_size: core_aten_decompositions()[sym_size]}))
+    before = export(prepared, x, dynamic_batch=True)
+    assert _ir_nodes(before) == _ir_nodes(ir)
+    with torch.no_grad():
+        for batch in (1, 7):
+            xb = zoo.example_inputs("digits_cnn", batch)
+            assert torch.equal(ir(*xb), prepared(*xb))
+
+
 class PositionIds(nn.Module):
     """RoBERTa's position ids: a cumsum of the padding mask (integer math) into an embedding."""
 

@@ -48,7 +48,7 @@ def _unlowered(ep: torch.export.ExportedProgram, functional: bool = False) -> se
     """The aten ops of ``ep`` with no lowering rule; ``functional``: each in-place op (``add_``) as the functional op
     (``add``) that functionalization makes of it."""
     ops = {n.target for n in ep.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-           and n.target.namespace == "aten" and _reads_a_node(n)}
+           and n.target.namespace == "aten" and _reads_a_node(n) and not _is_symbolic(n)}  # (shape math: not lowered)
     if functional:
         ops = {_functional_form(op) for op in ops}
     return {op for op in ops if op not in LOWERINGS}
