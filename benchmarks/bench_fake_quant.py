@@ -14,7 +14,8 @@ no thresholds.
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import torch
 
@@ -25,15 +26,8 @@ from quantlens.quantization import calibrate, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.zoo import example_inputs, get_model, list_models, sample_batches
 
-
-def _best(fn, calls: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ir import _time  # noqa: E402  (warm-up once, then the best of n calls; benchmarks/ is not a package)
 
 
 def _side_by_side(fn, rounds: int, calls: int) -> tuple[float, float]:
@@ -42,9 +36,9 @@ def _side_by_side(fn, rounds: int, calls: int) -> tuple[float, float]:
     try:
         for _ in range(rounds):
             fq._plain_eager = lambda *a: False
-            op = min(op, _best(fn, calls))
+            op = min(op, _time(fn, calls))
             fq._plain_eager = direct_test
-            direct = min(direct, _best(fn, calls))
+            direct = min(direct, _time(fn, calls))
     finally:
         fq._plain_eager = direct_test
     return op, direct
@@ -71,7 +65,7 @@ def main() -> None:
             prepared = calibrate(prepare(model, example_inputs(name), default_calibration_qconfig_setter,
                                          check_result_dir=None), sample_batches(name, 3, 8))
             qat_ir = export(prepared, batch)
-            float_ms = min(_best(lambda: model(*batch), 10) for _ in range(args.rounds)) * 1e3
+            float_ms = min(_time(lambda: model(*batch), 10) for _ in range(args.rounds)) * 1e3
             fq_op, fq_direct = _side_by_side(lambda: prepared(*batch), args.rounds, 10)
             ir_op, ir_direct = _side_by_side(lambda: qat_ir(*batch), args.rounds, 10)
             print(f"{name:22s} {float_ms:9.3f} {fq_op * 1e3:13.3f} {fq_direct * 1e3:8.3f} "

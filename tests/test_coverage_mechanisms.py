@@ -97,6 +97,19 @@ def _ir_nodes(ir):
     return [(n.op, n.site, n.inputs, n.outputs, repr(sorted(n.attrs.items()))) for n in ir.graph.nodes]
 
 
+def _count_retraces(monkeypatch) -> list[list[str]]:
+    """From now on, the decomposition table of every ``run_decompositions`` (each one retraces the program)."""
+    calls: list[list[str]] = []
+    run_decompositions = torch.export.ExportedProgram.run_decompositions
+
+    def counted(self, table=None, *args, **kwargs):
+        calls.append(sorted(str(op) for op in (table or {})))
+        return run_decompositions(self, table, *args, **kwargs)
+
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", counted)
+    return calls
+
+
 def test_one_retrace_functionalizes_and_decomposes_and_gives_the_ir_of_two(monkeypatch):
     import importlib
 
@@ -107,14 +120,7 @@ def test_one_retrace_functionalizes_and_decomposes_and_gives_the_ir_of_two(monke
     prepared = calibrate(prepare(model, (x,), default_calibration_qconfig_setter, check_result_dir=None,
                                  allow_no_stubs=True), [(x,)])
     tables = pre_export(prepared, example_inputs=(x,))
-    calls = []
-    run_decompositions = torch.export.ExportedProgram.run_decompositions
-
-    def counted(self, table=None, *args, **kwargs):
-        calls.append(sorted(str(op) for op in (table or {})))
-        return run_decompositions(self, table, *args, **kwargs)
-
-    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", counted)
+    calls = _count_retraces(monkeypatch)
     qat_ir = export(tables, (x,))
     # the first retrace functionalizes and decomposes; conv2d.padding's pieces need one more
     assert calls == [["aten.conv2d.padding", "aten.new_ones.default"], ["aten._convolution_mode.default"]]
@@ -144,14 +150,7 @@ def test_a_dynamic_batch_export_does_not_retrace_for_its_shape_math(monkeypatch)
     x = zoo.example_inputs("digits_cnn", 4)
     prepared = calibrate(prepare(model, x, default_calibration_qconfig_setter, check_result_dir=None),
                          zoo.sample_batches("digits_cnn", 2, 4))
-    calls = []
-    run_decompositions = torch.export.ExportedProgram.run_decompositions
-
-    def counted(self, table=None, *args, **kwargs):
-        calls.append(sorted(str(op) for op in (table or {})))
-        return run_decompositions(self, table, *args, **kwargs)
-
-    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", counted)
+    calls = _count_retraces(monkeypatch)
     ir = export(prepared, x, dynamic_batch=True)
     assert calls == [[]]  # the functionalizing retrace only
     sym_size = torch.ops.aten.sym_size.int
