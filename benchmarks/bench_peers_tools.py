@@ -26,8 +26,8 @@ def _finite_or_inf(v) -> bool:
         return False
 
 
-def setup_quantlens(net: Net):
-    from quantlens.profiler import QuantAnalysis
+def calibrated(net: Net) -> torch.nn.Module:
+    """quantlens' calibration model of ``net`` (``prepare``, calibrated on ``net.calib``, in validation state)."""
     from quantlens.quantization import FakeQuantState, prepare, set_fake_quantize
     from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 
@@ -41,6 +41,13 @@ def setup_quantlens(net: Net):
         for b in net.calib:
             calib(*b)
     set_fake_quantize(calib, FakeQuantState.VALIDATION)
+    return calib
+
+
+def setup_quantlens(net: Net):
+    from quantlens.profiler import QuantAnalysis
+
+    calib = calibrated(net)
 
     def compare():
         with tempfile.TemporaryDirectory() as out_dir:

@@ -70,6 +70,17 @@ def test_a_value_that_needs_a_gradient_takes_the_op_and_its_straight_through_gra
     assert x.grad.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
 
 
+def test_a_parameter_without_gradient_takes_the_direct_path_and_a_training_one_the_op():
+    # transformers' Linear hands its weight Parameter itself to the fake quant
+    w = torch.nn.Parameter(torch.tensor([0.3, 10.0, 31.0, 40.0]))
+    s = torch.tensor(0.25)
+    with torch.no_grad():
+        ops = _ops_run(lambda: fake_quant(w, s, I8))
+        assert not any("quantlens::fake_quant" in name for name in ops)
+        assert torch.equal(fake_quant(w, s, I8), _op(w.detach(), s, I8))
+    assert any("quantlens::fake_quant" in name for name in _ops_run(lambda: fake_quant(w, s, I8)))
+
+
 def test_an_int32_range_takes_the_same_function():
     x, s = torch.tensor([1e9, -1.5e9, 12.5, 3e4]), torch.tensor([2.0, 0.5, 4.0, 1.0])
     with torch.no_grad():

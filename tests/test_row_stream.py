@@ -192,18 +192,23 @@ def test_rows_past_the_memory_budget_wait_for_the_comparison(tmp_path, monkeypat
     _assert_rows_equal(list(table), [_with_reach(r, table) for r in compare_traces(*traces)])
 
 
-def test_the_output_quantization_split_is_computed_on_the_writer_thread(tmp_path, monkeypatch):
+def test_the_output_quantization_split_is_computed_by_the_writer_not_in_the_forward(tmp_path, monkeypatch):
     """The analysis run's sink is a tee that also records the data flow (reach.ReachTee); it must still tell the
-    probes that the writer takes the split as a callable, or the split is computed on the forward's thread."""
-    import threading
+    probes that the writer takes the split as a callable, or the split is computed inside the forward. The writer
+    computes it as part of storing its site: on its thread, or on the forward's while that would wait for it."""
+    import sys
 
     import quantlens.profiler.torch_probe as torch_probe
 
-    threads = []
+    callers = []
     original = torch_probe._quant_error_stats
 
     def recording(*args):
-        threads.append(threading.current_thread().name)
+        frame, names = sys._getframe(1), []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        callers.append("_compute" in names)  # (TraceWriter._compute: the writer's step, whichever thread runs it)
         return original(*args)
 
     monkeypatch.setattr(torch_probe, "_quant_error_stats", recording)
@@ -211,7 +216,7 @@ def test_the_output_quantization_split_is_computed_on_the_writer_thread(tmp_path
     qa = QuantAnalysis(model, prepared, "fake_quant", out_dir=tmp_path, progress=False)
     qa.set_bad_case(batches[0])
     qa.run()
-    assert threads and all(name.startswith("quantlens-trace-") for name in threads), threads
+    assert callers and all(callers), callers
     rows = {r.op_name: r for r in qa.compare_per_layer()}
     assert rows["conv"].raw_error_kind in ("rounding", "clipping")  # the split reached the row
 

@@ -73,9 +73,13 @@ def fake_quant_range(x: torch.Tensor, scale: torch.Tensor, qmin: int, qmax: int,
     return torch.ops.quantlens.fake_quant(x, scale, qmin, qmax, axis)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _plain_eager(x: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether a fake quant may skip its op: real tensors, no gradient to record, nothing tracing the call."""
-    return (type(x) is torch.Tensor and type(scale) is torch.Tensor
+    # (a Parameter is a plain tensor too: a weight fake-quantized as the module holds it, transformers' Linear's)
+    return (type(x) in _PLAIN and type(scale) in _PLAIN
             and not (torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad))
             and not torch._C._len_torch_dispatch_stack()  # FakeTensorMode / make_fx / torch.export
             and not torch._C._are_functorch_transforms_active()  # vmap / grad wrap plain-typed tensors

@@ -22,9 +22,17 @@ class BufferPool:
         self.out = 0  # bytes handed out
         self.cond = threading.Condition()
 
-    def take(self, nbytes: int, failed: Callable[[], bool], held: int = 0) -> torch.Tensor:
+    def take(self, nbytes: int, failed: Callable[[], bool], held: int = 0,
+             helper: Callable[[], bool] | None = None) -> torch.Tensor:
         """A buffer of at least ``nbytes``; ``held`` more bytes (tensors queued without a copy) count against
-        the limit too, until :meth:`give`."""
+        the limit too, until :meth:`give`. While it must wait, ``helper()`` is called (outside the lock) to do
+        some of the work that frees buffers, until it returns False."""
+        while helper is not None:
+            with self.cond:
+                if not (self.out and self.out + nbytes + held > self.limit and not failed()):
+                    break
+            if not helper():
+                break
         with self.cond:
             while self.out and self.out + nbytes + held > self.limit and not failed():
                 self.cond.wait(0.5)

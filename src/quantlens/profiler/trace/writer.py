@@ -85,6 +85,14 @@ class _Job:
     encode: dict[str, tuple[float, int, int, torch.dtype]] = field(default_factory=dict)  # key -> grid
     buffer: torch.Tensor | None = None  # the pool buffer holding the copies
     stats_only: frozenset[str] = frozenset()  # keys whose statistics are computed but which are not written
+    # Storing a site has two parts: computing (statistics, codes, the file, the deferred split: on the writer
+    # thread, or on the forward's thread where it would wait) and recording (in queue order, on the writer thread).
+    claimed: bool = False  # some thread computes it (under TraceWriter._lock)
+    computed: threading.Event = field(default_factory=threading.Event)  # set once the computing part is done
+    error: BaseException | None = None  # what the computing part raised, on a helping thread
+    payload: dict[str, torch.Tensor] | None = None  # what the file holds, for holding it (no codes)
+    weight: tuple[torch.Tensor, int | None] | None = None  # the weight the op read and its version then
+    weight_version: tuple[torch.Tensor, int | None] | None = None  # the same, kept until finish() checks it
 
 
 def _encode(x: torch.Tensor, scale: float, qmin: int, qmax: int, dtype: torch.dtype,
@@ -108,6 +116,13 @@ def _encode(x: torch.Tensor, scale: float, qmin: int, qmax: int, dtype: torch.dt
             return None
         done += c.numel()
     return codes.view(x.shape)
+
+
+def _weight_changed(site: str) -> QuantLensError:
+    return QuantLensError(
+        f"The weight of op site {site!r} was changed in place while the model ran: the trace's statistics of it "
+        "would depend on when the writer thread read it. Expected a forward that leaves its weights as they are "
+        "(no in-place weight updates inside forward()).")
 
 
 class TraceWriter:
@@ -159,7 +174,9 @@ class TraceWriter:
         self._jobs: list[_Job] = []
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pool = BufferPool(queue_bytes)
-        self._scratch: dict[str, torch.Tensor] = {}  # the writer thread's reusable temporaries
+        self._scratch: dict[tuple[int, str], torch.Tensor] = {}  # each thread's reusable temporaries
+        self._lock = threading.Lock()  # guards the jobs' claims and :attr:`_unclaimed`
+        self._unclaimed: list[_Job] = []  # queued jobs no thread computes yet, oldest first
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -209,10 +226,12 @@ class TraceWriter:
             else:
                 stored[key] = t
                 seen[id(t)] = key
-        # A weight is kept as statistics only, taken now from the tensor the op read (no copy to queue): its values
-        # are the model's own (its state_dict), and copying and writing them every run cost a third of a traced
-        # transformer's writing. Nothing reads a trace's weight values.
-        early = {"weight": tensor_stat(stored.pop("weight"))} if "weight" in stored else {}
+        # A weight is kept as statistics only, of the tensor the op read (no copy queued): its values are the
+        # model's own (its state_dict), and copying and writing them every run cost a third of a traced
+        # transformer's writing. Nothing reads a trace's weight values. Its statistics are computed with the
+        # site's others, off the forward's path (a sentence transformer's took 0.2 s of each run there); the
+        # forward changes no weight, and _compute refuses one changed in place meanwhile.
+        weight = stored.pop("weight", None)
         quant_error = event.quant_error
         site = TracedSite(
             index=event.index, name=event.name, op_type=event.op_type, module_type=event.module_type, file=file,
@@ -230,7 +249,7 @@ class TraceWriter:
         keep = {k: t.detach() for k, t in stored.items() if k in owned}  # queued as they are (see SiteEvent)
         to_copy = {k: t for k, t in stored.items() if k not in owned}
         nbytes, held = layout_bytes(to_copy), sum(t.numel() * t.element_size() for t in keep.values())
-        buffer = self._pool.take(nbytes, lambda: self._error is not None, held)
+        buffer = self._pool.take(nbytes, lambda: self._error is not None, held, helper=self._help)
         self._raise_error()
         copied = copy_into(buffer, to_copy)
         copies = {k: copied[k] if k in copied else keep[k] for k in stored}  # the site's key order
@@ -242,7 +261,7 @@ class TraceWriter:
         fused_member = bool(event.fused_into) and not self.save_inputs
         stats_only = frozenset(k for k in stored if k.startswith(("out", "same"))) \
             if fused_member or event.name in self.values_not_needed else frozenset()
-        stats_only |= frozenset(early)
+        stats_only |= frozenset({"weight"} if weight is not None else ())
         site.stats_only = sorted(stats_only)
         for key, t in stored.items():
             # An analysis trace's fused member: a later site holding the same tensor stores it itself (that site
@@ -251,7 +270,9 @@ class TraceWriter:
             if key not in stats_only or not fused_member:
                 self._remember(t, file, key)
         job = _Job(site, copies, list(tensors), nbytes, quant_error if callable(quant_error) else None,
-                   buffer=buffer, stats_only=stats_only, stats=early)
+                   buffer=buffer, stats_only=stats_only,
+                   weight=None if weight is None else (weight, _version(weight)))
+        job.weight_version = job.weight
         grid = _CODE_DTYPES.get(event.quant_dtype)
         if grid is not None and site.per_tensor_scale is not None and not event.fused_into:
             # the site's values on its output grid go to disk as integer codes (checked exactly when written)
@@ -260,7 +281,43 @@ class TraceWriter:
         self.sites.append(site)
         self._jobs.append(job)
         self._start()
+        with self._lock:
+            self._unclaimed.append(job)
         self._queue.put(job)
+
+    def _help(self) -> bool:
+        """Compute the newest queued site's statistics, codes and file on the calling thread, which would wait
+        for the writer otherwise (the writer records it in its turn); False when there is none to take.
+
+        On two cores that scale, the forward's thread waited for the writer for a third of a sentence
+        transformer's run (docs/performance.md); the writer thread starts on the oldest site, so the two rarely
+        meet on one."""
+        # (the calling thread may be inside the forward, under the model's torch function modes and ours: the work
+        # is the writer's, done as on its thread, where none applies; under a dispatch mode it is left to the writer)
+        if self._error is not None or self._closed or torch._C._len_torch_dispatch_stack():
+            return False
+        with self._lock:
+            if not self._unclaimed:
+                return False
+            job = self._unclaimed.pop()
+            job.claimed = True
+        try:
+            with torch._C.DisableTorchFunction():
+                self._compute(job)
+        except BaseException as exc:  # handed to the writer thread, which records the site and raises it
+            job.error = exc
+        finally:
+            job.computed.set()
+        return True
+
+    def _claim(self, job: _Job) -> bool:
+        """Whether the writer thread computes ``job`` itself (False: a helping thread has taken it)."""
+        with self._lock:
+            if job.claimed:
+                return False
+            job.claimed = True
+            self._unclaimed.remove(job)
+            return True
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -283,27 +340,46 @@ class TraceWriter:
             job = self._queue.get()
             if job is None:
                 return
+            mine = self._claim(job)
             try:
                 if self._error is None and not self._closed:
-                    self._write_job(job)
+                    if mine:
+                        self._compute(job)
+                    else:
+                        job.computed.wait()
+                    if job.error is not None:
+                        raise job.error
+                    self._record(job)
             except BaseException as exc:  # handed to the forward's thread
                 self._error = exc
             finally:
-                job.tensors, job.quant_error = {}, None
+                if not mine:  # (its copies stay in the pool's buffer until the helping thread is done)
+                    job.computed.wait()
+                job.tensors, job.quant_error, job.payload, job.error, job.weight = {}, None, None, None, None
                 if job.buffer is not None:
                     self._pool.give(job.buffer, job.nbytes)
                 job.buffer = None
 
     def _scratch_of(self, name: str) -> Callable[[int], torch.Tensor]:
+        """The calling thread's reusable byte buffer ``name``."""
+        key = (threading.get_ident(), name)
+
         def get(nbytes: int) -> torch.Tensor:
-            buf = self._scratch.get(name)
+            buf = self._scratch.get(key)
             if buf is None or buf.numel() < nbytes:
-                buf = self._scratch[name] = torch.empty(-(-max(nbytes, 1) // ALIGN) * ALIGN, dtype=torch.uint8)
+                buf = self._scratch[key] = torch.empty(-(-max(nbytes, 1) // ALIGN) * ALIGN, dtype=torch.uint8)
             return buf
         return get
 
-    def _write_job(self, job: _Job) -> None:
+    def _compute(self, job: _Job) -> None:
+        """The part of storing a site that depends on that site alone: its statistics, its codes, its file and
+        its deferred output quantization split (any thread, any order)."""
         stat_scratch = self._scratch_of("stat")
+        if job.weight is not None:
+            weight, version = job.weight
+            if _version(weight) != version:
+                raise _weight_changed(job.site.name)
+            job.stats["weight"] = tensor_stat(weight)
         # (a same-input value's mean and variance are read by nothing: its extremes and NaN/Inf counts are)
         job.stats.update({k: tensor_stat(v, stat_scratch, moments=not k.startswith("same"))
                           for k, v in job.tensors.items()})
@@ -314,9 +390,16 @@ class TraceWriter:
                 payload[key] = codes
                 job.site.codes[key] = scale
         write_safetensors(self.dir / job.site.file, payload)
-        self._hold(job, payload)
+        # (codes live in a thread's scratch buffer, reused by its next site: only code-free payloads are held)
+        job.payload = None if job.site.codes else payload
         if job.quant_error is not None:
             job.site.quant_error = job.quant_error()
+
+    def _record(self, job: _Job) -> None:
+        """The part of storing a site that later sites depend on, in queue order on the writer thread: the
+        values held, the statistics that references read, the row stream's hook."""
+        if job.payload is not None:
+            self._hold(job, job.payload)
         self._stats_by_file[job.site.file] = job.stats
         self._site_by_file[job.site.file] = job.site
         if self.after_write is not None:
@@ -378,8 +461,16 @@ class TraceWriter:
                folded: dict[str, str] | None = None) -> Path:
         """Save the model outputs and the index (``folded``: :attr:`TraceIndex.folded`); the trace is complete
         once this returns."""
+        while self._help():  # (the forward is over: this thread computes queued sites instead of waiting)
+            pass
         self._drain()
         self._raise_error()
+        # (checked here as well, so that a weight changed after its op always fails, however early it was read)
+        changed = next((job.site.name for job in self._jobs if job.weight_version is not None
+                        and _version(job.weight_version[0]) != job.weight_version[1]), None)
+        if changed is not None:
+            self.close()
+            raise _weight_changed(changed)
         self._stats_by_file = {job.site.file: job.stats for job in self._jobs}
         for job in self._jobs:
             job.site.stats = self._site_stats(job)
