@@ -147,3 +147,40 @@ def test_a_weight_changed_in_place_after_its_op_is_refused_whenever_it_was_read(
     stat = next(s for s in writer.sites if s.name == "fc").stats["weight"]
     assert stat.min == float(net.fc.weight.min()) and stat.max == float(net.fc.weight.max())
     assert stat.shape == (4, 4)
+
+
+def test_a_site_larger_than_the_queue_computes_its_split_now_with_the_same_figures(tmp_path, monkeypatch):
+    """A site that alone exceeds the queue's budget would add its split's copy of the value to the run's peak: its
+    output quantization split is computed at once instead. The same trace and rows either way."""
+    import sys
+
+    import quantlens.profiler.torch_probe as torch_probe
+
+    model, prepared, batches = _models()
+    original = torch_probe._quant_error_stats
+    tables, deferred = {}, {}
+    for name, budget in (("queued", 1 << 30), ("now", 1)):
+        calls = []
+
+        def recording(*args):
+            frame, names = sys._getframe(1), set()
+            while frame is not None:
+                names.add(frame.f_code.co_name)
+                frame = frame.f_back
+            calls.append("_compute" in names)
+            return original(*args)
+
+        with monkeypatch.context() as m:
+            m.setattr(torch_probe, "_quant_error_stats", recording)
+            m.setattr(writer_module, "QUEUE_BYTES", budget)
+            qa = QuantAnalysis(model, prepared, "fake_quant", tmp_path / name, progress=False)
+            qa.set_bad_case(batches[1])
+            qa.run()
+            tables[name] = qa.compare_per_layer()
+        deferred[name] = calls
+    assert deferred["queued"] and all(deferred["queued"])
+    assert deferred["now"] and not any(deferred["now"])
+    for folder in ("baseline_model", "analysis_model"):
+        assert _files(tmp_path / "queued" / folder) == _files(tmp_path / "now" / folder)
+    assert _as_tuples(tables["queued"]) == _as_tuples(tables["now"])
+    assert any(r.error_kind for r in tables["now"])  # (rows that read the split)

@@ -139,7 +139,7 @@ class TraceWriter:
     deferred_quant_error = True
 
     def __init__(self, directory: str | os.PathLike, label: str, description: str, save_inputs: bool = True,
-                 queue_bytes: int = QUEUE_BYTES, values_not_needed: frozenset[str] = frozenset(),
+                 queue_bytes: int | None = None, values_not_needed: frozenset[str] = frozenset(),
                  after_write: Callable[[TracedSite, Mapping[str, torch.Tensor]], None] | None = None,
                  hold_bytes: int = 0):
         #: where the trace ends up; it is written to the sibling staging folder :attr:`dir` and moved here by
@@ -168,12 +168,12 @@ class TraceWriter:
         self.description = description
         self.sites: list[TracedSite] = []
         (self.dir / TENSORS_DIR).mkdir(parents=True, exist_ok=True)
-        self.queue_bytes = queue_bytes
+        self.queue_bytes = QUEUE_BYTES if queue_bytes is None else queue_bytes
         #: id(tensor) -> (weak reference, version, file, key) of every tensor stored so far
         self._stored: dict[int, tuple[Any, int, str, str]] = {}
         self._jobs: list[_Job] = []
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._pool = BufferPool(queue_bytes)
+        self._pool = BufferPool(self.queue_bytes)
         self._scratch: dict[tuple[int, str], torch.Tensor] = {}  # each thread's reusable temporaries
         self._lock = threading.Lock()  # guards the jobs' claims and :attr:`_unclaimed`
         self._unclaimed: list[_Job] = []  # queued jobs no thread computes yet, oldest first
@@ -249,6 +249,14 @@ class TraceWriter:
         keep = {k: t.detach() for k, t in stored.items() if k in owned}  # queued as they are (see SiteEvent)
         to_copy = {k: t for k, t in stored.items() if k not in owned}
         nbytes, held = layout_bytes(to_copy), sum(t.numel() * t.element_size() for t in keep.values())
+        if isinstance(qerr_tensor, torch.Tensor) and nbytes + held > self.queue_bytes:
+            # A site that alone exceeds the queue's budget is queued alone, and its split's copy of the value would
+            # add an activation to the run's peak (bench_profiler's 8 MB activations: the peak was there): computed
+            # now from the value itself.
+            with torch._C.DisableTorchFunction():  # (as on the writer thread: outside the forward's modes)
+                site.quant_error, quant_error = quant_error(), None
+            del stored["\0qerr"], to_copy["\0qerr"]
+            qerr_tensor, nbytes = None, layout_bytes(to_copy)
         buffer = self._pool.take(nbytes, lambda: self._error is not None, held, helper=self._help)
         self._raise_error()
         copied = copy_into(buffer, to_copy)
