@@ -72,7 +72,7 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-@dataclass
+@dataclass(eq=False)  # (a job is itself: the queue's lists find it by identity, never by comparing tensors)
 class _Job:
     """One op site's copies on their way to disk (see :class:`TraceWriter`)."""
 
@@ -304,18 +304,23 @@ class TraceWriter:
         # is the writer's, done as on its thread, where none applies; under a dispatch mode it is left to the writer)
         if self._error is not None or self._closed or torch._C._len_torch_dispatch_stack():
             return False
-        with self._lock:
-            if not self._unclaimed:
-                return False
-            job = self._unclaimed.pop()
-            job.claimed = True
+        job = None
         try:
+            with self._lock:
+                if not self._unclaimed:
+                    return False
+                job = self._unclaimed[-1]
+                job.claimed = True
+                self._unclaimed.pop()
             with torch._C.DisableTorchFunction():
                 self._compute(job)
         except BaseException as exc:  # handed to the writer thread, which records the site and raises it
+            if job is None:
+                raise
             job.error = exc
         finally:
-            job.computed.set()
+            if job is not None:  # (whatever happened: the writer thread waits for this before freeing its copies)
+                job.computed.set()
         return True
 
     def _claim(self, job: _Job) -> bool:
@@ -324,7 +329,8 @@ class TraceWriter:
             if job.claimed:
                 return False
             job.claimed = True
-            self._unclaimed.remove(job)
+            if job in self._unclaimed:  # (by identity: eq=False)
+                self._unclaimed.remove(job)
             return True
 
     def _raise_error(self) -> None:
