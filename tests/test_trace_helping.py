@@ -5,11 +5,11 @@ one on the writer's; a weight, whose statistics are now read off the forward's p
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 import torch
+from test_trace_held import _as_tuples, _models  # (a small conv net with in-place ReLUs, calibrated)
 from torch import nn
 
 import quantlens.profiler.trace.writer as writer_module
@@ -17,40 +17,10 @@ from quantlens.errors import QuantLensError
 from quantlens.profiler import QuantAnalysis
 from quantlens.profiler.torch_access import TorchModelAccess
 from quantlens.profiler.trace.writer import TraceWriter
-from quantlens.quantization import DeQuantStub, QuantStub, calibrate, prepare
-from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
-
-
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.quant, self.dequant = QuantStub(), DeQuantStub()
-        self.conv1, self.act1 = nn.Conv2d(3, 8, 3, padding=1), nn.ReLU()
-        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
-        self.fc = nn.Linear(8, 4)
-
-    def forward(self, x):
-        h = self.act1(self.conv1(self.quant(x)))
-        h = torch.sigmoid(self.conv2(h) - 0.1)
-        return self.dequant(self.fc(h.mean((2, 3))))
-
-
-def _models():
-    torch.manual_seed(0)
-    model = _Net().eval()
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(2, 3, 12, 12, generator=g),) for _ in range(3)]
-    prepared = calibrate(prepare(model, batches[0], default_calibration_qconfig_setter, check_result_dir=None),
-                         batches)
-    return model, prepared, batches
 
 
 def _files(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def _as_tuples(table):
-    return [tuple("nan" if isinstance(v, float) and math.isnan(v) else v for v in vars(r).values()) for r in table]
 
 
 def _traced(tmp_path: Path, name: str, monkeypatch, who: str):

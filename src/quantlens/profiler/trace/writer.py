@@ -91,8 +91,8 @@ class _Job:
     computed: threading.Event = field(default_factory=threading.Event)  # set once the computing part is done
     error: BaseException | None = None  # what the computing part raised, on a helping thread
     payload: dict[str, torch.Tensor] | None = None  # what the file holds, for holding it (no codes)
-    weight: tuple[torch.Tensor, int | None] | None = None  # the weight the op read and its version then
-    weight_version: tuple[torch.Tensor, int | None] | None = None  # the same, kept until finish() checks it
+    weight: tuple[torch.Tensor, int | None] | None = None  # the weight the op read and its version then (the
+    # model's own tensor: kept until finish() checks it)
 
 
 def _encode(x: torch.Tensor, scale: float, qmin: int, qmax: int, dtype: torch.dtype,
@@ -280,7 +280,6 @@ class TraceWriter:
         job = _Job(site, copies, list(tensors), nbytes, quant_error if callable(quant_error) else None,
                    buffer=buffer, stats_only=stats_only,
                    weight=None if weight is None else (weight, _version(weight)))
-        job.weight_version = job.weight
         grid = _CODE_DTYPES.get(event.quant_dtype)
         if grid is not None and site.per_tensor_scale is not None and not event.fused_into:
             # the site's values on its output grid go to disk as integer codes (checked exactly when written)
@@ -369,7 +368,7 @@ class TraceWriter:
             finally:
                 if not mine:  # (its copies stay in the pool's buffer until the helping thread is done)
                     job.computed.wait()
-                job.tensors, job.quant_error, job.payload, job.error, job.weight = {}, None, None, None, None
+                job.tensors, job.quant_error, job.payload, job.error = {}, None, None, None
                 if job.buffer is not None:
                     self._pool.give(job.buffer, job.nbytes)
                 job.buffer = None
@@ -480,8 +479,8 @@ class TraceWriter:
         self._drain()
         self._raise_error()
         # (checked here as well, so that a weight changed after its op always fails, however early it was read)
-        changed = next((job.site.name for job in self._jobs if job.weight_version is not None
-                        and _version(job.weight_version[0]) != job.weight_version[1]), None)
+        changed = next((job.site.name for job in self._jobs if job.weight is not None
+                        and _version(job.weight[0]) != job.weight[1]), None)
         if changed is not None:
             self.close()
             raise _weight_changed(changed)
