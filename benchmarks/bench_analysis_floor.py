@@ -184,7 +184,7 @@ def main(argv=None) -> int:
         measured = {}
         for label, fn in tools.items():
             fn()  # warm-up
-            measured[label], _ = _best(fn, max(args.repeats // 2, 2))
+            measured[label], _ = _best(fn, args.repeats)
         print(f"\n{name}: two float forwards {two * 1e3:.1f} ms; of quantlens' {total} rows the floor computes the "
               f"figures of {len(values)} (those with a number), the same-input runs of {len(rows)} (the modules' ones)")
         for part, sec in parts.items():
