@@ -125,13 +125,14 @@ def _rows(net: Net, analysis: torch.nn.Module) -> tuple[dict[str, list[str]], li
     import tempfile
 
     from quantlens.profiler import QuantAnalysis
+    from quantlens.profiler.trace import TraceReader
 
     with tempfile.TemporaryDirectory() as out:
         qa = QuantAnalysis(net.model, analysis, "fake_quant", out_dir=out, progress=False)
         qa.set_bad_case(net.args)
         qa.run()
         table = qa.compare_per_layer()
-        base, analy = qa._open_traces()
+        base, analy = TraceReader(Path(out) / "baseline_model"), TraceReader(Path(out) / "analysis_model")
         values = []
         for r in table:
             if r.SQNR is None:
