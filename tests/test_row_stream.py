@@ -271,3 +271,26 @@ def test_compare_per_layer_reuses_runs_readers_until_a_trace_json_changes(tmp_pa
     qa.compare_per_layer()
     assert [Path(p).name for p in opened] == ["analysis_model"]  # the edited trace only
     assert {r.op_name: r.SQNR for r in qa.compare_per_layer()} == first
+
+
+def test_rows_computed_on_two_threads_are_the_rows_of_one(tmp_path, monkeypatch):
+    """compare_traces() computes the rows left to it two at a time where a core is free: every figure is the one a
+    single thread computes (each row by the same function, from the same files)."""
+    import quantlens._threads as threads
+
+    model, prepared, batches = _models()
+    qa = QuantAnalysis(model, prepared, "fake_quant", tmp_path, progress=False)
+    qa.set_bad_case(batches[1])
+    qa.run()
+    traces = qa._open_traces()
+    calls = []
+    real = threads.map_ordered
+    monkeypatch.setattr(compare_module, "map_ordered", lambda fn, items, workers: calls.append(workers) or
+                        real(fn, items, workers))
+    monkeypatch.setattr(compare_module, "side_workers", lambda most: most)
+    monkeypatch.setattr(compare_module, "ROW_WORKERS", 2)
+    two = compare_traces(*traces)
+    monkeypatch.setattr(compare_module, "ROW_WORKERS", 1)
+    one = compare_traces(*traces)
+    assert calls == [2, 1] and len(two.rows) >= 5
+    _assert_rows_equal(list(two), list(one))

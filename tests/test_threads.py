@@ -76,3 +76,51 @@ def test_zero_leaves_torch_alone(monkeypatch):
     with loop_threads() as n:
         assert n == 2 and torch.get_num_threads() == 2
     assert torch.get_num_threads() == 2
+
+
+def test_side_workers_leave_each_thread_its_cores(monkeypatch):
+    monkeypatch.setattr(_threads, "_cores", lambda: 2)
+    torch.set_num_threads(1)
+    assert _threads.side_workers(2) == 2 and _threads.side_workers(1) == 1
+    torch.set_num_threads(2)  # torch's own threads take both cores: no second Python thread beside them
+    assert _threads.side_workers(2) == 1
+    monkeypatch.setattr(_threads, "_cores", lambda: 16)
+    assert _threads.side_workers(2) == 2 and _threads.side_workers(4) == 4
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_map_ordered_gives_the_loops_results_in_order(workers):
+    import threading
+    import time
+
+    seen = set()
+
+    def fn(i):
+        seen.add(threading.get_ident())
+        time.sleep(0.002 * (i % 3))  # (items finish out of order)
+        return i * i
+
+    assert _threads.map_ordered(fn, list(range(12)), workers) == [i * i for i in range(12)]
+    assert len(seen) == min(workers, 2) or (workers == 3 and len(seen) >= 2)
+    assert _threads.map_ordered(fn, [], workers) == []
+
+
+def test_map_ordered_raises_the_first_failing_item_in_order():
+    """Item 2 fails at once on one thread while item 1, taken before it, fails later on the other: the loop's error
+    is item 1's, as in a serial loop, and nothing after item 2 is computed once both errors are known."""
+    import time
+
+    done = []
+
+    def fn(i):
+        if i == 1:
+            time.sleep(0.2)
+            raise ValueError("item 1")
+        if i == 2:
+            raise KeyError("item 2")
+        done.append(i)
+        return i
+
+    with pytest.raises(ValueError, match="item 1"):
+        _threads.map_ordered(fn, list(range(50)), 2)
+    assert 0 in done and len(done) < 48  # (the later items were not all run)

@@ -26,12 +26,14 @@ with whatever ``torch.get_num_threads()`` says. Use it where the caller manages 
 from __future__ import annotations
 
 import os
+import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 
-__all__ = ["ENV_VAR", "num_threads", "set_num_threads", "loop_threads", "default_num_threads"]
+__all__ = ["ENV_VAR", "num_threads", "set_num_threads", "loop_threads", "default_num_threads", "side_workers",
+           "map_ordered"]
 
 ENV_VAR = "QUANTLENS_NUM_THREADS"
 #: above this many cores a machine counts as big enough for torch's intra-op threads
@@ -116,3 +118,52 @@ def loop_threads(n: int | None = None) -> Iterator[int]:
         yield want
     finally:
         torch.set_num_threads(before)
+
+
+def side_workers(most: int) -> int:
+    """How many Python threads may run independent torch work side by side now (at most ``most``): as many as the
+    cores hold at ``torch.get_num_threads()`` intra-op threads each, so that they never wait for each other's
+    cores (1 where torch's own threads take every core)."""
+    return max(1, min(most, _cores() // max(torch.get_num_threads(), 1)))
+
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def map_ordered(fn: Callable[[_T], _R], items: Sequence[_T], workers: int) -> list[_R]:
+    """``[fn(x) for x in items]``, computed by up to ``workers`` threads (the calling one included) taking the items
+    in order. Raises what the serial loop would: the error of the first item, in order, that failed (every item
+    before it has been computed by then; none after it is started once an error is known)."""
+    if workers <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    results: list = [None] * len(items)
+    errors: list[BaseException | None] = [None] * len(items)
+    lock, failed, taken = threading.Lock(), threading.Event(), iter(range(len(items)))
+
+    def drain() -> None:
+        while not failed.is_set():
+            with lock:
+                i = next(taken, None)
+            if i is None:
+                return
+            try:
+                results[i] = fn(items[i])
+            except BaseException as exc:  # (handed to the calling thread below, in the items' order)
+                errors[i] = exc
+                failed.set()
+
+    helpers = [threading.Thread(target=drain, name="quantlens-side", daemon=True)
+               for _ in range(min(workers, len(items)) - 1)]
+    for t in helpers:
+        t.start()
+    try:
+        drain()
+    finally:
+        failed.set()  # (interrupted here: the helpers finish the item they hold and take no other)
+        for t in helpers:
+            t.join()
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return results

@@ -25,6 +25,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from quantlens._finite import all_finite
+from quantlens._threads import loop_threads, map_ordered, side_workers
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType
 from quantlens.march.opset import op_def
@@ -190,6 +191,9 @@ def _fused_sums(base: list[torch.Tensor], analy: list[torch.Tensor], same: list[
 #: the metrics a row shows of the same-input pair (the others, KL the costliest, are not computed)
 _SAME_INPUT_METRICS = ("Cosine", "SQNR", "Atol")
 
+#: the most rows :func:`compare_traces` computes at once (each reads its baseline values: a row's memory apiece)
+ROW_WORKERS = 2
+
 
 #: relative error (||x - y|| / ||x||, i.e. SQNR > 120 dB) below which a difference is float32 rounding noise
 #: (a GEMM re-run on a copy of its input may round its last bit differently), not a quantization error
@@ -279,15 +283,20 @@ def compare_traces(base: TraceReader, analy: TraceReader, prefixes: Iterable[str
     for name, into in analy.folded.items():  # a quantized IR's conv written to its fused ReLU's grid
         if name in base.by_name and name not in analy.by_name:
             members.setdefault(into, []).append(base.by_name[name].op_type)
+    chosen = [(site, b) for site in analy.sites
+              if (b := base.by_name.get(site.name)) is not None and _selected(site, b, prefixes, types)
+              # a site that runs several times (recurrent steps): one row, its last run, as for an IR
+              and analy.by_name[site.name] is site]
+    # The rows not computed yet are independent of each other: with a core free, two at once (the large
+    # activations' rows, left out of the row stream to spare the forward's memory, were most of this call's time)
+    todo = [(site, b) for site, b in chosen if site.index not in early]
+    with loop_threads():
+        computed = map_ordered(lambda sb: site_row(base, sb[1], sb[0], analy.tensors(sb[0].name), deployed,
+                                                   heads.get(sb[0].name, sb[0])), todo, side_workers(ROW_WORKERS))
+    fresh = {site.index: row for (site, _), row in zip(todo, computed)}
     rows = []
-    for site in analy.sites:
-        b = base.by_name.get(site.name)
-        if b is None or not _selected(site, b, prefixes, types):
-            continue
-        if analy.by_name[site.name] is not site:
-            continue  # a site that runs several times (recurrent steps): one row, its last run, as for an IR
-        row = early.get(site.index) or site_row(base, b, site, analy.tensors(site.name), deployed,
-                                                heads.get(site.name, site))
+    for site, b in chosen:
+        row = early.get(site.index) or fresh[site.index]
         if site.name in members:
             row = replace(row, group="+".join(members[site.name] + [_base_type(base, site)]))
         rows.append(row)

@@ -27,8 +27,10 @@ __all__ = ["ROW_CHUNK", "PairSums", "pair_sums", "pair_kl", "SplitSums", "split_
            "scratch_rows", "blocks",
            "joined"]
 
-#: elements per chunk (256 KiB per float64 buffer: a row's working set stays in the core's cache)
-ROW_CHUNK = 1 << 15
+#: elements per chunk (1 MiB per float64 buffer). One thread computes a row as fast with 32 Ki-element chunks as
+#: with 128 Ki ones; two threads computing rows side by side (compare_traces) gained nothing with 32 Ki chunks, whose
+#: many small torch calls take turns for the GIL, and 25-35 % of the wall time with 128 Ki (docs/performance.md)
+ROW_CHUNK = 1 << 17
 
 _local = threading.local()
 
