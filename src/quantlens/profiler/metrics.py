@@ -158,7 +158,9 @@ METRICS: dict[str, Metric] = {}
 
 
 def register_metric(metric: Metric) -> Metric:
-    """Add a metric to the registry (the name is what users pass, e.g. ``metric="L1"``)."""
+    """Add a metric to the registry (the name is what users pass, e.g. ``metric="L1"``). Its function may run on
+    any thread, and on two at once (the trace writer's during ``run()``, two rows at a time in
+    ``compare_per_layer()``): a pure function of its two tensors."""
     METRICS[metric.name] = metric
     # the sensitive-op qconfig setters (below the profiler) read a sensitivity row's direction from there
     register_metric_direction(metric.name, metric.higher_is_worse)
