@@ -290,9 +290,13 @@ def compare_traces(base: TraceReader, analy: TraceReader, prefixes: Iterable[str
     # The rows not computed yet are independent of each other: with a core free, two at once (the large
     # activations' rows, left out of the row stream to spare the forward's memory, were most of this call's time)
     todo = [(site, b) for site, b in chosen if site.index not in early]
+
+    def row_of(pair: tuple[TracedSite, TracedSite]) -> LayerRow:
+        site, b = pair
+        return site_row(base, b, site, analy.tensors(site.name), deployed, heads.get(site.name, site))
+
     with loop_threads():
-        computed = map_ordered(lambda sb: site_row(base, sb[1], sb[0], analy.tensors(sb[0].name), deployed,
-                                                   heads.get(sb[0].name, sb[0])), todo, side_workers(ROW_WORKERS))
+        computed = map_ordered(row_of, todo, side_workers(ROW_WORKERS))
     fresh = {site.index: row for (site, _), row in zip(todo, computed)}
     rows = []
     for site, b in chosen:
