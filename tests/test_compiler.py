@@ -206,11 +206,20 @@ class _Unsupported(nn.Module):
         return torch.fft.rfft(self.q(x)).real  # no integer rule for an FFT
 
 
-def test_unsupported_op_names_op_site_and_source_line():
+def test_an_op_without_integer_rule_runs_on_the_host_through_convert():
+    """The march's partition (issue #41): fft has no integer rule, so it is a float host op at its op site in both
+    IRs, read through a dequantize, and the quantized IR still computes what the qat IR computes."""
     x = torch.randn(2, 8)
     prepared = _calibrated(_Unsupported(), (x,), [(x,)])
-    with pytest.raises(QuantLensError, match=r"(?s)fft.*op site 'fft_rfft_0'.*test_compiler\.py"):
-        export(prepared, (x,))
+    assert prepared._quantlens_state.plans["fft_rfft_0"].host
+    qat_ir = export(prepared, (x,))
+    host = [n for n in qat_ir.graph.nodes if n.site == "fft_rfft_0"]
+    assert host and all(n.attrs.get("host") for n in host)
+    assert any(n.op == "host_aten" and n.attrs["target"].startswith("aten::_fft_r2c") for n in host)
+    quantized = convert(qat_ir)
+    reads = {v for n in quantized.graph.nodes if n.site == "fft_rfft_0" for v in n.inputs}
+    assert any(n.op == "dequantize" and n.outputs[0] in reads for n in quantized.graph.nodes)
+    assert torch.allclose(quantized(x), qat_ir(x), atol=1e-4)
 
 
 def test_export_refuses_float_model_and_convert_refuses_other_kinds():

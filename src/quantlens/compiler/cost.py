@@ -13,7 +13,10 @@ that runs it, from the numbers of :class:`quantlens.march.CostModel` (the march'
   final rounding shift and the ``2**F`` shift of terms whose multiplier is 1; cat: each input's requantize and
   one move;
 * other integer ops: vector passes over their elements; table ops (§13): one lookup per element at
-  ``table_lookups_per_cycle`` plus their vector passes; views (reshape, slice, ...) and host ops: free.
+  ``table_lookups_per_cycle`` plus their vector passes; views (reshape, slice, ...): free;
+* host ops (the partition, §12: no integer rule, values made inside forward, post-processing): their output
+  elements at ``host_cycles_per_element``; each crossing between the NPU and the host (a dequantize a host op
+  reads, a quantize of a host result) ``crossing_cycles`` on top of its vector pass.
 
 The requantize applications themselves are counted per node and term (``requantize_ops``: multipliers other
 than exactly 1; ``shift_only_ops``: those that are a pure power of two). The shapes come from ``graph.values``;
@@ -46,6 +49,20 @@ class LatencyEstimate:
     shift_only_ops: int
     #: cycles per IR op
     by_op: dict[str, int] = field(default_factory=dict)
+    #: cycles of the ops on the host, and of the NPU-host crossings (both included in ``cycles``)
+    host_cycles: int = 0
+    crossing_cycles: int = 0
+    #: the crossings between the NPU and the host
+    crossings: int = 0
+    #: multiply-accumulates of the GEMMs on the NPU and on the host
+    npu_macs: int = 0
+    host_macs: int = 0
+
+    @property
+    def npu_mac_share(self) -> float:
+        """The share of the model's MACs the NPU computes (1.0 without any GEMM)."""
+        total = self.npu_macs + self.host_macs
+        return self.npu_macs / total if total else 1.0
 
 
 #: requantize classes, cheapest first
@@ -81,6 +98,9 @@ class _Estimator:
         self.cm = get_march().spec.cost
         self.requantize_ops = 0
         self.shift_only_ops = 0
+        self.host_cycles = self.crossing_cycles = self.crossings = self.npu_macs = self.host_macs = 0
+        self.host_values = {o for n in self.g.nodes if n.attrs.get("host") for o in n.outputs}
+        self.host_reads = {v for n in self.g.nodes if n.attrs.get("host") for v in n.inputs}
 
     def shape(self, name: str) -> tuple[int, ...]:
         info = self.g.values.get(name)
@@ -118,11 +138,26 @@ class _Estimator:
         return -(-macs // rate) if macs > 0 else 0
 
     def node(self, node) -> int:
-        if node.attrs.get("host"):
-            return 0  # float post-processing on the host, after the boundary
         op = IR_OPS.get(node.op)
         out = self.numel(node.outputs[0]) if node.outputs else 0
-        return _CHARGES[op.cost if op is not None else Cost.PASS](self, node, out)
+        if node.attrs.get("host"):
+            cycles = math.ceil(out * self.cm.host_cycles_per_element)
+            if op is not None and op.cost is Cost.GEMM:
+                self.host_macs += _macs(self, node, out)
+            self.host_cycles += cycles
+            return cycles
+        cycles = _CHARGES[op.cost if op is not None else Cost.PASS](self, node, out)
+        if self._crosses(node):
+            self.crossings += 1
+            self.crossing_cycles += self.cm.crossing_cycles
+            cycles += self.cm.crossing_cycles
+        return cycles
+
+    def _crosses(self, node) -> bool:
+        """A boundary (de)quantize between the NPU and a host op (not the model's own inputs and outputs)."""
+        if node.op == "dequantize":
+            return any(o in self.host_reads for o in node.outputs)
+        return node.op == "quantize" and bool(node.inputs) and node.inputs[0] in self.host_values
 
 
 #: Cost (the op set's per-op cost kind) -> ``(estimator, node, output elements) -> cycles``
@@ -139,16 +174,22 @@ def _free(e: _Estimator, node, out: int) -> int:
     return 0
 
 
-@_charges(Cost.GEMM)
-def _gemm(e: _Estimator, node, out: int) -> int:
+def _macs(e: _Estimator, node, out: int) -> int:
+    """The multiply-accumulates of a GEMM node with ``out`` output elements."""
     x, w_shape = node.inputs[0], e.shape(node.inputs[1])
     if node.op in ("conv1d", "conv2d"):
-        macs = out * math.prod(w_shape[1:])
-    elif node.op.startswith("conv_transpose"):  # every input element reaches out/groups · prod(k) outputs
-        macs = e.numel(x) * math.prod(w_shape[1:])
-    else:  # linear [out, in], matmul [..., k, n]: the contraction length
-        k = w_shape[-1] if node.op == "linear" else (e.shape(x)[-1] if e.shape(x) else 1)
-        macs = out * k
+        return out * math.prod(w_shape[1:])
+    if node.op.startswith("conv_transpose"):  # every input element reaches out/groups · prod(k) outputs
+        return e.numel(x) * math.prod(w_shape[1:])
+    # linear [out, in], matmul [..., k, n]: the contraction length
+    k = w_shape[-1] if node.op == "linear" else (e.shape(x)[-1] if e.shape(x) else 1)
+    return out * k
+
+
+@_charges(Cost.GEMM)
+def _gemm(e: _Estimator, node, out: int) -> int:
+    macs = _macs(e, node, out)
+    e.npu_macs += macs
     return e.gemm(macs, node.inputs[:2]) + e.output_requant(node, out)
 
 
@@ -254,4 +295,6 @@ def estimate_latency(module, batch: int = 1) -> "LatencyEstimate":
         by_op[node.op] += est.node(node)
     cycles = int(sum(by_op.values()))
     return LatencyEstimate(cycles=cycles, microseconds=cycles / est.cm.clock_mhz, requantize_ops=est.requantize_ops,
-                           shift_only_ops=est.shift_only_ops, by_op=dict(sorted(by_op.items())))
+                           shift_only_ops=est.shift_only_ops, by_op=dict(sorted(by_op.items())),
+                           host_cycles=est.host_cycles, crossing_cycles=est.crossing_cycles, crossings=est.crossings,
+                           npu_macs=est.npu_macs, host_macs=est.host_macs)

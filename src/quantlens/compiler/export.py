@@ -190,8 +190,9 @@ def export(
             # In-place ops (x += y, x.mul_(2), x[:, 0] = 0, clamp_) become their functional forms, and an op with no
             # lowering rule takes torch's own decomposition before lowering refuses it
             ep = decompose_unlowered(ep)
-    # Ops after a DeQuantStub are host post-processing: they stay float through convert, and any aten op may be one.
-    host_sites = frozenset(s.name for s in model._quantlens_state.record.sites.values() if s.after_dequant)
+    # The march's partition: host sites (no integer rule, no qconfig, after the DeQuantStub) stay float through
+    # convert, and any aten op may be one; so is any aten op the IR has no lowering for (lowering marks those).
+    host_sites = frozenset(p.name for p in model._quantlens_state.plans.values() if p.host)
     graph = lower_exported_program(ep, [names[i] for i in tensor_positions], host_sites)
     if dynamic_batch:
         _check_dynamic_batch(graph, [names[tensor_positions[k]] for k in batched])

@@ -104,6 +104,9 @@ class IROp:
     shared_kernel: bool = False
     #: keeps every dimension in place (a per-channel int32 value may pass through it)
     keeps_dims: bool = False
+    #: moves dims without splitting or merging the channel dim when its shapes allow (reshape, permute): a
+    #: per-channel int32 value may pass through it, and convert places its axis (or refuses, naming the op)
+    moves_channel_axis: bool = False
     #: outputs after the first are indices (topk, sort, max_dim)
     index_outputs: bool = False
     note: str = ""
@@ -160,6 +163,18 @@ class OpDef:
             if all(op.onnx for op in irs):
                 out.add(Stage.ONNX)
         return frozenset(out)
+
+    @property
+    def on_npu(self) -> bool:
+        """The march computes it (convert has an integer lowering for each of its IR ops); every other op that
+        computes on float values runs on the host, in float, at every stage (the partition, ``docs/march.md`` §12)."""
+        return Stage.CONVERT in self.stages()
+
+    @property
+    def carries_channels(self) -> bool:
+        """A per-channel (int32 high-precision) value may pass through it: every IR op keeps the dims in place or
+        moves the channel dim whole."""
+        return bool(self.ir) and all(IR_OPS[n].keeps_dims or IR_OPS[n].moves_channel_axis for n in self.ir)
 
     def refused_by(self) -> list[Stage]:
         """The later stages (in pipeline order) that refuse this op; empty when every stage accepts it."""
@@ -258,8 +273,8 @@ _IR_ROWS: list[IROp] = [
     IROp("int_rms_norm", T, "§13.7.1", level="both", cost=Cost.TABLE, table_passes=3, int_attrs=_TABLE),
     IROp("int_vector_norm", T, "§13.7.2", level="both", cost=Cost.TABLE, table_passes=2, int_attrs=_TABLE),
     # movement: values keep their grid
-    IROp("reshape", M, "§11", level="both", shared_kernel=True, cost=Cost.FREE),
-    IROp("permute", M, "§11", level="both", shared_kernel=True),
+    IROp("reshape", M, "§11", level="both", shared_kernel=True, cost=Cost.FREE, moves_channel_axis=True),
+    IROp("permute", M, "§11", level="both", shared_kernel=True, moves_channel_axis=True),
     IROp("expand", M, "§11", level="both", shared_kernel=True, keeps_dims=True, cost=Cost.FREE),
     IROp("slice", M, "§11", level="both", shared_kernel=True, keeps_dims=True, cost=Cost.FREE, inputs=("x",),
          attrs=("dim", "start", "end", "step")),

@@ -123,6 +123,12 @@ class CostModel:
     requant_passes_default: int = 2
     #: ... and a wider one (32x32 -> 64-bit multiply, 64-bit rounding shift, qpp HIGH_PRECISION).
     requant_passes_high_precision: int = 4
+    #: NPU cycles per output element of an op on the host (the partition, §12): the host CPU's float op, counted
+    #: on the NPU's clock (a few scalar-vector float ops per element on an application core).
+    host_cycles_per_element: float = 4.0
+    #: NPU cycles of one hand-over between the NPU and the host (a dequantize whose value a host op reads, or a
+    #: quantize of a host result): the synchronisation and the transfer's latency, whatever its size.
+    crossing_cycles: int = 2000
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ class OpSiteCheck:
     weight: str
     fused: str
     source: str
+    #: where the op runs: ``npu`` (the march's integer rule), or ``host`` (float, the march's partition)
+    runs_on: str = "npu"
 
 
 @dataclass
@@ -58,6 +60,8 @@ class ModelCheckResult:
     #: that quantize a model input themselves, as "site (input k)"
     boundary: list[str] = field(default_factory=list)
     implicit_boundary: bool = False
+    #: op site -> why it runs on the host (no integer rule, no qconfig, values made inside forward ...)
+    host: dict[str, str] = field(default_factory=dict)
 
     def site(self, name: str) -> OpSiteCheck:
         for s in self.sites:
@@ -76,10 +80,10 @@ class ModelCheckResult:
             "",
             "== Op sites (execution order) ==",
             format_table(
-                ["op site", "op type", "input dtypes", "output dtype", "output observer", "weight qconfig",
-                 "fused", "source"],
-                [[s.name, s.op_type, s.input_dtypes, s.output_dtype, s.observer, s.weight, s.fused, s.source]
-                 for s in self.sites],
+                ["op site", "op type", "runs on", "input dtypes", "output dtype", "output observer",
+                 "weight qconfig", "fused", "source"],
+                [[s.name, s.op_type, s.runs_on, s.input_dtypes, s.output_dtype, s.observer, s.weight, s.fused,
+                  s.source] for s in self.sites],
             ),
             "",
             "== Fused groups (the last op carries the output fake quant) ==",
@@ -100,6 +104,9 @@ class ModelCheckResult:
                          "(calibrated like a QuantStub); wrap the inputs in QuantStub (and the outputs in "
                          "DeQuantStub) to name the boundary and set its scale yourself:")
         lines += self.boundary or ["(no float model input is quantized)"]
+        lines += ["", "== Op sites on the host (float; their integer inputs dequantized, their results quantized "
+                  "where the integer region reads them) =="]
+        lines += [f"{site}: {why}" for site, why in self.host.items()] or ["(none: every op runs on the NPU)"]
         lines += ["", "== Op sites whose observers saw NaN/Inf (left out of the statistics) =="]
         lines += [f"{site}: {', '.join(roles)}" for site, roles in self.nonfinite.items()] or ["(none)"]
         lines += ["", "== Please check these settings =="]
@@ -165,12 +172,12 @@ def check_qat_model(model: nn.Module, example_inputs: Any, out_dir: str | os.Pat
                 weight=_observer_text(wfq),
                 fused="+".join(m.rsplit(".", 1)[-1] for m in group.members) if group else "",
                 source=os.path.basename(site.source),
+                runs_on="host" if plan.host else "npu",
             )
         )
     stubs = [p.name for p in state.plans.values() if state.record.sites[p.name].boundary == "input"]
     implicit = [f"{p.name} (input {i.position})" for p in state.plans.values() for i in state.record.sites[p.name].inputs
-                if i.position in p.input_fq and i.producer is None and not i.is_parameter
-                and state.record.sites[p.name].boundary != "input"]
+                if i.position in p.input_fq and i.from_input and state.record.sites[p.name].boundary != "input"]
     result = ModelCheckResult(
         march=state.march,
         setter=state.setter_name,
@@ -184,6 +191,7 @@ def check_qat_model(model: nn.Module, example_inputs: Any, out_dir: str | os.Pat
         nonfinite=nonfinite_sites(model),
         scale_groups=[g.describe() for g in getattr(state, "scale_groups", None) or ()],
         boundary=stubs + implicit if stubs else implicit, implicit_boundary=bool(implicit) and not stubs,
+        host={p.name: p.host_reason for p in state.plans.values() if p.host},
     )
     if result.nonfinite:
         sites = list(result.nonfinite)

@@ -17,7 +17,7 @@ from quantlens.quantization.op_rules import OpKind
 from quantlens.quantization.qconfig import QConfig, QuantSpec
 from quantlens.quantization.record import ModelRecord, OpSiteRecord
 
-__all__ = ["OutputMode", "SitePlan", "FakeQuantRequest", "build_plans"]
+__all__ = ["OutputMode", "SitePlan", "FakeQuantRequest", "build_plans", "march_lacks_rule"]
 
 
 class OutputMode(str, Enum):
@@ -58,6 +58,11 @@ class SitePlan:
     override: str | None = None
     #: op type the prepared model runs at this site (a folded BatchNorm becomes an identity).
     runtime_op_type: str = ""
+    #: the site runs on the host, in float, at every stage (the march's partition): its op has no integer rule
+    #: in the march, it has no qconfig, or it follows the DeQuantStub. It reads its integer inputs dequantized and
+    #: hands its result back through the consumer's input quantize; ``host_reason`` says which of these.
+    host: bool = False
+    host_reason: str = ""
 
     def __post_init__(self):
         self.runtime_op_type = self.runtime_op_type or self.op_type
@@ -90,6 +95,8 @@ def build_plans(
     plans: dict[str, SitePlan] = {}
     requests: list[FakeQuantRequest] = []
     warnings: list[str] = []
+    # the partition first: a movement op quantizes a float input only for a consumer in the integer region
+    reasons = {site.name: _host_reason(site, qconfigs.get(site.name)) for site in record.sites.values()}
 
     for site in record.sites.values():
         group = group_of.get(site.name)
@@ -109,17 +116,20 @@ def build_plans(
 
         if site.kind is OpKind.PASSTHROUGH and not is_tail:
             plans[site.name], out_dtype[site.name] = _movement_plan(record, site, qc, data_inputs, in_dtypes,
-                                                                    qconfigs, requests)
+                                                                    reasons, requests)
             continue
 
-        if qc is None or qc.output is None:
+        reason = reasons[site.name]
+        if reason:
             out_dtype[site.name] = None
             plans[site.name] = SitePlan(
                 site.name, site.op_type, site.kind, OutputMode.FLOAT,
                 input_dtypes=[_dt(d) for d in in_dtypes], output_dtype="float",
+                host=site.kind is OpKind.QUANTIZED or site.after_dequant, host_reason=reason,
             )
-            if site.kind is OpKind.QUANTIZED and not site.after_dequant:
-                warnings.append(f"Op site '{site.name}' ({site.op_type}) has no qconfig and stays float.")
+            if reason == _NO_QCONFIG:
+                warnings.append(f"Op site '{site.name}' ({site.op_type}) has no qconfig and runs on the host in "
+                                "float.")
             continue
 
         plan = SitePlan(site.name, site.op_type, site.kind, OutputMode.QUANTIZED, qconfig=qc)
@@ -150,11 +160,43 @@ def build_plans(
             requests.append(FakeQuantRequest(key, out_spec, fixed_scales.get(site.name)))
             out_dtype[site.name] = out_spec.dtype
             plan.output_dtype = out_spec.dtype.value
+        if site.after_dequant:  # post-processing a user's qconfig quantizes: fake quants in the qat IR, on the host
+            plan.host, plan.host_reason = True, _AFTER_DEQUANT
         plans[site.name] = plan
     for group in groups:
         if group.bn is not None:
             plans[group.bn].runtime_op_type = "identity"
     return plans, requests, warnings
+
+
+_NO_QCONFIG = "no qconfig"
+_AFTER_DEQUANT = "after the DeQuantStub"
+_MADE_INSIDE = "computes only on values made inside forward (constants, masks, positions)"
+
+
+def march_lacks_rule(site: OpSiteRecord) -> bool:
+    """Whether the march has no integer rule for the op a site computes (its op type is not in the op set, or
+    convert cannot lower it): such a site runs on the host. Adding the rule to the op set moves it to the NPU."""
+    if site.kind is not OpKind.QUANTIZED or site.boundary:
+        return False
+    op = op_def(site.op_type)
+    if op is None:
+        return not site.known  # a module op the op set does not list (the stubs) is the march's own
+    return not op.on_npu
+
+
+def _host_reason(site: OpSiteRecord, qc: QConfig | None) -> str:
+    """Why a site stays float (``""``: it does not). Passthrough sites never do on their own: they move what they
+    are given, so they follow their input (a float input keeps them on the host)."""
+    if site.after_dequant and (qc is None or qc.output is None):
+        return _AFTER_DEQUANT
+    if site.made_inside and site.kind is OpKind.QUANTIZED and not site.boundary:
+        return _MADE_INSIDE
+    if march_lacks_rule(site):
+        return f"no integer rule for '{site.op_type}' in march {get_march().spec.name}"
+    if qc is None or qc.output is None:
+        return _NO_QCONFIG
+    return ""
 
 
 def _plan_inputs(site, plan, qc, data_inputs, in_dtypes, module_weight_dtypes, requests, warnings) -> None:
@@ -204,10 +246,10 @@ def _plan_inputs(site, plan, qc, data_inputs, in_dtypes, module_weight_dtypes, r
                                    and plan.weight_fq), None)
 
 
-def _movement_plan(record, site, qc, data_inputs, in_dtypes, qconfigs, requests) -> tuple[SitePlan, QuantDType | None]:
+def _movement_plan(record, site, qc, data_inputs, in_dtypes, reasons, requests) -> tuple[SitePlan, QuantDType | None]:
     """A passthrough site's plan (its output inherits its first input's grid) and that output's dtype."""
     plan = SitePlan(site.name, site.op_type, site.kind, OutputMode.INHERIT)
-    if _quantizes_float_input(record, site, qc, in_dtypes, qconfigs):
+    if _quantizes_float_input(record, site, qc, in_dtypes, reasons):
         in_dtypes = _quantize_float_inputs(site, plan, qc, data_inputs, in_dtypes, requests)
     inherited = in_dtypes[0] if in_dtypes else None
     plan.input_dtypes, plan.output_dtype = [_dt(d) for d in in_dtypes], _dt(inherited)
@@ -215,7 +257,7 @@ def _movement_plan(record, site, qc, data_inputs, in_dtypes, qconfigs, requests)
 
 
 def _quantizes_float_input(record: ModelRecord, site: OpSiteRecord, qc: QConfig | None, in_dtypes: list,
-                           qconfigs: dict[str, QConfig]) -> bool:
+                           reasons: dict[str, str]) -> bool:
     """Whether a data-movement site quantizes a float input itself: a float value (a model input, a constant, a
     float site's output) is quantized where the integer region first consumes it, whatever op that is. A pad,
     view or getitem that takes the network's float input is that place when its values reach a quantized op
@@ -234,9 +276,8 @@ def _quantizes_float_input(record: ModelRecord, site: OpSiteRecord, qc: QConfig 
         consumer = record.sites[name]
         if consumer.kind is OpKind.PASSTHROUGH and not consumer.boundary:
             stack.extend(record.consumers(name))
-        elif consumer.kind is OpKind.QUANTIZED and not consumer.boundary and not consumer.after_dequant:
-            if qconfigs.get(name) is not None and qconfigs[name].output is not None:
-                return True
+        elif consumer.kind is OpKind.QUANTIZED and not consumer.boundary and not reasons[name]:
+            return True
     return False
 
 

@@ -90,6 +90,8 @@ def _producer_fq(model: nn.Module, state: QuantState, name: str | None) -> tuple
             return fq, "" if fq is not None else f"'{name}' has no weight fake quant"
         if plan.output is OutputMode.INHERIT:
             rec = state.record.sites[name]
+            if rec.inputs and rec.inputs[0].position in plan.input_fq:  # a movement op that quantizes a float value
+                return state.fq[plan.input_fq[rec.inputs[0].position]], ""
             name = rec.inputs[0].producer if rec.inputs else None
             continue
         if plan.output is OutputMode.HIGH_PRECISION:

@@ -212,7 +212,7 @@ def prepare(
     if not allow_no_stubs:
         _refuse_missing_stubs(record, plans)
 
-    refusals = stage_refusals(record, groups)
+    refusals = stage_refusals(record, groups, plans)
     if assignment.unmatched:
         _warnings.warn("prepare: " + " ".join(assignment.unmatched), stacklevel=2)
     warnings = folded + list(assignment.warnings) + list(assignment.unmatched) + plan_warnings + list(
@@ -229,6 +229,7 @@ def prepare(
                   "and its source line")
         _warnings.warn(f"prepare: {len(sites)} op site(s) use ops that a later stage will refuse ({shown}); "
                        f"{listed}.", stacklevel=2)
+    _say_host_sites(plans, check_result_dir)
     state = QuantState(record, groups, unfused, plans, warnings, getattr(qconfig_setter, "name", repr(qconfig_setter)))
     for request in requests:
         spec = request.spec
@@ -251,12 +252,31 @@ def prepare(
     return prepared
 
 
+def _say_host_sites(plans: dict[str, SitePlan], check_result_dir: str | None) -> None:
+    """One console line: how many op sites run on the host in float inside the integer region, and where to read
+    more (post-processing after the DeQuantStub is host by design and not counted)."""
+    host = [p for p in plans.values() if p.host and p.host_reason != "after the DeQuantStub"]
+    if not host:
+        return
+    from quantlens.quantization.check import CHECK_FILE  # (check imports this module)
+
+    ops = sorted({p.op_type for p in host})
+    shown = ", ".join(ops[:6]) + (f" and {len(ops) - 6} more" if len(ops) > 6 else "")
+    where = (os.path.join(os.fspath(check_result_dir), CHECK_FILE) if check_result_dir is not None else
+             f"{CHECK_FILE} (prepare(..., check_result_dir=FOLDER))")
+    _warnings.warn(f"prepare: {len(host)} op site(s) run on the host in float ({shown}): the march has no integer "
+                   f"rule for them, or they compute on values made inside forward; {where} lists each with why "
+                   "(column 'runs on').", stacklevel=3)
+
+
 def _refuse_missing_stubs(record: ModelRecord, plans: dict[str, SitePlan]) -> None:
     """Refuse a model whose float inputs reach quantized op sites with no ``QuantStub`` anywhere (issue #26)."""
     if any(s.boundary == "input" for s in record.sites.values()):
         return
+    # only the model's own float inputs: values made inside forward (masks, positions, an empty cache) are
+    # constants or host values, and a model whose inputs are all integer has nothing to mark
     entries = [f"{p.name} (input {i.position})" for p in plans.values() for i in record.sites[p.name].inputs
-               if i.position in p.input_fq and i.producer is None and not i.is_parameter]
+               if i.position in p.input_fq and i.from_input]
     if not entries:
         return
     shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
@@ -297,15 +317,17 @@ def _write_check_report(prepared: nn.Module, example: Any, directory: Any) -> No
                        stacklevel=3)
 
 
-def stage_refusals(record: ModelRecord, groups: list[FusedGroup] = ()) -> dict[str, str]:
+def stage_refusals(record: ModelRecord, groups: list[FusedGroup] = (),
+                   plans: dict[str, SitePlan] | None = None) -> dict[str, str]:
     """Op site name -> one line for each op site whose op a later stage refuses (the op set's stage support), with its source line.
 
-    Host post-processing (after a DeQuantStub) stays float (any aten op), so only ONNX matters there; a BatchNorm
-    folded into its conv/linear is no op of its own."""
+    A host op (no integer rule, after the DeQuantStub, values made inside forward) runs in float at every stage, and
+    torch's ONNX exporter writes it, so no stage refuses it; a BatchNorm folded into its conv/linear is no op of its
+    own."""
     folded = {g.bn for g in groups if g.bn is not None}
     lines: dict[str, str] = {}
     for site in record.sites.values():
-        if site.name in folded:
+        if site.name in folded or (plans is not None and site.name in plans and plans[site.name].host):
             continue
         op = op_def(site.op_type) if site.known else None
         if site.known and op is None:

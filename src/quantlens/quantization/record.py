@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from quantlens.errors import QuantLensError
+from quantlens.march.opset import op_def
 from quantlens.quantization.op_rules import OpKind
 from quantlens.quantization.tracer import (
     OpSiteTracer,
@@ -40,6 +41,9 @@ class SiteInput:
     producer: str | None  # op site that produced it; None for model inputs and constants
     is_parameter: bool
     shape: tuple[int, ...]
+    #: the tensor is one of the model's float inputs (as the caller passed it); with no producer and not this, it
+    #: was made inside ``forward`` (a buffer, a constant, ``ones_like``, a cast of an integer mask)
+    from_input: bool = False
 
 
 @dataclass
@@ -65,6 +69,10 @@ class OpSiteRecord:
     calls: int = 1
     #: computes on data that already left the NPU through a DeQuantStub (float post-processing on the host)
     after_dequant: bool = False
+    #: computes only on values made inside ``forward`` (constants, buffers, ``arange`` / ``*_like`` results, casts
+    #: of integer masks or positions): no model input and no weight reaches it, so it is no part of the integer
+    #: region (it runs on the host, or export folds it into a constant)
+    made_inside: bool = False
 
 
 @dataclass
@@ -91,7 +99,8 @@ class ModelRecord:
         return None
 
     def feeds_only_dequant(self, name: str) -> bool:
-        """True when every use of the site's output, through passthrough ops, ends in a DeQuantStub."""
+        """True when every use of the site's output, through passthrough ops that keep the channel dim whole
+        (a per-channel int32 output passes them: ``OpDef.carries_channels``), ends in a DeQuantStub."""
         stack, seen = list(self.consumers(name)), set()
         if not stack:
             return False
@@ -103,7 +112,8 @@ class ModelRecord:
             site = self.sites[consumer]
             if site.boundary == "output":
                 continue
-            if site.kind is not OpKind.PASSTHROUGH:
+            op = op_def(site.op_type)
+            if site.kind is not OpKind.PASSTHROUGH or op is None or not op.carries_channels:
                 return False
             nxt = self.consumers(consumer)
             if not nxt:
@@ -113,10 +123,12 @@ class ModelRecord:
 
 
 class _Recorder(SiteHandler):
-    def __init__(self, record: ModelRecord):
+    def __init__(self, record: ModelRecord, model_inputs: TensorMarks | None = None):
         self.record = record
         #: which op site produced each tensor, for this one forward (nothing is attached to the tensors)
         self.marks = TensorMarks()
+        #: the model's float input tensors of this forward
+        self.model_inputs = model_inputs if model_inputs is not None else TensorMarks()
 
     def _inputs(self, site: SiteCall, args: tuple, kwargs: dict) -> list[SiteInput]:
         leaves, _, positions = float_tensor_leaves(args, kwargs)
@@ -124,7 +136,8 @@ class _Recorder(SiteHandler):
         for pos in positions:
             t = leaves[pos]
             producer = self.marks.get(t)
-            result.append(SiteInput(pos, producer, isinstance(t, nn.Parameter), tuple(t.shape)))
+            result.append(SiteInput(pos, producer, isinstance(t, nn.Parameter), tuple(t.shape),
+                                    from_input=producer is None and t in self.model_inputs))
         return result
 
     def _mark_outputs(self, name: str, output: Any) -> list[tuple[int, ...]]:
@@ -220,14 +233,20 @@ def record_model(model: nn.Module, examples: Iterable[Any]) -> ModelRecord:
     record = ModelRecord()
     with torch.no_grad():
         for example in examples:
-            recorder = _Recorder(record)
+            model_inputs = TensorMarks()
+            for leaf in pytree.tree_leaves(example):
+                if is_float_tensor(leaf):
+                    model_inputs.set(leaf, True)
+            recorder = _Recorder(record, model_inputs)
             try:
                 with OpSiteTracer(model, recorder):
                     call_model(model, example)
             finally:
                 recorder.marks.clear()
+                model_inputs.clear()
             record.num_examples += 1
     _mark_after_dequant(record)
+    _mark_made_inside(record)
     if not record.sites:
         raise QuantLensError(
             f"No float tensor operation ran in {type(model).__name__}.forward on the example inputs; there is "
@@ -243,6 +262,34 @@ def _mark_after_dequant(record: ModelRecord) -> None:
         site.after_dequant = bool(producers) and all(
             record.sites[p].boundary == "output" or record.sites[p].after_dequant for p in producers
         )
+
+
+def _reads_weights(site: OpSiteRecord) -> bool:
+    """A site that computes with the model's weights (a module op, a functional conv/linear/embedding): its
+    values belong to the integer region whatever its data inputs are."""
+    return site.is_module or site.output_from_weight or any(
+        i.is_parameter and i.position in site.weight_args for i in site.inputs)
+
+
+def _mark_made_inside(record: ModelRecord) -> None:
+    """Sites none of whose values depend on a model's float input or a weight (``OpSiteRecord.made_inside``).
+
+    A value depends on the model's inputs when it is one, or when a site that reads one (or a weight, or a
+    QuantStub) produced it; the dependence follows every site, host ops included. Iterated to a fixed point, since a
+    recurrent cell's steps feed their own earlier sites."""
+    dependent: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for site in record.sites.values():
+            if site.name in dependent:
+                continue
+            if site.boundary or _reads_weights(site) or any(
+                    i.from_input or (i.producer is not None and i.producer in dependent) for i in site.inputs):
+                dependent.add(site.name)
+                changed = True
+    for site in record.sites.values():
+        site.made_inside = site.name not in dependent and not site.after_dequant
 
 
 def get_op_sites(model: nn.Module, example_inputs: Any) -> list[str]:

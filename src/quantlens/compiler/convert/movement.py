@@ -138,11 +138,16 @@ def _non_numeric(c, node):
     """Ops whose result is an index or a mask: computed on the integer values (order is preserved)."""
     if node.op in _ORDER_COMPARISONS and _compare_with_constant(c, node):
         return
+    if node.op == "cast" and node.inputs[0] in c.q and str(node.attrs.get("dtype", "")).startswith("float"):
+        # a cast between float dtypes moves a quantized value unchanged (prepare plans it as a passthrough):
+        # its integers stay what they are
+        c.q[node.outputs[0]] = c.q[node.inputs[0]]
+        return
     if any(v in c.q for v in node.inputs) and node.op not in ("argmax",):
-        raise QuantLensError(
-            f"convert: op '{node.op}' at op site '{node.site}' compares quantized values with float ones; "
-            "keep comparisons on integer/bool tensors or in post-processing."
-        )
+        # quantized values met by float ones (a cast to float64, a comparison with a float tensor): the host
+        # computes it on the dequantized values, which is what the qat IR computes on its fake-quantized ones
+        c.host_op(node)
+        return
     ins = [c.q[v].name if v in c.q else _index_input(c, node, v) for v in node.inputs]
     name = c.fresh(node.outputs[0])
     c.out.nodes.append(Node(node.op, ins, [name], dict(node.attrs), node.site))

@@ -198,7 +198,7 @@ class _Converter:
             node.op != "fake_quant"
             and bool(data)
             and all(v in self.float_values and v not in self.src.inputs for v in data)
-            and any(self.src.values[v].dtype.startswith("float") for v in data)
+            and any(self.src.values[v].dtype.startswith(("float", "bfloat", "complex")) for v in data)
         )
 
     def is_integer_math(self, node: Node) -> bool:

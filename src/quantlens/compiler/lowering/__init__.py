@@ -80,7 +80,12 @@ def decompose_unlowered(ep: torch.export.ExportedProgram) -> torch.export.Export
     a decomposition produced another op without a rule."""
     from torch._decomp import core_aten_decompositions, decomposition_table
 
-    tables = (core_aten_decompositions(), decomposition_table)
+    # torch's full table, beyond core ATen, only where it decomposes into aten ops: its reference implementations
+    # (torch._refs) produce prims ops, which no lowering knows, so the op would only reach the host in pieces
+    # (cumprod as a window of prims.prod) that torch's ONNX exporter cannot write; whole, it runs on the host
+    aten_level = {op: fn for op, fn in decomposition_table.items()
+                  if getattr(fn, "__module__", "").startswith("torch._decomp")}
+    tables = (core_aten_decompositions(), aten_level)
     tried: set = set()
     unlowered = _unlowered(ep, functional=True)
     for round_ in range(8):  # a decomposition may produce ops that decompose further
@@ -238,8 +243,9 @@ def lower_exported_program(ep: torch.export.ExportedProgram, input_names: list[s
             rule = _quantlens_custom
         if _lower_known(ctx, node, rule):
             continue
-        if rule is None and _site(node) in host_sites and isinstance(node.target, torch._ops.OpOverload):
-            rule = _host_aten
+        if rule is None and isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in (
+                "aten", "prims"):
+            rule = _host_aten  # the march has no integer rule: the op runs on the host in float (the partition)
         if rule is None:
             raise QuantLensError(
                 f"export: the op {node.target} is not supported by the quantlens IR (op site "
@@ -258,6 +264,7 @@ def lower_exported_program(ep: torch.export.ExportedProgram, input_names: list[s
 
 def _host_aten(ctx: _Ctx, node: fx.Node) -> None:
     inputs, attrs = encode_call(node, lambda a: _value(ctx, a))
+    attrs["host"] = True
     _emit(ctx, node, "host_aten", inputs, attrs, n_out=len(node.meta["val"]) if isinstance(
         node.meta.get("val"), (tuple, list)) else 1)
 

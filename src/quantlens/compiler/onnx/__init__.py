@@ -20,7 +20,7 @@ of the standard QDQ form, validates the model and writes it atomically (``to_onn
 graph the converters write into; :mod:`.registry` holds the one converter registry, ``ONNX_CONVERTERS`` keyed by
 IR op, with its ``onnx_converter`` decorator. The converters register there from their op family's module:
 :mod:`.ops_quant` (fake quant), :mod:`.ops_gemm` (conv, linear, matmul, sdpa, embedding),
-:mod:`.ops_elementwise`, :mod:`.ops_norm` (normalisation, softmax), :mod:`.ops_reduce_pool` (reductions, pooling,
+:mod:`.ops_elementwise`, :mod:`.ops_host` (host ops, through torch's own exporter), :mod:`.ops_norm` (normalisation, softmax), :mod:`.ops_reduce_pool` (reductions, pooling,
 resizing), :mod:`.ops_movement` (reshape, indexing, pad...) and :mod:`.tables` (pre_export's table ops, exact
 where their integer arithmetic can be written). Importing this package imports them all, so the registry is full.
 """
@@ -28,6 +28,7 @@ where their integer arithmetic can be written). Importing this package imports t
 from quantlens.compiler.onnx import (  # noqa: F401 - imported to register their converters
     ops_elementwise,
     ops_gemm,
+    ops_host,
     ops_movement,
     ops_norm,
     ops_quant,

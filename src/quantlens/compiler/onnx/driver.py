@@ -13,6 +13,7 @@ from pathlib import Path
 from quantlens._io import atomic_write_bytes
 from quantlens.compiler.ir import Module
 from quantlens.compiler.onnx.builder import _Builder, _onnx_dtype
+from quantlens.compiler.onnx.ops_host import host_node, writes_on_host
 from quantlens.compiler.onnx.registry import ONNX_CONVERTERS
 from quantlens.errors import QuantLensError
 
@@ -156,6 +157,8 @@ def _build(module: Module, opset: int, standard_qdq: bool = False):
     graph = module.graph
     for node in graph.nodes:
         convert = ONNX_CONVERTERS.get(node.op)
+        if writes_on_host(b, node, convert is not None):
+            convert = host_node  # any op the host runs: torch's own exporter writes it (ops_host)
         if convert is None:
             raise QuantLensError(
                 f"to_onnx: the IR op '{node.op}' (op site '{node.site or '<none>'}') has no ONNX mapping. Supported "

@@ -29,6 +29,9 @@ _DTYPES = {
                  "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2")
     if hasattr(torch, name)
 }
+#: dtypes a value of the graph may have besides those (host ops' intermediate values: an FFT's complex result);
+#: no constant is stored in them
+VALUE_DTYPES = frozenset(_DTYPES) | {"complex64", "complex128"}
 
 #: the fields of the JSON header (``writer._header`` writes them all; ``validate`` refuses missing or extra ones)
 _HEADER_FIELDS = frozenset({"magic", "format_version", "ir_version", "kind", "inputs", "outputs", "constants",

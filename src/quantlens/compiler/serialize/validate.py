@@ -16,7 +16,14 @@ import torch
 from quantlens.compiler.ir import Graph, InputLeaf, Module, Node, ValueInfo
 from quantlens.compiler.serialize.arity import node_problem
 from quantlens.compiler.serialize.codec import _decode
-from quantlens.compiler.serialize.schema import _DTYPES, _HEADER_FIELDS, _LEAF_FIELDS, _NODE_FIELDS, _VALUE_FIELDS
+from quantlens.compiler.serialize.schema import (
+    _DTYPES,
+    _HEADER_FIELDS,
+    _LEAF_FIELDS,
+    _NODE_FIELDS,
+    _VALUE_FIELDS,
+    VALUE_DTYPES,
+)
 from quantlens.compiler.serialize.shapes import shape_problem
 from quantlens.march.opset import IR_OPS
 
@@ -312,8 +319,8 @@ def _check_value_fields(v: dict, constants: dict[str, torch.Tensor], where: str)
     shape, dtype, qdtype, scale, axis = v["shape"], v["dtype"], v["qdtype"], v["scale"], v["axis"]
     if _ints(-1)(shape):
         raise _Invalid(f"{where}: shape {_short(shape)} is not a list of ints >= -1")
-    if _dtype_rule(dtype):
-        raise _Invalid(f"{where}: dtype {_short(dtype)} is not {_dtype_rule(dtype)}")
+    if not isinstance(dtype, str) or dtype not in VALUE_DTYPES:
+        raise _Invalid(f"{where}: dtype {_short(dtype)} is not a dtype name, one of {sorted(VALUE_DTYPES)}")
     if qdtype is not None and qdtype not in _QDTYPES:
         raise _Invalid(f"{where}: qdtype {_short(qdtype)} is not null or one of {list(_QDTYPES)}")
     if scale is not None and (not isinstance(scale, str) or scale not in constants):
