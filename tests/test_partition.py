@@ -219,3 +219,34 @@ def test_values_made_inside_forward_run_on_the_host_exactly():
     x = torch.randn(2, 8, 8)
     # the int32 accumulator against the float linear: float rounding only; a shifted index moves whole values
     assert torch.allclose(qat_ir(x), quantized(x), rtol=0, atol=1e-5)
+
+
+class ConvGroupNormGRU(nn.Module):
+    """A small CNN + GRU net with ``nn.GroupNorm`` (which calls layer_norm as a function)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.dq = QuantStub(), DeQuantStub()
+        self.conv = nn.Conv1d(4, 8, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 8)
+        self.gru = nn.GRU(8, 8, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.norm(self.conv(self.q(x))).permute(0, 2, 1)
+        out, _ = self.gru(h)
+        return self.dq(self.head(out))
+
+
+def test_the_cli_pipeline_gives_pre_export_the_example_inputs():
+    """``quantlens analyze`` builds its stages with build_stages; pre_export there gets the example inputs as in
+    the Python flow, so GroupNorm's functional layer_norm gets its table and every stage is built."""
+    from quantlens.cli.pipeline import build_stages
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 6)
+    stages = build_stages(ConvGroupNormGRU().eval(), x, lambda: [torch.randn(2, 4, 6) for _ in range(2)],
+                          default_calibration_qconfig_setter, upto="quantized_ir", dynamic_batch=False)
+    assert stages.quantized_ir is not None
+    assert torch.nn.functional.cosine_similarity(stages.quantized_ir(x).flatten(), stages.qat_ir(x).flatten(),
+                                                 dim=0) > 0.99

@@ -103,7 +103,9 @@ def build_stages(float_model: torch.nn.Module, example_inputs: Any, calibration_
         train_qat(s.qat)
     if last >= order.index("pre_export"):
         step("pre_export")
-        s.pre_export = pre_export(s.qat)
+        # the example inputs, as the Python flow gives them: a norm called as a function (GroupNorm's layer_norm)
+        # learns its normalized shape from them
+        s.pre_export = pre_export(s.qat, example_inputs=example_inputs)
     if last >= order.index("qat_ir"):
         step("export")
         s.qat_ir = export(s.pre_export, example_inputs, dynamic_batch=dynamic_batch)
