@@ -250,3 +250,19 @@ def test_the_cli_pipeline_gives_pre_export_the_example_inputs():
     assert stages.quantized_ir is not None
     assert torch.nn.functional.cosine_similarity(stages.quantized_ir(x).flatten(), stages.qat_ir(x).flatten(),
                                                  dim=0) > 0.99
+
+
+def test_the_profiler_labels_host_ops_and_gives_them_no_lsb_verdict(tmp_path):
+    """The convert pair on a model with host ops: they are labelled host-side in the rows, and no LSB verdict
+    (the integer model's figure of merit) is given to a float op on the host."""
+    from quantlens.profiler import QuantAnalysis
+
+    _, qat_ir, quantized, _ = _pipeline(HostOps, _image)
+    qa = QuantAnalysis(qat_ir, quantized, "convert", out_dir=tmp_path, progress=False)
+    qa.set_bad_case(_image())
+    qa.run()
+    rows = {r.op_name: r for r in qa.compare_per_layer()}
+    for site in ("fft_rfft_0", "cumprod_0"):
+        assert rows[site].host_side, site
+        assert rows[site].lsb_verdict == "" and rows[site].same_input_lsb_verdict == "", rows[site]
+    assert not rows["conv"].host_side and rows["conv"].lsb_verdict  # the NPU op next to them has one

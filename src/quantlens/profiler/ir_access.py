@@ -90,6 +90,14 @@ class IRModelAccess(ModelAccess):
         self.reference: ModelAccess | None = None  # set by QuantAnalysis for sensitivity (see SiteOverride)
         self._flat_cache: dict[int, tuple[bool, bool]] = {}  # table node -> flat beyond (low, high) limit
 
+    def host_sites(self) -> frozenset[str]:
+        """The op sites all of whose nodes carry ``attrs["host"]``."""
+        sites: dict[str, bool] = {}
+        for node in self.nodes:
+            if node.site:
+                sites[node.site] = sites.get(node.site, True) and bool(node.attrs.get("host"))
+        return frozenset(site for site, host in sites.items() if host)
+
     @property
     def folded(self) -> dict[str, str]:
         """The op sites whose every node went to another site's value (a conv requantized straight to its fused
@@ -279,8 +287,7 @@ class IRModelAccess(ModelAccess):
         )
         if same_input is not None:
             entering = [0]
-            event.same_input, event.same_input_pre, event.same_input_note = self._same_input(
-                site, feeds, live, same_input, entering)
+            event.set_same_input(*self._same_input(site, feeds, live, same_input, entering))
             if entering[0]:  # the baseline's NaN/Inf handed to this site's integers (not counted twice)
                 event.int_stats = event.int_stats or IntegerStats()
                 event.int_stats.nonfinite = max(event.int_stats.nonfinite, entering[0])

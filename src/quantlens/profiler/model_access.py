@@ -153,6 +153,24 @@ class SiteEvent:
     int_stats: IntegerStats | None = None  # IR sites: accumulator / table-input saturation, non-finite inputs
     scale_axis: int | None = None  # the channel axis of a per-channel scale (int32 high-precision outputs)
 
+    def __post_init__(self):
+        # a host op's complex result (an FFT) is compared as its real view (a trailing dim of 2: real, imaginary),
+        # which every figure and file of a trace takes
+        self.outputs = real_views(self.outputs)
+        self.same_input = real_views(self.same_input)
+        self.same_input_pre = real_views(self.same_input_pre)
+
+    def set_same_input(self, same: list | None, pre: list | None, note: str) -> None:
+        """The same-input outputs (as their real views, like the outputs) and why there are none."""
+        self.same_input, self.same_input_pre, self.same_input_note = real_views(same), real_views(pre), note
+
+
+def real_views(tensors):
+    """``tensors`` with each complex one replaced by its real view (``torch.view_as_real``)."""
+    if not tensors or not any(isinstance(t, torch.Tensor) and t.is_complex() for t in tensors):
+        return tensors
+    return [torch.view_as_real(t) if isinstance(t, torch.Tensor) and t.is_complex() else t for t in tensors]
+
 
 class TraceSink(Protocol):
     """Receives the events of a traced forward (e.g. the streaming trace writer)."""
@@ -309,6 +327,11 @@ class ModelAccess(ABC):
     def folded(self) -> dict[str, str]:
         """Op sites this model computes inside another site's value, with that site (none by default)."""
         return {}
+
+    def host_sites(self) -> frozenset[str]:
+        """Op sites this model runs on the host, in float (the march's partition, ``docs/march.md`` §12.1): no LSB
+        verdict applies to them, and the reports label them (none by default)."""
+        return frozenset()
 
     def group_internal_sites(self) -> frozenset[str]:
         """Op sites whose values exist only inside one of this model's fused ops and that feed nothing outside it

@@ -295,7 +295,9 @@ class QuantAnalysis:
         if access is self.baseline:
             self._baseline_case = example  # sensitivity re-runs the baseline in the format it was traced in
         if tee is not None:
-            self._reach_cache = (input_digest(example), tee.reach(output))
+            reach = tee.reach(output)
+            self._reach_cache = (input_digest(example), SiteReach(reach.reaching,
+                                                                  reach.host_side | access.host_sites()))
         try:
             extra = self.post_process.extra(output)
             outputs = named_outputs(output)

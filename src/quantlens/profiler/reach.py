@@ -132,11 +132,14 @@ def _from_flow(recorder: _FlowRecorder, output: Any) -> SiteReach:
 
 
 def site_reach(access, example: Any) -> SiteReach:
-    """The :class:`SiteReach` of a model (its :class:`~.model_access.ModelAccess`) on ``example``."""
+    """The :class:`SiteReach` of a model (its :class:`~.model_access.ModelAccess`) on ``example``; the march's host
+    ops (``ModelAccess.host_sites``) count as host-side too."""
     if hasattr(access, "module") and hasattr(access.module, "graph"):  # an IR: its graph says it
-        return _ir_reach(access)
-    recorder = _FlowRecorder(example)
-    return _from_flow(recorder, access.run(example, sink=recorder))
+        reach = _ir_reach(access)
+    else:
+        recorder = _FlowRecorder(example)
+        reach = _from_flow(recorder, access.run(example, sink=recorder))
+    return SiteReach(reach.reaching, reach.host_side | access.host_sites())
 
 
 class ReachTee:

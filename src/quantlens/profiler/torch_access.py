@@ -91,6 +91,11 @@ class TorchModelAccess(ModelAccess):
             out.update(m for m in group.members[:-1] if consumers.get(m, set()) <= members)
         return frozenset(out)
 
+    def host_sites(self) -> frozenset[str]:
+        if not self.prepared:
+            return frozenset()
+        return frozenset(name for name, plan in self.state.plans.items() if getattr(plan, "host", False))
+
     @property
     def fake_quant_state(self) -> str | None:
         return self.state.fake_quant_state.value if self.prepared else None

@@ -330,8 +330,7 @@ class RuntimeProbe(Runtime):
         occurrence = self._runs.get(site.name, 0)
         self._runs[site.name] = occurrence + 1
         if self.probe.same_input is not None:
-            event.same_input, event.same_input_pre, event.same_input_note = self._same_input(
-                site, plan, args, kwargs, run, occurrence)
+            event.set_same_input(*self._same_input(site, plan, args, kwargs, run, occurrence))
             # computed on the baseline's inputs (loaded for this op) and kept by nobody once reported; a fused
             # member's result, which the next member reads, is not reported
             event.same_input_owned = True

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from torch import fx
+
 from quantlens.compiler.ir import Node, ValueInfo
 from quantlens.compiler.lowering.rules import (
     TORCH_OPS,
@@ -63,6 +65,11 @@ def _repeat(ctx, node):
     reshape that merges each pair (data movement: the values keep their grid). torch's own decomposition of repeat
     leaves strides that a later ``view`` (wavlm's position bias) cannot take."""
     bound = _normalized(node)
+    if any(isinstance(r, fx.Node) for r in bound["repeats"]):
+        raise QuantLensError(f"export: repeat at op site '{_site(node) or '<none>'}' ({_source(node)}) repeats by a "
+                             "count computed from the dynamic batch (e.g. x.repeat(batch // heads, 1, 1)), which the "
+                             "IR's static repeat cannot express; export with dynamic_batch=False (one IR per batch "
+                             "size), or at the deployment batch size.")
     reps = [int(r) for r in bound["repeats"]]
     shape = list(_info(bound["self"]).shape)
     shape = [1] * (len(reps) - len(shape)) + shape
