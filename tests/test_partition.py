@@ -266,3 +266,18 @@ def test_the_profiler_labels_host_ops_and_gives_them_no_lsb_verdict(tmp_path):
         assert rows[site].host_side, site
         assert rows[site].lsb_verdict == "" and rows[site].same_input_lsb_verdict == "", rows[site]
     assert not rows["conv"].host_side and rows["conv"].lsb_verdict  # the NPU op next to them has one
+
+
+def test_inspect_shows_host_ops_with_their_cost(tmp_path):
+    from test_cli import ql
+
+    from quantlens.compiler import save
+
+    _, _, quantized, _ = _pipeline(HostOps, _image)
+    path = save(quantized, tmp_path / "quantized_ir.qlir")
+    res = ql("inspect", path)
+    assert res.returncode == 0, res.stderr
+    assert "host ops (float, docs/march.md §12.1): 2 op site(s): cumprod_0, fft_rfft_0" in res.stdout
+    assert "NPU-host crossing(s)" in res.stdout and "MACs on the NPU: 100.0 %" in res.stdout
+    graph_rows = [line for line in res.stdout.splitlines() if "fft_rfft_0" in line and "│" in line]
+    assert graph_rows and all("host" in line for line in graph_rows)

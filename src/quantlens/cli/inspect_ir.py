@@ -50,15 +50,15 @@ def run(args) -> int:
     out.print(stats)
 
     if not args.no_graph:
-        graph = Table(title="graph: node, op, op site, output type")
-        for col in ("#", "outputs", "op", "inputs", "op site", "output"):
+        graph = Table(title="graph: node, op, op site, where it runs, output type")
+        for col in ("#", "outputs", "op", "inputs", "op site", "runs on", "output"):
             graph.add_column(col, justify="right" if col == "#" else "left")
         for i, node in enumerate(g.nodes):
             info = g.values.get(node.outputs[0]) if node.outputs else None
             kind = "" if info is None else f"{list(info.shape)} {info.qdtype or info.dtype}"
             graph.add_row(str(i), esc(", ".join(node.outputs)), esc(node.op),
                           esc(", ".join(n for n in node.inputs if n and n not in g.constants) or "-"),
-                          esc(_site(node)), esc(kind))
+                          esc(_site(node)), "host" if node.attrs.get("host") else "npu", esc(kind))
         out.print(graph)
 
     if module.kind == "quantized":
@@ -70,6 +70,13 @@ def run(args) -> int:
             lat.add_row(esc(op), str(cycles))
         out.print(lat)
         out.print(f"requantize ops: {est.requantize_ops} ({est.shift_only_ops} shift-only)")
+        host = sorted({n.site for n in g.nodes if n.attrs.get("host") and n.site})
+        unnamed = sum(1 for n in g.nodes if n.attrs.get("host") and not n.site)  # (an op on a host op's result)
+        out.print(f"host ops (float, docs/march.md §12.1): {len(host)} op site(s){': ' if host else ''}"
+                  f"{esc(', '.join(host[:12]))}{' ...' if len(host) > 12 else ''}"
+                  f"{f' and {unnamed} node(s) of no op site' if unnamed else ''}; {est.host_cycles} cycles, "
+                  f"{est.crossings} NPU-host crossing(s) {est.crossing_cycles} cycles; MACs on the NPU: "
+                  f"{100 * est.npu_mac_share:.1f} %")
     else:
         out.print("latency estimate: only for a quantized IR (convert(qat_ir)); this is a qat IR.")
     return EXIT_OK
