@@ -281,3 +281,39 @@ def test_inspect_shows_host_ops_with_their_cost(tmp_path):
     assert "NPU-host crossing(s)" in res.stdout and "MACs on the NPU: 100.0 %" in res.stdout
     graph_rows = [line for line in res.stdout.splitlines() if "fft_rfft_0" in line and "│" in line]
     assert graph_rows and all("host" in line for line in graph_rows)
+
+
+def _ids():
+    return torch.randint(0, 99, (2, 8))
+
+
+def test_gpt2_with_its_cache_goes_through_every_stage():
+    """``use_cache=True``: the empty cache made inside forward is no model input, and the DynamicCache it returns is
+    an IR output through transformers' own pytree form."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=99, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=True)
+    model = transformers.GPT2Model(cfg).eval()
+    result = run_stages("gpt2_cache", model, _ids(), [_ids() for _ in range(3)], _ids())
+    assert result.failed_stage is None, result.error
+    assert result.passed, result.agreements
+
+
+def test_deberta_relative_positions_stay_exact():
+    """DeBERTa-v2's relative-position buckets (sign, abs, log, ceil on positions made inside forward, then a cast and
+    a gather) run on the host: no fake quant on them, so the gathers read exact indices at every stage."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.DebertaV2Config(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=64, max_position_embeddings=64, relative_attention=True,
+                                       position_buckets=8, pos_att_type=["p2c", "c2p"], max_relative_positions=16)
+    model = transformers.DebertaV2Model(cfg).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = prepare(model, _ids(), default_calibration_qconfig_setter, check_result_dir=None)
+    record, plans = prepared._quantlens_state.record, prepared._quantlens_state.plans
+    arithmetic = [n for n, s in record.sites.items() if s.op_type in ("log", "ceil", "sign", "abs")]
+    assert arithmetic and all(plans[n].host and not plans[n].output_fq for n in arithmetic)
+    result = run_stages("deberta_v2", model, _ids(), [_ids() for _ in range(3)], _ids())
+    assert result.failed_stage is None, result.error
+    assert result.passed, result.agreements

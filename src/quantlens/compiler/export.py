@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 from quantlens.compiler.ir import InputLeaf, Module, ValueInfo
 from quantlens.compiler.lowering import decompose_unlowered, lower_exported_program
+from quantlens.compiler.output_containers import register_containers_of
 from quantlens.errors import QuantLensError
 from quantlens.kernels import TABLE_OP_IO
 from quantlens.quantization.fake_quantize import FakeQuantize
@@ -50,6 +51,8 @@ class _FlatCall(nn.Module):
         args, kwargs = pytree.tree_unflatten(leaves, self._spec)
         out = self.model(*args, **kwargs)
         flat, self.output_spec = pytree.tree_flatten(out)
+        if register_containers_of(flat):  # a library's own container (transformers' cache): its pytree form
+            flat, self.output_spec = pytree.tree_flatten(out)
         bad = [type(x).__name__ for x in flat if not isinstance(x, torch.Tensor)]
         if bad:
             raise QuantLensError(

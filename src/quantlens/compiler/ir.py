@@ -21,6 +21,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from quantlens._finite import all_finite
+from quantlens.compiler.output_containers import load_spec
 from quantlens.errors import QuantLensError
 
 __all__ = ["IR_VERSION", "Node", "ValueInfo", "Graph", "Module", "InputLeaf"]
@@ -272,7 +273,7 @@ class Module:
     def __call__(self, *args, **kwargs):
         feeds = self._feeds_from_call(args, kwargs)
         flat = self.run(feeds)
-        return pytree.tree_unflatten(flat, pytree.treespec_loads(self.output_spec))
+        return pytree.tree_unflatten(flat, load_spec(self.output_spec))
 
     # -- inspection ----------------------------------------------------------------------------------------
     def statistics(self) -> dict[str, int]:

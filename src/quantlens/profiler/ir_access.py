@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 from quantlens.compiler.interpreter import RunHooks, run_nodes
 from quantlens.compiler.ir import Node
 from quantlens.compiler.kernels_int import storage_dtype
+from quantlens.compiler.output_containers import load_spec
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType
 from quantlens.march.numerics import dequantize, quantize
@@ -254,7 +255,7 @@ class IRModelAccess(ModelAccess):
 
     def _unflatten(self, flat: list) -> Any:
         outs = [self.to_float(name, value) for name, value in zip(self.module.graph.outputs, flat)]
-        return pytree.tree_unflatten(outs, pytree.treespec_loads(self.module.output_spec))
+        return pytree.tree_unflatten(outs, load_spec(self.module.output_spec))
 
     def _live_values(self, source: SameInputSource) -> set[str]:
         wanted = set()

@@ -42,6 +42,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from quantlens._threads import num_threads
+from quantlens.compiler.output_containers import load_spec
 from quantlens.errors import QuantLensError
 from quantlens.profiler.model_access import (
     AnalysisType,
@@ -298,7 +299,7 @@ class OnnxModelAccess(ModelAccess):
             raise QuantLensError(f"OnnxModelAccess: the ONNX model has {len(self.output_names)} outputs, the qat IR "
                                  f"{len(ir_outputs)}; pass the ONNX file written by to_onnx from this qat IR.")
         outs = [ref.to_float(name, values[onnx_name]) for name, onnx_name in zip(ir_outputs, self.output_names)]
-        return pytree.tree_unflatten(outs, pytree.treespec_loads(ref.module.output_spec))
+        return pytree.tree_unflatten(outs, load_spec(ref.module.output_spec))
 
     def _check_outputs(self, traced: dict[str, torch.Tensor], arrays: dict) -> OutputCheck:
         """Run a plain session (model outputs only) and compare its outputs with the traced session's: an extra

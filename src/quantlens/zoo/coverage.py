@@ -26,6 +26,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from quantlens.compiler import convert, export, load, save, to_onnx
+from quantlens.compiler.output_containers import register_containers_of
 from quantlens.errors import QuantLensError
 from quantlens.quantization import calibrate, pre_export, prepare
 from quantlens.quantization.qconfig_template import (
@@ -78,6 +79,7 @@ def float_leaves(out: Any) -> list[torch.Tensor]:
     """The floating-point tensors of a model output (any pytree: tuples, dicts, ``ModelOutput``)."""
     if hasattr(out, "to_tuple"):
         out = out.to_tuple()
+    register_containers_of(out)  # a library's container (transformers' cache) flattens as the IR flattens it
     return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.is_floating_point()]
 
 

@@ -31,7 +31,9 @@ def _cast(b: _Builder, node: Node) -> None:
 @onnx_converter("cat")
 def _cat(b: _Builder, node: Node) -> None:
     dtype = b.out_dtype(node)
-    b.add("Concat", [b.cast(b.value(i), dtype) for i in node.inputs], node.outputs[0], axis=int(node.attrs["dim"]))
+    # torch's cat skips an empty 1-D tensor (an empty cache before its first step); ONNX Concat needs equal ranks
+    inputs = [i for i in node.inputs if b.shape(i) != (0,)] or node.inputs[:1]
+    b.add("Concat", [b.cast(b.value(i), dtype) for i in inputs], node.outputs[0], axis=int(node.attrs["dim"]))
 
 
 @onnx_converter("split")

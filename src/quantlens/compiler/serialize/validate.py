@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from quantlens.compiler.ir import Graph, InputLeaf, Module, Node, ValueInfo
+from quantlens.compiler.output_containers import load_spec
 from quantlens.compiler.serialize.arity import node_problem
 from quantlens.compiler.serialize.codec import _decode
 from quantlens.compiler.serialize.schema import (
@@ -384,12 +385,10 @@ def _meta_from_header(header: dict) -> dict:
 
 
 def _check_spec(spec: Any, leaves: int, field: str, what: str) -> None:
-    from torch.utils import _pytree as pytree
-
     if not isinstance(spec, str):
         raise _Invalid(f"its {field} is {_short(spec)}, expected a pytree spec string")
     try:
-        tree = pytree.treespec_loads(spec)
+        tree = load_spec(spec)
         count = tree.num_leaves
     except Exception as exc:  # noqa: BLE001 - torch raises assorted errors for a broken spec
         raise _Invalid(f"its {field} is not a pytree spec ({type(exc).__name__}: {str(exc)[:100]})") from None
