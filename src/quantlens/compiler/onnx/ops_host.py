@@ -28,10 +28,9 @@ _COMPLEX = ("complex64", "complex128")
 
 
 def writes_on_host(b, node: Node, has_converter: bool) -> bool:
-    """Whether ``node`` is written by torch's exporter: a host node with no converter, or one on complex values."""
-    if not node.attrs.get("host"):
-        return False
-    if not has_converter:
+    """Whether ``node`` is written by torch's exporter: a host node with no converter, or any node on complex values
+    (only the host computes them; torch's exporter writes them as real views, which an ONNX converter does not)."""
+    if node.attrs.get("host") and not has_converter:
         return True
     return any(b.dtype(v) in _COMPLEX or _ir_dtype(b, v) in _COMPLEX for v in [*node.inputs, *node.outputs] if v)
 
@@ -71,22 +70,55 @@ def _example(b, name: str) -> torch.Tensor:
 
 
 def _export(node: Node, examples: list[torch.Tensor], opset: int, site: str):
+    """The node's ONNX model from torch's exporter: as it is, or else decomposed by torch's full decomposition
+    table, whose prims reductions (cumprod's ``prims.prod``) :func:`_prims_translations` writes."""
     try:
         import onnxscript  # noqa: F401  (torch's dynamo exporter needs it)
     except ImportError as exc:
         raise QuantLensError(f"to_onnx: op site '{site}' runs on the host ({_what(node)}); writing it needs "
                              "torch's ONNX exporter and onnxscript: pip install 'quantlens[onnx]'.") from exc
+    first: Exception | None = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        try:
-            program = torch.onnx.export(_OneNode(node), tuple(examples), dynamo=True, opset_version=opset,
-                                        verbose=False, optimize=True)
-        except Exception as exc:  # noqa: BLE001 - torch's exporter raises many types; all mean "no ONNX form"
-            raise QuantLensError(
-                f"to_onnx: op site '{site}' runs on the host ({_what(node)}) and torch's ONNX exporter has no form "
-                f"for it ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). The IR, the "
-                "quantized IR and save/load keep it; for ONNX, compute it outside the model.") from exc
-    return program.model_proto
+        for attempt in (_as_is, _decomposed):
+            try:
+                return attempt(node, examples, opset).model_proto
+            except Exception as exc:  # noqa: BLE001 - torch's exporter raises many types; all mean "no ONNX form"
+                first = first or exc
+    raise QuantLensError(
+        f"to_onnx: op site '{site}' runs on the host ({_what(node)}) and torch's ONNX exporter has no form for it "
+        f"({type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''}). The IR, the quantized IR "
+        "and save/load keep it; for ONNX, compute it outside the model.") from first
+
+
+def _as_is(node: Node, examples: list, opset: int):
+    return torch.onnx.export(_OneNode(node), tuple(examples), dynamo=True, opset_version=opset, verbose=False,
+                             optimize=True)
+
+
+def _decomposed(node: Node, examples: list, opset: int):
+    from torch._decomp import decomposition_table
+
+    program = torch.export.export(_OneNode(node), tuple(examples), strict=False)
+    ops = {n.target for n in program.graph.nodes if n.op == "call_function"}
+    program = program.run_decompositions({op: decomposition_table[op] for op in ops if op in decomposition_table})
+    return torch.onnx.export(program, dynamo=True, opset_version=opset, verbose=False, optimize=True,
+                             custom_translation_table=_prims_translations())
+
+
+def _prims_translations() -> dict:
+    """ONNX forms of the prims reductions torch's reference decompositions leave (``prims.prod`` and its kin)."""
+    from onnxscript import opset18 as onnx_op
+
+    def reduction(onnx_name: str):
+        def translate(x, dims, output_dtype=None):
+            return getattr(onnx_op, onnx_name)(x, onnx_op.Constant(value_ints=list(dims)), keepdims=0)
+
+        return translate
+
+    prims = torch.ops.prims
+    return {prims.prod.default: reduction("ReduceProd"), prims.sum.default: reduction("ReduceSum"),
+            prims.amax.default: reduction("ReduceMax"), prims.amin.default: reduction("ReduceMin")}
 
 
 def _what(node: Node) -> str:
