@@ -207,8 +207,8 @@ def test_any_aten_op_after_the_dequant_stub_is_a_float_host_op(tmp_path):
     x = torch.randn(3, 6)
     _, tables, qat_ir, quantized = _through(HostTail().eval(), (x,))
     host = [n for n in qat_ir.graph.nodes if n.op == "host_aten"]
-    # (torch's decomposition turns erfinv into prims.erf_inv)
-    assert {n.attrs["target"].split(".")[0] for n in host} == {"aten::logcumsumexp", "prims::erf_inv"}
+    # whole aten ops: torch's reference decompositions (prims) are not taken for an op that stays on the host
+    assert {n.attrs["target"].split(".")[0] for n in host} == {"aten::logcumsumexp", "aten::erfinv"}
     assert all(n.attrs.get("host") for n in host)
     loaded = load(save(quantized, tmp_path / "m.qlir"))
     with torch.no_grad():
@@ -219,7 +219,8 @@ def test_any_aten_op_after_the_dequant_stub_is_a_float_host_op(tmp_path):
         y = quantized(x)
     assert _cos(y[0], qat_ir(x)[0]) > 0.998
     pytest.importorskip("onnx")
-    with pytest.raises(QuantLensError, match="host_aten"):
+    # host ops go through torch's own ONNX exporter; it has no form for erfinv, which to_onnx says in words
+    with pytest.raises(QuantLensError, match=r"erfinv.*torch's ONNX exporter has no form"):
         to_onnx(qat_ir, tmp_path / "m.onnx")
     assert not (tmp_path / "m.onnx").exists()
 

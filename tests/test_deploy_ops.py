@@ -241,24 +241,33 @@ def test_inplace_ops_write_the_fake_quantized_result_back():
     assert add_step > 0 and y is not None
 
 
-def test_prepare_warns_for_ops_a_later_stage_refuses(tmp_path):
+def test_prepare_says_which_ops_run_on_the_host(tmp_path):
+    """roll (no IR form) and log_softmax (no table) are no longer refused by a later stage: they run on the host in
+    float (the march's partition, docs/march.md §12.1), which prepare says in one line and the check report lists,
+    and the model goes through every stage."""
     class Later(nn.Module):
         def __init__(self):
             super().__init__()
             self.quant, self.dequant = QuantStub(), DeQuantStub()
+            self.lin = nn.Linear(4, 4)
 
         def forward(self, x):
-            x = self.quant(x)
-            x = torch.roll(x, 1, dims=1)  # export refuses (no lowering)
-            x = torch.log_softmax(x, dim=1)  # convert refuses (no table)
-            return self.dequant(x)
+            x = self.lin(self.quant(x))
+            x = torch.roll(x, 1, dims=1)
+            x = torch.log_softmax(x, dim=1)
+            return self.dequant(self.lin(x))
 
-    with pytest.warns(UserWarning, match=r"2 op site\(s\).*'roll_0'.*'log_softmax_0'"):
+    with pytest.warns(UserWarning, match=r"2 op site\(s\) run on the host in float \(log_softmax, roll\)"):
         prepare(Later(), torch.randn(2, 4), default_calibration_qconfig_setter, check_result_dir=str(tmp_path))
     text = (tmp_path / "model_check_result.txt").read_text()
-    assert "Op site 'roll_0' (roll, at " in text and "export, convert, onnx will refuse op 'roll'" in text
-    assert "test_deploy_ops.py:" in text.split("roll_0")[1].split("\n")[0]  # the user's source line
-    assert "Op site 'log_softmax_0'" in text and "convert will refuse op 'log_softmax'" in text
+    assert "roll_0: no integer form for 'roll'" in text and "will refuse" not in text
+    assert "log_softmax_0: no integer rule for 'log_softmax'" in text
+    from quantlens.zoo.coverage import run_stages
+
+    torch.manual_seed(0)
+    result = run_stages("later", Later().eval(), torch.randn(2, 4), [torch.randn(2, 4) for _ in range(3)],
+                        torch.randn(2, 4))
+    assert result.failed_stage is None and result.passed, (result.error, result.agreements)
 
 
 def test_unbind_lowers_to_parts_without_the_dim():

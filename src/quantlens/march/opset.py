@@ -201,8 +201,9 @@ _IR_ROWS: list[IROp] = [
     IROp("fake_quant", Q, "§5"),
     IROp("quantize", B, "§5, §12", level="quantized", inputs=("x", "scale"), attrs=("out_dtype",)),
     IROp("dequantize", B, "§5, §12", level="quantized", inputs=("q", "scale")),
-    IROp("host_aten", B, "§12", convert=False, onnx=False, inputs=("inputs*",), attrs=("target", "args", "kwargs"),
-         note="any aten op after the DeQuantStub with no IR lowering: float, on the host (compiler/host_ops.py)"),
+    IROp("host_aten", B, "§12", convert=False, inputs=("inputs*",), attrs=("target", "args", "kwargs"),
+         note="any aten op with no IR lowering: float, on the host (§12.1, compiler/host_ops.py); ONNX through "
+              "torch's exporter"),
     IROp("requantize", Q, "§8", level="quantized", cost=Cost.REQUANTIZE, inputs=("q",)),
     # GEMM
     IROp("conv1d", G, "§6-§9", level="both", cost=Cost.GEMM, attrs=_CONV),

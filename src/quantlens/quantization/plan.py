@@ -114,7 +114,7 @@ def build_plans(
             out_dtype[site.name] = None
             continue
 
-        if site.kind is OpKind.PASSTHROUGH and not is_tail:
+        if site.kind is OpKind.PASSTHROUGH and not is_tail and not (reasons[site.name] and march_lacks_rule(site)):
             plans[site.name], out_dtype[site.name] = _movement_plan(record, site, qc, data_inputs, in_dtypes,
                                                                     reasons, requests)
             continue
@@ -125,7 +125,8 @@ def build_plans(
             plans[site.name] = SitePlan(
                 site.name, site.op_type, site.kind, OutputMode.FLOAT,
                 input_dtypes=[_dt(d) for d in in_dtypes], output_dtype="float",
-                host=site.kind is OpKind.QUANTIZED or site.after_dequant, host_reason=reason,
+                host=site.kind is OpKind.QUANTIZED or site.after_dequant or march_lacks_rule(site),
+                host_reason=reason,
             )
             if reason == _NO_QCONFIG:
                 warnings.append(f"Op site '{site.name}' ({site.op_type}) has no qconfig and runs on the host in "
@@ -176,8 +177,9 @@ _MADE_INSIDE = "computes only on values made inside forward (constants, masks, p
 
 def march_lacks_rule(site: OpSiteRecord) -> bool:
     """Whether the march has no integer rule for the op a site computes (its op type is not in the op set, or
-    convert cannot lower it): such a site runs on the host. Adding the rule to the op set moves it to the NPU."""
-    if site.kind is not OpKind.QUANTIZED or site.boundary:
+    convert cannot lower it: a movement op with no IR form, such as ``roll``, too): such a site runs on the host.
+    Adding the rule to the op set moves it to the NPU."""
+    if site.kind not in (OpKind.QUANTIZED, OpKind.PASSTHROUGH) or site.boundary:
         return False
     op = op_def(site.op_type)
     if op is None:
@@ -190,6 +192,10 @@ def _host_reason(site: OpSiteRecord, qc: QConfig | None) -> str:
     are given, so they follow their input (a float input keeps them on the host)."""
     if site.after_dequant and (qc is None or qc.output is None):
         return _AFTER_DEQUANT
+    if march_lacks_rule(site) and site.kind is OpKind.PASSTHROUGH:
+        return f"no integer form for '{site.op_type}' in march {get_march().spec.name}"
+    if site.kind is OpKind.PASSTHROUGH:
+        return ""
     if site.made_inside and site.kind is OpKind.QUANTIZED and not site.boundary:
         return _MADE_INSIDE
     if march_lacks_rule(site):
