@@ -220,9 +220,13 @@ def test_values_made_inside_forward_run_on_the_host_exactly():
     assert torch.allclose(qat_ir(x), quantized(x), rtol=0, atol=1e-5)
 
 
-class ConvGroupNormGRU(nn.Module):
-    """A small CNN + GRU net with ``nn.GroupNorm`` (which calls layer_norm as a function)."""
+_GROUPNORM_GRU = """
+import torch
+from torch import nn
+from quantlens.quantization import QuantStub, DeQuantStub
 
+class ConvGroupNormGRU(nn.Module):
+    # a small CNN + GRU net with nn.GroupNorm, which calls layer_norm as a function
     def __init__(self):
         super().__init__()
         self.q, self.dq = QuantStub(), DeQuantStub()
@@ -236,19 +240,30 @@ class ConvGroupNormGRU(nn.Module):
         out, _ = self.gru(h)
         return self.dq(self.head(out))
 
-
-def test_the_cli_pipeline_gives_pre_export_the_example_inputs():
-    """``quantlens analyze`` builds its stages with build_stages; pre_export there gets the example inputs as in
-    the Python flow, so GroupNorm's functional layer_norm gets its table and every stage is built."""
-    from quantlens.cli.pipeline import build_stages
-
+def float_model():
     torch.manual_seed(0)
-    x = torch.randn(2, 4, 6)
-    stages = build_stages(ConvGroupNormGRU().eval(), x, lambda: [torch.randn(2, 4, 6) for _ in range(2)],
-                          default_calibration_qconfig_setter, upto="quantized_ir", dynamic_batch=False)
-    assert stages.quantized_ir is not None
-    assert torch.nn.functional.cosine_similarity(stages.quantized_ir(x).flatten(), stages.qat_ir(x).flatten(),
-                                                 dim=0) > 0.99
+    return ConvGroupNormGRU().eval()
+
+def example_inputs():
+    return torch.randn(2, 4, 6)
+
+def calibration_data():
+    return [torch.randn(2, 4, 6) for _ in range(2)]
+"""
+
+
+def test_groupnorm_and_a_gru_through_analyze_all(tmp_path):
+    """`quantlens analyze --stage all` builds every stage as the Python flow does (pre_export gets the example
+    inputs, so GroupNorm's functional layer_norm gets its table; the CONFIG's default dynamic batch) and analyses
+    every pair."""
+    from test_cli import ql
+
+    config = tmp_path / "gru.py"
+    config.write_text(_GROUPNORM_GRU)
+    res = ql("analyze", config, "--stage", "all", "--out", tmp_path / "out", "--no-sensitivity")
+    assert res.returncode in (0, 1), res.stdout[-2000:] + res.stderr
+    for pair in ("fake_quant", "pre_export", "export", "convert", "onnxruntime"):
+        assert (tmp_path / "out" / pair / "profiler.html").is_file(), pair
 
 
 def test_the_profiler_labels_host_ops_and_gives_them_no_lsb_verdict(tmp_path):
@@ -316,3 +331,37 @@ def test_deberta_relative_positions_stay_exact():
     result = run_stages("deberta_v2", model, _ids(), [_ids() for _ in range(3)], _ids())
     assert result.failed_stage is None, result.error
     assert result.passed, result.agreements
+
+
+def test_analyze_reports_the_pairs_built_before_a_stage_that_fails(tmp_path):
+    """A host op torch's ONNX exporter has no form for (erfinv): the ONNX stage fails, and `quantlens analyze
+    --stage all` still writes the reports of every pair built before it, names the stage and why, and exits 2."""
+    from test_cli import ql
+
+    body = ("import torch\n"
+            "from quantlens.quantization import QuantStub, DeQuantStub\n"
+            "class Net(torch.nn.Module):\n"
+            "    def __init__(self):\n"
+            "        super().__init__()\n"
+            "        self.q, self.dq = QuantStub(), DeQuantStub()\n"
+            "        self.a, self.b = torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)\n"
+            "    def forward(self, x):\n"
+            "        return self.dq(self.b(torch.special.erfinv(torch.tanh(self.a(self.q(x))) * 0.9)))\n"
+            "def float_model():\n"
+            "    torch.manual_seed(0)\n"
+            "    return Net().eval()\n"
+            "def example_inputs():\n    return torch.randn(4, 6)\n"
+            "def calibration_data():\n    return [torch.randn(4, 6) for _ in range(2)]\n"
+            "dynamic_batch = False\n")
+    config = tmp_path / "erfinv.py"
+    config.write_text(body)
+    res = ql("analyze", config, "--stage", "all", "--out", tmp_path / "out", "--no-sensitivity")
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr
+    assert "stage onnx failed" in res.stderr and "erfinv" in res.stderr and "Traceback" not in res.stderr
+    for pair in ("fake_quant", "pre_export", "export", "convert"):
+        assert (tmp_path / "out" / pair / "profiler.html").is_file(), pair
+    assert not (tmp_path / "out" / "onnxruntime" / "profiler.html").exists()
+    import json
+
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["failed_stage"]["stage"] == "onnx"

@@ -1,7 +1,8 @@
 """The ``quantlens`` command line: ``quantlens analyze | report | inspect | sensitivity | compare | fix``.
 
 Each command is one small module of this package with ``add_parser(subparsers)`` and ``run(args) -> int``.
-Exit codes: 0 ok, 1 the analysis found problems (advisor findings, a diverged op), 2 usage or bad input.
+Exit codes: 0 ok, 1 the analysis found problems (advisor findings, a diverged op), 2 usage or bad input, or a
+stage that failed (``analyze`` reports the pairs built before it).
 Errors print their message without a traceback; ``--debug`` shows it.
 """
 
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="quantlens", description="PyTorch to integer NPU (int8/int16): run the stages, find "
                      "where precision is lost, inspect deployed IR files.",
-                     epilog="Exit codes: 0 ok, 1 the analysis found problems, 2 usage or bad input. "
+                     epilog="Exit codes: 0 ok, 1 the analysis found problems, 2 usage or bad input, or a stage that failed. "
                      "Run 'quantlens COMMAND --help' for a command's options.")
     parser.add_argument("--version", action="version", version=f"quantlens {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")

@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from quantlens.cli import EXIT_OK, EXIT_PROBLEMS, UsageError
+from rich.markup import escape
+
+from quantlens.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, UsageError
 from quantlens.cli._common import console, parent
 from quantlens.cli.pipeline import PAIRS, STAGE_CHOICES, onnxruntime_available
 
@@ -84,7 +86,7 @@ def analyze_config(cfg, kinds: list[str], out_dir: Path, *, sensitivity: bool = 
         stages = build_stages(cfg.float_model(), example, cfg.calibration_data, cfg.calibration_qconfig_setter,
                               qat_qconfig_setter=cfg.qat_qconfig_setter, train_qat=cfg.train_qat, upto=upto,
                               out_dir=out_dir, dynamic_batch=cfg.dynamic_batch, allow_no_stubs=cfg.allow_no_stubs,
-                              step=lambda s: status.update(f"building the stages: {s}"))
+                              step=lambda s: status.update(f"building the stages: {s}"), keep_going=True)
     for f in stages.files:
         console.print(f"wrote {f}")
     metrics = []
@@ -102,6 +104,8 @@ def analyze_config(cfg, kinds: list[str], out_dir: Path, *, sensitivity: bool = 
 
     index = write_index(results, out_dir, f"quantlens analyze {cfg.path.name}", metrics_line(metrics))
     extra = {"config": str(cfg.path)}
+    if stages.failed:
+        extra["failed_stage"] = {"stage": stages.failed, "error": stages.error}
     if metrics:
         extra["stage_metrics"] = [{"stage": m.stage, "value": m.value, "error": m.error} for m in metrics]
     summary = write_summary(results, out_dir, extra)
@@ -115,4 +119,11 @@ def analyze_config(cfg, kinds: list[str], out_dir: Path, *, sensitivity: bool = 
                           f"{f' ({advice} advice only)' if advice else ''}, see "
                           f"{out_dir / r.folder / 'abnormal_layer_advisor.txt'}")
     console.print(f"wrote {index} and {summary}")
+    if stages.failed:  # the pairs before it are analysed and written; the failure is the exit code
+        from rich.console import Console
+
+        Console(stderr=True, highlight=False, soft_wrap=True).print(
+            f"[bold red]error:[/] stage {stages.failed} failed: {escape(stages.error)} (the pairs built before it "
+            "are reported above; run the Python flow up to that stage for the traceback)")
+        return EXIT_USAGE
     return EXIT_PROBLEMS if any(r.problems for r in results) else EXIT_OK

@@ -17,7 +17,6 @@ what ``quantlens report`` needs to re-render the reports from the saved traces.
 from __future__ import annotations
 
 import html
-import importlib.util
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -28,8 +27,10 @@ from typing import Any, Callable, Iterable
 import torch
 
 from quantlens._io import atomic_write_text
+from quantlens.cli.stages import Stages, build_stages, onnxruntime_available
 
-__all__ = ["PAIRS", "STAGE_CHOICES", "PairResult", "PairVerdict", "Stages", "build_stages", "analyze_pair",
+__all__ = ["PAIRS", "STAGE_CHOICES", "PairResult", "PairVerdict", "Stages", "build_stages", "onnxruntime_available",
+           "analyze_pair",
            "analyze_pairs", "write_index", "write_summary", "worst_row", "worst_differing", "is_exact", "summarize",
            "print_losses", "ranked_losses", "headline", "ort_note", "PAIR_FILE", "SUMMARY_FILE", "ORT_PAIR_LEVEL"]
 
@@ -47,83 +48,6 @@ PAIRS: dict[str, tuple[str, str]] = {
 STAGE_CHOICES = [*PAIRS, "all"]
 #: the onnxruntime level the ``onnxruntime`` pair runs the ONNX file at: onnxruntime's default (ORT_ENABLE_ALL)
 ORT_PAIR_LEVEL = "all"
-
-
-def onnxruntime_available() -> bool:
-    return all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime"))
-
-
-@dataclass
-class Stages:
-    """Every model of the flow; ``qat`` is the calibration model when the flow has no QAT step."""
-
-    float: Any = None
-    calibration: Any = None
-    qat: Any = None
-    pre_export: Any = None
-    qat_ir: Any = None
-    quantized_ir: Any = None
-    onnx: Any = None  # path of the ONNX file
-    files: list[str] = field(default_factory=list)
-
-
-def _calibrate(model, batches: Iterable[Any]) -> None:
-    from quantlens.quantization import calibrate
-
-    calibrate(model, batches)
-
-
-def build_stages(float_model: torch.nn.Module, example_inputs: Any, calibration_data: Callable[[], Iterable[Any]],
-                 calibration_qconfig_setter: Any, *, qat_qconfig_setter: Any = None,
-                 train_qat: Callable[[torch.nn.Module], None] | None = None, upto: str = "onnx",
-                 out_dir: Path | None = None, dynamic_batch: bool = True, step: Callable[[str], None] | None = None,
-                 allow_no_stubs: bool = False) -> Stages:
-    """Build the stages up to ``upto`` (a stage name). With ``out_dir`` the IRs (and the ONNX file) are saved
-    there. ``train_qat(model)`` trains the QAT model (prepared with ``qat_qconfig_setter``, loaded from the
-    calibrated state) and leaves it in eval mode / VALIDATION state; without it QAT is skipped.
-    ``allow_no_stubs`` is :func:`~quantlens.quantization.prepare`'s."""
-    from quantlens.compiler import convert, export, save
-    from quantlens.quantization import pre_export, prepare
-
-    order = ["float", "calibration", "qat", "pre_export", "qat_ir", "quantized_ir", "onnx"]
-    last = order.index(upto)
-    step = step or (lambda name: None)
-    s = Stages(float=float_model.eval())
-    step("calibration")
-    # out_dir/model_check_result.txt: the op sites a later stage refuses, each with its source line
-    s.calibration = prepare(float_model, example_inputs, calibration_qconfig_setter, check_result_dir=out_dir,
-                            allow_no_stubs=allow_no_stubs)
-    _calibrate(s.calibration, calibration_data())
-    s.qat = s.calibration
-    if last >= order.index("qat") and train_qat is not None:
-        step("qat")
-        s.qat = prepare(float_model, example_inputs, qat_qconfig_setter or calibration_qconfig_setter,
-                        check_result_dir=None, allow_no_stubs=allow_no_stubs)
-        s.qat.load_state_dict(s.calibration.state_dict())
-        train_qat(s.qat)
-    if last >= order.index("pre_export"):
-        step("pre_export")
-        # the example inputs, as the Python flow gives them: a norm called as a function (GroupNorm's layer_norm)
-        # learns its normalized shape from them
-        s.pre_export = pre_export(s.qat, example_inputs=example_inputs)
-    if last >= order.index("qat_ir"):
-        step("export")
-        s.qat_ir = export(s.pre_export, example_inputs, dynamic_batch=dynamic_batch)
-        if out_dir is not None:
-            s.files.append(str(save(s.qat_ir, out_dir / "qat_ir.qlir")))
-    if last >= order.index("quantized_ir"):
-        step("convert")
-        s.quantized_ir = convert(s.qat_ir)
-        if out_dir is not None:
-            s.files.append(str(save(s.quantized_ir, out_dir / "quantized_ir.qlir")))
-    if last >= order.index("onnx") and onnxruntime_available():
-        from quantlens.compiler import to_onnx
-
-        step("onnx")
-        target = (out_dir or Path(".")) / "qat_ir.onnx"
-        s.onnx = str(to_onnx(s.qat_ir, target))
-        s.files.append(s.onnx)
-    return s
 
 
 class PairVerdict(str, Enum):
