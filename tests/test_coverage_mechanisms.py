@@ -97,6 +97,18 @@ def _ir_nodes(ir):
     return [(n.op, n.site, n.inputs, n.outputs, repr(sorted(n.attrs.items()))) for n in ir.graph.nodes]
 
 
+def _ir_structure(ir):
+    """The nodes with their values numbered in order of appearance (a retrace renames values, e.g. flatten's
+    output ``view_9``: the same graph)."""
+    number: dict[str, str] = {}
+
+    def name(v: str) -> str:
+        return number.setdefault(v, f"v{len(number)}") if v and v not in ir.graph.constants else v
+
+    return [(n.op, n.site, [name(v) for v in n.inputs], [name(v) for v in n.outputs],
+             repr(sorted(n.attrs.items()))) for n in ir.graph.nodes]
+
+
 def _count_retraces(monkeypatch) -> list[list[str]]:
     """From now on, the decomposition table of every ``run_decompositions`` (each one retraces the program)."""
     calls: list[list[str]] = []
@@ -138,7 +150,8 @@ def test_one_retrace_functionalizes_and_decomposes_and_gives_the_ir_of_two(monke
 
 def test_a_dynamic_batch_export_does_not_retrace_for_its_shape_math(monkeypatch):
     """``sym_size`` nodes (the batch read under ``dynamic_batch``) are shape math that lowering skips: decomposing
-    them, as export did, retraced the whole program for the same graph."""
+    them, as export did, retraced the whole program for the same graph. A functional graph whose ops all lower is
+    not retraced even to functionalize it (issue #41: 2/3 of a large model's export)."""
     import importlib
 
     from torch._decomp import core_aten_decompositions
@@ -152,13 +165,13 @@ def test_a_dynamic_batch_export_does_not_retrace_for_its_shape_math(monkeypatch)
                          zoo.sample_batches("digits_cnn", 2, 4))
     calls = _count_retraces(monkeypatch)
     ir = export(prepared, x, dynamic_batch=True)
-    assert calls == [[]]  # the functionalizing retrace only
+    assert calls == []  # no retrace at all: the graph is functional and every op lowers
     sym_size = torch.ops.aten.sym_size.int
     real = export_module.decompose_unlowered
     monkeypatch.setattr(export_module, "decompose_unlowered",
                         lambda ep: real(ep).run_decompositions({sym_size: core_aten_decompositions()[sym_size]}))
     before = export(prepared, x, dynamic_batch=True)
-    assert _ir_nodes(before) == _ir_nodes(ir)
+    assert _ir_structure(before) == _ir_structure(ir)
     with torch.no_grad():
         for batch in (1, 7):
             xb = zoo.example_inputs("digits_cnn", batch)
@@ -429,3 +442,28 @@ def test_average_pools_with_varying_windows_convert(ceil_mode):
         got, want = quantized(x), qat_ir(x)
     step = float(prepared._quantlens_state.fq[next(k for k in prepared._quantlens_state.fq if "pool" in k)].scale)
     assert (got - want).abs().max() <= step * 1.001  # one requantize: within one output step
+
+
+def test_an_in_place_op_is_still_functionalized(monkeypatch):
+    """The retrace is skipped only for a graph already functional: ``x += y`` and ``clamp_`` still make one."""
+
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.dq, self.lin = QuantStub(), DeQuantStub(), nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(self.q(x))
+            y += self.lin(y)
+            return self.dq(y.clamp_(min=-1.0))
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    prepared = calibrate(prepare(InPlace().eval(), x, default_calibration_qconfig_setter, check_result_dir=None),
+                         [x])
+    calls = _count_retraces(monkeypatch)
+    ir = export(prepared, x)
+    assert len(calls) == 1
+    assert not any(n.op.endswith("_") for n in ir.graph.nodes)
+    with torch.no_grad():
+        assert torch.equal(ir(x), prepared(x))

@@ -88,6 +88,8 @@ def decompose_unlowered(ep: torch.export.ExportedProgram) -> torch.export.Export
     tables = (core_aten_decompositions(), aten_level)
     tried: set = set()
     unlowered = _unlowered(ep, functional=True)
+    if _already_functional(ep) and not any(op in t for op in unlowered for t in tables):
+        return ep  # nothing to functionalize or decompose: the retrace would rebuild the same graph (2/3 of export)
     for round_ in range(8):  # a decomposition may produce ops that decompose further
         todo = {}
         for op in unlowered - tried:
@@ -100,6 +102,17 @@ def decompose_unlowered(ep: torch.export.ExportedProgram) -> torch.export.Export
         ep = ep.run_decompositions(todo)  # (the first call, even with an empty table, functionalizes)
         unlowered = _unlowered(ep)
     return ep
+
+
+def _already_functional(ep: torch.export.ExportedProgram) -> bool:
+    """No in-place or out= op, no higher-order op and no buffer mutation: what functionalization would change."""
+    for node in ep.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        if not isinstance(node.target, torch._ops.OpOverload) or node.target._schema.is_mutable:
+            return False
+    signature = ep.graph_signature
+    return not signature.buffers_to_mutate and not getattr(signature, "user_inputs_to_mutate", None)
 
 
 # Nodes that only depend on constants are evaluated at export (BatchNorm folding, position ids, masks).
