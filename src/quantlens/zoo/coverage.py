@@ -34,8 +34,8 @@ from quantlens.quantization.qconfig_template import (
     default_calibration_qconfig_setter,
 )
 
-__all__ = ["STAGES", "PAIRS", "THRESHOLDS", "CoverageResult", "run_stages", "cosine", "float_leaves",
-           "third_party_case"]
+__all__ = ["STAGES", "PAIRS", "THRESHOLDS", "CONVERT_STEPS", "CoverageResult", "run_stages", "cosine", "float_leaves",
+           "third_party_case", "worst_same_input_step"]
 
 #: the stages in order; a result's ``failed_stage`` is one of them
 STAGES = ("float", "prepare", "calibration", "pre_export", "export", "convert", "save/load", "to_onnx",
@@ -46,6 +46,13 @@ PAIRS = (("pre_export vs fake quant", "pre_export", "calibration"),
          ("quantized IR vs qat IR", "convert", "export"),
          ("loaded vs quantized IR", "save/load", "convert"),
          ("onnxruntime vs qat IR", "onnxruntime", "export"))
+#: the convert criterion for random-weight nets (issue #41): the quantized IR passes when it reaches its cosine
+#: threshold, or when every op is within this many output steps of the qat IR on the same input (the profiler's
+#: same-input run): a network that amplifies rounding then loses no more than the march's one rounding per op
+CONVERT_STEPS = 1.0
+#: the profiler's error in steps is a float32 |diff| over a float32 scale: one step can read 1.000005
+_STEP_TOLERANCE = 1e-3
+CONVERT_PAIR = "quantized IR vs qat IR"
 #: the least cosine each agreement must reach (issue #22's must-show)
 THRESHOLDS = {"pre_export vs fake quant": 0.99, "qat IR vs pre_export": 0.9999, "quantized IR vs qat IR": 0.998,
               "loaded vs quantized IR": 1.0, "onnxruntime vs qat IR": 0.999}
@@ -62,17 +69,21 @@ class CoverageResult:
     error: str = ""
     agreements: dict[str, float] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    #: when the quantized IR misses its cosine: the largest same-input error of any op on the NPU, in output steps
+    convert_worst_step: float | None = None
 
     @property
     def passed(self) -> bool:
-        """Every stage ran and every agreement reached its threshold."""
-        return self.failed_stage is None and all(
-            self.agreements.get(name, -1.0) >= THRESHOLDS[name] - 1e-9 for name in THRESHOLDS)
+        """Every stage ran and every agreement reached its threshold (the convert pair by :data:`CONVERT_STEPS`
+        where its cosine falls short)."""
+        return self.failed_stage is None and all(name in self.agreements for name in THRESHOLDS) and not self.below()
 
     def below(self) -> list[str]:
-        """The agreements under their threshold."""
+        """The agreements under their threshold (the convert pair: unless every op is within one step)."""
         return [name for name in THRESHOLDS
-                if name in self.agreements and self.agreements[name] < THRESHOLDS[name] - 1e-9]
+                if name in self.agreements and self.agreements[name] < THRESHOLDS[name] - 1e-9
+                and not (name == CONVERT_PAIR and self.convert_worst_step is not None
+                         and self.convert_worst_step <= CONVERT_STEPS + _STEP_TOLERANCE)]
 
 
 def float_leaves(out: Any) -> list[torch.Tensor]:
@@ -161,7 +172,22 @@ def run_stages(name: str, model: torch.nn.Module, example: Any, batches: list, h
     for pair, measured, reference in PAIRS:
         if measured in outs and reference in outs:
             result.agreements[pair] = cosine(outs[measured], outs[reference])
+    if result.agreements.get(CONVERT_PAIR, 1.0) < THRESHOLDS[CONVERT_PAIR] - 1e-9:
+        result.convert_worst_step = worst_same_input_step(state["export"], state["convert"], held_out)
     return result
+
+
+def worst_same_input_step(qat_ir, quantized, held_out: Any) -> float:
+    """The largest error of any NPU op of ``quantized`` against ``qat_ir`` re-run on the qat IR's own inputs, in
+    units of the op's output step (the profiler's same-input run on ``held_out``); host ops are float and left out."""
+    from quantlens.profiler import QuantAnalysis
+
+    with tempfile.TemporaryDirectory(prefix="quantlens_coverage_") as tmp:
+        qa = QuantAnalysis(qat_ir, quantized, "convert", out_dir=tmp, progress=False)
+        qa.set_bad_case(held_out if isinstance(held_out, tuple) else (held_out,))
+        qa.run()
+        rows = [r for r in qa.compare_per_layer() if r.same_input_in_scale is not None and not r.host_side]
+    return max((float(r.same_input_in_scale) for r in rows), default=0.0)
 
 
 def third_party_case(name: str) -> tuple[torch.nn.Module, Any, list, Any]:
