@@ -10,7 +10,7 @@ import quantlens.compiler  # noqa: F401  (registers every stage)
 from quantlens.compiler import interpreter, kernels_int, lowering
 from quantlens.compiler.onnx import ONNX_CONVERTERS
 from quantlens.kernels import TABLE_OP_IO
-from quantlens.march.opset import IR_OPS, OPS, Category, Stage, render_markdown
+from quantlens.march.opset import IR_OPS, OPS, Category, OpDef, Stage, render_markdown
 from quantlens.quantization import op_rules
 
 convert_mod = sys.modules["quantlens.compiler.convert"]
@@ -54,7 +54,9 @@ def test_op_types_lower_to_declared_ir_ops_and_op_rules_read_them():
 def test_stage_support_follows_from_the_ir_ops():
     assert OPS["conv2d"].refused_by() == []
     assert OPS["sigmoid"].refused_by() == []
-    assert OPS["log_softmax"].refused_by() == [Stage.CONVERT]  # no table: pre_export leaves it float
+    assert OPS["log_softmax"].refused_by() == []  # its table op (§13.6.1) converts
+    # a table op type without a table lowers to its float IR op, which convert refuses
+    assert OpDef("no_table", Category.TABLE, "", ("log_softmax",)).refused_by() == [Stage.CONVERT]
     assert OPS["argsort"].refused_by()[0] is Stage.EXPORT  # no lowering
     assert OPS["avg_pool1d"].refused_by() == [] and OPS["conv_transpose2d"].refused_by() == []
     assert OPS["size"].refused_by() == []  # metadata gets no op site

@@ -162,17 +162,18 @@ def test_host_sites_are_labelled_counted_and_costed(tmp_path):
 
 
 def test_a_later_rule_moves_an_op_to_the_npu(monkeypatch):
-    """The partition follows the op set: give log_softmax's IR op an integer lowering and its site is no host op."""
+    """The partition follows the op set: cumprod has no row, so it runs on the host; an op set row whose IR op
+    convert lowers moves it to the NPU, with nothing else changed (log_softmax went that way with its rule)."""
     from quantlens.march import opset
-
-    prepared, *_ = _pipeline(LogSoftmaxInSequential, lambda: torch.randn(2, 8))
-    assert prepared._quantlens_state.plans["net.4.log_softmax_0"].host
-    row = opset.IR_OPS["log_softmax"]
-    monkeypatch.setitem(opset.IR_OPS, "log_softmax", opset.IROp(row.name, row.category, row.march, convert=True))
     from quantlens.quantization.plan import march_lacks_rule
 
-    site = prepared._quantlens_state.record.sites["net.4.log_softmax_0"]
+    prepared, *_ = _pipeline(HostOps, _image)
+    site = prepared._quantlens_state.record.sites["cumprod_0"]
+    assert prepared._quantlens_state.plans["cumprod_0"].host and march_lacks_rule(site)
+    monkeypatch.setitem(opset.OPS, "cumprod", opset.OpDef("cumprod", opset.Category.REDUCTION, "§10.2", ("cumsum",)))
     assert not march_lacks_rule(site)
+    log_softmax, *_ = _pipeline(LogSoftmaxInSequential, lambda: torch.randn(2, 8))
+    assert not log_softmax._quantlens_state.plans["net.4.log_softmax_0"].host  # its rule: on the NPU
 
 
 def test_integer_inputs_are_never_refused_for_missing_stubs():

@@ -7,8 +7,10 @@ prepared model:
 * :mod:`.tables`: the table formats (:class:`Table256`, :class:`SegmentedTable`), their construction and
   evaluation, and the two constant mantissa tables (reciprocal, rsqrt);
 * :mod:`.int_ops`: the integer kernels (softmax, layer_norm, div, reciprocal) and the constants they need;
+* :mod:`.log_softmax_ops`: the integer log_softmax (the softmax's exp sum, its ln by the ln mantissa table);
 * :mod:`.functions`: the real functions the elementwise tables sample;
-* :mod:`.ops`: ``torch.ops.quantlens.{lut, segment_lut, int_reciprocal, int_div, int_softmax, int_layer_norm}``;
+* :mod:`.ops`: ``torch.ops.quantlens.{lut, segment_lut, int_reciprocal, int_div, int_softmax, int_log_softmax,
+  int_layer_norm, int_rms_norm, int_vector_norm}``;
 * :mod:`.integer`: the integer kernel of every quantized IR op on tensors and attrs (:data:`INT_KERNELS`).
 
 This package imports nothing above it: only :mod:`quantlens.march`, the base modules (errors, registries) and torch.
@@ -21,6 +23,7 @@ from quantlens.kernels.int_ops import (
     div_multiplier,
     elementwise_table,
     exp_bits,
+    exp_table_from,
     int_div,
     int_layer_norm,
     int_reciprocal,
@@ -33,12 +36,14 @@ from quantlens.kernels.int_ops import (
     softmax_multiplier,
 )
 from quantlens.kernels.integer import INT_KERNELS, storage_dtype
+from quantlens.kernels.log_softmax_ops import int_log_softmax
 from quantlens.kernels.ops import TABLE_OP_IO, TableOpIO, dtype_from_range, table_torch_op
 from quantlens.kernels.tables import (
     SegmentedTable,
     Table256,
     build_segmented_table,
     build_table256,
+    ln_mantissa_table,
     lut256_lookup,
     minimax_segments,
     recip_mantissa_table,
@@ -57,6 +62,7 @@ __all__ = [
     "segmented_lookup",
     "recip_mantissa_table",
     "rsqrt_mantissa_table",
+    "ln_mantissa_table",
     "ELEMENTWISE_OPS",
     "TABLE_FUNCTIONS",
     "TableFunction",
@@ -65,7 +71,9 @@ __all__ = [
     "exp_bits",
     "softmax_exp_table",
     "softmax_multiplier",
+    "exp_table_from",
     "int_softmax",
+    "int_log_softmax",
     "LayerNormConstants",
     "layer_norm_frac_bits",
     "layer_norm_constants",

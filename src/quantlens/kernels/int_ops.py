@@ -39,6 +39,9 @@ __all__ = [
     "elementwise_table",
     "softmax_exp_table",
     "softmax_multiplier",
+    "exp_table_from",
+    "exp_row_sums",
+    "sum_mantissa",
     "int_softmax",
     "LayerNormConstants",
     "layer_norm_frac_bits",
@@ -186,6 +189,54 @@ def _normalize(v: torch.Tensor, k: torch.Tensor, low: int) -> tuple[torch.Tensor
     return mant, over
 
 
+def exp_table_from(bounds: torch.Tensor, shifts: torch.Tensor, entries: torch.Tensor, tails: torch.Tensor,
+                   frac_bits: int, out_dtype: QuantDType) -> Table256 | SegmentedTable:
+    """The softmax exp table from its stored tensors (a site's buffers, a node's constants): empty ``bounds``
+    mean the 256-entry int8 table indexed by ``d + 255``."""
+    top = 1 << exp_bits(out_dtype)
+    if bounds.numel() == 0:
+        return Table256(entries.to(torch.int64), 255, 0, top)
+    return SegmentedTable(bounds, shifts, entries, int(frac_bits), 0, top, tails)
+
+
+def exp_row_sums(q: torch.Tensor, dim: int, exp_table: Table256 | SegmentedTable, what: str = "softmax"):
+    """The softmax's first steps (``docs/march.md`` §13.6): ``(q, max(q), e, S, dim)`` with ``e = E(q - max(q))``
+    and ``S = sum(e)`` (keepdim), both float64 holding exact integers; ``q`` stays int8 or becomes int64, and a 0-d
+    ``q`` is taken as one element along dim 0."""
+    if q.dtype != torch.int8:
+        q = q.to(torch.int64)
+    if q.dim() == 0:
+        q = q.reshape(1)
+        dim = 0
+    if q.shape[dim] > MAX_SOFTMAX_LENGTH:
+        raise QuantLensError(
+            f"Integer {what} supports at most {MAX_SOFTMAX_LENGTH} elements along its dim, got {q.shape[dim]}."
+        )
+    amax = q.amax(dim=dim, keepdim=True)
+    if isinstance(exp_table, Table256) and q.dtype == torch.int8 and exp_table.offset == 255:
+        # d + 255 = q - (max - 255) lies in [0, 255] by the int8 type: the gather needs no range check.
+        e = torch.take(exp_table.entries.to(q.device, torch.float64), q.to(torch.int64).sub_(amax - 255))
+    else:
+        q = q.to(torch.int64)
+        e = exp_table.lookup(q - amax).to(torch.float64)
+    # Exact in float64: 0 <= e <= 2**X <= 2**23 and at most 2**16 elements, so every partial sum of S is an
+    # integer below 2**39 (any summation order gives the same S).
+    return q, amax, e, e.sum(dim=dim, keepdim=True), dim
+
+
+def sum_mantissa(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(m, k)``: ``S ~ m · 2**k`` with the 24-bit mantissa ``m = rhe(S · 2**-k)`` in ``[2**23, 2**24)``,
+    ``k = bitlen(S) - 24`` (§13.1; ``m = 2**24`` after rounding becomes ``2**23`` with ``k + 1``), for float64
+    ``S`` holding an integer in ``[1, 2**53)``."""
+    # bitlen(S) is frexp's exponent b (S = f * 2**b, f in [0.5, 1)); m = rhe(S * 2**-k) with k = b - 24 is
+    # rhe(f * 2**24) (a power-of-two scaling, exact; a left shift when k <= 0).
+    frac, b = torch.frexp(s)
+    mant = torch.round(frac * float(1 << _MANT)).to(torch.int64)
+    k = b.to(torch.int64) - _MANT
+    over = mant == (1 << _MANT)
+    return torch.where(over, 1 << (_MANT - 1), mant), k + over.to(torch.int64)
+
+
 def int_softmax(
     q: torch.Tensor, dim: int, exp_table: Table256 | SegmentedTable, multiplier: int, shift: int,
     out_dtype: QuantDType,
@@ -197,33 +248,8 @@ def int_softmax(
     ``r = R(m) ~ 2**46 / m``; ``t = rshift_rhe(e * r, 15 + k)`` (``~ e / S * 2**31``);
     ``y = requantize(t, M, shift)``.
     """
-    if q.dtype != torch.int8:
-        q = q.to(torch.int64)
-    if q.dim() == 0:
-        q = q.reshape(1)
-        dim = 0
-    if q.shape[dim] > MAX_SOFTMAX_LENGTH:
-        raise QuantLensError(
-            f"Integer softmax supports at most {MAX_SOFTMAX_LENGTH} elements along its dim, got {q.shape[dim]}."
-        )
-    amax = q.amax(dim=dim, keepdim=True)
-    if isinstance(exp_table, Table256) and q.dtype == torch.int8 and exp_table.offset == 255:
-        # d + 255 = q - (max - 255) lies in [0, 255] by the int8 type: the gather needs no range check.
-        e = torch.take(exp_table.entries.to(q.device, torch.float64), q.to(torch.int64).sub_(amax - 255))
-    else:
-        q = q.to(torch.int64)
-        e = exp_table.lookup(q - amax).to(torch.float64)
-    # Exact in float64: 0 <= e <= 2**X <= 2**23 and at most 2**16 elements, so every partial sum of S is an
-    # integer below 2**39 (any summation order gives the same S).
-    s = e.sum(dim=dim, keepdim=True)
-    # bitlen(S) is frexp's exponent b (S = f * 2**b, f in [0.5, 1)); m = rhe(S * 2**-k) with k = b - 24 is
-    # rhe(f * 2**24) (a power-of-two scaling, exact; a left shift when k <= 0).
-    frac, b = torch.frexp(s)
-    mant = torch.round(frac * float(1 << _MANT)).to(torch.int64)
-    k = b.to(torch.int64) - _MANT
-    over = mant == (1 << _MANT)
-    mant = torch.where(over, 1 << (_MANT - 1), mant)
-    k = k + over.to(torch.int64)
+    _, _, e, s, _ = exp_row_sums(q, dim, exp_table)
+    mant, k = sum_mantissa(s)
     r = _mantissa_lookup(recip_mantissa_table(), mant)
     # t = rhe(e * r, k + 15), exact in float64: e <= 2**23 and r <= 2**23 (the table's range), so e * r < 2**46
     # and e * (r * 2**-(k + 15)) is that integer times a power of two (k + 15 >= 7: S >= E(0) = 2**X >= 2**15);

@@ -13,6 +13,7 @@ op                          integer kernel
 ``quantlens::int_reciprocal`` ``1 / x`` on an int16 input by the mantissa rule
 ``quantlens::int_div``      ``x / y`` by the mantissa reciprocal of ``y``
 ``quantlens::int_softmax``  softmax: exp table, sum, mantissa reciprocal, requantize
+``quantlens::int_log_softmax`` log_softmax: exp table, sum, its ln by mantissa and exponent, one rounded shift
 ``quantlens::int_layer_norm`` layer norm: mean, variance, mantissa rsqrt, per-channel gain and bias
 ``quantlens::int_rms_norm``   RMS norm and L2 normalization: the layer norm without the mean
 ``quantlens::int_vector_norm`` L2 norm: exact sum of squares, mantissa square root, 31-bit requantize
@@ -25,9 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from quantlens.kernels.int_ops import int_div, int_layer_norm, int_reciprocal, int_softmax
+from quantlens.kernels.int_ops import exp_table_from, int_div, int_layer_norm, int_reciprocal, int_softmax
+from quantlens.kernels.log_softmax_ops import int_log_softmax
 from quantlens.kernels.norm_ops import int_rms_norm, int_vector_norm
-from quantlens.kernels.tables import SegmentedTable, Table256, lut256_lookup, segmented_lookup
+from quantlens.kernels.tables import lut256_lookup, segmented_lookup
 from quantlens.march import QuantDType
 from quantlens.march.numerics import dequantize, quantize
 
@@ -43,6 +45,7 @@ class TableOpIO:
     data: tuple[str, ...]
     scales: tuple[str, ...]
     float_op: str = ""  #: fixed float op (softmax, div, reciprocal); "" when attrs["reference"] names it
+    float_attrs: tuple[str, ...] = ()  #: the node attrs the fixed float op reads (softmax's dim)
 
 
 #: every table op of :mod:`quantlens.kernels.ops`, by its ``torch.ops.quantlens`` name (= its IR op name).
@@ -50,7 +53,8 @@ TABLE_OP_IO: dict[str, TableOpIO] = {
     "lut": TableOpIO(("x",), ("scale_in",)),
     "segment_lut": TableOpIO(("x",), ("scale_in",)),
     "int_reciprocal": TableOpIO(("x",), ("scale_in",), "reciprocal"),
-    "int_softmax": TableOpIO(("x",), ("scale_in",), "softmax"),
+    "int_softmax": TableOpIO(("x",), ("scale_in",), "softmax", ("dim",)),
+    "int_log_softmax": TableOpIO(("x",), ("scale_in",), "log_softmax", ("dim",)),
     "int_layer_norm": TableOpIO(("x",), ("scale_in",)),
     "int_div": TableOpIO(("x", "y"), ("scale_x", "scale_y"), "div"),
     "int_rms_norm": TableOpIO(("x",), ("scale_in",)),
@@ -155,16 +159,31 @@ def _int_softmax(x: torch.Tensor, scale_in: torch.Tensor, scale_out: torch.Tenso
     ``params = [M, shift]``."""
     multiplier, shift = (int(v) for v in params.tolist())
     out_dtype = dtype_from_range(out_qmin, out_qmax)
-    x_bits = 7 + out_dtype.bits
-    if exp_bounds.numel() == 0:
-        table = Table256(exp_entries.to(torch.int64), 255, 0, 1 << x_bits)
-    else:
-        table = SegmentedTable(exp_bounds, exp_shifts, exp_entries, exp_frac_bits, 0, 1 << x_bits, exp_tails)
+    table = exp_table_from(exp_bounds, exp_shifts, exp_entries, exp_tails, exp_frac_bits, out_dtype)
     q = _q(x, scale_in, in_qmin, in_qmax)
     return _dq(int_softmax(q, dim, table, multiplier, shift, out_dtype), scale_out, x)
 
 
 @_int_softmax.register_fake
+def _(x, scale_in, scale_out, exp_bounds, exp_shifts, exp_entries, exp_tails, params, dim, exp_frac_bits, in_qmin,
+      in_qmax, out_qmin, out_qmax):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("quantlens::int_log_softmax", mutates_args=())
+def _int_log_softmax(x: torch.Tensor, scale_in: torch.Tensor, scale_out: torch.Tensor, exp_bounds: torch.Tensor,
+                     exp_shifts: torch.Tensor, exp_entries: torch.Tensor, exp_tails: torch.Tensor,
+                     params: torch.Tensor, dim: int, exp_frac_bits: int, in_qmin: int, in_qmax: int, out_qmin: int,
+                     out_qmax: int) -> torch.Tensor:
+    """The softmax's exp table (as ``int_softmax``); ``params = [M_x, M_l, T]`` (``march.rules.log_softmax``)."""
+    multiplier, ln_multiplier, shift = (int(v) for v in params.tolist())
+    out_dtype = dtype_from_range(out_qmin, out_qmax)
+    table = exp_table_from(exp_bounds, exp_shifts, exp_entries, exp_tails, exp_frac_bits, out_dtype)
+    q = _q(x, scale_in, in_qmin, in_qmax)
+    return _dq(int_log_softmax(q, dim, table, multiplier, ln_multiplier, shift, out_dtype), scale_out, x)
+
+
+@_int_log_softmax.register_fake
 def _(x, scale_in, scale_out, exp_bounds, exp_shifts, exp_entries, exp_tails, params, dim, exp_frac_bits, in_qmin,
       in_qmax, out_qmin, out_qmax):
     return torch.empty_like(x)

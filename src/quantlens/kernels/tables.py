@@ -22,6 +22,7 @@ import torch
 
 from quantlens.errors import QuantLensError
 from quantlens.kernels._int import rshift_rhe_var
+from quantlens.march.rules import LN_FRAC_BITS
 
 __all__ = [
     "Table256",
@@ -33,6 +34,7 @@ __all__ = [
     "minimax_segments",
     "recip_mantissa_table",
     "rsqrt_mantissa_table",
+    "ln_mantissa_table",
     "MANTISSA_BITS",
     "MANTISSA_INTERVALS",
     "SEGMENTS",
@@ -399,3 +401,20 @@ def rsqrt_mantissa_table() -> SegmentedTable:
             torch.tensor(rows, dtype=torch.int64), 0, 1 << 22, 1 << 23,
         )
     return _CONST_CACHE["rsqrt"]
+
+
+def ln_mantissa_table() -> SegmentedTable:
+    """``LN(m) ~ ln(m · 2**-23) · 2**24`` for 24-bit mantissas ``m`` in ``[2**23, 2**24)`` (``docs/march.md``
+    §13.6.1, the log_softmax's ``ln`` of its exp sum).
+
+    One segment, step ``2**14``, 513 entries ``rhe(log1p(j / 512) · 2**24)`` (float64), no fractional bits; values in
+    ``[0, LN(2**24)]``, the last entry being ``rhe(ln 2 · 2**24) = 11629080``.
+    """
+    if "ln" not in _CONST_CACHE:
+        entries = [round(math.log1p(j / MANTISSA_INTERVALS) * float(1 << LN_FRAC_BITS))
+                   for j in range(MANTISSA_INTERVALS + 1)]
+        _CONST_CACHE["ln"] = SegmentedTable(
+            torch.tensor([1 << 23, 1 << 24]), torch.tensor([14]), torch.tensor([entries], dtype=torch.int64), 0, 0,
+            entries[-1],
+        )
+    return _CONST_CACHE["ln"]

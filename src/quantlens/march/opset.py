@@ -261,15 +261,15 @@ _IR_ROWS: list[IROp] = [
     IROp("avg_pool1d_int", R, "§10", level="quantized", cost=Cost.AVG_POOL, inputs=("q",), attrs=_POOL),
     # float nonlinear ops: in the qat IR only when pre_export left them float (no table)
     *(IROp(name, T, "§13", convert=False, note="computed by a table after pre_export")
-      for name in ("sigmoid", "tanh", "silu", "exp", "gelu", "softplus", "reciprocal", "softmax", "layer_norm",
-                   "rsqrt", "sqrt", "erf", "log", "pow", "hardswish", "hardsigmoid", "elu")),
-    IROp("log_softmax", T, "", convert=False, note="no table yet"),
+      for name in ("sigmoid", "tanh", "silu", "exp", "gelu", "softplus", "reciprocal", "softmax", "log_softmax",
+                   "layer_norm", "rsqrt", "sqrt", "erf", "log", "pow", "hardswish", "hardsigmoid", "elu")),
     # pre_export's table ops (torch.ops.quantlens.*), the same kernels in both IRs
     IROp("lut", T, "§13.2", level="both", cost=Cost.TABLE, table_passes=0, int_attrs=_TABLE),
     IROp("segment_lut", T, "§13.3", level="both", cost=Cost.TABLE, table_passes=1, int_attrs=_TABLE),
     IROp("int_reciprocal", T, "§13.5", level="both", cost=Cost.TABLE, table_passes=1, int_attrs=_TABLE),
     IROp("int_div", T, "§13.5", level="both", cost=Cost.TABLE, table_passes=2, int_attrs=_TABLE),
     IROp("int_softmax", T, "§13.6", level="both", cost=Cost.TABLE, table_passes=4, int_attrs=_TABLE),
+    IROp("int_log_softmax", T, "§13.6.1", level="both", cost=Cost.TABLE, table_passes=4, int_attrs=_TABLE),
     IROp("int_layer_norm", T, "§13.7", level="both", cost=Cost.TABLE, table_passes=4, int_attrs=_TABLE),
     IROp("int_rms_norm", T, "§13.7.1", level="both", cost=Cost.TABLE, table_passes=3, int_attrs=_TABLE),
     IROp("int_vector_norm", T, "§13.7.2", level="both", cost=Cost.TABLE, table_passes=2, int_attrs=_TABLE),
@@ -359,7 +359,7 @@ _OP_ROWS: list[OpDef] = [
     OpDef("rms_norm", T, "§13.7.1", ("int_rms_norm",), table=True, activation_inputs=1),
     OpDef("normalize", T, "§13.7.1", ("permute", "int_rms_norm"), table=True, note="p = 2"),
     *_rows("linalg_vector_norm norm", T, "§13.7.2", ("int_vector_norm",), table=True, note="p = 2 ('fro')"),
-    OpDef("log_softmax", T, "", ("log_softmax",), note="no table yet"),
+    OpDef("log_softmax", T, "§13.6.1", ("int_log_softmax",), table=True),
     OpDef("batch_norm", E, "§10.2", ("batch_norm",), activation_inputs=1,
           note="folded into a preceding conv/linear, else an affine"),
     OpDef("leaky_relu", E, "§10.3", ("leaky_relu",)),

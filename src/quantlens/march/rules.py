@@ -19,6 +19,7 @@ To change an op's integer rule: change its function here and its pinned values i
 
 from __future__ import annotations
 
+import math
 from typing import Union
 
 import torch
@@ -36,7 +37,7 @@ from quantlens.march.spec import Qpp, QuantDType, get_march
 __all__ = [
     "multiplier", "requantize", "move", "accumulator_scale", "gemm", "add", "cat", "add_constant",
     "constant_addend_codes", "average_by_window", "scale_by_constant", "mul", "average", "clamp", "sign_op", "bilinear", "channel_affine", "prelu", "fill_code",
-    "BILINEAR_WEIGHT_BITS", "vector_norm",
+    "BILINEAR_WEIGHT_BITS", "vector_norm", "LN_FRAC_BITS", "log_softmax",
 ]
 
 Scale = Union[torch.Tensor, float]
@@ -232,6 +233,34 @@ def vector_norm(x_scale: Scale, out_scale: Scale, qdtype: QuantDType) -> dict:
     with one int each."""
     m, shift = quantize_multiplier(_first(x_scale) / _first(out_scale), Qpp.HIGH_PRECISION)
     return {"multiplier": m, "shift": shift, "out_dtype": qdtype.value}
+
+
+#: §13.6.1 log_softmax: natural logarithms (the ln mantissa table, ln 2, the exp sum's ln) are integers at scale
+#: ``2**-LN_FRAC_BITS``
+LN_FRAC_BITS = 24
+#: §13.6.1 log_softmax: ``M_x <= 2**44`` and ``M_l <= 2**31`` keep ``|d · M_x| < 2**60`` (``|d| < 2**16``) and
+#: ``L · M_l < 2**60`` (``L < 2**29``), so their difference stays within the rounded shift's ``2**61``
+_LOG_SOFTMAX_X_BITS, _LOG_SOFTMAX_LN_BITS = 44, 31
+
+
+def log_softmax(x_scale: Scale, out_scale: Scale, qdtype: QuantDType) -> dict:
+    """§13.6.1 ``log_softmax``: ``y = sat(rshift_rhe(d · M_x − L · M_l, T))`` with ``d = q − max(q)`` (input
+    codes) and ``L ~ ln(sum(exp(d · s_x))) · 2**24``. ``M_x = rhe(s_x / s_out · 2**T)``, ``M_l = rhe(2**-24 /
+    s_out · 2**T)``, one shift ``T``: the largest with ``M_x <= 2**44``, ``M_l <= 2**31`` and ``T <= 62``.
+    Returns ``{"multiplier": M_x, "ln_multiplier": M_l, "shift": T, "out_dtype"}``."""
+    s_x, s_out = _first(x_scale), _first(out_scale)
+    real_x, real_ln = s_x / s_out, 2.0**-LN_FRAC_BITS / s_out
+    if not (real_x > 0 and math.isfinite(real_x) and math.isfinite(real_ln)):
+        raise QuantLensError(f"log_softmax: scales s_x={s_x}, s_out={s_out} give no multiplier.")
+    # r = f · 2**e with f in [0.5, 1): r · 2**(B - e) = f · 2**B rounds to at most 2**B
+    shift = min(_LOG_SOFTMAX_X_BITS - math.frexp(real_x)[1], _LOG_SOFTMAX_LN_BITS - math.frexp(real_ln)[1], 62)
+    m_x, m_ln = round(real_x * 2.0**shift), round(real_ln * 2.0**shift)  # exact products, half to even
+    if shift < 0 or m_x == 0 or m_ln == 0:
+        raise QuantLensError(
+            f"log_softmax: the input scale {s_x:.6g} and output scale {s_out:.6g} differ by too many orders of "
+            "magnitude for its two multipliers; check the observers of its input and output."
+        )
+    return {"multiplier": m_x, "ln_multiplier": m_ln, "shift": shift, "out_dtype": qdtype.value}
 
 
 def fill_code(value: float, x_scale: Scale, qdtype: QuantDType) -> int:

@@ -40,6 +40,7 @@ from quantlens.quantization.table_overrides import (
     DivOverride,
     ElementwiseOverride,
     LayerNormOverride,
+    LogSoftmaxOverride,
     SoftmaxOverride,
     TableOverride,
 )
@@ -208,6 +209,11 @@ def _softmax_float(call: OverrideCall, site: str) -> Any:
     return torch.softmax(_float_leaves(call)[0], dim, dtype=dtype)
 
 
+def _log_softmax_float(call: OverrideCall, site: str) -> Any:
+    dim, dtype = _softmax_call(call, site)
+    return torch.log_softmax(_float_leaves(call)[0], dim, dtype=dtype)
+
+
 def _layer_norm_float(call: OverrideCall, site: str) -> Any:
     shape, w, b, eps = _layer_norm_call(call)
     return F.layer_norm(_float_leaves(call)[0], shape, w, b, eps)
@@ -234,9 +240,11 @@ _ELEMENTWISE_CALLS: dict[str, dict[str, Any]] = {
 _SPECS = [
     # elementwise (§13.4): the float op and real function of march.functions.TABLE_FUNCTIONS, in its order
     *(_elementwise(op_type, **_ELEMENTWISE_CALLS.get(op_type, {})) for op_type in TABLE_FUNCTIONS),
-    # the composite table ops (§13.5-§13.7)
+    # the composite table ops (§13.5-§13.7; log_softmax: §13.6.1)
     TableOpSpec("div", DivOverride, float_fn=_div_float, inputs=2, int16=""),
     TableOpSpec("softmax", SoftmaxOverride, float_fn=_softmax_float, site_params=_softmax_site, int16=""),
+    TableOpSpec("log_softmax", LogSoftmaxOverride, float_fn=_log_softmax_float, site_params=_softmax_site,
+                int16=""),
     TableOpSpec("layer_norm", LayerNormOverride, float_fn=_layer_norm_float, site_params=_layer_norm_site,
                 needs_call_args=True, int16=""),
     # the RMS norm, L2 normalization and L2 norm (§13.7.1, §13.7.2: table_overrides/norms.py)

@@ -14,6 +14,8 @@ op the table emulates instead.
 * ``int_softmax``: max, ``d = q - max``, the exp table as a ``Gather`` over every ``d``, the exact sum, its
   mantissa and exponent, the reciprocal mantissa table by its integer interpolation, ``t``, and the output
   requantize in int64;
+* ``int_log_softmax``: the softmax's steps up to the sum's mantissa and exponent, the ln mantissa table by its integer
+  interpolation, ``L``, and ``rhe(d · M_x - L · M_l, T)`` in int64;
 * ``int_layer_norm``: the mean, centred values, variance and the mantissa normalisation in int64 (as the kernel's
   int64 path), the rsqrt mantissa table and ``u`` in float64, then ``rhe(u * gain + bias, T)`` in int64.
 
@@ -29,9 +31,17 @@ from quantlens._registry import make_registry
 from quantlens.compiler.ir import Node
 from quantlens.compiler.onnx.builder import _Builder, _onnx_dtype
 from quantlens.compiler.onnx.registry import ONNX_CONVERTERS, onnx_converter
-from quantlens.kernels import TABLE_OP_IO
-from quantlens.kernels.int_ops import _RECIP_BITS, _RSQRT_BITS, LN_NORM_BITS, SOFTMAX_PROB_BITS
-from quantlens.kernels.tables import SegmentedTable, Table256, recip_mantissa_table, rsqrt_mantissa_table
+from quantlens.kernels import TABLE_OP_IO, dtype_from_range
+from quantlens.kernels.int_ops import (
+    _RECIP_BITS,
+    _RSQRT_BITS,
+    LN_NORM_BITS,
+    SOFTMAX_PROB_BITS,
+    exp_bits,
+    exp_table_from,
+)
+from quantlens.kernels.log_softmax_ops import LN2_FIXED
+from quantlens.kernels.tables import SegmentedTable, ln_mantissa_table, recip_mantissa_table, rsqrt_mantissa_table
 
 __all__ = ["EXACT_TABLE_EXPORTS"]
 
@@ -184,31 +194,21 @@ def _elementwise(b: _Builder, node: Node) -> bool:
     return True
 
 
-# -- softmax ------------------------------------------------------------------------------------------------------
-@_exact("int_softmax")
-def _softmax(b: _Builder, node: Node) -> bool:
-    constants = _constants(b, node)
-    if constants is None:
-        return False
-    _, _, bounds, shifts, entries, tails, params = constants
-    multiplier, shift = (int(v) for v in params.tolist())
-    if not (0 < multiplier < (1 << 31) and 0 < shift <= 62):
-        return False  # the kernel's general requantize: not written here
+# -- softmax, log_softmax ------------------------------------------------------------------------------------------
+def _exp_sum(f: _F64, node: Node, constants: list[torch.Tensor]) -> tuple[str, str, str, str]:
+    """The first steps of ``int_softmax`` and ``int_log_softmax`` (``int_ops.exp_row_sums``, ``sum_mantissa``):
+    ``d = q - max(q)``, ``e = E(d)`` (a ``Gather`` over every ``d``), the exact sum ``S`` and its mantissa ``m`` and
+    exponent ``k``, all integer-valued float64. Returns ``(d, e, m, k)``."""
+    _, _, bounds, shifts, entries, tails, _ = constants
     a = node.attrs
-    out_bits = (int(a["out_qmax"]) - int(a["out_qmin"]) + 1).bit_length() - 1
-    x_bits = 7 + out_bits
-    if bounds.numel() == 0:
-        exp = Table256(entries.to(torch.int64), 255, 0, 1 << x_bits)
-        domain = torch.arange(-255, 1, dtype=torch.int64)
-    else:
-        exp = SegmentedTable(bounds, shifts, entries, int(a["exp_frac_bits"]), 0, 1 << x_bits, tails)
-        domain = torch.arange(-(int(a["in_qmax"]) - int(a["in_qmin"])), 1, dtype=torch.int64)
-    e_all = exp.lookup(domain).to(torch.float64)  # E(d) for every d = q - max(q)
-    f = _F64(b, node)
+    out_dtype = dtype_from_range(int(a["out_qmin"]), int(a["out_qmax"]))
+    exp = exp_table_from(bounds, shifts, entries, tails, int(a["exp_frac_bits"]), out_dtype)
+    low = -255 if bounds.numel() == 0 else -(int(a["in_qmax"]) - int(a["in_qmin"]))
+    e_all = exp.lookup(torch.arange(low, 1, dtype=torch.int64)).to(torch.float64)  # E(d) for every d = q - max(q)
     dim = f.b.ints([int(a["dim"])], f"{f.out}/dim")
-    q = f.codes(b.value(node.inputs[0]), node.inputs[1], int(a["in_qmin"]), int(a["in_qmax"]))
+    q = f.codes(f.b.value(node.inputs[0]), node.inputs[1], int(a["in_qmin"]), int(a["in_qmax"]))
     d = f.op("Sub", q, f.op("ReduceMax", q, dim, keepdims=1))
-    e = f.gather(e_all, f.op("Sub", d, f.const(float(domain[0]))))
+    e = f.gather(e_all, f.op("Sub", d, f.const(float(low))))
     s = f.op("ReduceSum", e, dim, keepdims=1)  # exact: integers below 2**39
     bits = f.bitlen(s)
     mant = f.op("Round", f.op("Mul", s, f.pow2(f.op("Sub", f.const(float(_MANT)), bits))))
@@ -216,6 +216,19 @@ def _softmax(b: _Builder, node: Node) -> bool:
     over = f.op("Equal", mant, f.const(float(1 << _MANT)), dtype="bool")
     mant = f.op("Where", over, f.const(float(1 << (_MANT - 1))), mant)
     k = f.op("Add", k, f.op("Cast", over, to=_onnx_dtype("float64")))
+    return d, e, mant, k
+
+
+@_exact("int_softmax")
+def _softmax(b: _Builder, node: Node) -> bool:
+    constants = _constants(b, node)
+    if constants is None:
+        return False
+    multiplier, shift = (int(v) for v in constants[-1].tolist())
+    if not (0 < multiplier < (1 << 31) and 0 < shift <= 62):
+        return False  # the kernel's general requantize: not written here
+    f = _F64(b, node)
+    _, e, mant, k = _exp_sum(f, node, constants)
     r = f.mantissa_lookup(recip_mantissa_table(), mant)
     scale = f.op("Mul", r, f.pow2(f.op("Neg", f.op("Add", k, f.const(float(_RECIP_BITS - SOFTMAX_PROB_BITS))))))
     t = f.to_int64(f.op("Round", f.op("Mul", e, scale)))
@@ -226,6 +239,27 @@ def _softmax(b: _Builder, node: Node) -> bool:
     odd = f.op("Mod", f.op("Div", x, p, dtype="int64"), f.const(2, "int64"), dtype="int64", fmod=0)
     y = f.op("Div", f.op("Add", f.op("Add", x, f.const((1 << (shift - 1)) - 1, "int64"), dtype="int64"), odd,
                          dtype="int64"), p, dtype="int64")
+    f.dequantize(y, node.inputs[2], int(node.attrs["out_qmin"]), int(node.attrs["out_qmax"]))
+    return True
+
+
+@_exact("int_log_softmax")
+def _log_softmax(b: _Builder, node: Node) -> bool:
+    """``int_log_softmax`` (``kernels.log_softmax_ops``): ``L = LN(m) + (k + 23 - X) · LN2`` in float64 (integers
+    below ``2**29``), then ``rhe(d · M_x - L · M_l, T)`` in int64 (``|.| < 2**61``)."""
+    constants = _constants(b, node)
+    if constants is None:
+        return False
+    multiplier, ln_multiplier, shift = (int(v) for v in constants[-1].tolist())
+    a = node.attrs
+    x_bits = exp_bits(dtype_from_range(int(a["out_qmin"]), int(a["out_qmax"])))
+    f = _F64(b, node)
+    d, _, mant, k = _exp_sum(f, node, constants)
+    ln_s = f.op("Add", f.mantissa_lookup(ln_mantissa_table(), mant),
+                f.op("Mul", f.op("Add", k, f.const(float(_MANT - 1 - x_bits))), f.const(float(LN2_FIXED))))
+    acc = f.op("Sub", f.op("Mul", f.to_int64(d), f.const(multiplier, "int64"), dtype="int64"),
+               f.op("Mul", f.to_int64(ln_s), f.const(ln_multiplier, "int64"), dtype="int64"), dtype="int64")
+    y = f.rhe_div_int64(acc, f.const(1 << shift, "int64"))
     f.dequantize(y, node.inputs[2], int(a["out_qmin"]), int(a["out_qmax"]))
     return True
 
@@ -291,7 +325,7 @@ def _rms_norm(b: _Builder, node: Node) -> bool:
 
 
 # -- pre_export's table ops: exact where this module can write their integer arithmetic (the elementwise tables,
-#    softmax, layer_norm); otherwise the float op they emulate runs, and the fake quants around them (QDQ pairs)
+#    softmax, log_softmax, layer_norm); otherwise the float op they emulate runs, and the fake quants around them (QDQ pairs)
 #    keep the grid, so ONNX agrees with those tables to within rounding.
 @onnx_converter(*TABLE_OP_IO)
 def _table_reference(b: _Builder, node: Node) -> None:
@@ -299,9 +333,9 @@ def _table_reference(b: _Builder, node: Node) -> None:
     if exact is not None and exact(b, node):
         return
     io = TABLE_OP_IO[node.op]
-    if io.float_op:  # softmax, div, reciprocal: the float op is fixed
+    if io.float_op:  # softmax, log_softmax, div, reciprocal: the float op is fixed
         inputs = [node.inputs[i] for i in range(len(io.data))]
-        attrs = {"dim": node.attrs["dim"]} if io.float_op == "softmax" else {}
+        attrs = {name: node.attrs[name] for name in io.float_attrs}
         ONNX_CONVERTERS[io.float_op](b, Node(io.float_op, inputs, list(node.outputs), attrs, node.site))
         return
     ref = node.attrs.get("reference")

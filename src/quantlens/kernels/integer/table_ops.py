@@ -13,13 +13,14 @@ from typing import Callable
 
 import torch
 
-from quantlens.kernels.int_ops import int_div, int_layer_norm, int_reciprocal, int_softmax
+from quantlens.kernels.int_ops import exp_table_from, int_div, int_layer_norm, int_reciprocal, int_softmax
 from quantlens.kernels.integer._aten import call_op
 from quantlens.kernels.integer._cache import prepared
 from quantlens.kernels.integer._common import int_kernel, storage_dtype
+from quantlens.kernels.log_softmax_ops import int_log_softmax
 from quantlens.kernels.norm_ops import int_rms_norm
 from quantlens.kernels.ops import TABLE_OP_IO, dtype_from_range, table_torch_op
-from quantlens.kernels.tables import SegmentedTable, Table256, lut256_lookup, segmented_lookup
+from quantlens.kernels.tables import lut256_lookup, segmented_lookup
 from quantlens.march import QuantDType
 from quantlens.march.numerics import dequantize, quantize
 
@@ -87,20 +88,25 @@ def _direct_div(q, c, a, derived):
     return int_div(q[0], q[1], multiplier, shift, dtype_from_range(a["out_qmin"], a["out_qmax"]))
 
 
-def _direct_softmax(q, c, a, derived):
-    prepared_softmax = derived.get("softmax")
-    if prepared_softmax is None:
-        multiplier, shift = _params(c)
+def _exp_table_site(c, a, derived):
+    """(exp table, params, out_dtype) of a softmax / log_softmax call, made once per constants."""
+    prepared_site = derived.get("exp")
+    if prepared_site is None:
         out_dtype = dtype_from_range(a["out_qmin"], a["out_qmax"])
-        x_bits = 7 + out_dtype.bits
-        if c["exp_bounds"].numel() == 0:
-            table = Table256(c["exp_entries"].to(torch.int64), 255, 0, 1 << x_bits)
-        else:
-            table = SegmentedTable(c["exp_bounds"], c["exp_shifts"], c["exp_entries"], a["exp_frac_bits"], 0,
-                                   1 << x_bits, c["exp_tails"])
-        prepared_softmax = derived["softmax"] = (table, multiplier, shift, out_dtype)
-    table, multiplier, shift, out_dtype = prepared_softmax
+        table = exp_table_from(c["exp_bounds"], c["exp_shifts"], c["exp_entries"], c["exp_tails"],
+                               a["exp_frac_bits"], out_dtype)
+        prepared_site = derived["exp"] = (table, _params(c), out_dtype)
+    return prepared_site
+
+
+def _direct_softmax(q, c, a, derived):
+    table, (multiplier, shift), out_dtype = _exp_table_site(c, a, derived)
     return int_softmax(q[0], a["dim"], table, multiplier, shift, out_dtype)
+
+
+def _direct_log_softmax(q, c, a, derived):
+    table, (multiplier, ln_multiplier, shift), out_dtype = _exp_table_site(c, a, derived)
+    return int_log_softmax(q[0], a["dim"], table, multiplier, ln_multiplier, shift, out_dtype)
 
 
 def _direct_layer_norm(q, c, a, derived):
@@ -120,6 +126,7 @@ def _direct_rms_norm(q, c, a, derived):
 
 _DIRECT_TABLE = {"lut": lambda q, c, a, d: _direct_lut(q[0], c, a, d), "segment_lut": _direct_segment_lut,
                  "int_reciprocal": _direct_reciprocal, "int_div": _direct_div, "int_softmax": _direct_softmax,
+                 "int_log_softmax": _direct_log_softmax,
                  "int_layer_norm": _direct_layer_norm, "int_rms_norm": _direct_rms_norm}
 
 

@@ -8,6 +8,7 @@ from quantlens.kernels import (
     SegmentedTable,
     Table256,
     exp_bits,
+    exp_table_from,
     int_softmax,
     softmax_exp_table,
     softmax_multiplier,
@@ -39,7 +40,11 @@ class SoftmaxOverride(TableOverride):
             self.register_buffer("exp_shifts", table.shifts.clone())
             self.register_buffer("exp_tails", table.tails.clone())
         self.register_buffer("exp_entries", table.entries.to(torch.int32))
-        self.register_buffer("params_q", torch.tensor(softmax_multiplier(s_out), dtype=torch.int64))
+        self.register_buffer("params_q", torch.tensor(self._output_params(s_in, s_out), dtype=torch.int64))
+
+    def _output_params(self, s_in: float, s_out: float) -> list[int]:
+        """The integer constants of the output step: ``[M, shift]``."""
+        return list(softmax_multiplier(s_out))
 
     def int_op(self, call, fqs, out_fq):
         x = _float_leaves(call)[0]
@@ -52,11 +57,8 @@ class SoftmaxOverride(TableOverride):
         return y if dtype is None else y.to(dtype)
 
     def exp_table(self) -> Table256 | SegmentedTable:
-        top = 1 << exp_bits(self.output_dtype)
-        if self.exp_bounds.numel() == 0:
-            return Table256(self.exp_entries.to(torch.int64), 255, 0, top)
-        return SegmentedTable(self.exp_bounds, self.exp_shifts, self.exp_entries.to(torch.int64),
-                              self.exp_frac_bits, 0, top, self.exp_tails)
+        return exp_table_from(self.exp_bounds, self.exp_shifts, self.exp_entries.to(torch.int64), self.exp_tails,
+                              self.exp_frac_bits, self.output_dtype)
 
     def integer(self, q: torch.Tensor, dim: int = -1) -> torch.Tensor:
         m, s = (int(v) for v in self.params_q.tolist())
@@ -68,8 +70,12 @@ class SoftmaxOverride(TableOverride):
         q = _probe_rows(self.input_dtypes[0], length).to(self.table_scales.device)
         y = self.integer(q).to(torch.float64)
         do = self.output_dtype
-        exact = (torch.softmax(q.to(torch.float64) * s_in, -1) / s_out).clamp(do.qmin, do.qmax)
+        exact = (self._exact_op(q.to(torch.float64) * s_in) / s_out).clamp(do.qmin, do.qmax)
         return float((y - exact).abs().max()), "probe"
+
+    @staticmethod
+    def _exact_op(x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x, -1)
 
     def entry_count(self):
         return int(self.exp_entries.numel())
