@@ -241,10 +241,14 @@ def test_any_aten_op_after_the_dequant_stub_is_a_float_host_op(tmp_path):
 def test_a_host_op_naming_something_other_than_an_aten_op_is_refused():
     from quantlens.compiler.host_ops import call_host_aten
 
-    with pytest.raises(QuantLensError, match="not an aten operator"):
+    with pytest.raises(QuantLensError, match="not an operator registered with this torch"):
         call_host_aten({"target": "builtins::eval.default", "args": [], "kwargs": {}}, [], "site")
-    with pytest.raises(QuantLensError, match="not an aten operator"):
+    with pytest.raises(QuantLensError, match="not an operator registered with this torch"):
         call_host_aten({"target": "aten::no_such_op.default", "args": [], "kwargs": {}}, [], "site")
+    with pytest.raises(QuantLensError, match="not an operator registered"):
+        call_host_aten({"target": "os::system('x').default", "args": [], "kwargs": {}}, [], "site")
+    with pytest.raises(QuantLensError, match=r"import it before running"):
+        call_host_aten({"target": "somelib::op.default", "args": [], "kwargs": {}}, [], "site")
 
 
 class GroupedQueryAttention(nn.Module):

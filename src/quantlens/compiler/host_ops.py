@@ -1,14 +1,18 @@
-"""Host ops: any aten op after the model's DeQuantStub (float post-processing) in the IR, as ``host_aten`` nodes.
+"""Host ops: any operator the march has no integer rule for, in the IR, as ``host_aten`` nodes (the partition,
+``docs/march.md`` §12.1).
 
-The NPU computes up to the DeQuantStub; what follows runs on the host in float, so no integer rule is asked of it
-and any op torch.export captures is fine. An op with an IR lowering keeps it (``attrs["host"]``); an op with none
-becomes one ``host_aten`` node that names the aten overload and the call's other arguments:
-``{"target": "aten::topk.default", "args": [{"input": 0}, 3], "kwargs": {}}``. Running it looks the overload up in
-``torch.ops.aten`` / ``torch.ops.prims`` only (a data file names an op; it never carries code).
+What the NPU cannot compute runs on the host in float, so no integer rule is asked of it and any op torch.export
+captures is fine: an aten or prims op, or a custom operator a library registered with ``torch.library`` (transformers'
+``grouped_mm_fallback`` of its mixture-of-experts layers). An op with an IR lowering keeps it (``attrs["host"]``); an
+op with none becomes one ``host_aten`` node that names the overload and the call's other arguments:
+``{"target": "aten::topk.default", "args": [{"input": 0}, 3], "kwargs": {}}``. Running it looks the overload up among
+the operators registered with torch in this process (a data file names an op; it never carries code, and never
+makes quantlens import a package): a library's op needs that library imported first, which the error says.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -18,8 +22,8 @@ from quantlens.errors import QuantLensError
 
 __all__ = ["encode_call", "call_host_aten"]
 
-#: the operator namespaces a host op may name: torch's own (a decomposition may leave a prims op)
-_NAMESPACES = ("aten", "prims")
+#: an operator's qualified name: ``namespace::name.overload``, identifiers only
+_TARGET = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
 _DTYPE = "dtype"
 _INPUT = "input"
 
@@ -55,11 +59,17 @@ def encode_call(node: fx.Node, value_of) -> tuple[list[str], dict[str, Any]]:
 def _overload(target: str, site: str):
     namespace, _, rest = target.partition("::")
     name, _, overload = rest.partition(".")
-    packet = getattr(getattr(torch.ops, namespace), name, None) if namespace in _NAMESPACES else None
-    op = getattr(packet, overload or "default", None) if packet is not None else None
+    op = None
+    if isinstance(target, str) and _TARGET.match(target) and namespace != "quantlens":
+        try:
+            op = getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")
+        except (AttributeError, RuntimeError):  # not registered in this process
+            op = None
     if not isinstance(op, torch._ops.OpOverload):
-        raise QuantLensError(f"host op at op site '{site}': {target!r} is not an aten operator of this torch "
-                             f"({torch.__version__}); the IR names aten ops only. Export the model again.")
+        hint = ("" if namespace in ("aten", "prims") else f" If a library defines the '{namespace}' operators, import "
+                f"it before running this IR (quantlens never imports a package a file names).")
+        raise QuantLensError(f"host op at op site '{site}': {target!r} is not an operator registered with this torch "
+                             f"({torch.__version__}).{hint} Otherwise export the model again.")
     return op
 
 

@@ -256,9 +256,10 @@ def lower_exported_program(ep: torch.export.ExportedProgram, input_names: list[s
             rule = _quantlens_custom
         if _lower_known(ctx, node, rule):
             continue
-        if rule is None and isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in (
-                "aten", "prims"):
-            rule = _host_aten  # the march has no integer rule: the op runs on the host in float (the partition)
+        if rule is None and isinstance(node.target, torch._ops.OpOverload) and node.target.namespace != "quantlens":
+            # the march has no integer rule: the op runs on the host in float (the partition), whether torch's
+            # (aten, prims) or a library's custom operator (transformers' grouped_mm_fallback)
+            rule = _host_aten
         if rule is None:
             raise QuantLensError(
                 f"export: the op {node.target} is not supported by the quantlens IR (op site "

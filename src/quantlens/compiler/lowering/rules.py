@@ -162,9 +162,24 @@ def _generic(op: str, torch_op, tensor_args: tuple[str, ...], attr_args: tuple[s
             inputs.append("" if v is None else _tensor_arg(ctx, v, dtype))
         attrs = {name: _jsonable(bound[name]) for name in attr_args}
         _emit(ctx, node, op, inputs, attrs, n_out)
+        if isinstance(bound.get("dtype"), torch.dtype) and "dtype" not in attr_args and n_out == 1:
+            _cast_result(ctx, node, bound["dtype"])  # cumsum(..., dtype=torch.int32): the IR op keeps its input's
 
     TORCH_OPS.setdefault(op, torch_op)
     return rule
+
+
+def _cast_result(ctx: _Ctx, node: fx.Node, dtype: torch.dtype) -> None:
+    """The last emitted node computes in its input's dtype; a ``cast`` to the aten op's ``dtype`` argument makes
+    the node's value (its IR name and value info stay the aten node's)."""
+    emitted = ctx.graph.nodes[-1]
+    inner = ctx.fresh(f"{node.name}_uncast")
+    emitted.outputs[0] = inner
+    info = ctx.graph.values[node.name]
+    ctx.graph.values[inner] = ValueInfo(info.shape, _info(node.args[0]).dtype if isinstance(node.args[0], fx.Node)
+                                        else info.dtype)
+    ctx.graph.nodes.append(Node("cast", [inner], [node.name], {"dtype": str(dtype).replace("torch.", "")},
+                                _site(node)))
 
 
 def _jsonable(value: Any) -> Any:

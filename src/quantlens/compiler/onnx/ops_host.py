@@ -17,12 +17,13 @@ from typing import Any
 
 import torch
 
+from quantlens._registry import make_registry
 from quantlens.compiler.interpreter import qat_dispatch
 from quantlens.compiler.ir import Node
 from quantlens.compiler.onnx.registry import onnx_converter
 from quantlens.errors import QuantLensError
 
-__all__ = ["writes_on_host", "host_node"]
+__all__ = ["writes_on_host", "host_node", "LIBRARY_TRANSLATIONS", "library_translations"]
 
 _COMPLEX = ("complex64", "complex128")
 
@@ -93,7 +94,27 @@ def _export(node: Node, examples: list[torch.Tensor], opset: int, site: str):
 
 def _as_is(node: Node, examples: list, opset: int):
     return torch.onnx.export(_OneNode(node), tuple(examples), dynamo=True, opset_version=opset, verbose=False,
-                             optimize=True)
+                             optimize=True, custom_translation_table=_library_translations(node) or None)
+
+
+#: an operator namespace -> a function giving that library's own ONNX translations of its custom operators (the
+#: table its ONNX exporter passes to torch's), or ``{}`` when the library's version has none
+LIBRARY_TRANSLATIONS, library_translations = make_registry("ONNX translations of operator namespace")
+
+
+@library_translations("transformers")
+def _transformers_translations() -> dict:
+    try:
+        from transformers.exporters import exporter_onnx
+    except ImportError:
+        return {}
+    return dict(getattr(exporter_onnx, "_ONNX_TRANSLATION_TABLE", {}))
+
+
+def _library_translations(node: Node) -> dict:
+    target = node.attrs.get("target", "") if node.op == "host_aten" else ""
+    namespace = target.partition("::")[0]
+    return LIBRARY_TRANSLATIONS[namespace]() if namespace in LIBRARY_TRANSLATIONS else {}
 
 
 def _decomposed(node: Node, examples: list, opset: int):
