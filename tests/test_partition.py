@@ -366,3 +366,37 @@ def test_analyze_reports_the_pairs_built_before_a_stage_that_fails(tmp_path):
 
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["failed_stage"]["stage"] == "onnx"
+
+
+@torch.library.custom_op("qltest::scaled_cumsum", mutates_args=())
+def _scaled_cumsum(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(x, dim=-1) * offs.to(x.dtype).sum()
+
+
+@_scaled_cumsum.register_fake
+def _(x, offs):
+    return torch.empty_like(x)
+
+
+class LibraryOp(_Convs):
+    """A library's custom operator (as transformers' MoE layers call one) between integer ops, fed an integer
+    tensor made inside forward with a dtype argument (cumsum(..., dtype=int32))."""
+
+    def forward(self, x):
+        y = self.conv(self.q(x))
+        offs = torch.cumsum(torch.ones(3), dim=0, dtype=torch.int32)
+        return self.dq(self.conv2(torch.ops.qltest.scaled_cumsum(y, offs)))
+
+
+def test_a_library_custom_op_runs_on_the_host(tmp_path):
+    result = _run(LibraryOp, _image, onnx=False)
+    assert result.failed_stage is None, result.error
+    prepared, qat_ir, quantized, _ = _pipeline(LibraryOp, _image)
+    assert prepared._quantlens_state.plans["scaled_cumsum_0"].host
+    assert any(n.op == "host_aten" and n.attrs["target"] == "qltest::scaled_cumsum.default" for n in qat_ir.graph.nodes)
+    x = _image()
+    assert torch.allclose(quantized(x), qat_ir(x), atol=0.05)
+    with pytest.raises(QuantLensError, match=r"scaled_cumsum.*torch's ONNX exporter has no form"):
+        from quantlens.compiler import to_onnx
+
+        to_onnx(qat_ir, tmp_path / "m.onnx")
