@@ -445,22 +445,28 @@ def render_markdown() -> str:
         "",
         "Generated from `quantlens.march.opset` (`python -m quantlens.march.opset > docs/ops.md`); "
         "`tests/test_opset.py` checks",
-        "that this file, the op set and every stage's registry agree. `prepare` warns (console and",
-        "`model_check_result.txt`) for every op site whose op a later stage refuses.",
+        "that this file, the op set and every stage's registry agree.",
+        "",
+        "An op the march has no integer rule for runs on the host in float at every stage (the partition,",
+        "`docs/march.md` §12.1): `host` below, and so does any op this table does not list (an `fft`, a `cumprod`,",
+        "a library's custom operator). `prepare` says how many op sites run on the host, and",
+        "`model_check_result.txt` lists each with why (its column 'runs on').",
         "",
         "## Op types at op sites",
         "",
-        "| op | category | march | IR ops | table | " + " | ".join(s.value for s in stages) + " | note |",
-        "|---|---|---|---|---|" + "---|" * len(stages) + "---|",
+        "| op | category | march | IR ops | table | runs on | " + " | ".join(s.value for s in stages) + " | note |",
+        "|---|---|---|---|---|---|" + "---|" * len(stages) + "---|",
     ]
     for op in sorted(OPS.values(), key=lambda o: (o.category.value, o.name)):
         if op.category is Category.METADATA:
             continue
         have = op.stages()
-        marks = " | ".join("yes" if s in have else "–" for s in stages)
+        host = op.category is not Category.COMPOSITE and not op.on_npu
+        marks = " | ".join("yes" if s in have else ("host" if host else "–") for s in stages)
         irs = ", ".join(f"`{n}`" for n in op.ir) or "–"
         table = "yes" if op.table else "–"
-        lines.append(f"| `{op.name}` | {op.category.value} | {op.march or '–'} | {irs} | {table} | {marks} | "
+        where = "decomposed" if op.category is Category.COMPOSITE else ("host" if host else "NPU")
+        lines.append(f"| `{op.name}` | {op.category.value} | {op.march or '–'} | {irs} | {table} | {where} | {marks} | "
                      f"{op.note} |")
     metadata = sorted(o.name for o in OPS.values() if o.category is Category.METADATA)
     lines += ["", "Metadata and creation ops get no op site: " + ", ".join(f"`{n}`" for n in metadata) + ".", "",
