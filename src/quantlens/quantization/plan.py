@@ -271,6 +271,8 @@ def _quantizes_float_input(record: ModelRecord, site: OpSiteRecord, qc: QConfig 
     would run a movement op on a float tensor, which has no integer form)."""
     if qc is None or qc.output is None or site.boundary or site.after_dequant or None not in in_dtypes:
         return False
+    if _feeds_weights(record, site):  # a view of a weight: its consumer's weight fake quant quantizes it
+        return False
     if site.calls > 1:  # a recurrent cell's steps: its state enters through the quantizers the steps share
         return False
     stack, seen = record.consumers(site.name), {site.name}
@@ -285,6 +287,15 @@ def _quantizes_float_input(record: ModelRecord, site: OpSiteRecord, qc: QConfig 
         elif consumer.kind is OpKind.QUANTIZED and not consumer.boundary and not reasons[name]:
             return True
     return False
+
+
+def _feeds_weights(record: ModelRecord, site: OpSiteRecord) -> bool:
+    """A movement op on parameters whose every consumer reads it at a weight position (``F.conv1d(x,
+    self.weight.unsqueeze(1), bias)``)."""
+    if not site.inputs or not all(i.is_parameter for i in site.inputs):
+        return False
+    uses = [(c, i) for c in record.consumers(site.name) for i in record.sites[c].inputs if i.producer == site.name]
+    return bool(uses) and all(i.position in record.sites[c].weight_args for c, i in uses)
 
 
 def _quantize_float_inputs(site, plan, qc, data_inputs, in_dtypes, requests) -> list:

@@ -129,6 +129,8 @@ class _Recorder(SiteHandler):
         self.marks = TensorMarks()
         #: the model's float input tensors of this forward
         self.model_inputs = model_inputs if model_inputs is not None else TensorMarks()
+        #: views of parameters made by movement ops (``weight.unsqueeze(1)`` passed to ``F.conv1d``): weights too
+        self.param_views = TensorMarks()
 
     def _inputs(self, site: SiteCall, args: tuple, kwargs: dict) -> list[SiteInput]:
         leaves, _, positions = float_tensor_leaves(args, kwargs)
@@ -136,8 +138,8 @@ class _Recorder(SiteHandler):
         for pos in positions:
             t = leaves[pos]
             producer = self.marks.get(t)
-            result.append(SiteInput(pos, producer, isinstance(t, nn.Parameter), tuple(t.shape),
-                                    from_input=producer is None and t in self.model_inputs))
+            result.append(SiteInput(pos, producer, isinstance(t, nn.Parameter) or t in self.param_views,
+                                    tuple(t.shape), from_input=producer is None and t in self.model_inputs))
         return result
 
     def _mark_outputs(self, name: str, output: Any) -> list[tuple[int, ...]]:
@@ -187,6 +189,10 @@ class _Recorder(SiteHandler):
         inputs = self._inputs(site, args, kwargs)
         out = func(*args, **kwargs)
         self._add(site, inputs, self._mark_outputs(site.name, out))
+        if site.rule.kind is OpKind.PASSTHROUGH and inputs and all(i.is_parameter for i in inputs):
+            for leaf in _output_leaves(out):  # a view of a weight is still the weight
+                if is_float_tensor(leaf):
+                    self.param_views.set(leaf, True)
         return out
 
     def module_enter(self, site, args):
@@ -243,6 +249,7 @@ def record_model(model: nn.Module, examples: Iterable[Any]) -> ModelRecord:
                     call_model(model, example)
             finally:
                 recorder.marks.clear()
+                recorder.param_views.clear()
                 model_inputs.clear()
             record.num_examples += 1
     _mark_after_dequant(record)

@@ -12,7 +12,7 @@ from quantlens.compiler.ir import Graph, Module, Node, ValueInfo
 from quantlens.compiler.kernels_int import storage_dtype
 from quantlens.errors import QuantLensError
 from quantlens.march import Qpp, QuantDType, rules
-from quantlens.march.opset import Category, ops_in
+from quantlens.march.opset import IR_OPS, Category, ops_in
 
 #: ops that move integer values without changing them (or their scale): the op set's movement ops.
 PASSTHROUGH_OPS = set(ops_in(Category.MOVEMENT, level="qat"))
@@ -24,6 +24,8 @@ _DIM_PRESERVING = set(ops_in(Category.MOVEMENT, keeps_dims=True))
 
 #: ops whose outputs after the first are indices (topk, sort, max_dim).
 _INDEX_OUTPUTS = set(ops_in(index_outputs=True))
+#: the categories whose operands are numbers on a grid (an integer tensor there is a value without a scale)
+_ARITHMETIC = frozenset({Category.GEMM, Category.ELEMENTWISE, Category.REDUCTION, Category.TABLE})
 
 
 @dataclass
@@ -158,6 +160,10 @@ class _Converter:
                 # the quantized IR's kernel of an op is its integer rule on codes, so it runs with torch's semantics
                 self.host_op(node)
                 continue
+            if self.reads_raw_integers(node):  # x * mask[..., None] with an int64 mask: the host computes it (the
+                # qat IR's own float op on the dequantized x), and the output fake quant quantizes the result
+                self.host_op(node)
+                continue
             converter = CONVERTERS.get(node.op)
             if converter is None:
                 raise QuantLensError(
@@ -200,6 +206,18 @@ class _Converter:
             and all(v in self.float_values and v not in self.src.inputs for v in data)
             and any(self.src.values[v].dtype.startswith(("float", "bfloat", "complex")) for v in data)
         )
+
+    def reads_raw_integers(self, node: Node) -> bool:
+        """An arithmetic op (GEMM, elementwise, reduction, table) reading an integer tensor that is no quantized
+        value: a mask or positions as a number. The march has no rule for integers that carry no scale."""
+        op = IR_OPS.get(node.op)
+        if op is None or op.category not in _ARITHMETIC:
+            return False
+        for v in node.inputs:
+            info = self.src.values.get(v) if v and v not in self.q and not self.is_const(v) else None
+            if info is not None and info.dtype.startswith(("int", "uint")):
+                return True
+        return False
 
     def is_integer_math(self, node: Node) -> bool:
         """An op on integer / bool values only (no quantized value, no float) with integer / bool results."""

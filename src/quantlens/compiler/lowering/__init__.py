@@ -12,6 +12,7 @@ op), filled by :mod:`.compute` and :mod:`.movement`; this module is the driver.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import torch
@@ -80,21 +81,18 @@ def decompose_unlowered(ep: torch.export.ExportedProgram) -> torch.export.Export
     a decomposition produced another op without a rule."""
     from torch._decomp import core_aten_decompositions, decomposition_table
 
-    # torch's full table, beyond core ATen, only where it decomposes into aten ops: its reference implementations
-    # (torch._refs) produce prims ops, which no lowering knows, so the op would only reach the host in pieces
-    # (cumprod as a window of prims.prod) that torch's ONNX exporter cannot write; whole, it runs on the host
-    aten_level = {op: fn for op, fn in decomposition_table.items()
-                  if getattr(fn, "__module__", "").startswith("torch._decomp")}
-    tables = (core_aten_decompositions(), aten_level)
+    tables = (core_aten_decompositions(), decomposition_table)
     tried: set = set()
     unlowered = _unlowered(ep, functional=True)
-    if _already_functional(ep) and not any(op in t for op in unlowered for t in tables):
+    if _already_functional(ep) and not any(op in t or _composite(op) for op in unlowered for t in tables):
         return ep  # nothing to functionalize or decompose: the retrace would rebuild the same graph (2/3 of export)
     for round_ in range(8):  # a decomposition may produce ops that decompose further
         todo = {}
         for op in unlowered - tried:
             fn = next((t[op] for t in tables if op in t), None)
-            if fn is not None:
+            # an op whose decomposition leaves prims ops (cumprod's reference: a window of prims.prod) stays whole:
+            # no lowering knows prims, so it would reach the host in pieces that torch's ONNX exporter cannot write
+            if fn is not None and not _leaves_prims(ep, op, fn):
                 todo[op] = fn
         if round_ and not todo:
             break
@@ -102,6 +100,31 @@ def decompose_unlowered(ep: torch.export.ExportedProgram) -> torch.export.Export
         ep = ep.run_decompositions(todo)  # (the first call, even with an empty table, functionalizes)
         unlowered = _unlowered(ep)
     return ep
+
+
+def _leaves_prims(ep: torch.export.ExportedProgram, op, fn) -> bool:
+    """Whether ``fn``, the decomposition of ``op``, traced on the shapes of one of its nodes, leaves a prims op
+    (False when it cannot be traced there: the decomposition is then tried as before)."""
+    if fn is None:
+        return False
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    node = next((n for n in ep.graph.nodes if n.op == "call_function" and n.target is op), None)
+    if node is None:
+        return False
+    args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
+    try:
+        with detect_fake_mode((args, kwargs)) or contextlib.nullcontext():
+            graph = make_fx(lambda *a: fn(*a, **kwargs))(*args).graph
+    except Exception:  # noqa: BLE001 - a decomposition that does not trace alone is tried in the program
+        return False
+    return any(getattr(n.target, "namespace", None) == "prims" for n in graph.nodes if n.op == "call_function")
+
+
+def _composite(op) -> bool:
+    """An op torch decomposes whenever a program is traced again (``movedim`` into ``permute``)."""
+    return op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
 def _already_functional(ep: torch.export.ExportedProgram) -> bool:
