@@ -179,6 +179,8 @@ class Runtime(SiteHandler):
             # x += y, x.mul_(2), x.clamp_(..): the user reads x afterwards, so x must hold the fake-quantized
             # result (the op may have run on a quantized copy of x). Export functionalizes the copy.
             target.copy_(out)
+            if out in self.marks:  # x now holds the result's values on the result's grid (in-place add: its own)
+                self.marks.set(target, self._mark(out))
             return target
         return out
 

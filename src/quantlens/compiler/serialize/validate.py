@@ -118,6 +118,11 @@ def _dtype_rule(v):
     return None if isinstance(v, str) and v in _DTYPES else f"a dtype name, one of {sorted(_DTYPES)}"
 
 
+def _value_dtype_rule(v):
+    """A value's dtype: a stored one, or complex (a host op's intermediate: an FFT's result)."""
+    return None if isinstance(v, str) and v in VALUE_DTYPES else f"a dtype name, one of {sorted(VALUE_DTYPES)}"
+
+
 _INT32_MULTIPLIER = _ints(0, 2**31 - 1, nonempty=True, none=True)
 _SHIFT = _ints(0, _MAX_SHIFT, nonempty=True, none=True)
 #: attr name -> rule (None when the value is fine, else what was expected); ``(op, attr)`` keys take precedence.
@@ -139,7 +144,7 @@ _ATTR_RULES: dict[Any, Any] = {
     "output_site": _string, "mode": _string,
     "table_inputs": lambda v: None if isinstance(v, list) and all(isinstance(x, str) for x in v) else
     "a list of strings",
-    ("cast", "dtype"): _dtype_rule,
+    ("cast", "dtype"): _value_dtype_rule,
     # F of the add rule (docs/march.md §10); absent in files of spec v4, whose kernels read it as 8
     **{(op, "frac_bits"): _one_int(0) for op in ("add", "sub", "add_const")},
 }
