@@ -20,6 +20,7 @@ from quantlens.compiler.ir import Node, ValueInfo
 from quantlens.compiler.kernels_int import storage_dtype
 from quantlens.errors import QuantLensError
 from quantlens.march import rules
+from quantlens.march.fake_quant import fake_quant_range
 from quantlens.march.numerics import interpolation_weights, quantize
 from quantlens.march.opset import Category, ops_in
 
@@ -188,7 +189,14 @@ def _scatter(c, node):
 
 def _operand_on_grid(c, node, value: str, qdtype, scale) -> str:
     """One value operand of a select, as codes on the output grid: a quantized value moved there (§8, one
-    requantize when its grid differs), a constant quantized onto it (§11's constant code, saturated)."""
+    requantize when its grid differs), a constant quantized onto it (§11's constant code, saturated). A constant
+    fake-quantized on its own grid (a ``finfo.min`` mask value made inside forward: a grid of 1e36) is that
+    constant: its fake-quantized value goes onto the output grid the same way, which is what the qat IR's output
+    fake quant makes of it."""
+    constant = _fake_quantized_constant(c, value)
+    if constant is not None:
+        codes = quantize(constant, scale.to(torch.float32), qdtype, None, storage_dtype(qdtype.value))
+        return c.const(codes, f"{node.outputs[0]}_codes")
     if value in c.q:
         info = c.q[value]
         _per_tensor(c, node, info, f"'{node.op}'")
@@ -207,6 +215,16 @@ def _operand_on_grid(c, node, value: str, qdtype, scale) -> str:
     raise QuantLensError(
         f"convert: '{node.op}' at op site '{node.site}' selects '{value}', a float value computed in the model that "
         "has no grid; quantize it (give its producer an int8/int16 output) or select between constants.")
+
+
+def _fake_quantized_constant(c, value: str) -> torch.Tensor | None:
+    """The values of ``fake_quant(constant)`` when that is what made ``value`` in the qat IR, else None."""
+    node = next((n for n in c.src.nodes if value in n.outputs), None)
+    if node is None or node.op != "fake_quant" or not c.is_const(node.inputs[0]) or not c.is_const(node.inputs[1]):
+        return None
+    a = node.attrs
+    return fake_quant_range(c.src.constants[node.inputs[0]].float(), c.src.constants[node.inputs[1]].float(),
+                            a["qmin"], a["qmax"], a.get("axis", -1))
 
 
 @converter("where")
