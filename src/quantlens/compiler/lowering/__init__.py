@@ -290,13 +290,35 @@ def lower_exported_program(ep: torch.export.ExportedProgram, input_names: list[s
                 "rewrite that line with supported ops, or keep it outside the exported model (e.g. in "
                 "post-processing)."
             )
-        rule(ctx, node)
+        _lower_or_host(ctx, node, rule)
     _drop_dead(graph)
     undeclared = sorted({n.op for n in graph.nodes if n.op not in IR_OPS or IR_OPS[n.op].level == "quantized"})
     if undeclared:  # a lowering rule emitted an op the op set does not declare: a quantlens bug, not the user's
         raise QuantLensError(f"export: lowering produced IR ops {undeclared} that quantlens.march.opset does not declare "
                              "as qat IR ops; please report this.")
     return graph
+
+
+def _lower_or_host(ctx: _Ctx, node: fx.Node, rule) -> None:
+    """Lower ``node`` by its rule; a form the rule cannot express in the IR (a bitwise and of int32 tensors, where
+    the IR has logical ops on bool masks) runs on the host instead, as an op with no rule does. Only an aten op
+    whose arguments the host node can record falls back; any other refusal stands (its words say why)."""
+    first, names = len(ctx.graph.nodes), dict(ctx.names)
+    try:
+        rule(ctx, node)
+    except QuantLensError:
+        if rule is _host_aten or not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace in (
+                "quantlens",) or _reads_symbolic(node):
+            raise
+        del ctx.graph.nodes[first:]
+        ctx.names.clear()
+        ctx.names.update(names)
+        _host_aten(ctx, node)
+
+
+def _reads_symbolic(node: fx.Node) -> bool:
+    """Whether an argument is shape math on the dynamic batch (the host node records plain values only)."""
+    return any(isinstance(a, fx.Node) and _is_symbolic(a) for a in pytree.tree_leaves((node.args, node.kwargs)))
 
 
 def _host_aten(ctx: _Ctx, node: fx.Node) -> None:
