@@ -1,9 +1,10 @@
 """The coverage sweep: every architecture of quantlens.zoo.architectures (transformers' own module code, tiny random
 configs) and the real pretrained models of quantlens.zoo.third_party through every stage, with each stage's
-agreement with the one before it; writes docs/coverage.md.
+agreement with the one before it; writes docs/coverage_zoo.md (``--auto``: every buildable transformers model class,
+docs/coverage.md and docs/coverage.json).
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_coverage.py [--jobs 2] [--models bert llama ...]
-      [--out docs/coverage.md] [--auto]
+      [--out FILE] [--auto]
 
 ``--auto``: instead of the hand-picked list, every model class of transformers that builds from its own config
 class with a tiny config (quantlens.zoo.auto_architectures); the models that cannot be built offline are listed
@@ -115,7 +116,7 @@ _CRITERION = ("**The convert criterion for random-weight nets.** Random weights 
 
 
 def write_markdown(rows: list[dict], path: Path, threads: int, jobs: int) -> None:
-    """docs/coverage.md from the sweep's rows (the same rows give the same file)."""
+    """docs/coverage_zoo.md from the sweep's rows (the same rows give the same file)."""
     pairs = [p for p, _, _ in PAIRS]
     arch = [r for r in rows if r["name"] in ARCHITECTURES]
     real = [r for r in rows if r["name"] not in ARCHITECTURES]
@@ -243,11 +244,18 @@ def main() -> None:
                         help="for the architectures (the real models run at both)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per model")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "coverage.md")
-    parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: docs/coverage.md with --auto, docs/coverage_zoo.md without")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="also write the rows as JSON (default with --auto: docs/coverage.json, which the test "
+                             "suite's sample draws from)")
     parser.add_argument("--auto", action="store_true",
                         help="every transformers model class that builds with a tiny config, not the hand-picked list")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = ROOT / "docs" / ("coverage.md" if args.auto else "coverage_zoo.md")
+    if args.auto and args.json is None:
+        args.json = ROOT / "docs" / "coverage.json"
     if args.auto:
         main_auto(args)
         return

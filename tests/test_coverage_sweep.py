@@ -1,4 +1,4 @@
-"""A fast subset of the coverage sweep (``benchmarks/bench_coverage.py``, ``docs/coverage.md``): architectures from
+"""A fast subset of the coverage sweep (``benchmarks/bench_coverage.py``, ``docs/coverage_zoo.md``): architectures from
 transformers' own module code, each through every stage at the sweep's thresholds. Each exercises mechanisms the
 bundled zoo does not: rotary tables folded at export, grouped-query attention and RMSNorm (llama); baddbmm, ALiBi and
 a finfo.min causal mask (bloom); shifted windows with an additive relative-position bias (swin); group norm and a

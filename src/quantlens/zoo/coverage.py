@@ -10,7 +10,9 @@ failed (with its error) and the cosine of each neighbouring pair, measured on on
 * ``loaded`` vs ``quantized IR`` (save -> load must not change a number),
 * ``onnxruntime`` (default options) vs ``qat IR``.
 
-``benchmarks/bench_coverage.py`` runs it over :mod:`quantlens.zoo.architectures` and writes ``docs/coverage.md``.
+``benchmarks/bench_coverage.py`` runs it over :mod:`quantlens.zoo.architectures` and the real models
+(``docs/coverage_zoo.md``), and with ``--auto`` over every transformers model class that builds with a tiny config
+(:mod:`quantlens.zoo.auto_architectures`, ``docs/coverage.md``).
 """
 
 from __future__ import annotations
