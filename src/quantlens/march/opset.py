@@ -337,7 +337,9 @@ _OP_ROWS: list[OpDef] = [
           note="decomposed at prepare into matmul, softmax (table) and matmul"),
     OpDef("embedding", L, "§11", ("embedding",), weight_args=(1,), output_from_weight=True),
     # elementwise
-    *_rows("add sub mul cat neg abs clamp hardtanh", E, "§10"),
+    *_rows("add sub mul cat neg abs hardtanh", E, "§10"),
+    OpDef("clamp", E, "§10", ("clamp",), activation_inputs=1,
+          note="bounds given as tensors are constants: codes of the input's grid (±inf: no bound)"),
     OpDef("masked_fill", E, "§10", ("masked_fill",), activation_inputs=1,
           note="a fill value given as a tensor is a constant: its code on the input's grid (±inf saturates)"),
     OpDef("rsub", E, "§10", ("sub",)),

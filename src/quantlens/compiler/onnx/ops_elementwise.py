@@ -135,6 +135,8 @@ _COMPARE = {"eq": "Equal", "lt": "Less", "le": "LessOrEqual", "gt": "Greater", "
 @onnx_converter(*_COMPARE, "ne")
 def _compare(b: _Builder, node: Node) -> None:
     a, c = _promote(b, [b.value(i) for i in node.inputs])
+    if node.op in ("lt", "le", "gt", "ge") and "bool" in (b.dtype(a), b.dtype(c)):  # ONNX orders numbers only
+        a, c = b.cast(a, "int32"), b.cast(c, "int32")
     if node.op == "ne":
         eq = b.add("Equal", [a, c], f"{node.outputs[0]}/eq", dtype="bool", rank=b.rank(node.outputs[0]))
         b.add("Not", [eq], node.outputs[0])
