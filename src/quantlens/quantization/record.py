@@ -188,6 +188,12 @@ class _Recorder(SiteHandler):
     def function_op(self, site, func, args, kwargs):
         inputs = self._inputs(site, args, kwargs)
         out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and not getattr(func, "__name__", "").endswith("_") and any(
+                a is out for a in args):
+            # x.to(x.dtype), x.contiguous(): torch hands back x itself. x keeps its producer, as the runtime's
+            # fake-quantized copy never reaches the other readers of x (a mask cast in every layer)
+            self._add(site, inputs, [tuple(out.shape)] if is_float_tensor(out) else [])
+            return out
         self._add(site, inputs, self._mark_outputs(site.name, out))
         if site.rule.kind is OpKind.PASSTHROUGH and inputs and all(i.is_parameter for i in inputs):
             for leaf in _output_leaves(out):  # a view of a weight is still the weight
