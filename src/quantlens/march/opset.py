@@ -104,6 +104,8 @@ class IROp:
     shared_kernel: bool = False
     #: keeps every dimension in place (a per-channel int32 value may pass through it)
     keeps_dims: bool = False
+    #: a select: one input is a bool mask that picks (where's condition, masked_fill's mask), not a number
+    reads_mask: bool = False
     #: moves dims without splitting or merging the channel dim when its shapes allow (reshape, permute): a
     #: per-channel int32 value may pass through it, and convert places its axis (or refuses, naming the op)
     moves_channel_axis: bool = False
@@ -225,8 +227,8 @@ _IR_ROWS: list[IROp] = [
     IROp("abs", E, "§10"),
     IROp("clamp", E, "§10", level="both", cost=Cost.PASS_REQUANT, int_attrs=("lo", "hi")),
     IROp("hardtanh", E, "§10"),
-    IROp("masked_fill", E, "§11"),
-    IROp("where", E, "§11", level="both", shared_kernel=True,
+    IROp("masked_fill", E, "§11", reads_mask=True),
+    IROp("where", E, "§11", level="both", shared_kernel=True, reads_mask=True,
          note="a select: each value operand moved to the output grid (a constant: its code on it)"),
     IROp("upsample_bilinear2d", E, "§10.1"),
     IROp("batch_norm", E, "§10.2", note="not folded into a conv/linear: a per-channel affine",

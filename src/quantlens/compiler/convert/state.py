@@ -208,14 +208,21 @@ class _Converter:
         )
 
     def reads_raw_integers(self, node: Node) -> bool:
-        """An arithmetic op (GEMM, elementwise, reduction, table) reading an integer tensor that is no quantized
-        value: a mask or positions as a number. The march has no rule for integers that carry no scale."""
+        """An arithmetic op (GEMM, elementwise, reduction, table) reading an integer or bool tensor that is no
+        quantized value: a mask or positions as a number. The march has no rule for integers that carry no scale."""
         op = IR_OPS.get(node.op)
         if op is None or op.category not in _ARITHMETIC:
             return False
+        numbers = ("int", "uint") if op.reads_mask else ("int", "uint", "bool")  # a select's mask picks
         for v in node.inputs:
-            info = self.src.values.get(v) if v and v not in self.q and not self.is_const(v) else None
-            if info is not None and info.dtype.startswith(("int", "uint")):
+            if not v or v in self.q:
+                continue
+            if self.is_const(v):  # a constant mask (x * (i < n)[:, None, None]) is a bool, never a number
+                if self.src.constants[v].dtype is torch.bool and not op.reads_mask:
+                    return True
+                continue
+            info = self.src.values.get(v)
+            if info is not None and info.dtype.startswith(numbers):
                 return True
         return False
 
