@@ -36,8 +36,8 @@ from quantlens.quantization.qconfig_template import (
     default_calibration_qconfig_setter,
 )
 
-__all__ = ["STAGES", "PAIRS", "THRESHOLDS", "CONVERT_STEPS", "CoverageResult", "run_stages", "cosine", "float_leaves",
-           "third_party_case", "worst_same_input_step"]
+__all__ = ["STAGES", "PAIRS", "THRESHOLDS", "CONVERT_STEPS", "NOT_EXPORTABLE", "CoverageResult", "run_stages", "cosine",
+           "float_leaves", "third_party_case", "worst_same_input_step", "torch_exports"]
 
 #: the stages in order; a result's ``failed_stage`` is one of them
 STAGES = ("float", "prepare", "calibration", "pre_export", "export", "convert", "save/load", "to_onnx",
@@ -176,7 +176,27 @@ def run_stages(name: str, model: torch.nn.Module, example: Any, batches: list, h
             result.agreements[pair] = cosine(outs[measured], outs[reference])
     if result.agreements.get(CONVERT_PAIR, 1.0) < THRESHOLDS[CONVERT_PAIR] - 1e-9:
         result.convert_worst_step = worst_same_input_step(state["export"], state["convert"], held_out)
+    if result.failed_stage == "export" and not torch_exports(model, example):
+        # out of quantlens' reach: torch.export refuses the float model itself (data-dependent control flow)
+        result.failed_stage, result.error = NOT_EXPORTABLE, f"torch.export of the float model fails too; {result.error}"
     return result
+
+
+#: the failed stage of a model that torch.export cannot export even in float (issue #41: "any model torch.export
+#: can export goes through every stage"); the sweep counts such models apart
+NOT_EXPORTABLE = "not exportable"
+
+
+def torch_exports(model: torch.nn.Module, example: Any) -> bool:
+    """Whether ``torch.export.export`` (non-strict, as quantlens exports) takes the float model on ``example``."""
+    args = example if isinstance(example, tuple) else (example,)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.export.export(model, args, strict=False)
+    except Exception:  # noqa: BLE001 - any refusal of torch.export's means the same here
+        return False
+    return True
 
 
 def worst_same_input_step(qat_ir, quantized, held_out: Any) -> float:
