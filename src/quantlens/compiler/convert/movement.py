@@ -172,17 +172,16 @@ def _pad(c, node):
 
 @converter("select_scatter", "slice_scatter")
 def _scatter(c, node):
-    """``x[...] = src`` (functionalized): src must already lie on x's grid (the fake-quant model writes it
-    unchanged), so the integers are written as they are."""
+    """``x[...] = src`` (functionalized): the integers of src are written into x's. src on another grid than x
+    (a state written into a cache of its own scale) is moved onto x's grid first (§8: one requantize, at most half
+    a step of x's grid from the qat IR, which writes src's values as they are)."""
     x, src = c.int_input(node, node.inputs[0]), c.int_input(node, node.inputs[1])
+    source = src.name
     if not src.same_grid(x.qdtype, x.scale):
-        raise QuantLensError(
-            f"convert: op site '{node.site}' writes a value with scale {float(src.scale.reshape(-1)[0]):.6g} "
-            f"({src.qdtype.value}) into a tensor with scale {float(x.scale.reshape(-1)[0]):.6g} ({x.qdtype.value}); "
-            "the integer write needs one grid. Write a constant, or a value computed from the same tensor."
-        )
+        _per_tensor(c, node, x, node.op)
+        source = _operand_on_grid(c, node, node.inputs[1], x.qdtype, x.scale)
     name = c.fresh(node.outputs[0])
-    c.out.nodes.append(Node(node.op, [x.name, src.name], [name], dict(node.attrs), node.site))
+    c.out.nodes.append(Node(node.op, [x.name, source], [name], dict(node.attrs), node.site))
     c.out.values[name] = ValueInfo(c.src.values[node.outputs[0]].shape, c.out.values[x.name].dtype, x.qdtype.value)
     c.q[node.outputs[0]] = QInfo(name, x.qdtype, x.scale, x.axis)
 
