@@ -16,7 +16,7 @@ import torch
 
 from quantlens.errors import QuantLensError
 
-__all__ = ["Architecture", "ARCHITECTURES", "build", "list_architectures"]
+__all__ = ["Architecture", "ARCHITECTURES", "build", "list_architectures", "settle_batch_norms"]
 
 _TEXT = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
              max_position_embeddings=64)
@@ -132,6 +132,28 @@ def _input(arch: Architecture, seed: int, batch: int = 2):
     raise QuantLensError(f"architecture {arch.name!r}: unknown input kind {arch.inputs!r}")
 
 
+def settle_batch_norms(model: torch.nn.Module, batches: list, whole_model: bool = False) -> None:
+    """BatchNorm statistics from the calibration batches: random init leaves them at 0/1. A cumulative average
+    (momentum None), not the default 0.1, whose 4 updates would keep 66% of the 0/1 init: a deep net's activations
+    then shrink layer by layer (MobileViT's to 1e-10, under the march's least scale). ``whole_model``: the model in
+    training mode for it (else the norms alone, so no dropout or input masking runs); the norms end in eval mode."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return
+    momenta = [m.momentum for m in norms]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None
+    for m in ([model] if whole_model else norms):
+        m.train()
+    with torch.no_grad():
+        for b in batches:
+            model(*b)
+    for m, momentum in zip(norms, momenta):
+        m.momentum = momentum
+        m.eval()
+
+
 def build(name: str, n_batches: int = 4) -> tuple[torch.nn.Module, tuple, list, tuple]:
     """``(model, example, calibration batches, held-out batch)`` for the architecture ``name``."""
     if name not in ARCHITECTURES:
@@ -147,20 +169,6 @@ def build(name: str, n_batches: int = 4) -> tuple[torch.nn.Module, tuple, list, 
             f"{model_class.__name__}.{part}")
     model = model_class(config)
     batches = [_input(arch, seed) for seed in range(1, n_batches + 1)]
-    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-    if norms:
-        # BatchNorm statistics from the calibration data: random init leaves them at 0/1. A cumulative average
-        # (momentum None), not the default 0.1, whose 4 updates would keep 66% of the 0/1 init: a deep net's
-        # activations then shrink layer by layer (MobileViT's to 1e-10, under the march's least scale)
-        momenta = [m.momentum for m in norms]
-        for m in norms:
-            m.reset_running_stats()
-            m.momentum = None
-        model.train()
-        with torch.no_grad():
-            for b in batches:
-                model(*b)
-        for m, momentum in zip(norms, momenta):
-            m.momentum = momentum
+    settle_batch_norms(model, batches, whole_model=True)
     model.eval()
     return model, _input(arch, 0), batches, _input(arch, 100)

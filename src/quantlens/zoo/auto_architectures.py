@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from quantlens.errors import QuantLensError
+from quantlens.zoo.architectures import settle_batch_norms
 
 __all__ = ["AutoArchitecture", "OVERRIDES", "KeywordCall", "enumerate_architectures", "describe", "tiny_fields",
            "tiny_config", "build_auto"]
@@ -369,24 +370,6 @@ def _callable(model: torch.nn.Module, names: tuple[str, ...], params: list[str])
     return model if list(names) == params[:len(names)] else KeywordCall(model, names)
 
 
-def _settle_norms(model: torch.nn.Module, batches: list) -> None:
-    """BatchNorm statistics from the calibration batches (a cumulative average), as architectures.build does."""
-    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-    if not norms:
-        return
-    momenta = [m.momentum for m in norms]
-    for m in norms:  # only the norms in training mode: no dropout, no masking of the inputs
-        m.reset_running_stats()
-        m.momentum = None
-        m.train()
-    with torch.no_grad():
-        for b in batches:
-            model(*b)
-    for m, momentum in zip(norms, momenta):
-        m.momentum = momentum
-        m.eval()
-
-
 def _first_run(model: torch.nn.Module, makers: list, params: list[str]) -> tuple[Callable, torch.nn.Module]:
     """The first input maker the model runs on, and the model as it is called with it."""
     from quantlens.zoo.coverage import float_leaves
@@ -437,6 +420,6 @@ def build_auto(name: str, seed: int = 0, n_batches: int = 4) -> tuple[torch.nn.M
         except Exception as exc:  # noqa: BLE001
             raise QuantLensError(f"float forward failed: {type(exc).__name__}: {_first_line(exc)}") from None
         batches = [tuple(make(s).values()) for s in range(seed + 1, seed + n_batches + 1)]
-        _settle_norms(model, batches)
+        settle_batch_norms(model, batches)
         model.eval()
     return model, tuple(make(seed).values()), batches, tuple(make(seed + 100).values())
