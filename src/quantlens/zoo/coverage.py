@@ -83,7 +83,7 @@ class CoverageResult:
     def below(self) -> list[str]:
         """The agreements under their threshold (the convert pair: unless every op is within one step)."""
         return [name for name in THRESHOLDS
-                if name in self.agreements and self.agreements[name] < THRESHOLDS[name] - 1e-9
+                if name in self.agreements and not self.agreements[name] >= THRESHOLDS[name] - 1e-9  # (NaN: below)
                 and not (name == CONVERT_PAIR and self.convert_worst_step is not None
                          and self.convert_worst_step <= CONVERT_STEPS + _STEP_TOLERANCE)]
 
