@@ -175,6 +175,9 @@ def _scatter(c, node):
     """``x[...] = src`` (functionalized): the integers of src are written into x's. src on another grid than x
     (a state written into a cache of its own scale) is moved onto x's grid first (§8: one requantize, at most half
     a step of x's grid from the qat IR, which writes src's values as they are)."""
+    if node.inputs[0] not in c.q:  # written into a float host tensor (a state buffer made by full_like): the host
+        c.host_op(node)  # writes the dequantized values, and the reading op quantizes the result
+        return
     x, src = c.int_input(node, node.inputs[0]), c.int_input(node, node.inputs[1])
     source = src.name
     if not src.same_grid(x.qdtype, x.scale):
