@@ -43,3 +43,41 @@ def test_an_op_more_than_one_step_off_fails_the_convert_criterion():
     unknown = CoverageResult("x", "int8", agreements=agreements)
     assert far.below() == ["quantized IR vs qat IR"] and not far.passed
     assert near.passed and not unknown.passed
+
+
+def _drawn_sample(count: int = 20, seconds: float = 12.0) -> tuple[int, list[str]]:
+    """``count`` model types drawn from those the last sweep (docs/coverage.json, ``bench_coverage.py --auto``)
+    passed in at most ``seconds``, by a seed that changes with every test run (``QUANTLENS_SWEEP_SEED`` overrides
+    it; a failing test names it)."""
+    import datetime
+    import json
+    import os
+    import random
+    from pathlib import Path
+
+    from quantlens.zoo.coverage import CoverageResult
+
+    rows = json.loads((Path(__file__).resolve().parents[1] / "docs" / "coverage.json").read_text())
+    passed = sorted(r["name"] for r in rows if CoverageResult(
+        r["name"], r["qconfig"], r["failed"], r["error"], r["agreements"],
+        convert_worst_step=r.get("convert_worst_step")).passed and sum(r["seconds"].values()) <= seconds)
+    # one seed per test run, the same in every pytest-xdist worker (their collections must agree): the run's id
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    default = int(run[:8], 16) if run else datetime.date.today().toordinal()
+    seed = int(os.environ.get("QUANTLENS_SWEEP_SEED", default))
+    return seed, sorted(random.Random(seed).sample(passed, min(count, len(passed))))
+
+
+_SEED, _SAMPLE = _drawn_sample()
+
+
+@pytest.mark.parametrize("name", _SAMPLE)
+def test_a_drawn_transformers_architecture_goes_through_every_stage(name):
+    """A sample of the sweep by construction, drawn anew at every run from the model classes the last sweep passed:
+    each still goes through every stage within the criteria (its QUANTLENS_SWEEP_SEED reproduces the draw)."""
+    from quantlens.zoo.auto_architectures import build_auto
+
+    model, example, batches, held_out = build_auto(name)
+    result = run_stages(name, model, example, batches, held_out)
+    assert result.failed_stage is None, (f"QUANTLENS_SWEEP_SEED={_SEED}", result.error)
+    assert result.passed, (f"QUANTLENS_SWEEP_SEED={_SEED}", result.agreements, result.convert_worst_step)
