@@ -221,7 +221,7 @@ def _operand_on_grid(c, node, value: str, qdtype, scale) -> str:
 
 def _fake_quantized_constant(c, value: str) -> torch.Tensor | None:
     """The values of ``fake_quant(constant)`` when that is what made ``value`` in the qat IR, else None."""
-    node = next((n for n in c.src.nodes if value in n.outputs), None)
+    node = c.producers.get(value)
     if node is None or node.op != "fake_quant" or not c.is_const(node.inputs[0]) or not c.is_const(node.inputs[1]):
         return None
     a = node.attrs
