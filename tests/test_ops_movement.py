@@ -16,7 +16,6 @@ from torch import nn
 from quantlens.compiler import convert, export, to_onnx
 from quantlens.compiler.ir import Module, Node
 from quantlens.compiler.kernels_int import int_dispatch
-from quantlens.errors import QuantLensError
 from quantlens.march import Qpp, get_march
 from quantlens.march.numerics import quantize_multiplier
 from quantlens.quantization import DeQuantStub, QuantStub, calibrate, pre_export, prepare
@@ -324,18 +323,20 @@ def test_adaptive_max_pool2d_is_a_max_pool(tmp_path):
     assert all(e == 0.0 for errs in report.values() for e in errs), report
 
 
-def test_uneven_and_varying_windows_are_refused():
+def test_uneven_and_varying_windows_run_on_the_host():
     # adaptive max pool 7 -> 3: uneven windows, which the IR's max pool cannot express, run on the host (the
     # partition, docs/march.md §12.1): a float op between the integer ones, and the model goes through
     _, _, qat_ir, q_ir, x = _pipeline(_Fn(lambda s, x: F.adaptive_max_pool1d(x, 3)), (1, 2, 7))
     assert any(n.op == "host_aten" and "adaptive_max_pool1d" in n.attrs["target"] for n in qat_ir.graph.nodes)
     assert all(torch.equal(a, b) for a, b in zip(q_ir(x), qat_ir(x)))  # a max moves values: exact on the host
-    # adaptive avg pool 7 -> 3 exports (the qat IR runs torch's op) but convert refuses it
-    with pytest.raises(QuantLensError, match="adaptive_avg_pool1d.*uneven"):
-        _pipeline(_Fn(lambda s, x: F.adaptive_avg_pool1d(x, 3)), (1, 2, 7))
-    # excluded padding divides windows by varying counts
-    with pytest.raises(QuantLensError, match="avg_pool1d.*varying"):
-        _pipeline(_Fn(lambda s, x: F.avg_pool1d(x, 3, 2, 1, count_include_pad=False)), (1, 2, 8))
+    # adaptive avg pool 7 -> 3 exports (the qat IR runs torch's op) and convert, which cannot express its uneven
+    # windows, runs it on the host too, with the reason; so does an excluded padding's varying divisor
+    for fn, shape, why in ((lambda s, x: F.adaptive_avg_pool1d(x, 3), (1, 2, 7), "uneven"),
+                           (lambda s, x: F.avg_pool1d(x, 3, 2, 1, count_include_pad=False), (1, 2, 8), "varying")):
+        _, _, qat_ir, q_ir, x = _pipeline(_Fn(fn), shape)
+        host = [n for n in q_ir.graph.nodes if n.attrs.get("host_reason")]
+        assert len(host) == 1 and why in host[0].attrs["host_reason"] and "avg_pool1d" in host[0].op, host
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(q_ir(x), qat_ir(x)))
 
 
 

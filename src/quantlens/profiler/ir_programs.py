@@ -72,8 +72,9 @@ class SitePrograms:
         return ends
 
     def program(self, site: str, fused: frozenset[str] = frozenset()) -> Program:
-        """The nodes of the site's last occurrence (and of the ``fused`` sites' nodes feeding it) and their outside
-        values: an earlier occurrence of a site (the site's own included) is an outside value."""
+        """The nodes of the site's last occurrence (and of the ``fused`` sites' nodes feeding it, and of the nodes of
+        no site between it and other sites) and their outside values: an earlier occurrence of a site (the site's
+        own included) is an outside value."""
         key = (site, fused)
         if key in self._programs:
             return self._programs[key]
@@ -86,7 +87,11 @@ class SitePrograms:
             nodes.add(i)
             for name in self.nodes[i].inputs:
                 p = self.producer.get(name) if name and name not in self.constants else None
-                if p is not None and self.attributed[p] in members and self.end_of.get(p, ("", -1))[1] == -1:
+                # a node of no site (index math on the host: the reshape, sort and floor division of a router's
+                # top-k indices) is recomputed here from the site values it reads, so that a same-input run feeds
+                # such an op the baseline's indices, not this IR's own
+                if p is not None and (self.attributed[p] in members or not self.attributed[p]) \
+                        and self.end_of.get(p, ("", -1))[1] == -1:
                     todo.append(p)
         order = sorted(nodes)
         inside = {out for i in order for out in self.nodes[i].outputs}

@@ -10,6 +10,7 @@ from typing import Iterator
 
 import torch
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType
@@ -151,7 +152,8 @@ class FakeQuantize(nn.Module):
         return _ste(lsq, fake_quant(x, self.scale.clone(), self.dtype, None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == 0:  # nothing to observe or round (e.g. torch.zeros(1, 0) padding a cat)
+        # nothing to observe or round (torch.zeros(1, 0) padding a cat); a size from data is no guard for export
+        if guard_or_false(x.numel() == 0):
             return x
         if self._learning():
             return self._learned_forward(x)

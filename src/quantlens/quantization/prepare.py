@@ -24,16 +24,16 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from quantlens.errors import QuantLensError
-from quantlens.march import QuantDType, get_march
+from quantlens.march import get_march
 from quantlens.march.opset import Stage, op_def
 from quantlens.quantization.consistency import ConsistencyConfig, ConsistencyStrategy
 from quantlens.quantization.decompositions import DECOMPOSITIONS
 from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
 from quantlens.quantization.fuse import FusedGroup, UnfusedPattern, find_fusions
+from quantlens.quantization.module_swap import swap_modules
 from quantlens.quantization.observers import FixedScaleObserver
 from quantlens.quantization.op_rules import WEIGHT_CHANNEL_AXIS
 from quantlens.quantization.plan import OutputMode, SitePlan, build_plans
-from quantlens.quantization.qat_modules import fused_class_for, qat_class_for
 from quantlens.quantization.qconfig import QConfig, QuantSpec
 from quantlens.quantization.qconfig_template import (
     QconfigContext,
@@ -206,7 +206,7 @@ def prepare(
         if s.boundary == "input" and isinstance(modules.get(s.module_name), QuantStub)
         and modules[s.module_name].scale is not None
     }
-    weight_dtypes = _swap_modules(prepared, record, groups, assignment.qconfigs)
+    weight_dtypes = swap_modules(prepared, record, groups, assignment.qconfigs)
     plans, requests, plan_warnings = build_plans(record, groups, assignment.qconfigs, fixed, weight_dtypes)
     requests = _weight_channel_axes(plans, requests)
     if not allow_no_stubs:
@@ -429,53 +429,3 @@ def _weight_channel_axes(plans: dict[str, SitePlan], requests: list) -> list:
                for key in p.weight_fq.values()}
     return [dataclasses.replace(r, spec=QuantSpec(r.spec.dtype, r.spec.observer, ch_axis=axis_of[r.key]))
             if r.key in axis_of and r.spec.ch_axis is not None else r for r in requests]
-
-
-def _aliases(model: nn.Module, name: str) -> list[str]:
-    """Every qualified name of the submodule ``name`` (a module registered twice, ``self.conv1 = conv`` and
-    ``nn.Sequential(conv, ...)``, has two; its op sites use the first, as ``tracer.module_qualnames`` does)."""
-    target = model.get_submodule(name)
-    return [n for n, m in model.named_modules(remove_duplicate=False) if m is target] or [name]
-
-
-def _replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    """Put ``new`` in the place of the submodule ``name`` under each of its names, so it is still one module."""
-    for alias in _aliases(model, name):
-        _set_submodule(model, alias, new)
-
-
-def _swap_modules(
-    model: nn.Module, record: ModelRecord, groups: list[FusedGroup], qconfigs: dict[str, QConfig]
-) -> dict[str, QuantDType]:
-    """Replace weighted modules by QAT classes (fused with their BatchNorm where grouped), under every name."""
-    bn_of = {g.head: g.bn for g in groups if g.bn is not None}
-    weight_dtypes: dict[str, QuantDType] = {}
-    for site in record.sites.values():
-        if not site.is_module or "@" in site.name:
-            continue
-        qc = qconfigs.get(site.name)
-        module = model.get_submodule(site.module_name)
-        if qc is None or qc.weight is None:
-            continue
-        wspec = qc.weight
-        if site.output_from_weight:  # embedding: one scale for the whole table (its rows are outputs)
-            wspec = QuantSpec(wspec.dtype, wspec.observer, ch_axis=None)
-        if site.name in bn_of:
-            cls = fused_class_for(module)
-            bn = model.get_submodule(bn_of[site.name])
-            new = cls.from_modules(module, bn, wspec)
-            _replace_module(model, bn_of[site.name], nn.Identity())
-        else:
-            cls = qat_class_for(module)
-            if cls is None:
-                continue
-            new = cls.from_float(module, wspec)
-        _replace_module(model, site.module_name, new)
-        weight_dtypes[site.name] = wspec.dtype
-    return weight_dtypes
-
-
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)

@@ -111,7 +111,10 @@ def cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def _call(model: Callable, inputs: Any) -> list[torch.Tensor]:
-    with torch.no_grad():
+    """The model's float outputs on ``inputs``; a model that draws random numbers in ``forward`` (ViT-MAE's masking,
+    a VAE's sampling) draws the same ones at every stage, so that the stages are compared on one input."""
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
         out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
     return float_leaves(out)
 

@@ -164,17 +164,37 @@ class _Converter:
                 # qat IR's own float op on the dequantized x), and the output fake quant quantizes the result
                 self.host_op(node)
                 continue
-            converter = CONVERTERS.get(node.op)
-            if converter is None:
-                raise QuantLensError(
-                    f"convert: no integer lowering for op '{node.op}' (op site '{node.site}'). Supported ops are "
-                    "listed in docs/ir.md."
-                )
-            converter(self, node)
+            self._convert_or_host(node)
         for value in self.src.outputs:
             self.out.outputs.append(self.boundary_output(value))
         self._name_scales()
         return self.out
+
+    def _convert_or_host(self, node: Node) -> None:
+        """The op's integer form, or, where the march cannot express it (no converter, an input or output without
+        a grid, a multiplier out of range, a table missing), the qat IR's own float op on the host on dequantized
+        inputs (``attrs["host_reason"]`` says why): the partition of issue #41 (nothing is refused for lack of an
+        integer rule), which the lowering applies to ATen ops and convert to the IR ops it cannot take."""
+        converter = CONVERTERS.get(node.op)
+        if converter is None:
+            self.host_op(node, f"the march has no integer form for op '{node.op}'")
+            return
+        mark = (len(self.out.nodes), len(self.out.constants), len(self.out.values), len(self.q),
+                len(self.float_values), len(self.grid_sites), set(self.folded))
+        try:
+            converter(self, node)
+        except QuantLensError as exc:  # the march's refusal of this op: undo what the converter emitted
+            self._rollback(mark)
+            self.host_op(node, str(exc).removeprefix("convert: "))
+
+    def _rollback(self, mark: tuple) -> None:
+        n_nodes, n_consts, n_values, n_q, n_float, n_grid, folded = mark
+        del self.out.nodes[n_nodes:]
+        for table, n in ((self.out.constants, n_consts), (self.out.values, n_values), (self.q, n_q),
+                         (self.float_values, n_float), (self.grid_sites, n_grid)):
+            for key in list(table)[n:]:
+                del table[key]
+        self.folded = folded
 
     def _name_scales(self) -> None:
         """Every integer value names its scale constant (passthrough results share their input's), so a reader
@@ -235,12 +255,13 @@ class _Converter:
                 and all(info is not None and info.dtype not in ("unknown", "") and not info.dtype.startswith(
                     ("float", "bfloat")) for info in values))
 
-    def host_op(self, node: Node) -> None:
+    def host_op(self, node: Node, reason: str | None = None) -> None:
         """Kept as an op with the qat IR's semantics (``attrs["host"]``): float post-processing after the boundary,
-        or integer index math (exact wherever it runs)."""
+        integer index math (exact wherever it runs), or an op the march cannot express (``reason``)."""
         ins = [_index_input(self, node, v) for v in node.inputs]
         outs = [self.fresh(o) for o in node.outputs]
-        self.out.nodes.append(Node(node.op, ins, outs, {**node.attrs, "host": True}, node.site))
+        attrs = {**node.attrs, "host": True, **({"host_reason": reason} if reason else {})}
+        self.out.nodes.append(Node(node.op, ins, outs, attrs, node.site))
         for src_out, name in zip(node.outputs, outs):
             self.out.values[name] = self.src.values.get(src_out, ValueInfo((), "unknown"))
             self.float_values[src_out] = name

@@ -103,8 +103,8 @@ def decompose_unlowered(ep: torch.export.ExportedProgram) -> torch.export.Export
 
 
 def _leaves_prims(ep: torch.export.ExportedProgram, op, fn) -> bool:
-    """Whether ``fn``, the decomposition of ``op``, traced on the shapes of one of its nodes, leaves a prims op
-    (False when it cannot be traced there: the decomposition is then tried as before)."""
+    """Whether ``fn``, the decomposition of ``op``, traced on the shapes of one of its nodes, leaves a prims op or
+    an in-place op (False when it cannot be traced there: the decomposition is then tried as before)."""
     if fn is None:
         return False
     from torch._guards import detect_fake_mode
@@ -119,7 +119,11 @@ def _leaves_prims(ep: torch.export.ExportedProgram, op, fn) -> bool:
             graph = make_fx(lambda *a: fn(*a, **kwargs))(*args).graph
     except Exception:  # noqa: BLE001 - a decomposition that does not trace alone is tried in the program
         return False
-    return any(getattr(n.target, "namespace", None) == "prims" for n in graph.nodes if n.op == "call_function")
+    # (a decomposition that writes in place, polar's ``result.real = ...``, is no functional graph after
+    # functionalization: the op is then kept whole, a host op)
+    return any(getattr(n.target, "namespace", None) == "prims"
+               or (isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable)
+               for n in graph.nodes if n.op == "call_function")
 
 
 def _composite(op) -> bool:

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 import quantlens.march.numerics  # noqa: F401  (registers torch.ops.quantlens.fake_quant)
 from quantlens._registry import make_registry
@@ -71,6 +72,12 @@ def _dim(d) -> int:
     such as a reshape to a literal batch fixed it) is static."""
     if isinstance(d, torch.SymInt):
         value = d.node.maybe_as_int()
+        if value is None and free_unbacked_symbols(d):
+            raise QuantLensError(
+                f"export: a size computed from tensor data ({d}: a .tolist() or .item() of a tensor, such as the "
+                "expert sizes of a mixture-of-experts split) reaches a shape; the IR's shapes are static or the "
+                "dynamic batch. Compute such sizes outside the model, or give every part a fixed size."
+            )
         return -1 if value is None else int(value)
     return int(d)
 
@@ -87,10 +94,12 @@ def _info(node: fx.Node) -> ValueInfo:
 
 
 def _emit(ctx: _Ctx, node: fx.Node, op: str, inputs: list[str], attrs: dict, n_out: int = 1) -> list[str]:
-    outs = [node.name] if n_out == 1 else [f"{node.name}_{i}" for i in range(n_out)]
-    ctx.graph.nodes.append(Node(op, inputs, outs, attrs, _site(node)))
     vals = node.meta.get("val")
-    if n_out == 1:
+    # a one-part split (one feature level) still returns a tuple, which getitem indexes: a list of one name
+    many = n_out != 1 or isinstance(vals, (tuple, list))
+    outs = [f"{node.name}_{i}" for i in range(n_out)] if many else [node.name]
+    ctx.graph.nodes.append(Node(op, inputs, outs, attrs, _site(node)))
+    if not many:
         ctx.graph.values[outs[0]] = _info(node)
         ctx.names[node] = outs[0]
     else:

@@ -11,13 +11,16 @@ from quantlens.march.opset import IR_OPS, Category
 
 _FLOAT_DTYPES = {"float32", "float16", "bfloat16", "float64"}
 _BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div"}
+#: torch's arithmetic on two bool tensors is logic (mask * mask: and, mask + mask: or); ONNX's is float/int only
+_BOOL_BINARY = {"add": "Or", "mul": "And"}
 
 
 @onnx_converter(*_BINARY)
 def _binary(b: _Builder, node: Node) -> None:
     dtype = b.out_dtype(node)
     a, c = (b.cast(b.value(i), dtype) for i in node.inputs)
-    b.add(_BINARY[node.op], [a, c], node.outputs[0])
+    b.add(_BOOL_BINARY.get(node.op, _BINARY[node.op]) if dtype == "bool" else _BINARY[node.op], [a, c],
+          node.outputs[0])
 
 
 _UNARY = {"relu": "Relu", "sigmoid": "Sigmoid", "tanh": "Tanh", "exp": "Exp", "reciprocal": "Reciprocal",

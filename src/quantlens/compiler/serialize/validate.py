@@ -141,7 +141,7 @@ _ATTR_RULES: dict[Any, Any] = {
     **{name: _boolean for name in ("keepdim", "ceil_mode", "count_include_pad", "largest", "sorted", "negative",
                                    "negate", "host", "align_corners", "descending", "is_causal")},
     **{name: _one_int() for name in ("qmin", "qmax", "in_qmin", "in_qmax", "out_qmin", "out_qmax")},
-    "output_site": _string, "mode": _string,
+    "output_site": _string, "mode": _string, "host_reason": _string,
     "table_inputs": lambda v: None if isinstance(v, list) and all(isinstance(x, str) for x in v) else
     "a list of strings",
     ("cast", "dtype"): _value_dtype_rule,

@@ -1,0 +1,201 @@
+"""The partition's later mechanisms (issue #41, found by the sweep of docs/coverage.md): convert hands an op it cannot
+express to the host instead of refusing the model, a module a library calls from a plain list is the prepared one,
+torch's logic on bool masks reaches ONNX, and a same-input run recomputes the host index math between two sites from
+the baseline's values (a mixture-of-experts router's indices)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from quantlens.compiler import convert, export, load, save
+from quantlens.errors import QuantLensError
+from quantlens.profiler.ir_access import IRModelAccess
+from quantlens.quantization import DeQuantStub, QuantStub, calibrate, pre_export, prepare
+from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+from quantlens.zoo.coverage import run_stages
+
+
+def _qat_ir(model: nn.Module, example: torch.Tensor):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = prepare(model.eval(), (example,), default_calibration_qconfig_setter, check_result_dir=None)
+    calibrate(prepared, [(torch.randn_like(example),) for _ in range(3)])
+    return export(pre_export(prepared, example_inputs=(example,)), (example,))
+
+
+class _TwoLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.dq = QuantStub(), DeQuantStub()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.dq(self.fc2(torch.relu(self.fc1(self.q(x)))))
+
+
+def test_an_op_the_march_cannot_express_runs_on_the_host_in_convert(tmp_path):
+    """A requantize multiplier out of the march's range (scales 1e30 apart, as rwkv's state makes them) is no longer a
+    refusal: that op runs in float on the dequantized inputs, says why, and the rest stays integer."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    qat = _qat_ir(_TwoLinears(), x)
+    producer = {o: n for n in qat.graph.nodes for o in n.outputs}
+    fc2 = next(n for n in qat.graph.nodes if n.op == "linear" and n.site == "fc2")
+    # fc1's output grid (the ReLU's fake quant) 1e30 times coarser, fc2's int32 bias grid with it (it is the input
+    # scale times the weight scale): fc1's multiplier needs a shift far above 62
+    for fq in (producer[fc2.inputs[0]], producer[fc2.inputs[2]]):
+        qat.graph.constants[fq.inputs[1]] = qat.graph.constants[fq.inputs[1]] * 1e30
+    quantized = convert(qat)
+    host = {n.site: n.attrs.get("host_reason", "") for n in quantized.graph.nodes if n.attrs.get("host")}
+    assert any(site.endswith("fc1") for site in host), host
+    assert any("shift" in reason for reason in host.values()), host
+    integer = [n for n in quantized.graph.nodes if n.op == "linear" and not n.attrs.get("host")]
+    assert integer, "the other linear stays an integer op"
+    with torch.no_grad():
+        ref, got = qat(x), quantized(x)
+    assert torch.isfinite(got).all()
+    loaded = load(save(quantized, tmp_path / "m.qlir"))
+    assert torch.equal(loaded(x), got)
+    assert torch.allclose(ref, got, atol=1e-6)  # the host op is the qat IR's own float op
+
+
+class _ListHeld(nn.Module):
+    """transformers' MaskFormer FPN layer: the modules live in a plain list, registered with ``add_module`` and called
+    from the list."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = [nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 1)]
+        for i, layer in enumerate(self.layers):
+            self.add_module(str(i), layer)
+        self.q, self.dq = QuantStub(), DeQuantStub()
+
+    def forward(self, x):
+        h = self.q(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.dq(h)
+
+
+def test_modules_held_in_a_plain_list_are_the_prepared_ones():
+    torch.manual_seed(0)
+    model = _ListHeld().eval()
+    make = lambda: torch.randn(2, 3, 8, 8)  # noqa: E731
+    result = run_stages("list_held", model, make(), [make() for _ in range(3)], make())
+    assert result.failed_stage is None, result.error
+    assert result.passed, result.agreements
+
+
+class _BoolMasks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.dq, self.fc = QuantStub(), DeQuantStub(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(self.q(x))
+        keep = (x > -1.0) * (x < 1.0) + (x == 0)  # torch's logic on bools: and, or
+        return self.dq(h.masked_fill(~keep, 0.0))
+
+
+def test_logic_on_bool_masks_reaches_onnxruntime():
+    torch.manual_seed(0)
+    model = _BoolMasks().eval()
+    make = lambda: torch.randn(4, 8)  # noqa: E731
+    result = run_stages("bool_masks", model, make(), [make() for _ in range(3)], make())
+    assert result.failed_stage is None, result.error
+    assert result.agreements["onnxruntime vs qat IR"] > 0.999
+
+
+class _Router(nn.Module):
+    """A mixture-of-experts dispatch: top-k experts, their indices sorted and divided on the host, the tokens picked."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.dq = QuantStub(), DeQuantStub()
+        self.gate, self.expert = nn.Linear(8, 4), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.q(x)
+        _, chosen = self.gate(h).topk(2, dim=-1)
+        order = chosen.reshape(-1).sort().indices
+        tokens = torch.div(order, 2, rounding_mode="floor")
+        return self.dq(self.expert(h[tokens]))
+
+
+def test_a_same_input_run_recomputes_host_index_math_from_the_baseline():
+    """The picked rows' site reads the indices through host ops of no site: its program recomputes them from the
+    router's top-k output, which the baseline traced, instead of borrowing this IR's own indices."""
+    x = torch.randn(6, 8)
+    quantized = convert(_qat_ir(_Router(), x))
+    access = IRModelAccess(quantized, "analysis")
+    index_sites = [s for s in access.sites if access.site_op_type(s) == "index"]
+    assert index_sites
+    for site in index_sites:
+        prog = access.program(site)
+        assert all(where is not None for where in prog.externals.values()), prog.externals
+        assert any(where.site.endswith("topk_0") for where in prog.externals.values()), prog.externals
+
+
+class _Polar(nn.Module):
+    """DeepSeek-V2's and Llama 4's rotary frequencies: ``torch.polar``, whose torch decomposition writes in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.dq, self.lin = QuantStub(), DeQuantStub(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        rotary = torch.view_as_real(torch.polar(torch.ones_like(x), x)).flatten(-2)[..., :8]
+        return self.dq(self.lin(self.q(x) * rotary))
+
+
+class _OnePartSplit(nn.Module):
+    """RF-DETR's deformable attention with one feature level: a split into one part, then its element 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.dq, self.lin = QuantStub(), DeQuantStub(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.dq(self.lin(self.q(x).split([x.shape[1]], dim=1)[0].flatten(2)))
+
+
+def test_polar_and_a_one_part_split_go_through_every_stage():
+    for cls, shape in ((_Polar, (2, 8)), (_OnePartSplit, (2, 4, 2, 4))):
+        torch.manual_seed(0)
+        make = lambda: torch.randn(*shape)  # noqa: E731
+        result = run_stages(cls.__name__, cls().eval(), make(), [make() for _ in range(3)], make())
+        assert result.failed_stage is None, (cls.__name__, result.error)
+        assert result.passed, (cls.__name__, result.agreements)
+
+
+class _DataSizedSplit(nn.Module):
+    """JetMoE's experts: the split sizes are counted from the router's choice (``.tolist()``), data not shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 2)
+        self.weight = nn.Parameter(torch.randn(2, 16, 8))
+
+    def forward(self, x):
+        chosen = self.gate(x).argmax(-1)
+        sizes = torch.zeros(x.shape[0], 2).scatter(1, chosen[:, None], 1).long().sum(0).tolist()
+        parts = x[chosen.sort().indices].split(sizes, 0)
+        return torch.cat([torch.nn.functional.linear(parts[i], self.weight[i]) for i in range(2)], 0)
+
+
+def test_sizes_computed_from_data_are_refused_in_words_not_lowered_as_the_batch():
+    """Once a size from ``.tolist()`` was read as the dynamic batch (-1), an IR whose split could not run."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = prepare(_DataSizedSplit().eval(), (x,), default_calibration_qconfig_setter,
+                           check_result_dir=None, allow_no_stubs=True)
+    calibrate(prepared, [(torch.randn(6, 8),) for _ in range(3)])
+    with pytest.raises(QuantLensError, match=r"computed from tensor data.*\.tolist\(\)"):
+        export(pre_export(prepared, example_inputs=(x,)), (x,))
