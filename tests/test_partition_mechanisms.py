@@ -142,7 +142,8 @@ def test_a_same_input_run_recomputes_host_index_math_from_the_baseline():
 
 
 class _Polar(nn.Module):
-    """DeepSeek-V2's and Llama 4's rotary frequencies: ``torch.polar``, whose torch decomposition writes in place."""
+    """DeepSeek-V2's and Llama 4's rotary frequencies: ``torch.polar``, whose torch decomposition writes in place, and
+    a complex table folded at export that the IR file stores."""
 
     def __init__(self):
         super().__init__()
@@ -150,7 +151,11 @@ class _Polar(nn.Module):
 
     def forward(self, x):
         rotary = torch.view_as_real(torch.polar(torch.ones_like(x), x)).flatten(-2)[..., :8]
-        return self.dq(self.lin(self.q(x) * rotary))
+        h = self.lin(self.q(x) * rotary)
+        # a complex table from constants only (folded at export: a complex constant of the IR file)
+        table = torch.polar(torch.ones(4), torch.arange(4.0))
+        h = torch.view_as_real(torch.view_as_complex(h.reshape(-1, 4, 2)) * table).reshape(h.shape)
+        return self.dq(self.lin(h))
 
 
 class _OnePartSplit(nn.Module):

@@ -151,6 +151,8 @@ def _try_fold(ctx: _Ctx, node: fx.Node) -> bool:
         return False
     if getattr(node.target, "namespace", None) == "quantlens":
         return False
+    if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+        return False  # a random draw (ViT-MAE's masking noise, a VAE's sample) is drawn at every run, not once
     if _known_args(ctx, (node.args, node.kwargs)) is not False:  # constants only (no known value)
         return False
     result = node.target(*_known_value(ctx, node.args), **{k: _known_value(ctx, v) for k, v in node.kwargs.items()})

@@ -83,7 +83,10 @@ class _Builder:
         return name
 
     def tensor_proto(self, tensor: torch.Tensor, name: str):
-        t = tensor.detach().to("cpu").contiguous()
+        t = tensor.detach().to("cpu")
+        if t.is_complex():  # as torch's exporter writes complex values (ops_host): the real view, a trailing 2
+            t = torch.view_as_real(t.resolve_conj())
+        t = t.contiguous()
         dtype = str(t.dtype).replace("torch.", "")
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         return self.helper.make_tensor(name, _onnx_dtype(dtype), list(t.shape), vals=raw, raw=True)

@@ -222,7 +222,20 @@ def _ordered_constants(header: dict, constants: dict[str, torch.Tensor]) -> dict
         missing = sorted(set(names) - set(constants))[:5]
         extra = sorted(set(constants) - set(names))[:5]
         raise _Invalid(f"its tensors do not match its 'constants' list (missing {missing}, unexpected {extra})")
-    return {name: constants[name] for name in names}
+    ordered = {name: constants[name] for name in names}
+    for v in header["values"] if isinstance(header["values"], list) else []:
+        # a complex constant is stored as its real view ([..., 2]); its value info names the complex dtype
+        if isinstance(v, dict) and v.get("dtype") in _COMPLEX and v.get("name") in ordered:
+            t = ordered[v["name"]]
+            if t.dtype is not _COMPLEX[v["dtype"]][1] or t.dim() == 0 or t.shape[-1] != 2:
+                raise _Invalid(f"constant {_short(v['name'])} is {v['dtype']} in its value info, but its tensor is "
+                               f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}, not the [..., 2] real view")
+            ordered[v["name"]] = torch.view_as_complex(t.contiguous())
+    return ordered
+
+
+#: complex dtype name -> (its torch dtype, the dtype of the real view the file stores)
+_COMPLEX = {"complex64": (torch.complex64, torch.float32), "complex128": (torch.complex128, torch.float64)}
 
 
 def _graph_io(header: dict, constants: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from quantlens.compiler.ir import IR_VERSION, Graph, Module
+from quantlens.compiler.ir import IR_VERSION, Graph, Module, ValueInfo
 from quantlens.compiler.serialize.codec import _encode
 from quantlens.compiler.serialize.schema import (
     _DTYPES,
@@ -53,6 +53,8 @@ def _tensors_for_file(graph: Graph) -> dict[str, torch.Tensor]:
                                  "rename it in the graph before saving.")
         if not isinstance(tensor, torch.Tensor):
             raise QuantLensError(f"save: constant {name!r} is a {type(tensor).__name__}, expected a torch.Tensor.")
+        if tensor.is_complex():  # (a folded rotary table, torch.polar's): its real view, the header names the dtype
+            tensor = torch.view_as_real(tensor.resolve_conj())
         if str(tensor.dtype).replace("torch.", "") not in _DTYPES:
             raise QuantLensError(f"save: constant {name!r} has dtype {tensor.dtype}, which the IR file cannot "
                                  f"store; supported dtypes are {sorted(_DTYPES)}.")
@@ -86,7 +88,11 @@ def _header(module: Module, constants: dict[str, torch.Tensor]) -> dict:
         leaves.append({"kind": leaf.kind, "name": leaf.name,
                        "value": _encode(leaf.value, f"save: non-tensor input leaf #{i}")})
     values = []
-    for name, info in graph.values.items():
+    infos = dict(graph.values)
+    for name, tensor in graph.constants.items():  # a complex constant's dtype lives in its value info
+        if isinstance(tensor, torch.Tensor) and tensor.is_complex():
+            infos[name] = ValueInfo(tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""))
+    for name, info in infos.items():
         values.append({
             "name": name,
             "shape": [int(d) for d in info.shape],
