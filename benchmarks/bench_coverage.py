@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from quantlens.zoo.architectures import ARCHITECTURES
-from quantlens.zoo.coverage import NOT_EXPORTABLE, PAIRS, THRESHOLDS, CoverageResult
+from quantlens.zoo.coverage import NOT_EXPORTABLE, ONNXRUNTIME_PAIR, PAIRS, THRESHOLDS, CoverageResult
 
 ROOT = Path(__file__).resolve().parent.parent
 _CHILD = r"""
@@ -53,7 +53,8 @@ else:
     model, example, batches, held_out = third_party_case(name)
 r = run_stages(name, model, example, batches, held_out, qconfig)
 print(json.dumps({"name": name, "qconfig": qconfig, "failed": r.failed_stage, "error": r.error,
-                  "agreements": r.agreements, "seconds": r.seconds, "convert_worst_step": r.convert_worst_step}))
+                  "agreements": r.agreements, "seconds": r.seconds, "convert_worst_step": r.convert_worst_step,
+                  "random_draws": r.random_draws}))
 """
 
 
@@ -86,7 +87,7 @@ def run_one(name: str, qconfig: str, timeout: float, auto: bool = False) -> dict
 
 def _result(row: dict) -> CoverageResult:
     return CoverageResult(row["name"], row["qconfig"], row["failed"], row["error"], row["agreements"],
-                          convert_worst_step=row.get("convert_worst_step"))
+                          convert_worst_step=row.get("convert_worst_step"), random_draws=row.get("random_draws", False))
 
 
 def _passed(row: dict) -> bool:
@@ -97,7 +98,7 @@ def _passed(row: dict) -> bool:
 def _cell(row: dict, pair: str) -> str:
     value = row["agreements"].get(pair)
     if value is None:
-        return "–"
+        return "– (random draws)" if row.get("random_draws") and pair == ONNXRUNTIME_PAIR else "–"
     if value >= THRESHOLDS[pair] - 1e-9:
         return f"{value:.5f}"
     if pair not in _result(row).below() and row.get("convert_worst_step") is not None:  # the convert criterion

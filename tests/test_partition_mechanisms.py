@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from quantlens.compiler import convert, export, load, save
+from quantlens.compiler.host_ops import draws_random
 from quantlens.errors import QuantLensError
 from quantlens.profiler.ir_access import IRModelAccess
 from quantlens.quantization import DeQuantStub, QuantStub, calibrate, pre_export, prepare
@@ -204,3 +205,32 @@ def test_sizes_computed_from_data_are_refused_in_words_not_lowered_as_the_batch(
     calibrate(prepared, [(torch.randn(6, 8),) for _ in range(3)])
     with pytest.raises(QuantLensError, match=r"computed from tensor data.*\.tolist\(\)"):
         export(pre_export(prepared, example_inputs=(x,)), (x,))
+
+
+class _RandomMasking(nn.Module):
+    """ViT-MAE's masking: random noise drawn in forward, argsorted, the kept tokens gathered."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.dq, self.fc = QuantStub(), DeQuantStub(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(self.q(x))
+        keep = torch.rand(x.shape[0], x.shape[1]).argsort(dim=1)[:, :3]
+        return self.dq(torch.gather(h, 1, keep[..., None].expand(-1, -1, h.shape[-1])))
+
+
+def test_random_draws_in_forward_stay_draws_and_are_compared_on_one_seed():
+    """Once export folded the noise into a constant (every run of the IR kept the masking of export time); now the IR
+    draws at every run, the stages and the profiler's runs draw from one seed, and onnxruntime (its own generator) is
+    not compared."""
+    torch.manual_seed(0)
+    make = lambda: torch.randn(2, 6, 8)  # noqa: E731
+    result = run_stages("random_masking", _RandomMasking().eval(), make(), [make() for _ in range(3)], make())
+    assert result.failed_stage is None, result.error
+    assert result.random_draws and "onnxruntime vs qat IR" not in result.agreements
+    assert result.passed, result.agreements
+    qat = _qat_ir(_RandomMasking(), make())
+    assert draws_random(qat.graph)
+    x = make()
+    assert not torch.equal(qat(x), qat(x))  # a draw per run

@@ -20,7 +20,7 @@ from torch import fx
 
 from quantlens.errors import QuantLensError
 
-__all__ = ["encode_call", "call_host_aten"]
+__all__ = ["encode_call", "call_host_aten", "draws_random", "node_draws_random"]
 
 #: an operator's qualified name: ``namespace::name.overload``, identifiers only
 _TARGET = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
@@ -87,3 +87,20 @@ def call_host_aten(attrs: dict, inputs: list, site: str) -> Any:
 
     op = _overload(attrs["target"], site)
     return op(*[dec(a) for a in attrs["args"]], **{k: dec(v) for k, v in attrs["kwargs"].items()})
+
+
+def draws_random(graph) -> bool:
+    """Whether an IR graph draws random numbers (a host op tagged ``nondeterministic_seeded``: ViT-MAE's masking
+    noise): torch's generator draws them, so runs agree only when seeded alike, and another runtime draws its own."""
+    return any(node_draws_random(node) for node in graph.nodes)
+
+
+def node_draws_random(node) -> bool:
+    """Whether an IR node is a random draw (a ``host_aten`` node of an op tagged ``nondeterministic_seeded``)."""
+    if node.op != "host_aten":
+        return False
+    try:
+        op = _overload(node.attrs.get("target", ""), node.site)
+    except QuantLensError:
+        return False
+    return torch.Tag.nondeterministic_seeded in op.tags

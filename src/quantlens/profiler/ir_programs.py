@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from quantlens.compiler.host_ops import node_draws_random
 from quantlens.compiler.ir import Node
 
 __all__ = ["INPUT", "Source", "Program", "SitePrograms", "attribute_sites"]
@@ -90,7 +91,9 @@ class SitePrograms:
                 # a node of no site (index math on the host: the reshape, sort and floor division of a router's
                 # top-k indices) is recomputed here from the site values it reads, so that a same-input run feeds
                 # such an op the baseline's indices, not this IR's own
-                if p is not None and (self.attributed[p] in members or not self.attributed[p]) \
+                # (a random draw is not recomputed: it would draw other numbers than the run it stands for)
+                if p is not None and (self.attributed[p] in members
+                                      or not self.attributed[p] and not node_draws_random(self.nodes[p])) \
                         and self.end_of.get(p, ("", -1))[1] == -1:
                     todo.append(p)
         order = sorted(nodes)

@@ -282,7 +282,11 @@ class QuantAnalysis:
         # the run that traces the model _reach() reads also records its data flow: no extra forward later
         tee = ReachTee(writer, example) if access is self._reach_access() and not hasattr(access, "module") else None
         try:
-            output = access.run(example, sink=tee or writer, same_input=same_input)
+            # every traced run starts torch's generator from one seed: a model that draws random numbers in forward
+            # (ViT-MAE's masking) draws the same ones in both models and in every report of the folder
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                output = access.run(example, sink=tee or writer, same_input=same_input)
         except TypeError as exc:  # the model's own call signature refused the input's structure
             writer.close()
             raise QuantLensError(
