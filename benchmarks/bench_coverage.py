@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
@@ -190,6 +191,9 @@ def write_auto_markdown(rows: list[dict], archs: dict, skipped: dict, path: Path
              "mapping that takes one kind of input, built from its own config class with the sizes shrunk "
              "automatically (quantlens.zoo.auto_architectures), through the same stages as docs/coverage.md.", "",
              _CRITERION, "",
+             "Each row was measured at the commit the JSON (docs/coverage.json) names for it: "
+             + ", ".join(f"{c} ({n} rows)" for c, n in sorted(Counter(r.get("commit", "before commits were recorded")
+                                                                        for r in rows).items())) + ".", "",
              f"**{len(names) + len(skipped)} model types; {len(names)} enumerated, "
              f"{len({r['name'] for r in built})} built, {ok} of {len(built)} runs pass every stage and every "
              f"threshold; of the {len(exportable)} that torch.export exports in float, "
@@ -220,7 +224,12 @@ def main_auto(args) -> None:
     from quantlens.zoo.auto_architectures import enumerate_architectures
 
     archs, skipped = enumerate_architectures()
-    if args.models:  # the named ones only: those not enumerated go to the table apart
+    kept: list[dict] = []
+    if args.update:  # re-run the named models into the sweep on disk; every other row is kept as it was measured
+        if not args.models or not args.json.exists():
+            raise SystemExit(f"--update re-runs --models into an existing {args.json}; name models, run the sweep first")
+        kept = [r for r in json.loads(args.json.read_text(encoding="utf-8")) if r["name"] not in set(args.models)]
+    elif args.models:  # the named ones only: those not enumerated go to the table apart
         skipped = {n: skipped.get(n, "not a model type of transformers' base-model mapping") for n in args.models
                    if n not in archs}
     names = [n for n in args.models or archs if n in archs]
@@ -230,6 +239,7 @@ def main_auto(args) -> None:
         futures = [pool.submit(run_one, n, q, args.timeout, True) for n, q in cases]
         for future in as_completed(futures):
             r = future.result()
+            r["commit"] = _commit()
             rows.append(r)
             status = "not built" if r["failed"] == "build" else "ok" if _passed(r) else (r["failed"] or "below")
             print(f"[{len(rows)}/{len(cases)}] {r['name']:<28} {r['qconfig']:<6} {status:<12} "
@@ -237,10 +247,19 @@ def main_auto(args) -> None:
                   flush=True)
             # after every model: a long sweep's partial result is on disk (the rows first: a rendering problem
             # must not lose the models measured so far)
+            every = sorted(kept + rows, key=lambda r: (r["name"], r["qconfig"]))
             if args.json:
-                args.json.write_text(json.dumps(rows, indent=1, sort_keys=True), encoding="utf-8")
-            write_auto_markdown(rows, archs, skipped, args.out, args.jobs)
+                args.json.write_text(json.dumps(every, indent=1, sort_keys=True), encoding="utf-8")
+            write_auto_markdown(every, archs, skipped, args.out, args.jobs)
     print(f"wrote {args.out}")
+
+
+def _commit() -> str:
+    """The checkout's commit (with ``+`` when it has uncommitted changes): which code measured a row."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           cwd=ROOT)
+    return (head.stdout.strip() or "unknown") + ("+" if dirty.stdout.strip() else "")
 
 
 def main() -> None:
@@ -255,6 +274,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None,
                         help="also write the rows as JSON (default with --auto: docs/coverage.json, which the test "
                              "suite's sample draws from)")
+    parser.add_argument("--update", action="store_true",
+                        help="with --auto and --models: re-run those models into the existing --json sweep and write "
+                             "the page from all its rows (each row names the commit that measured it)")
     parser.add_argument("--auto", action="store_true",
                         help="every transformers model class that builds with a tiny config, not the hand-picked list")
     args = parser.parse_args()
