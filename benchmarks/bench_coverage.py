@@ -114,7 +114,9 @@ _CRITERION = ("**The convert criterion for random-weight nets.** Random weights 
               "on the NPU is within one output step of the qat IR on the same input (the profiler's same-input run "
               "on the held-out batch; host ops are float and left out): the march then adds no more than its one "
               "documented rounding per op. Such cells show the worst op's steps. Trained models keep their task "
-              "metrics (docs/remedies.md).")
+              "metrics (docs/remedies.md). A model that draws random numbers in forward (ViT-MAE's masking, a "
+              "VAE's sample) runs every stage from one seed of torch's generator; onnxruntime draws from its own, so "
+              "its pair reads '– (random draws)' and is not required.")
 
 
 def write_markdown(rows: list[dict], path: Path, threads: int, jobs: int) -> None:
