@@ -203,7 +203,7 @@ def test_sizes_computed_from_data_are_refused_in_words_not_lowered_as_the_batch(
         prepared = prepare(_DataSizedSplit().eval(), (x,), default_calibration_qconfig_setter,
                            check_result_dir=None, allow_no_stubs=True)
     calibrate(prepared, [(torch.randn(6, 8),) for _ in range(3)])
-    with pytest.raises(QuantLensError, match=r"computed from tensor data.*\.tolist\(\)"):
+    with pytest.raises(QuantLensError, match=r"sizes computed from tensor data.*\.tolist\(\)"):
         export(pre_export(prepared, example_inputs=(x,)), (x,))
 
 

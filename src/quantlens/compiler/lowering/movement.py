@@ -6,6 +6,7 @@ import operator
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 import quantlens.march.numerics  # noqa: F401  (registers torch.ops.quantlens.fake_quant)
 from quantlens.compiler.ir import Node, ValueInfo
@@ -87,6 +88,12 @@ def _split(ctx, node):
     x = _value(ctx, bound["self"])
     vals = node.meta["val"]
     dim = bound["dim"] % len(_info(node.args[0]).shape)
+    if len(vals) > 1 and any(free_unbacked_symbols(v.shape[dim]) for v in vals):
+        raise QuantLensError(
+            f"export: op site '{_site(node)}' ({_source(node)}) splits by sizes computed from tensor data (a .tolist() "
+            "or .item() of a tensor, such as the expert sizes of a mixture-of-experts split); the IR's split sizes "
+            "are static. Compute such sizes outside the model, or give every part a fixed size."
+        )
     sizes = [_dim(v.shape[dim]) for v in vals]
     _emit(ctx, node, "split", [x], {"sizes": sizes, "dim": dim}, n_out=len(sizes))
 

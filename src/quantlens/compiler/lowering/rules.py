@@ -8,7 +8,6 @@ from typing import Any, Callable
 
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 import quantlens.march.numerics  # noqa: F401  (registers torch.ops.quantlens.fake_quant)
 from quantlens._registry import make_registry
@@ -72,12 +71,6 @@ def _dim(d) -> int:
     such as a reshape to a literal batch fixed it) is static."""
     if isinstance(d, torch.SymInt):
         value = d.node.maybe_as_int()
-        if value is None and free_unbacked_symbols(d):
-            raise QuantLensError(
-                f"export: a size computed from tensor data ({d}: a .tolist() or .item() of a tensor, such as the "
-                "expert sizes of a mixture-of-experts split) reaches a shape; the IR's shapes are static or the "
-                "dynamic batch. Compute such sizes outside the model, or give every part a fixed size."
-            )
         return -1 if value is None else int(value)
     return int(d)
 
