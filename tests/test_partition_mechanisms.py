@@ -234,3 +234,32 @@ def test_random_draws_in_forward_stay_draws_and_are_compared_on_one_seed():
     assert draws_random(qat.graph)
     x = make()
     assert not torch.equal(qat(x), qat(x))  # a draw per run
+
+
+class _TiedRouter(nn.Module):
+    """A router whose logits tie (equal gate rows, as int8 logits often are): which experts a top-k picks is the tie
+    order, torch's kernels' choice ([7, 6, 4, 1] for top-4 of [1, 2, 2, 1, 2, 0, 3, 3]) against onnxruntime's."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.dq = QuantStub(), DeQuantStub()
+        self.gate, self.experts = nn.Linear(8, 4, bias=False), nn.Linear(8, 32)
+        with torch.no_grad():
+            self.gate.weight[1:] = self.gate.weight[0]
+
+    def forward(self, x):
+        h = self.q(x)
+        weights, chosen = self.gate(h).topk(2, dim=-1)
+        outs = self.experts(h).reshape(*h.shape[:-1], 4, 8)
+        picked = torch.gather(outs, -2, chosen[..., None].expand(*chosen.shape, 8))
+        order = torch.sort(weights, dim=-1, descending=True).indices  # ties again: a sort's order
+        return self.dq((picked * weights[..., None]).sum(-2) + order.float().sum(-1, keepdim=True))
+
+
+def test_ties_go_to_the_lower_index_at_every_stage_and_in_onnxruntime():
+    torch.manual_seed(0)
+    make = lambda: torch.randn(6, 8)  # noqa: E731
+    result = run_stages("tied_router", _TiedRouter().eval(), make(), [make() for _ in range(3)], make())
+    assert result.failed_stage is None, result.error
+    assert result.passed, result.agreements
+    assert result.agreements["onnxruntime vs qat IR"] > 0.9999

@@ -22,6 +22,7 @@ from quantlens.kernels import TABLE_OP_IO, table_torch_op
 from quantlens.kernels.integer import call_op
 from quantlens.march.numerics import fake_quant_range
 from quantlens.march.opset import IR_OPS
+from quantlens.march.order import select_by_attrs
 
 __all__ = ["run_graph", "run_nodes", "RunHooks", "QAT_KERNELS", "qat_kernel", "call_torch_op", "check_ops"]
 
@@ -32,6 +33,11 @@ QAT_KERNELS, qat_kernel = make_registry("qat IR kernel for op")
 def call_torch_op(torch_op, node: Node, inputs: list) -> Any:
     """Call an aten/custom op with the node's inputs (tensor schema args, in order) and attrs (the rest)."""
     return call_op(torch_op, node.attrs, inputs)
+
+
+@qat_kernel("topk", "sort")
+def _ordered(node: Node, inputs: list):
+    return list(select_by_attrs(node.op, inputs[0], node.attrs))  # the march's tie order (docs/march.md §11.1)
 
 
 @qat_kernel("host_aten")

@@ -32,6 +32,7 @@ from torch.nn.modules import module as _module_hooks
 from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 from torch.utils import _pytree as pytree
 
+from quantlens.march.order import ORDER_FUNCTIONS
 from quantlens.quantization.op_rules import (
     OpKind,
     OpRule,
@@ -231,6 +232,7 @@ class OpSiteTracer(TorchFunctionMode):
         rule = function_rule(op)
         if rule.kind is OpKind.IGNORED or not _has_float_tensor(args, kwargs):
             return func(*args, **kwargs)
+        func = ORDER_FUNCTIONS.get(op, func)  # topk / sort: the march's tie order (docs/march.md §11.1) at every stage
         if rule.kind is OpKind.COMPOSITE:
             decomposition = DECOMPOSED_FUNCTIONS.get(op)
             if decomposition is not None:  # a fused torch op (_VF.lstm ...): run its Python decomposition

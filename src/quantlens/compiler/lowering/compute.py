@@ -142,6 +142,8 @@ _register(aten.max.dim, _generic("max_dim", aten.max.dim, ("self",), ("dim", "ke
 _register(aten.argmax.default, _generic("argmax", aten.argmax.default, ("self",), ("dim", "keepdim")))
 _register(aten.topk.default, _generic("topk", aten.topk.default, ("self",), ("k", "dim", "largest", "sorted"), 2))
 _register(aten.sort.default, _generic("sort", aten.sort.default, ("self",), ("dim", "descending"), 2))
+# (the prepared model's topk is a stable sort and a narrow: the march's tie order, docs/march.md §11.1)
+_register(aten.sort.stable, _generic("sort", aten.sort.default, ("self",), ("dim", "descending"), 2))
 _register(aten.max_pool2d.default, _generic("max_pool2d", aten.max_pool2d.default, ("self",),
                                              ("kernel_size", "stride", "padding", "dilation", "ceil_mode")))
 _register(aten.avg_pool2d.default, _generic("avg_pool2d", aten.avg_pool2d.default, ("self",),
