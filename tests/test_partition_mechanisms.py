@@ -216,7 +216,9 @@ class _RandomMasking(nn.Module):
 
     def forward(self, x):
         h = self.fc(self.q(x))
-        keep = torch.rand(x.shape[0], x.shape[1]).argsort(dim=1)[:, :3]
+        # (UnivNet passes its generator, None: aten.randn.generator, which torch's ONNX exporter has no form for)
+        keep = (torch.rand(x.shape[0], x.shape[1]) + torch.randn(x.shape[0], x.shape[1], generator=None)).argsort(
+            dim=1)[:, :3]
         return self.dq(torch.gather(h, 1, keep[..., None].expand(-1, -1, h.shape[-1])))
 
 

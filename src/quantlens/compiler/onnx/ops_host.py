@@ -83,13 +83,24 @@ def _export(node: Node, examples: list[torch.Tensor], opset: int, site: str):
         warnings.simplefilter("ignore")
         for attempt in (_as_is, _decomposed):
             try:
-                return attempt(node, examples, opset).model_proto
+                return attempt(_drawn_by_onnx(node), examples, opset).model_proto
             except Exception as exc:  # noqa: BLE001 - torch's exporter raises many types; all mean "no ONNX form"
                 first = first or exc
     raise QuantLensError(
         f"to_onnx: op site '{site}' runs on the host ({_what(node)}) and torch's ONNX exporter has no form for it "
         f"({type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''}). The IR, the quantized IR "
         "and save/load keep it; for ONNX, compute it outside the model.") from first
+
+
+def _drawn_by_onnx(node: Node) -> Node:
+    """A random draw with a ``generator`` argument (``aten.randn.generator``, which torch's exporter has no form for)
+    as the same draw without it: onnxruntime draws from its own generator either way."""
+    target = node.attrs.get("target", "") if node.op == "host_aten" else ""
+    if not target.endswith(".generator") or node.attrs.get("kwargs", {}).get("generator") is not None:
+        return node
+    kwargs = {k: v for k, v in node.attrs.get("kwargs", {}).items() if k != "generator"}
+    return Node(node.op, node.inputs, node.outputs,
+                {**node.attrs, "target": target.removesuffix(".generator") + ".default", "kwargs": kwargs}, node.site)
 
 
 def _as_is(node: Node, examples: list, opset: int):
