@@ -22,7 +22,7 @@ from quantlens.kernels import TABLE_OP_IO, table_torch_op
 from quantlens.kernels.integer import call_op
 from quantlens.march.numerics import fake_quant_range
 from quantlens.march.opset import IR_OPS
-from quantlens.march.order import select_by_attrs
+from quantlens.march.semantics import select_by_attrs
 
 __all__ = ["run_graph", "run_nodes", "RunHooks", "QAT_KERNELS", "qat_kernel", "call_torch_op", "check_ops"]
 

@@ -20,7 +20,14 @@ from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, i
 from quantlens.quantization.op_rules import OpKind
 from quantlens.quantization.overrides import OverrideCall
 from quantlens.quantization.plan import OutputMode, SitePlan
-from quantlens.quantization.tracer import OpSiteTracer, SiteCall, SiteHandler, TensorMarks, is_float_tensor
+from quantlens.quantization.tracer import (
+    OpSiteTracer,
+    SiteCall,
+    SiteHandler,
+    TensorMarks,
+    is_float_tensor,
+    is_inplace,
+)
 from quantlens.quantization.tracing_state import export_tracing
 
 if TYPE_CHECKING:
@@ -260,15 +267,6 @@ class Runtime(SiteHandler):
         if site.rule.kind is OpKind.PASSTHROUGH:
             self.emulator.movement(call, output)
         return output
-
-
-INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__", "__imatmul__"}
-
-
-def is_inplace(func) -> bool:
-    """``Tensor.add_``, ``Tensor.__iadd__`` ... (``torch.relu_``-style functions too)."""
-    name = getattr(func, "__name__", "")
-    return name in INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
 
 
 def tensor_leaves(value: Any) -> list:

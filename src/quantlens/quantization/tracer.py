@@ -32,7 +32,7 @@ from torch.nn.modules import module as _module_hooks
 from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 from torch.utils import _pytree as pytree
 
-from quantlens.march.order import ORDER_FUNCTIONS
+from quantlens.march.semantics import MARCH_FUNCTIONS
 from quantlens.quantization.op_rules import (
     OpKind,
     OpRule,
@@ -80,6 +80,16 @@ def float_tensor_leaves(args: tuple, kwargs: dict) -> tuple[list, Any, list[int]
     leaves, spec = pytree.tree_flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(leaves) if is_float_tensor(leaf)]
     return leaves, spec, positions
+
+
+
+INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__", "__imatmul__"}
+
+
+def is_inplace(func) -> bool:
+    """``Tensor.add_``, ``Tensor.__iadd__`` ... (``torch.relu_``-style functions too)."""
+    name = getattr(func, "__name__", "")
+    return name in INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
 
 
 class TensorMarks:
@@ -232,7 +242,8 @@ class OpSiteTracer(TorchFunctionMode):
         rule = function_rule(op)
         if rule.kind is OpKind.IGNORED or not _has_float_tensor(args, kwargs):
             return func(*args, **kwargs)
-        func = ORDER_FUNCTIONS.get(op, func)  # topk / sort: the march's tie order (docs/march.md §11.1) at every stage
+        if op in MARCH_FUNCTIONS and not is_inplace(func):  # the march's answer (march/semantics.py): topk /
+            func = MARCH_FUNCTIONS[op]  # sort's tie order, 0 / 0 (docs/march.md §11.1, §13.5), at every stage
         if rule.kind is OpKind.COMPOSITE:
             decomposition = DECOMPOSED_FUNCTIONS.get(op)
             if decomposition is not None:  # a fused torch op (_VF.lstm ...): run its Python decomposition

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from quantlens.kernels.integer._aten import MOVEMENT_OPS, call_op
 from quantlens.kernels.integer._common import exact, int_kernel
 from quantlens.march.opset import ops_in
-from quantlens.march.order import ORDER_FUNCTIONS, select_by_attrs
+from quantlens.march.semantics import ORDER_OPS, select_by_attrs
 
 __all__ = ["relu_kernel", "max_pool2d_kernel", "max_pool1d_kernel", "values_and_indices_kernel", "pad_kernel",
            "fill_kernel", "scatter_kernel"]
@@ -43,7 +43,7 @@ def values_and_indices_kernel(op: str):
 
     def kernel(inputs: list, attrs: dict, site: str = "") -> list:
         q = inputs[0]
-        if op in ORDER_FUNCTIONS:  # topk / sort: the march's tie order (docs/march.md §11.1)
+        if op in ORDER_OPS:  # topk / sort: the march's tie order (docs/march.md §11.1)
             values, indices = select_by_attrs(op, exact(q), attrs)
         else:  # max_dim: torch's first maximum, as ONNX's ArgMax
             values, indices = call_op(torch_op, attrs, [exact(q)])
