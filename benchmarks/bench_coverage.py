@@ -27,7 +27,14 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from quantlens.zoo.architectures import ARCHITECTURES
-from quantlens.zoo.coverage import NOT_EXPORTABLE, ONNXRUNTIME_PAIR, PAIRS, THRESHOLDS, CoverageResult
+from quantlens.zoo.coverage import (
+    CONVERT_PAIR,
+    NOT_EXPORTABLE,
+    ONNXRUNTIME_PAIR,
+    PAIRS,
+    THRESHOLDS,
+    CoverageResult,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 _CHILD = r"""
@@ -55,7 +62,7 @@ else:
 r = run_stages(name, model, example, batches, held_out, qconfig)
 print(json.dumps({"name": name, "qconfig": qconfig, "failed": r.failed_stage, "error": r.error,
                   "agreements": r.agreements, "seconds": r.seconds, "convert_worst_step": r.convert_worst_step,
-                  "random_draws": r.random_draws}))
+                  "random_draws": r.random_draws, "pre_export_worst_step": r.pre_export_worst_step}))
 """
 
 
@@ -88,7 +95,8 @@ def run_one(name: str, qconfig: str, timeout: float, auto: bool = False) -> dict
 
 def _result(row: dict) -> CoverageResult:
     return CoverageResult(row["name"], row["qconfig"], row["failed"], row["error"], row["agreements"],
-                          convert_worst_step=row.get("convert_worst_step"), random_draws=row.get("random_draws", False))
+                          convert_worst_step=row.get("convert_worst_step"), random_draws=row.get("random_draws", False),
+                          pre_export_worst_step=row.get("pre_export_worst_step"))
 
 
 def _passed(row: dict) -> bool:
@@ -102,8 +110,9 @@ def _cell(row: dict, pair: str) -> str:
         return "– (random draws)" if row.get("random_draws") and pair == ONNXRUNTIME_PAIR else "–"
     if value >= THRESHOLDS[pair] - 1e-9:
         return f"{value:.5f}"
-    if pair not in _result(row).below() and row.get("convert_worst_step") is not None:  # the convert criterion
-        return f"{value:.5f} (ops ≤ {row['convert_worst_step']:.2f} step)"
+    worst = row.get("convert_worst_step") if pair == CONVERT_PAIR else row.get("pre_export_worst_step")
+    if pair not in _result(row).below() and worst is not None:  # the per-op criterion (convert's, the tables')
+        return f"{value:.5f} ({'ops' if pair == CONVERT_PAIR else 'tables'} ≤ {worst:.2f} step)"
     return f"{value:.5f} ✗"
 
 
@@ -114,7 +123,10 @@ _CRITERION = ("**The convert criterion for random-weight nets.** Random weights 
               "on the NPU is within one output step of the qat IR on the same input (the profiler's same-input run "
               "on the held-out batch; host ops are float and left out): the march then adds no more than its one "
               "documented rounding per op. Such cells show the worst op's steps. Trained models keep their task "
-              "metrics (docs/remedies.md). A model that draws random numbers in forward (ViT-MAE's masking, a "
+              "metrics (docs/remedies.md). The pre_export pair has the same criterion: where its cosine is below "
+              "0.99, it passes when every lookup table is within one output step of the float op it replaces on the "
+              "same input (quantization.pre_export.lut_errors); such cells show the worst table's steps. A model "
+              "that draws random numbers in forward (ViT-MAE's masking, a "
               "VAE's sample) runs every stage from one seed of torch's generator; onnxruntime draws from its own, so "
               "its pair reads '– (random draws)' and is not required.")
 

@@ -45,6 +45,20 @@ def test_an_op_more_than_one_step_off_fails_the_convert_criterion():
     assert near.passed and not unknown.passed
 
 
+def test_the_tables_have_the_convert_pairs_per_op_criterion():
+    """pre_export vs fake quant below 0.99 passes when every table is within one step on its own input (levit,
+    mobilevit: random weights amplify a table's one step); a table further off fails, and so does a NaN cosine."""
+    from quantlens.zoo.coverage import CoverageResult
+
+    agreements = {name: 1.0 for name in THRESHOLDS}
+    agreements["pre_export vs fake quant"] = 0.78
+    assert CoverageResult("x", "int8", agreements=agreements, pre_export_worst_step=1.000004).passed
+    far = CoverageResult("x", "int8", agreements=agreements, pre_export_worst_step=2.5)
+    assert far.below() == ["pre_export vs fake quant"] and not far.passed
+    assert not CoverageResult("x", "int8", agreements=agreements).passed
+    assert not CoverageResult("x", "int8", agreements={**agreements, "pre_export vs fake quant": float("nan")}).passed
+
+
 def _drawn_sample(count: int = 20, seconds: float = 12.0) -> tuple[int, list[str]]:
     """``count`` model types drawn from those the last sweep (docs/coverage.json, ``bench_coverage.py --auto``)
     passed in at most ``seconds``, by a seed that changes with every test run (``QUANTLENS_SWEEP_SEED`` overrides
@@ -60,7 +74,8 @@ def _drawn_sample(count: int = 20, seconds: float = 12.0) -> tuple[int, list[str
     rows = json.loads((Path(__file__).resolve().parents[1] / "docs" / "coverage.json").read_text())
     passed = sorted(r["name"] for r in rows if CoverageResult(
         r["name"], r["qconfig"], r["failed"], r["error"], r["agreements"],
-        convert_worst_step=r.get("convert_worst_step")).passed and sum(r["seconds"].values()) <= seconds)
+        convert_worst_step=r.get("convert_worst_step"), random_draws=r.get("random_draws", False),
+        pre_export_worst_step=r.get("pre_export_worst_step")).passed and sum(r["seconds"].values()) <= seconds)
     # one seed per test run, the same in every pytest-xdist worker (their collections must agree): the run's id
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     default = int(run[:8], 16) if run else datetime.date.today().toordinal()

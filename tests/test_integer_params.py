@@ -43,8 +43,10 @@ def test_constant_addend_rounds_half_to_even_in_2_to_minus_8_steps():
 
 # -- §10: clamp bounds on the input grid ------------------------------------------------------------------------
 def test_clamp_bounds_are_rounded_half_to_even_and_missing_bounds_are_int32_extremes():
-    assert clamp_codes(-0.5, 0.75, 0.5) == (-1, 2)  # 0.75 / 0.5 = 1.5 -> 2
-    assert clamp_codes(0.25, 1.25, 0.5) == (0, 2)  # 0.5 -> 0, 2.5 -> 2
+    # rounded outward (they only bound the integers; the bounds' output codes clamp the result, rules.clamp)
+    assert clamp_codes(-0.5, 0.75, 0.5) == (-1, 2)  # -1 exactly; 0.75 / 0.5 = 1.5 -> 2
+    assert clamp_codes(0.25, 1.25, 0.5) == (0, 3)  # floor(0.5) = 0, ceil(2.5) = 3
+    assert clamp_codes(None, 1.0, 3.46) == (-(2**31), 1)  # ceil(0.289): rhe gave 0, clamping every code to 0
     assert clamp_codes(0.0, float("inf"), 0.5) == (0, 2**31 - 1)  # clamp(min=0, max=inf): no upper bound
     assert clamp_codes(float("-inf"), 1.0, 0.5) == (-(2**31), 2)
     assert clamp_codes(None, 6.0, 0.05) == (-(2**31), 120)

@@ -50,7 +50,7 @@ def f32(value: float) -> float:
 
 
 def test_spec_version_is_5():
-    assert SPEC_VERSION == 5
+    assert SPEC_VERSION == 6
 
 
 # --- integer helpers ------------------------------------------------------------------------------------------

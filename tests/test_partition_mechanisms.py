@@ -265,3 +265,55 @@ def test_ties_go_to_the_lower_index_at_every_stage_and_in_onnxruntime():
     assert result.failed_stage is None, result.error
     assert result.passed, result.agreements
     assert result.agreements["onnxruntime vs qat IR"] > 0.9999
+
+
+class _ClampOffGrid(nn.Module):
+    """Inkling2's L2 clip, ``(t / norm).clamp(max=1.0)``: a bound off the input grid (s_in = 3.46)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.dq = QuantStub(), DeQuantStub()
+
+    def forward(self, x):
+        return self.dq(torch.clamp(self.q(x), max=1.0))
+
+
+class _FillBelowTheGrid(nn.Module):
+    """Gemma 4 audio's attention: logits filled with -1e9 (its output fake quant calibrated on it), then a host op
+    (cumprod) reading an integer value mid-graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.dq, self.fc = QuantStub(), DeQuantStub(), nn.Linear(12, 12)
+
+    def forward(self, x):
+        h = self.q(x)
+        filled = h.masked_fill(torch.arange(12) > 5, -1e9)
+        return self.dq(filled), self.dq(self.fc(torch.cumprod(h, -1)))
+
+
+def _through_convert(model: nn.Module, make) -> tuple:
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = prepare(model.eval(), (make(),), default_calibration_qconfig_setter, check_result_dir=None)
+    calibrate(prepared, [(make(),) for _ in range(3)])
+    qat = export(pre_export(prepared, example_inputs=(make(),)), (make(),))
+    return qat, convert(qat)
+
+
+def test_a_clamp_bound_off_the_input_grid_and_a_fill_below_it_convert_exactly():
+    """Both were 127 steps off (every code 0): the bound rounded onto the input grid (rhe(1.0 / 3.46) = 0), the fill
+    written on the input grid, where -1e9 saturates to -128 and the requantize makes it 0."""
+    qat, quantized = _through_convert(_ClampOffGrid(), lambda: 100 + 340 * torch.rand(4, 8))
+    x = 100 + 340 * torch.rand(4, 8)
+    assert torch.equal(quantized(x), qat(x)) and bool((qat(x) == 1.0).all())
+    qat, quantized = _through_convert(_FillBelowTheGrid(), lambda: torch.randn(3, 12))
+    x = torch.randn(3, 12)
+    (ref, _), (got, _) = qat(x), quantized(x)
+    assert torch.equal(got, ref) and bool((ref[:, 6:] < -1e8).all())
+    # the dequantize the host cumprod reads mid-graph is no model output: it has no op site (a same-input run
+    # recomputes it from the baseline's value), while the model's outputs keep theirs
+    dequantized = [n for n in quantized.graph.nodes if n.op == "dequantize"]
+    assert {n.site for n in dequantized if n.outputs[0] in quantized.graph.outputs} == {"output"}
+    assert any(n.site == "" for n in dequantized if n.outputs[0] not in quantized.graph.outputs)

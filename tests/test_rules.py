@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from quantlens.errors import QuantLensError
+from quantlens.kernels.integer import INT_KERNELS
 from quantlens.march import Qpp, QuantDType, rules
 
 DEF, HP = Qpp.DEFAULT, Qpp.HIGH_PRECISION
@@ -71,7 +72,13 @@ def test_products_and_averages():
 
 def test_clamp_sign_bilinear_and_fill():
     assert rules.clamp(0.0, 6.0, s(0.5), s(0.25), I8, DEF) == {
-        "lo": 0, "hi": 12, "multiplier": [2**15], "shift": [14], "out_dtype": "qint8"}
+        "lo": 0, "hi": 12, "out_lo": 0, "out_hi": 24, "multiplier": [2**15], "shift": [14], "out_dtype": "qint8"}
+    # a bound off the input grid: clamp(max=1.0) with s_in = 3.46, s_out = 1/127 (Inkling2's L2 clip); the fake
+    # quant gives fq(min(x, 1.0)) = 127 for every x >= 1; rhe(1.0 / 3.46) = 0 as the input bound gave 0 instead
+    attrs = rules.clamp(None, 1.0, s(3.46), s(1 / 127), I8, DEF)
+    assert (attrs["hi"], attrs["out_lo"], attrs["out_hi"]) == (1, -128, 127)
+    q = torch.tensor([31, 109, 0, -3], dtype=torch.int8)
+    assert INT_KERNELS["clamp"]([q], attrs).tolist() == [127, 127, 0, -128]  # 0 -> 0; -3 -> -10.38 / s_out: sat
     assert rules.clamp(None, 1.0, s(0.5), s(0.5), I8, DEF)["lo"] == -(2**31)
     assert rules.sign_op(s(0.5), s(0.5), I8, DEF)["shift"] == [15]  # 1.0
     # weights in 2**-8 fixed point per axis: s_x · 2**-16 / s_out = 2

@@ -396,11 +396,12 @@ def constant_addend(k: float, s_out: float, frac_bits: int) -> int:
 
 
 def clamp_codes(lo: float | None, hi: float | None, s_in: float) -> tuple[int, int]:
-    """§10 clamp / hardtanh / relu6: the bounds as integers of the input grid, ``rhe(bound / s_in)``; a missing
-    or infinite bound is the int32 extreme (``clamp(min=0, max=inf)``: no upper bound). The integers are clamped,
-    then requantized to the output grid."""
-    low = -(2**31) if lo is None or float(lo) == -math.inf else max(-(2**31), _rhe(float(lo) / float(s_in)))
-    high = 2**31 - 1 if hi is None or float(hi) == math.inf else min(2**31 - 1, _rhe(float(hi) / float(s_in)))
+    """§10 clamp / hardtanh / relu6: the bounds as integers of the input grid rounded outward, ``floor(min / s_in)``
+    and ``ceil(max / s_in)``; a missing or infinite bound is the int32 extreme (``clamp(min=0, max=inf)``: no upper
+    bound). They only bound the integers before the requantize; the output codes of the bounds
+    (:func:`constant_code` on the output grid) clamp the result."""
+    low = -(2**31) if lo is None or float(lo) == -math.inf else max(-(2**31), math.floor(float(lo) / float(s_in)))
+    high = 2**31 - 1 if hi is None or float(hi) == math.inf else min(2**31 - 1, math.ceil(float(hi) / float(s_in)))
     return low, high
 
 

@@ -186,10 +186,16 @@ def average_by_window(x_scale: Scale, divisors: list[int], out_scale: Scale, qdt
 # -- §10.1, §10.3, §10.4, §11: elementwise and resize ---------------------------------------------------------
 def clamp(lo: float | None, hi: float | None, x_scale: Scale, out_scale: Scale, qdtype: QuantDType,
           qpp: Qpp) -> dict:
-    """Clamp / hardtanh / relu6: the bounds as codes of the input grid (``clamp_codes``), then a requantize by
-    ``s_x / s_out``: ``{"lo", "hi", **requantize}``."""
+    """Clamp / hardtanh / relu6 (§10): the integers bounded by the bounds' input codes rounded outward
+    (``clamp_codes``), requantized by ``s_x / s_out``, then clamped to the bounds' output codes (``constant_code``):
+    ``{"lo", "hi", "out_lo", "out_hi", **requantize}``. The output codes make it the fake quant's
+    ``fq_out(clamp(x, min, max))`` for any bounds (rounding is monotonic), on the grid or not."""
     codes_lo, codes_hi = clamp_codes(lo, hi, _first(x_scale))
-    return {"lo": codes_lo, "hi": codes_hi, **move(x_scale, out_scale, qdtype, qpp)}
+    s_out = float(_first(out_scale))
+    out_lo = qdtype.qmin if lo is None else constant_code(float(lo), s_out, qdtype)
+    out_hi = qdtype.qmax if hi is None else constant_code(float(hi), s_out, qdtype)
+    return {"lo": codes_lo, "hi": codes_hi, "out_lo": out_lo, "out_hi": out_hi,
+            **move(x_scale, out_scale, qdtype, qpp)}
 
 
 def sign_op(x_scale: Scale, out_scale: Scale, qdtype: QuantDType, qpp: Qpp) -> dict:

@@ -13,7 +13,7 @@ from enum import Enum
 from quantlens.errors import QuantLensError
 
 #: version of docs/march.md that this module implements.
-SPEC_VERSION = 5
+SPEC_VERSION = 6
 
 __all__ = [
     "SPEC_VERSION", "QuantDType", "RoundingMode", "Qpp", "QppSpec", "CostModel", "MarchSpec", "March", "set_march",

@@ -32,6 +32,7 @@ from quantlens.compiler.host_ops import draws_random
 from quantlens.compiler.output_containers import register_containers_of
 from quantlens.errors import QuantLensError
 from quantlens.quantization import calibrate, pre_export, prepare
+from quantlens.quantization.pre_export import lut_errors
 from quantlens.quantization.qconfig_template import (
     calibration_8bit_weight_16bit_act_qconfig_setter,
     default_calibration_qconfig_setter,
@@ -57,6 +58,8 @@ CONVERT_STEPS = 1.0
 _STEP_TOLERANCE = 1e-3
 CONVERT_PAIR = "quantized IR vs qat IR"
 #: the least cosine each agreement must reach (issue #22's must-show)
+#: the pair of the table ops, which has the same per-op criterion as the convert pair
+PRE_EXPORT_PAIR = "pre_export vs fake quant"
 #: the pair a model that draws random numbers cannot have (:attr:`CoverageResult.random_draws`)
 ONNXRUNTIME_PAIR = "onnxruntime vs qat IR"
 THRESHOLDS = {"pre_export vs fake quant": 0.99, "qat IR vs pre_export": 0.9999, "quantized IR vs qat IR": 0.998,
@@ -76,6 +79,9 @@ class CoverageResult:
     seconds: dict[str, float] = field(default_factory=dict)
     #: when the quantized IR misses its cosine: the largest same-input error of any op on the NPU, in output steps
     convert_worst_step: float | None = None
+    #: when pre_export misses its cosine: the largest error of any table on its own input, in output steps
+    #: (``quantization.pre_export.lut_errors`` on the held-out batch)
+    pre_export_worst_step: float | None = None
     #: the model draws random numbers in forward (ViT-MAE's masking): onnxruntime draws its own, so the onnxruntime
     #: pair is not measured (the torch stages and the IRs draw torch's, seeded alike)
     random_draws: bool = False
@@ -91,8 +97,13 @@ class CoverageResult:
         """The agreements under their threshold (the convert pair: unless every op is within one step)."""
         return [name for name in THRESHOLDS
                 if name in self.agreements and not self.agreements[name] >= THRESHOLDS[name] - 1e-9  # (NaN: below)
-                and not (name == CONVERT_PAIR and self.convert_worst_step is not None
-                         and self.convert_worst_step <= CONVERT_STEPS + _STEP_TOLERANCE)]
+                and not _within_steps(self.convert_worst_step if name == CONVERT_PAIR else
+                                      self.pre_export_worst_step if name == PRE_EXPORT_PAIR else None)]
+
+
+def _within_steps(worst: float | None) -> bool:
+    """The per-op criterion: every op measured on its own input within :data:`CONVERT_STEPS` output steps."""
+    return worst is not None and worst <= CONVERT_STEPS + _STEP_TOLERANCE
 
 
 def float_leaves(out: Any) -> list[torch.Tensor]:
@@ -187,6 +198,13 @@ def run_stages(name: str, model: torch.nn.Module, example: Any, batches: list, h
     for pair, measured, reference in PAIRS:
         if measured in outs and reference in outs:
             result.agreements[pair] = cosine(outs[measured], outs[reference])
+    if result.agreements.get(PRE_EXPORT_PAIR, 1.0) < THRESHOLDS[PRE_EXPORT_PAIR] - 1e-9:  # (NaN stays below)
+        # the same criterion as convert's: each table within one output step of the float op it replaces, on the
+        # same input (a random-weight net that amplifies a step as levit and mobilevit do passes; a wrong table not)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            errors = lut_errors(state["pre_export"], held_out if isinstance(held_out, tuple) else (held_out,))
+        result.pre_export_worst_step = max(errors.values(), default=0.0)
     if result.agreements.get(CONVERT_PAIR, 1.0) < THRESHOLDS[CONVERT_PAIR] - 1e-9:
         result.convert_worst_step = worst_same_input_step(state["export"], state["convert"], held_out)
     if result.failed_stage == "export" and not torch_exports(model, example):

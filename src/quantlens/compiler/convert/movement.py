@@ -95,6 +95,16 @@ def _masked_fill(c, node):
     value = node.attrs.get("value")
     if value is None:
         value = float(c.src.constants[node.inputs[2]])
+    grid = c.output_grid(node) if x.scale.numel() == 1 else None
+    if grid is not None:
+        # a fill off the input grid's range (attention logits' -1e9, whose output fake quant was calibrated on it):
+        # the codes moved to the output grid first and the fill written there, as the output fake quant makes it
+        # of the filled tensor (§11: a select of the operands on the output grid); on the input grid the fill
+        # saturated to qmin and the requantize turned it into 0
+        qdtype, scale = grid
+        moved = _operand_on_grid(c, node, node.inputs[0], qdtype, scale)
+        c.emit(node, "masked_fill_int", [moved, mask], {"value": rules.fill_code(value, scale, qdtype)}, qdtype, scale)
+        return
     fill = rules.fill_code(value, x.scale, x.qdtype)
     name = c.fresh(node.outputs[0])
     c.out.nodes.append(Node("masked_fill_int", [x.name, mask], [name], {"value": fill}, node.site))

@@ -266,12 +266,15 @@ class _Converter:
             self.out.values[name] = self.src.values.get(src_out, ValueInfo((), "unknown"))
             self.float_values[src_out] = name
 
-    def boundary_output(self, value: str) -> str:
+    def boundary_output(self, value: str, site: str = "output") -> str:
+        """``value`` as a float value of the quantized IR: an integer value is dequantized, at op site ``site``
+        ("output" for a model output; none for one a host op reads mid-graph, which a profiler's same-input run
+        then recomputes from the baseline's value like other nodes of no site)."""
         if value in self.q:
             info = self.q[value]
             scale = self.const(info.scale, f"{value}_out_scale")
             name = self.fresh(f"{value}_float")
-            self.out.nodes.append(Node("dequantize", [info.name, scale], [name], {"axis": info.axis}, "output"))
+            self.out.nodes.append(Node("dequantize", [info.name, scale], [name], {"axis": info.axis}, site))
             self.out.values[name] = ValueInfo(self.src.values[value].shape, "float32")
             return name
         if value in self.float_values:
@@ -305,7 +308,7 @@ def _index_input(c: _Converter, node: Node, value: str) -> str:
     if not value:
         return ""
     if value in c.q:  # an integer value leaves the NPU here: the boundary dequantize
-        return c.boundary_output(value)
+        return c.boundary_output(value, site="")
     if value in c.float_values:
         return c.float_values[value]
     if c.is_const(value):

@@ -114,7 +114,10 @@ def clamp_kernel(inputs: list, attrs: dict, site: str = "") -> torch.Tensor:
     q = inputs[0].to(torch.int64)
     lo, hi = attrs["lo"], attrs["hi"]
     q = torch.clamp(q, min=lo, max=hi)
-    return requant(attrs, q, bound=None if bound is None else min(bound, float(max(abs(lo), abs(hi)))))
+    y = requant(attrs, q, bound=None if bound is None else min(bound, float(max(abs(lo), abs(hi)))))
+    if "out_lo" in attrs:  # (a file of spec v4 and earlier has none: its bounds were rounded onto the input grid)
+        y = torch.clamp(y, min=attrs["out_lo"], max=attrs["out_hi"])
+    return y
 
 
 @int_kernel("masked_fill_int")
