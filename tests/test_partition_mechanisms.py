@@ -317,3 +317,24 @@ def test_a_clamp_bound_off_the_input_grid_and_a_fill_below_it_convert_exactly():
     dequantized = [n for n in quantized.graph.nodes if n.op == "dequantize"]
     assert {n.site for n in dequantized if n.outputs[0] in quantized.graph.outputs} == {"output"}
     assert any(n.site == "" for n in dequantized if n.outputs[0] not in quantized.graph.outputs)
+
+
+class _Histogram(nn.Module):
+    """Hunyuan's MoE layer counts its tokens per expert with ``torch.histc``, which torch's ONNX exporter has no form
+    for: a host op that to_onnx now writes itself (over given bounds, and over the data's range)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.dq, self.fc = QuantStub(), DeQuantStub(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.dq(self.fc(self.q(x)))
+        return y, torch.histc(y, bins=4, min=-1.0, max=1.0), torch.histc(y, bins=3)
+
+
+def test_a_histogram_runs_on_the_host_through_onnxruntime():
+    torch.manual_seed(0)
+    make = lambda: torch.randn(4, 8)  # noqa: E731
+    result = run_stages("histogram", _Histogram().eval(), make(), [make() for _ in range(3)], make())
+    assert result.failed_stage is None, result.error
+    assert result.passed and result.agreements["onnxruntime vs qat IR"] > 0.9999, result.agreements

@@ -105,7 +105,31 @@ def _drawn_by_onnx(node: Node) -> Node:
 
 def _as_is(node: Node, examples: list, opset: int):
     return torch.onnx.export(_OneNode(node), tuple(examples), dynamo=True, opset_version=opset, verbose=False,
-                             optimize=True, custom_translation_table=_library_translations(node) or None)
+                             optimize=True, custom_translation_table={**_aten_translations(), **_library_translations(node)})
+
+
+def _aten_translations() -> dict:
+    """ONNX forms of the aten ops torch's exporter has none for, that real models run on the host."""
+    from onnxscript import opset18 as onnx_op
+
+    def histc(x, bins: int = 100, min: float = 0.0, max: float = 0.0):  # noqa: A002 (aten's argument names)
+        """Counts of ``x`` in ``bins`` equal bins over ``[min, max]`` (the last bin holds ``max``; the data's own
+        range where ``min == max``), values outside left out: torch's histc (a MoE layer's tokens per expert)."""
+        flat = onnx_op.Reshape(onnx_op.Cast(x, to=1), onnx_op.Constant(value_ints=[-1]))
+        lo, hi = ((onnx_op.ReduceMin(flat, keepdims=0), onnx_op.ReduceMax(flat, keepdims=0)) if min == max else
+                  (onnx_op.Constant(value_float=float(min)), onnx_op.Constant(value_float=float(max))))
+        width = onnx_op.Div(onnx_op.Sub(hi, lo), onnx_op.Constant(value_float=float(bins)))
+        index = onnx_op.Min(onnx_op.Floor(onnx_op.Div(onnx_op.Sub(flat, lo), width)),
+                            onnx_op.Constant(value_float=float(bins - 1)))
+        index = onnx_op.Cast(onnx_op.Max(index, onnx_op.Constant(value_float=0.0)), to=7)
+        inside = onnx_op.Cast(onnx_op.And(onnx_op.GreaterOrEqual(flat, lo), onnx_op.LessOrEqual(flat, hi)), to=1)
+        one_hot = onnx_op.OneHot(index, onnx_op.Constant(value_ints=[bins]), onnx_op.Constant(value_floats=[0.0, 1.0]),
+                                 axis=-1)
+        counts = onnx_op.ReduceSum(onnx_op.Mul(one_hot, onnx_op.Unsqueeze(inside, onnx_op.Constant(value_ints=[-1]))),
+                                   onnx_op.Constant(value_ints=[0]), keepdims=0)
+        return onnx_op.CastLike(counts, x)
+
+    return {torch.ops.aten.histc.default: histc}
 
 
 #: an operator namespace -> a function giving that library's own ONNX translations of its custom operators (the
