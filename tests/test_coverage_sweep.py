@@ -75,7 +75,8 @@ def _drawn_sample(count: int = 20, seconds: float = 12.0) -> tuple[int, list[str
     passed = sorted(r["name"] for r in rows if CoverageResult(
         r["name"], r["qconfig"], r["failed"], r["error"], r["agreements"],
         convert_worst_step=r.get("convert_worst_step"), random_draws=r.get("random_draws", False),
-        pre_export_worst_step=r.get("pre_export_worst_step")).passed and sum(r["seconds"].values()) <= seconds)
+        pre_export_worst_step=r.get("pre_export_worst_step"), onnxruntime_worst_step=r.get("onnxruntime_worst_step")
+    ).passed and sum(r["seconds"].values()) <= seconds)
     # one seed per test run, the same in every pytest-xdist worker (their collections must agree): the run's id
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     default = int(run[:8], 16) if run else datetime.date.today().toordinal()

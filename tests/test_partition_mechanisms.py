@@ -338,3 +338,32 @@ def test_a_histogram_runs_on_the_host_through_onnxruntime():
     result = run_stages("histogram", _Histogram().eval(), make(), [make() for _ in range(3)], make())
     assert result.failed_stage is None, result.error
     assert result.passed and result.agreements["onnxruntime vs qat IR"] > 0.9999, result.agreements
+
+
+def test_the_onnxruntime_per_op_measure_sees_one_wrong_op(tmp_path):
+    """The onnxruntime pair's per-op criterion (quantlens.zoo.onnx_same_input): each stretch between two fake quants
+    run by onnxruntime on the qat IR's inputs is within a step of it; a negated weight in the file is not."""
+    import onnx
+
+    from quantlens.compiler import to_onnx
+    from quantlens.zoo.onnx_same_input import worst_onnx_same_input_step
+
+    x = torch.randn(4, 8)
+    qat = _qat_ir(_TwoLinears(), x)
+    path = to_onnx(qat, tmp_path / "m.onnx")
+    assert worst_onnx_same_input_step(qat, path, x) <= 1.001
+    proto = onnx.load(str(path))
+    weights = [i for i in proto.graph.initializer if i.data_type == onnx.TensorProto.INT8 and len(i.dims) == 2]
+    assert weights
+    weights[0].CopyFrom(onnx.numpy_helper.from_array(-onnx.numpy_helper.to_array(weights[0]), weights[0].name))
+    onnx.save(proto, str(tmp_path / "wrong.onnx"))
+    assert worst_onnx_same_input_step(qat, tmp_path / "wrong.onnx", x) > 3.0
+
+
+def test_the_onnxruntime_pair_has_the_per_op_criterion():
+    from quantlens.zoo.coverage import THRESHOLDS, CoverageResult
+
+    agreements = {**{name: 1.0 for name in THRESHOLDS}, "onnxruntime vs qat IR": 0.995}
+    assert CoverageResult("x", "int8", agreements=agreements, onnxruntime_worst_step=1.0000005).passed
+    assert not CoverageResult("x", "int8", agreements=agreements, onnxruntime_worst_step=4.0).passed
+    assert not CoverageResult("x", "int8", agreements=agreements).passed

@@ -37,6 +37,7 @@ from quantlens.quantization.qconfig_template import (
     calibration_8bit_weight_16bit_act_qconfig_setter,
     default_calibration_qconfig_setter,
 )
+from quantlens.zoo.onnx_same_input import worst_onnx_same_input_step
 
 __all__ = ["STAGES", "PAIRS", "THRESHOLDS", "ONNXRUNTIME_PAIR", "CONVERT_STEPS", "NOT_EXPORTABLE", "CoverageResult", "run_stages", "cosine",
            "float_leaves", "third_party_case", "worst_same_input_step", "torch_exports"]
@@ -82,6 +83,9 @@ class CoverageResult:
     #: when pre_export misses its cosine: the largest error of any table on its own input, in output steps
     #: (``quantization.pre_export.lut_errors`` on the held-out batch)
     pre_export_worst_step: float | None = None
+    #: when onnxruntime misses its cosine: the largest error of any stretch between two fake quants of the ONNX model
+    #: on the qat IR's own inputs, in output steps (:func:`quantlens.zoo.onnx_same_input.worst_onnx_same_input_step`)
+    onnxruntime_worst_step: float | None = None
     #: the model draws random numbers in forward (ViT-MAE's masking): onnxruntime draws its own, so the onnxruntime
     #: pair is not measured (the torch stages and the IRs draw torch's, seeded alike)
     random_draws: bool = False
@@ -97,8 +101,12 @@ class CoverageResult:
         """The agreements under their threshold (the convert pair: unless every op is within one step)."""
         return [name for name in THRESHOLDS
                 if name in self.agreements and not self.agreements[name] >= THRESHOLDS[name] - 1e-9  # (NaN: below)
-                and not _within_steps(self.convert_worst_step if name == CONVERT_PAIR else
-                                      self.pre_export_worst_step if name == PRE_EXPORT_PAIR else None)]
+                and not _within_steps(self.worst_step(name))]
+
+    def worst_step(self, pair: str) -> float | None:
+        """The per-op criterion's measure of ``pair`` (None: not measured, the pair reached its cosine or has none)."""
+        return {CONVERT_PAIR: self.convert_worst_step, PRE_EXPORT_PAIR: self.pre_export_worst_step,
+                ONNXRUNTIME_PAIR: self.onnxruntime_worst_step}.get(pair)
 
 
 def _within_steps(worst: float | None) -> bool:
@@ -190,6 +198,11 @@ def run_stages(name: str, model: torch.nn.Module, example: Any, batches: list, h
         if onnx and result.failed_stage is None:
             try:
                 outs["onnxruntime"] = _onnx_outputs(state["to_onnx"], state["export"], held_out)
+                if cosine(outs["onnxruntime"], outs["export"]) < THRESHOLDS[ONNXRUNTIME_PAIR] - 1e-9:
+                    # (NaN stays below) onnxruntime's own float kernels round differently from torch's: the per-op
+                    # criterion on the same input (the ONNX file lives in this folder)
+                    result.onnxruntime_worst_step = worst_onnx_same_input_step(state["export"], state["to_onnx"],
+                                                                               held_out)
             except Exception as exc:  # noqa: BLE001
                 result.failed_stage, result.error = "onnxruntime", f"{type(exc).__name__}: {exc}"
     result.random_draws = "export" in state and draws_random(state["export"].graph)
