@@ -367,3 +367,30 @@ def test_the_onnxruntime_pair_has_the_per_op_criterion():
     assert CoverageResult("x", "int8", agreements=agreements, onnxruntime_worst_step=1.0000005).passed
     assert not CoverageResult("x", "int8", agreements=agreements, onnxruntime_worst_step=4.0).passed
     assert not CoverageResult("x", "int8", agreements=agreements).passed
+
+
+class _ZeroOverZero(nn.Module):
+    """GLM-5's and Kimi's l2 norm, ``x / sqrt(sum(x²) + eps)``: a divisor that rounds to 0 where ``x`` is 0 too."""
+
+    def __init__(self):
+        super().__init__()
+        self.qx, self.qy, self.dq = QuantStub(), QuantStub(), DeQuantStub()
+
+    def forward(self, x, y):
+        return self.dq(self.qx(x) / self.qy(y))
+
+
+def test_zero_over_zero_is_zero_at_every_stage_and_in_onnxruntime():
+    """The march's 0 / 0 = 0 (docs/march.md §13.5): the fake-quant model once gave NaN there, and the ONNX model (a
+    float Div between fake quants) NaN, which its fake quant wrote as -128."""
+    torch.manual_seed(0)
+
+    def make():
+        x, y = torch.randn(4, 16), torch.rand(4, 16) + 0.5
+        x[:, :4], y[:, :4] = 0.0, 0.0
+        return x, y
+
+    result = run_stages("zero_over_zero", _ZeroOverZero().eval(), make(), [make() for _ in range(3)], make())
+    assert result.failed_stage is None, result.error
+    assert all(v == v for v in result.agreements.values()), result.agreements  # no NaN anywhere
+    assert result.agreements["onnxruntime vs qat IR"] > 0.9999 and result.passed, result.agreements

@@ -336,6 +336,8 @@ def _table_reference(b: _Builder, node: Node) -> None:
     if io.float_op:  # softmax, log_softmax, div, reciprocal: the float op is fixed
         inputs = [node.inputs[i] for i in range(len(io.data))]
         attrs = {name: node.attrs[name] for name in io.float_attrs}
+        if io.float_op == "div":  # the march's 0 / 0 = 0 (§13.5, march/semantics.div); float division gives NaN
+            inputs[1] = _divisor_one_at_zero_over_zero(b, node, *inputs)
         ONNX_CONVERTERS[io.float_op](b, Node(io.float_op, inputs, list(node.outputs), attrs, node.site))
         return
     ref = node.attrs.get("reference")
@@ -347,3 +349,15 @@ def _table_reference(b: _Builder, node: Node) -> None:
     if ref["op"] == "layer_norm":
         inputs += [ref.get("weight", ""), ref.get("bias", "")]
     ONNX_CONVERTERS[ref["op"]](b, Node(ref["op"], inputs, list(node.outputs), attrs, node.site))
+
+
+def _divisor_one_at_zero_over_zero(b: _Builder, node: Node, x: str, y: str) -> str:
+    """``where(x == 0 and y == 0, 1, y)``: the divisor that makes ``x / y`` the march's ``0 / 0 = 0``."""
+    dtype = b.dtype(y) or "float32"
+    zero, one = (b.init(torch.tensor(v, dtype=getattr(torch, dtype)), f"{node.outputs[0]}/{n}")
+                 for v, n in ((0.0, "zero"), (1.0, "one")))
+    both = b.add("And", [b.add("Equal", [b.value(x), zero], f"{node.outputs[0]}/x0", dtype="bool"),
+                         b.add("Equal", [b.value(y), zero], f"{node.outputs[0]}/y0", dtype="bool")],
+                 f"{node.outputs[0]}/both0", dtype="bool")
+    return b.add("Where", [both, one, b.value(y)], f"{node.outputs[0]}/divisor", dtype=dtype, rank=b.rank(y))
+
