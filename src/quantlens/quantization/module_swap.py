@@ -21,34 +21,43 @@ def _aliases(model: nn.Module, name: str) -> list[str]:
     return [n for n, m in model.named_modules(remove_duplicate=False) if m is target] or [name]
 
 
-def _replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    """Put ``new`` in the place of the submodule ``name`` under each of its names, so it is still one module, and
-    in the plain lists, tuples and dicts of the model's modules that hold it (a library's ``self.layers = [conv,
-    norm]`` registered with ``add_module`` and called from the list: the call must reach the QAT module)."""
+def _replace_module(model: nn.Module, name: str, new: nn.Module, replaced: dict) -> None:
+    """Put ``new`` in the place of the submodule ``name`` under each of its names, so it is still one module;
+    ``replaced`` records it (id of the old module -> (old, new): the old one kept alive, so no later module takes
+    its id) for :func:`_rebind_plain_containers`."""
     old = model.get_submodule(name)
+    replaced[id(old)] = (old, new)
     for alias in _aliases(model, name):
         _set_submodule(model, alias, new)
+
+
+def _rebind_plain_containers(model: nn.Module, replaced: dict) -> None:
+    """The swapped modules also in the plain lists, tuples and dicts of the model's modules that hold them (a
+    library's ``self.layers = [conv, norm]`` registered with ``add_module`` and called from the list: the call must
+    reach the QAT module). One pass over the model after every swap."""
+    if not replaced:
+        return
     for module in model.modules():
         for attr, value in list(vars(module).items()):
             if attr.startswith("_") or not isinstance(value, (list, tuple, dict)):
                 continue
-            replaced = _replaced_in(value, old, new)
-            if replaced is not value:
-                object.__setattr__(module, attr, replaced)
+            rebound = _replaced_in(value, replaced)
+            if rebound is not value:
+                object.__setattr__(module, attr, rebound)
 
 
-def _replaced_in(value, old: nn.Module, new: nn.Module):
-    """``value`` (a list, tuple or dict, nested ones too) with ``old`` replaced by ``new``; ``value`` itself where
-    it does not hold ``old`` (lists and dicts are changed in place, so other references see the change)."""
+def _replaced_in(value, replaced: dict):
+    """``value`` (a list, tuple or dict, nested ones too) with each replaced module by its new one; ``value`` itself
+    where it holds none (lists and dicts are changed in place, so other references see the change)."""
     if isinstance(value, dict):
         items = list(value.items())
     elif isinstance(value, (list, tuple)):
         items = list(enumerate(value))
     else:
-        return new if value is old else value
+        pair = replaced.get(id(value)) if isinstance(value, nn.Module) else None
+        return pair[1] if pair is not None and pair[0] is value else value
     changed = {key: new_item for key, item in items
-               if (new_item := _replaced_in(item, old, new) if isinstance(item, (list, tuple, dict)) or item is old
-                   else item) is not item}
+               if (new_item := _replaced_in(item, replaced)) is not item}
     if not changed:
         return value
     if isinstance(value, tuple):
@@ -65,6 +74,7 @@ def swap_modules(
     """Replace weighted modules by QAT classes (fused with their BatchNorm where grouped), under every name."""
     bn_of = {g.head: g.bn for g in groups if g.bn is not None}
     weight_dtypes: dict[str, QuantDType] = {}
+    replaced: dict[int, tuple[nn.Module, nn.Module]] = {}
     for site in record.sites.values():
         if not site.is_module or "@" in site.name:
             continue
@@ -79,14 +89,15 @@ def swap_modules(
             cls = fused_class_for(module)
             bn = model.get_submodule(bn_of[site.name])
             new = cls.from_modules(module, bn, wspec)
-            _replace_module(model, bn_of[site.name], nn.Identity())
+            _replace_module(model, bn_of[site.name], nn.Identity(), replaced)
         else:
             cls = qat_class_for(module)
             if cls is None:
                 continue
             new = cls.from_float(module, wspec)
-        _replace_module(model, site.module_name, new)
+        _replace_module(model, site.module_name, new, replaced)
         weight_dtypes[site.name] = wspec.dtype
+    _rebind_plain_containers(model, replaced)
     return weight_dtypes
 
 
