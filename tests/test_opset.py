@@ -57,7 +57,7 @@ def test_stage_support_follows_from_the_ir_ops():
     assert OPS["log_softmax"].refused_by() == []  # its table op (§13.6.1) converts
     # a table op type without a table lowers to its float IR op, which convert refuses
     assert OpDef("no_table", Category.TABLE, "", ("log_softmax",)).refused_by() == [Stage.CONVERT]
-    assert OPS["argsort"].refused_by()[0] is Stage.EXPORT  # no lowering
+    assert OPS["argmin"].refused_by()[0] is Stage.EXPORT  # no lowering
     assert OPS["avg_pool1d"].refused_by() == [] and OPS["conv_transpose2d"].refused_by() == []
     assert OPS["size"].refused_by() == []  # metadata gets no op site
 

@@ -393,3 +393,47 @@ def test_a_library_custom_op_runs_on_the_host(tmp_path):
         from quantlens.compiler import to_onnx
 
         to_onnx(qat_ir, tmp_path / "m.onnx")
+
+
+def test_analyze_writes_each_pair_as_soon_as_its_two_models_exist(tmp_path, monkeypatch):
+    """`--stage all` analyses a pair right after its second model is built: when export starts, the fake_quant and
+    pre_export pairs' reports are already on disk (a slow or failing export holds nothing back)."""
+    from rich.console import Console
+
+    from quantlens.cli import stages as stages_mod
+    from quantlens.cli.analyze import analyze_config
+    from quantlens.cli.config import load_config
+
+    config = tmp_path / "small.py"
+    config.write_text(
+        "import torch\n"
+        "from quantlens.quantization import QuantStub, DeQuantStub\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.q, self.dq, self.a = QuantStub(), DeQuantStub(), torch.nn.Linear(6, 3)\n"
+        "    def forward(self, x):\n"
+        "        return self.dq(self.a(self.q(x)))\n"
+        "def float_model():\n    torch.manual_seed(0)\n    return Net().eval()\n"
+        "def example_inputs():\n    return torch.randn(4, 6)\n"
+        "def calibration_data():\n    return [torch.randn(4, 6) for _ in range(2)]\n"
+        "dynamic_batch = False\n")
+    out = tmp_path / "out"
+    seen = {}
+    real_export = stages_mod._export
+
+    def export_after_looking(flow, s):
+        seen.update({pair: (out / pair / "profiler.html").is_file() for pair in ("fake_quant", "pre_export", "export")})
+        raise RuntimeError("export stopped by the test")
+
+    steps = tuple((st, name, export_after_looking if run is real_export else run) for st, name, run in stages_mod._STEPS)
+    monkeypatch.setattr(stages_mod, "_STEPS", steps)
+    code = analyze_config(load_config(config), ["fake_quant", "pre_export", "export", "convert"], out,
+                          sensitivity=False, console=Console(file=open(tmp_path / "log.txt", "w")), progress=False)
+    assert seen == {"fake_quant": True, "pre_export": True, "export": False}
+    assert code == 2
+    import json
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failed_stage"]["stage"] == "export"
+    assert [p["analysis_type"] for p in summary["pairs"]] == ["fake_quant", "pre_export", "export", "convert"]

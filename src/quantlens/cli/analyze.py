@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from rich.markup import escape
 
@@ -82,24 +83,40 @@ def analyze_config(cfg, kinds: list[str], out_dir: Path, *, sensitivity: bool = 
         set_march(cfg.march)
     out_dir.mkdir(parents=True, exist_ok=True)
     example = cfg.example_inputs()
+    data = cfg.evaluation_data or cfg.calibration_data
+    done: dict[str, Any] = {}
+
+    def analyse(stages, ready: list[str]) -> None:
+        done.update(zip(ready, analyze_pairs(stages, ready, out_dir, data, example, post_process=cfg.post_process,
+                                             num_steps=cfg.num_steps, sensitivity=sensitivity, progress=progress,
+                                             step=lambda s: console.rule(f"[bold]{s}"))))
+
     with console.status("building the stages") as status:
+        def built(stage: str, stages) -> None:
+            # each pair is analysed (its reports written) as soon as its two models exist: a later stage that is
+            # slow or fails does not hold back what is already known
+            ready = [k for k in kinds if k not in done and all(getattr(stages, n) is not None for n in PAIRS[k])]
+            if ready:
+                status.stop()  # one live display at a time: the analyses show their own progress
+                analyse(stages, ready)
+                status.start()
+
         stages = build_stages(cfg.float_model(), example, cfg.calibration_data, cfg.calibration_qconfig_setter,
                               qat_qconfig_setter=cfg.qat_qconfig_setter, train_qat=cfg.train_qat, upto=upto,
                               out_dir=out_dir, dynamic_batch=cfg.dynamic_batch, allow_no_stubs=cfg.allow_no_stubs,
-                              step=lambda s: status.update(f"building the stages: {s}"), keep_going=True)
+                              step=lambda s: status.update(f"building the stages: {s}"), keep_going=True,
+                              built=built)
+    analyse(stages, [k for k in kinds if k not in done])  # the pairs never built: reported as skipped, with why
+    results = [done[k] for k in kinds]
     for f in stages.files:
         console.print(f"wrote {f}")
     metrics = []
-    if cfg.evaluate is not None:  # the task metric per stage, before the per-layer analyses
+    if cfg.evaluate is not None:  # the task metric per stage
         from quantlens.cli.stage_metrics import metrics_table, stage_metrics
 
         with console.status("evaluate(model) on every stage"):
             metrics = stage_metrics(stages, cfg.evaluate)
         console.print(metrics_table(metrics, cfg.higher_is_better))
-    data = cfg.evaluation_data or cfg.calibration_data
-    results = analyze_pairs(stages, kinds, out_dir, data, example, post_process=cfg.post_process,
-                            num_steps=cfg.num_steps, sensitivity=sensitivity, progress=progress,
-                            step=lambda s: console.rule(f"[bold]{s}"))
     from quantlens.cli.stage_metrics import metrics_line
 
     index = write_index(results, out_dir, f"quantlens analyze {cfg.path.name}", metrics_line(metrics))

@@ -115,13 +115,15 @@ def build_stages(float_model: torch.nn.Module, example_inputs: Any, calibration_
                  calibration_qconfig_setter: Any, *, qat_qconfig_setter: Any = None,
                  train_qat: Callable[[torch.nn.Module], None] | None = None, upto: str = "onnx",
                  out_dir: Path | None = None, dynamic_batch: bool = True, step: Callable[[str], None] | None = None,
-                 allow_no_stubs: bool = False, keep_going: bool = False) -> Stages:
+                 allow_no_stubs: bool = False, keep_going: bool = False,
+                 built: Callable[[str, Stages], None] | None = None) -> Stages:
     """Build the stages up to ``upto`` (a stage name). With ``out_dir`` the IRs (and the ONNX file) are saved
     there. ``train_qat(model)`` trains the QAT model (prepared with ``qat_qconfig_setter``, loaded from the
     calibrated state) and leaves it in eval mode / VALIDATION state; without it QAT is skipped.
     ``allow_no_stubs`` is :func:`~quantlens.quantization.prepare`'s. With ``keep_going`` a failing stage after
     the first is recorded in ``Stages.failed`` / ``Stages.error`` instead of raised (the models before it are
-    kept); the first (prepare and calibration) raises, as nothing could be reported."""
+    kept); the first (prepare and calibration) raises, as nothing could be reported. ``built(stage, stages)`` is
+    called after each stage is built, so a caller can analyse a pair as soon as its two models exist."""
     flow = _Flow(float_model, example_inputs, calibration_data, calibration_qconfig_setter, qat_qconfig_setter,
                  train_qat, out_dir, dynamic_batch, allow_no_stubs)
     last = STAGE_ORDER.index(upto)
@@ -140,4 +142,6 @@ def build_stages(float_model: torch.nn.Module, example_inputs: Any, calibration_
             s.failed, s.error = name, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
             setattr(s, stage, None)
             break
+        if built is not None:
+            built(stage, s)
     return s
