@@ -17,7 +17,7 @@ from quantlens.compiler.cost import estimate_latency
 from quantlens.errors import QuantLensError
 from quantlens.quantization import DeQuantStub, QuantStub, calibrate, pre_export, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
-from quantlens.zoo.coverage import THRESHOLDS, run_stages
+from quantlens.zoo.coverage import ONNXRUNTIME_PAIR, THRESHOLDS, run_stages
 
 
 class _Convs(nn.Module):
@@ -307,15 +307,19 @@ def test_gpt2_with_its_cache_goes_through_every_stage():
     assert result.passed, result.agreements
 
 
-def test_deberta_relative_positions_stay_exact():
-    """DeBERTa-v2's relative-position buckets (sign, abs, log, ceil on positions made inside forward, then a cast and
-    a gather) run on the host: no fake quant on them, so the gathers read exact indices at every stage."""
+def _deberta():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.DebertaV2Config(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                        intermediate_size=64, max_position_embeddings=64, relative_attention=True,
                                        position_buckets=8, pos_att_type=["p2c", "c2p"], max_relative_positions=16)
-    model = transformers.DebertaV2Model(cfg).eval()
+    return transformers.DebertaV2Model(cfg).eval()
+
+
+def test_deberta_relative_positions_stay_exact():
+    """DeBERTa-v2's relative-position buckets (sign, abs, log, ceil on positions made inside forward, then a cast and
+    a gather) run on the host: no fake quant on them, so the gathers read exact indices at every stage."""
+    model = _deberta()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prepared = prepare(model, _ids(), default_calibration_qconfig_setter, check_result_dir=None)
@@ -325,6 +329,48 @@ def test_deberta_relative_positions_stay_exact():
     result = run_stages("deberta_v2", model, _ids(), [_ids() for _ in range(3)], _ids())
     assert result.failed_stage is None, result.error
     assert result.passed, result.agreements
+
+
+def test_deberta_with_a_dynamic_batch_goes_through_every_stage_at_another_batch_size():
+    """``pos.repeat(q.size(0) // heads, 1, 1)`` repeats by a count made from the dynamic batch: an index_select of
+    one row per batch row. Exported at batch 2, every stage (onnxruntime too) runs batch 3 within the criteria."""
+    model = _deberta()
+    result = run_stages("deberta_v2_dynamic", model, _ids(), [_ids() for _ in range(3)],
+                        torch.randint(0, 99, (3, 8)), dynamic_batch=True)
+    assert result.failed_stage is None, result.error
+    assert result.passed, result.agreements
+    assert ONNXRUNTIME_PAIR in result.agreements
+
+
+@pytest.mark.parametrize("count", ["batch", "batch // 2", "2 * batch"])
+def test_repeat_by_a_count_made_from_the_dynamic_batch_matches_torch(count):
+    class RepeatByBatch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.dq, self.lin = QuantStub(), DeQuantStub(), nn.Linear(4, 4)
+            self.register_buffer("table", torch.randn(3, 4))
+
+        def forward(self, x):
+            n = eval(count, {"batch": x.size(0)})  # noqa: S307 - one of three fixed test expressions
+            rows = self.lin(self.q(self.table)).repeat(n, 2)
+            return self.dq(rows), self.dq(self.lin(self.q(x)))
+
+    torch.manual_seed(0)
+    model = RepeatByBatch().eval()
+    make = lambda b=4: torch.randn(b, 4)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = calibrate(prepare(model, make(), default_calibration_qconfig_setter, check_result_dir=None),
+                             [make() for _ in range(3)])
+    qat = export(pre_export(prepared, example_inputs=make()), make(), dynamic_batch=True)
+    quantized = convert(qat)
+    for batch in (2, 6):
+        x = make(batch)
+        expected = prepared(x)[0]
+        assert expected.shape[0] == 3 * eval(count, {"batch": batch})  # noqa: S307
+        assert torch.equal(qat(x)[0], expected)
+        assert quantized(x)[0].shape == expected.shape
+        assert torch.equal(quantized(x)[0], qat(x)[0])
 
 
 def test_analyze_reports_the_pairs_built_before_a_stage_that_fails(tmp_path):

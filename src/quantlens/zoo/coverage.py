@@ -159,7 +159,8 @@ def _onnx_outputs(path: Path, ir, inputs: Any) -> list[torch.Tensor]:
     return [torch.from_numpy(o) for o in outs if o.dtype.kind == "f"]
 
 
-def _steps(model, example, batches, qconfig: str, folder: Path, onnx: bool) -> list[tuple[str, Callable]]:
+def _steps(model, example, batches, qconfig: str, folder: Path, onnx: bool,
+           dynamic_batch: bool = False) -> list[tuple[str, Callable]]:
     """(stage, step) in order; a step takes the results so far ({stage: model}) and returns the stage's model."""
     def prepare_stage(_):
         with warnings.catch_warnings():
@@ -169,7 +170,7 @@ def _steps(model, example, batches, qconfig: str, folder: Path, onnx: bool) -> l
     steps = [("float", lambda _: model.eval()), ("prepare", prepare_stage),
              ("calibration", lambda st: calibrate(st["prepare"], batches)),
              ("pre_export", lambda st: pre_export(st["calibration"], example_inputs=example)),
-             ("export", lambda st: export(st["pre_export"], example)),
+             ("export", lambda st: export(st["pre_export"], example, dynamic_batch=dynamic_batch)),
              ("convert", lambda st: convert(st["export"])),
              ("save/load", lambda st: load(save(st["convert"], folder / "model.qlir")))]
     if onnx:
@@ -178,13 +179,15 @@ def _steps(model, example, batches, qconfig: str, folder: Path, onnx: bool) -> l
 
 
 def run_stages(name: str, model: torch.nn.Module, example: Any, batches: list, held_out: Any,
-               qconfig: str = "int8", *, onnx: bool = True) -> CoverageResult:
-    """Take ``model`` through every stage (see the module docstring); never raises for a stage's failure."""
+               qconfig: str = "int8", *, onnx: bool = True, dynamic_batch: bool = False) -> CoverageResult:
+    """Take ``model`` through every stage (see the module docstring); never raises for a stage's failure. With
+    ``dynamic_batch`` the IR keeps dim 0 of its inputs dynamic: ``held_out`` may then have another batch size than
+    ``example``."""
     result = CoverageResult(name, qconfig)
     outs: dict[str, list[torch.Tensor]] = {}
     state: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="quantlens_coverage_") as tmp:
-        for stage, step in _steps(model, example, batches, qconfig, Path(tmp), onnx):
+        for stage, step in _steps(model, example, batches, qconfig, Path(tmp), onnx, dynamic_batch):
             start = time.perf_counter()
             try:
                 state[stage] = step(state)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import fx
 
 from quantlens.compiler.ir import Node, ValueInfo
+from quantlens.compiler.lowering.movement import batch_rows
 from quantlens.compiler.lowering.rules import (
     TORCH_OPS,
     _emit,
@@ -63,28 +64,40 @@ TORCH_OPS.setdefault("linear", aten.linear.default)
 def _repeat(ctx, node):
     """``x.repeat(r_0, ..., r_k)``: a reshape that puts a 1 before each dim, an ``expand`` of those to ``r_i``, and a
     reshape that merges each pair (data movement: the values keep their grid). torch's own decomposition of repeat
-    leaves strides that a later ``view`` (wavlm's position bias) cannot take."""
+    leaves strides that a later ``view`` (wavlm's position bias) cannot take. A count computed from the dynamic
+    batch (DeBERTa's ``pos.repeat(q.size(0) // heads, 1, 1)``) is an ``index_select`` of index 0 as many times as
+    the count has rows (``batch_rows``): the IR's expand takes static sizes only."""
     bound = _normalized(node)
-    if any(isinstance(r, fx.Node) for r in bound["repeats"]):
-        raise QuantLensError(f"export: repeat at op site '{_site(node) or '<none>'}' ({_source(node)}) repeats by a "
-                             "count computed from the dynamic batch (e.g. x.repeat(batch // heads, 1, 1)), which the "
-                             "IR's static repeat cannot express; export with dynamic_batch=False (one IR per batch "
-                             "size), or at the deployment batch size.")
-    reps = [int(r) for r in bound["repeats"]]
+    symbolic = [i for i, r in enumerate(bound["repeats"]) if isinstance(r, fx.Node)]
     shape = list(_info(bound["self"]).shape)
-    shape = [1] * (len(reps) - len(shape)) + shape
+    shape = [1] * (len(bound["repeats"]) - len(shape)) + shape
+    rows = batch_rows(ctx, node, bound["repeats"][symbolic[0]]) if len(symbolic) == 1 else None
+    if symbolic and (rows is None or any(d < 0 for d in shape)):
+        raise QuantLensError(f"export: repeat at op site '{_site(node) or '<none>'}' ({_source(node)}) repeats "
+                             f"{'a dynamic dim' if any(d < 0 for d in shape) else 'by counts'} computed at run time "
+                             "in a form the IR cannot follow (it follows one count that is the dynamic batch, or a "
+                             "multiple or quotient of it by a constant, of a tensor of static shape); export with "
+                             "dynamic_batch=False (one IR per batch size), or at the deployment batch size.")
     if any(d < 0 for d in shape):
         raise QuantLensError(f"export: repeat at op site '{_site(node)}' ({_source(node)}) of a dynamic dim; export "
                              "with static shapes (dynamic_batch=False).")
+    reps = [-1 if i in symbolic else int(r) for i, r in enumerate(bound["repeats"])]
     value, dtype = _value(ctx, bound["self"]), _info(node).dtype
-    steps = (("reshape", [d for s in shape for d in (1, s)]), ("expand", [d for r, s in zip(reps, shape)
-                                                                        for d in (r, s)]))
-    for op, new_shape in steps:
-        name = ctx.fresh(f"{node.name}_{op}")
-        ctx.graph.nodes.append(Node(op, [value], [name], {"shape": new_shape}, _site(node)))
-        ctx.graph.values[name] = ValueInfo(tuple(new_shape), dtype)
-        value = name
-    _emit(ctx, node, "reshape", [value], {"shape": [r * s for r, s in zip(reps, shape)]})
+    value = _step(ctx, node, "reshape", [value], {"shape": [d for s in shape for d in (1, s)]}, dtype)
+    if rows is not None:  # index 0 of the inserted dim, once per row of the count
+        index = _step(ctx, node, "cast", [rows], {"dtype": "int64"}, "int64", (-1,))
+        index = _step(ctx, node, "fill", [index], {"value": 0}, "int64", (-1,))
+        value = _step(ctx, node, "index_select", [value, index], {"dim": 2 * symbolic[0]}, dtype,
+                      [d for r, s in zip(reps, shape) for d in (-1 if r < 0 else 1, s)])
+    value = _step(ctx, node, "expand", [value], {"shape": [d for r, s in zip(reps, shape) for d in (r, s)]}, dtype)
+    _emit(ctx, node, "reshape", [value], {"shape": [-1 if r < 0 else r * s for r, s in zip(reps, shape)]})
+
+
+def _step(ctx, node, op: str, inputs: list[str], attrs: dict, dtype: str, shape=None) -> str:
+    name = ctx.fresh(f"{node.name}_{op}")
+    ctx.graph.nodes.append(Node(op, inputs, [name], attrs, _site(node)))
+    ctx.graph.values[name] = ValueInfo(tuple(attrs["shape"] if shape is None else shape), dtype)
+    return name
 
 
 _register(aten.repeat.default, _repeat)

@@ -254,43 +254,73 @@ def _quantlens_custom(ctx, node):
 
 
 # -- tensors sized by the dynamic batch --------------------------------------------------------------------------
+def _append(ctx, node: fx.Node, op: str, value: str, attrs: dict, shape: list[int], dtype: str) -> str:
+    out = ctx.fresh(f"{node.name}_{op}")
+    ctx.graph.nodes.append(Node(op, [value], [out], attrs, _site(node)))
+    ctx.graph.values[out] = ValueInfo(tuple(shape), dtype)
+    return out
+
+
+def batch_rows(ctx, node: fx.Node, size) -> str | None:
+    """A 1-d value with one element per unit of the run-time size ``size`` (a SymInt node of shape math on the
+    dynamic batch), made by data movement from the tensor the size was read from: ``x.size(d)`` on a dynamic dim
+    (``select`` index 0 on every other dim), ``n // c`` (every c-th element from the c-th: floor(n / c) of them) and
+    ``n * c`` (each element c times). The IR has no integer scalars; a size it can follow is a tensor's length.
+    None for any other form."""
+    if not isinstance(size, fx.Node):
+        return None
+    if size.target is aten.sym_size.int:
+        tensor, dim = size.args
+        shape = list(_info(tensor).shape)
+        dim %= len(shape)
+        if shape[dim] != -1:
+            return None
+        name, dtype = _value(ctx, tensor), _info(tensor).dtype
+        for k in reversed(range(len(shape))):  # down to the dynamic dim alone: shape [-1]
+            if k != dim:
+                shape.pop(k)
+                name = _append(ctx, node, "select", name, {"dim": k, "index": 0}, shape, dtype)
+        return name
+    if size.target not in (operator.floordiv, operator.mul) or len(size.args) != 2:
+        return None
+    a, b = size.args
+    inner_node, factor = (b, a) if size.target is operator.mul and isinstance(a, int) else (a, b)
+    if not isinstance(factor, int) or factor < 1:
+        return None
+    inner = batch_rows(ctx, node, inner_node)
+    if inner is None:
+        return None
+    dtype = ctx.graph.values[inner].dtype
+    if size.target is operator.floordiv:
+        return _append(ctx, node, "slice", inner, {"dim": 0, "start": factor - 1, "end": 2**63 - 1, "step": factor},
+                       [-1], dtype)
+    wide = _append(ctx, node, "reshape", inner, {"shape": [-1, 1]}, [-1, 1], dtype)
+    wide = _append(ctx, node, "expand", wide, {"shape": [-1, factor]}, [-1, factor], dtype)
+    return _append(ctx, node, "reshape", wide, {"shape": [-1]}, [-1], dtype)
+
+
 def _batch_sized_full(ctx, node):
     """``zeros`` / ``full`` whose size holds the dynamic batch (an ``nn.LSTM``'s zero initial state under a
     symbolic batch): not a constant, so it is built from the tensor the batch size was read from. One element per
-    batch row (``select`` index 0 on its other dims), shaped and expanded to the size, then filled. A static size
-    is a constant (folded before lowering)."""
+    unit of that size (``batch_rows``), shaped and expanded to the size, then filled. A static size is a constant
+    (folded before lowering)."""
     size = list(node.args[0])
     value = 0.0 if node.target is aten.zeros.default else float(node.args[1])
     dynamic = [(i, a) for i, a in enumerate(size) if isinstance(a, fx.Node)]
-    source = dynamic[0][1] if len(dynamic) == 1 else None
-    if source is None or source.target is not aten.sym_size.int or _dim(source.meta.get("val")) != -1:
+    name = batch_rows(ctx, node, dynamic[0][1]) if len(dynamic) == 1 else None
+    if name is None:
         raise QuantLensError(
             f"export: op site '{_site(node)}' ({_source(node)}) makes a tensor whose size is computed at run time "
             f"({node.target}); the IR supports sizes that are constants or the dynamic batch read from an input "
-            "(x.size(0)). Pass the state explicitly, or export with dynamic_batch=False.")
-    position = dynamic[0][0]
-    tensor, dim = source.args[0], source.args[1]
-    name, shape = _value(ctx, tensor), list(_info(tensor).shape)
-    dim %= len(shape)
-    for k in reversed(range(len(shape))):  # down to the batch dim alone: shape [-1]
-        if k == dim:
-            continue
-        out = ctx.fresh("batch_rows")
-        ctx.graph.nodes.append(Node("select", [name], [out], {"dim": k, "index": 0}, _site(node)))
-        shape.pop(k)
-        ctx.graph.values[out] = ValueInfo(tuple(shape), _info(tensor).dtype)
-        name = out
+            "(x.size(0), or a multiple or quotient of it by a constant). Pass the state explicitly, or export with "
+            "dynamic_batch=False.")
+    position, dtype = dynamic[0][0], ctx.graph.values[name].dtype
     target = [-1 if i == position else int(a) for i, a in enumerate(size)]
-    for op, attrs_shape in (("reshape", [-1 if i == position else 1 for i in range(len(size))]), ("expand", target)):
-        out = ctx.fresh(f"batch_{op}")
-        ctx.graph.nodes.append(Node(op, [name], [out], {"shape": attrs_shape}, _site(node)))
-        ctx.graph.values[out] = ValueInfo(tuple(attrs_shape), _info(tensor).dtype)
-        name = out
-    if _info(node).dtype != _info(tensor).dtype:
-        out = ctx.fresh("batch_cast")
-        ctx.graph.nodes.append(Node("cast", [name], [out], {"dtype": _info(node).dtype}, _site(node)))
-        ctx.graph.values[out] = ValueInfo(tuple(target), _info(node).dtype)
-        name = out
+    name = _append(ctx, node, "reshape", name, {"shape": [-1 if i == position else 1 for i in range(len(size))]},
+                   [-1 if i == position else 1 for i in range(len(size))], dtype)
+    name = _append(ctx, node, "expand", name, {"shape": target}, target, dtype)
+    if _info(node).dtype != dtype:
+        name = _append(ctx, node, "cast", name, {"dtype": _info(node).dtype}, target, _info(node).dtype)
     _emit(ctx, node, "fill", [name], {"value": value})
 
 
