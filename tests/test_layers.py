@@ -15,8 +15,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 #: bottom to top; a module belongs to the layer of the longest prefix that names it
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("quantlens", "quantlens.errors", "quantlens._io", "quantlens._finite", "quantlens._threads",
-              "quantlens.march")),
+    ("base", ("quantlens", "quantlens.errors", "quantlens._advice", "quantlens._io", "quantlens._finite",
+              "quantlens._threads", "quantlens.march")),
     ("kernels", ("quantlens.kernels",)),
     ("quantization", ("quantlens.quantization",)),
     ("compiler", ("quantlens.compiler",)),

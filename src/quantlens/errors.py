@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["QuantLensError", "DiskFullError"]
+__all__ = ["QuantLensError", "DiskFullError", "QuantLensWarning"]
 
 
 class QuantLensError(Exception):
     """A problem the user can fix: the message says what was wrong, where, what was expected and how to fix it."""
+
+
+class QuantLensWarning(UserWarning):
+    """A warning of quantlens itself (a library's own warnings keep their category: the command line prints them as
+    that library's, not as quantlens' findings)."""
 
 
 class DiskFullError(QuantLensError):

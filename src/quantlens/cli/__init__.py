@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from pathlib import Path
 
-__all__ = ["main", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_USAGE", "UsageError"]
+from quantlens._advice import speaking_to
+
+__all__ = ["main", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_USAGE", "UsageError", "warning_origin"]
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
@@ -63,11 +66,26 @@ def main(argv: list[str] | None = None) -> int:
     # columns, splitting the paths and the suggested commands that users copy from it.
     err = Console(stderr=True, highlight=False, soft_wrap=not sys.stderr.isatty())
     _quiet_torch()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), speaking_to("config"):  # advice names what a CONFIG user changes
         if not debug:  # a warning is one line in words, not Python's "file:line: UserWarning" and a source line
-            warnings.showwarning = lambda message, category, *rest: err.print(
-                f"[yellow]warning:[/] {escape(str(message))}")
+            warnings.showwarning = lambda message, category, filename, lineno, *rest: err.print(
+                f"[yellow]{warning_origin(category, filename, lineno)}[/] {escape(str(message))}")
         return _run(args, err, debug)
+
+
+def warning_origin(category: type, filename: str, lineno: int) -> str:
+    """``warning:`` for quantlens' own warnings (:class:`~quantlens.errors.QuantLensWarning`); another warning names
+    the package of the code it points at and the line (torch's warning about a GRU's weights during export is
+    torch's, not a finding of quantlens)."""
+    from quantlens.errors import QuantLensWarning
+
+    if issubclass(category, QuantLensWarning):
+        return "warning:"
+    path = Path(filename)
+    parts = path.parts
+    package = next((parts[i + 1] for i in range(len(parts) - 1) if parts[i] in ("site-packages", "dist-packages")),
+                   path.name)
+    return f"warning from {package.removesuffix('.py')} ({path.name}:{lineno}):"
 
 
 def _run(args, err, debug: bool) -> int:

@@ -21,10 +21,11 @@ import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from quantlens._advice import setting
 from quantlens.compiler.ir import InputLeaf, Module, ValueInfo
 from quantlens.compiler.lowering import decompose_unlowered, lower_exported_program
 from quantlens.compiler.output_containers import register_containers_of
-from quantlens.errors import QuantLensError
+from quantlens.errors import QuantLensError, QuantLensWarning
 from quantlens.kernels import TABLE_OP_IO
 from quantlens.quantization.fake_quantize import FakeQuantize
 from quantlens.quantization.prepare import is_prepared
@@ -152,7 +153,7 @@ def export(
 
     never = uncalibrated_sites(model)
     if never:
-        warnings.warn(uncalibrated_message("export", never), stacklevel=2)
+        warnings.warn(uncalibrated_message("export", never), stacklevel=2, category=QuantLensWarning)
     if apply_pre_export:
         model = _with_tables(model, example_inputs)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -186,9 +187,10 @@ def export(
                 if traced is tensors:
                     raise
                 raise QuantLensError(
-                    "export(dynamic_batch=True): torch.export fixes size-1 dims, so the batch-1 example was traced "
-                    f"on a batch-2 copy, and that failed: {exc} If the forward depends on the batch size, export "
-                    "with the default dynamic_batch=False, or with an example of the deployment batch size."
+                    f"export with {setting('dynamic_batch', True)}: torch.export fixes size-1 dims, so the batch-1 "
+                    f"example was traced on a batch-2 copy, and that failed: {exc} If the forward depends on the "
+                    f"batch size, export with {setting('dynamic_batch', False)} (the default), or with an example of "
+                    "the deployment batch size."
                 ) from exc
             # In-place ops (x += y, x.mul_(2), x[:, 0] = 0, clamp_) become their functional forms, and an op with no
             # lowering rule takes torch's own decomposition before lowering refuses it
@@ -234,8 +236,8 @@ def _batch_example(tensors: tuple) -> tuple[tuple, list[int]]:
     largest dim 0; inputs with another dim 0 (e.g. a size-1 tensor broadcast over the batch) stay static."""
     sizes = [t.shape[0] for t in tensors if t.dim() > 0]
     if not sizes:
-        raise QuantLensError("export(dynamic_batch=True): no tensor input has a dim 0 to make dynamic; export "
-                             "with the default dynamic_batch=False.")
+        raise QuantLensError(f"export with {setting('dynamic_batch', True)}: no tensor input has a dim 0 to make "
+                             f"dynamic; export with {setting('dynamic_batch', False)} (the default).")
     batch = max(sizes)
     if batch != 1:
         return tensors, [k for k, t in enumerate(tensors) if t.dim() > 0 and t.shape[0] == batch]
@@ -249,10 +251,12 @@ def _check_dynamic_batch(graph, batched_names: list[str]) -> None:
     if static:
         shapes = {name: list(graph.values[name].shape) for name in static}
         raise QuantLensError(
-            f"export(dynamic_batch=True): torch.export fixed the batch dim (dim 0) of input(s) {shapes}: the model "
+            f"export with {setting('dynamic_batch', True)}: torch.export fixed the batch dim (dim 0) of input(s) "
+            f"{shapes}: the model "
             "computes with the batch size beyond reshapes (e.g. a reshape to a literal batch, a mask built with "
-            "arange(batch), a branch on the batch size), so its graph holds only for that batch. Export with the "
-            "default dynamic_batch=False (one IR per batch size), or make the forward batch-agnostic (reshape "
+            "arange(batch), a branch on the batch size), so its graph holds only for that batch. Export with "
+            f"{setting('dynamic_batch', False)} (the default: one IR per batch size), or make the forward "
+            "batch-agnostic (reshape "
             "with -1 or x.shape[0])."
         )
 
@@ -270,10 +274,11 @@ def _check_batch_one(module: Module, feeds: dict, eager: tuple) -> None:
     )
     if differs:
         raise QuantLensError(
-            "export(dynamic_batch=True): the model was traced on a batch-2 copy of its batch-1 example (torch.export "
+            f"export with {setting('dynamic_batch', True)}: the model was traced on a batch-2 copy of its batch-1 "
+            "example (torch.export "
             "fixes size-1 dims), and at batch 1 the IR does not compute what the model computes (output shapes "
             f"{got}, the model's {want}): the forward depends on the batch size (e.g. a branch on batch 1). Export "
-            "with an example of batch 2 or more, or with the default dynamic_batch=False."
+            f"with an example of batch 2 or more, or with {setting('dynamic_batch', False)} (the default)."
         )
 
 

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from quantlens._advice import setting
 from quantlens._finite import all_finite
 from quantlens.compiler.output_containers import load_spec
 from quantlens.errors import QuantLensError
@@ -372,13 +373,13 @@ def _check_input(name: str, value: Any, info: ValueInfo | None, check_finite: bo
         raise QuantLensError(
             f"IR input '{name}' has batch {value.shape[0]} (shape {got}), but the IR was exported with a static "
             f"batch of {info.shape[0]} (shape {want}): shapes are fixed at export, as on the NPU. Export with "
-            f"`export(..., dynamic_batch=True)` to serve any batch size, or call it with batch {info.shape[0]}."
+            f"{setting('dynamic_batch', True)} to serve any batch size, or call it with batch {info.shape[0]}."
         )
     if bad:
         dims = ", ".join(f"dim {i} is {value.shape[i]}, expected {info.shape[i]}" for i in bad)
         raise QuantLensError(
             f"IR input '{name}' has shape {got}, but the IR was exported for shape {want} ({dims}). Shapes are "
-            "fixed at export (only a dynamic batch, `export(..., dynamic_batch=True)`, varies): resize the input "
+            f"fixed at export (only a dynamic batch, {setting('dynamic_batch', True)}, varies): resize the input "
             "to that shape, or export again with an example of this shape."
         )
     if _dtype_name(value.dtype) != info.dtype:

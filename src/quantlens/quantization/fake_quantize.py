@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
-from quantlens.errors import QuantLensError
+from quantlens.errors import QuantLensError, QuantLensWarning
 from quantlens.march import QuantDType
 from quantlens.march.numerics import fake_quant, fake_quant_range
 from quantlens.quantization.qconfig import QuantSpec
@@ -337,7 +337,7 @@ def set_fake_quantize(model: nn.Module, state: FakeQuantState | str) -> nn.Modul
                 f"calibrated yet ({names}{more}), so the tables cannot be built and this model runs the float "
                 "nonlinear ops. Calibrate first (quantlens.quantization.calibrate(model, batches)): it installs the "
                 "tables, and QAT then trains through them.",
-                stacklevel=2,
+                stacklevel=2, category=QuantLensWarning,
             )
     return model
 
@@ -381,7 +381,7 @@ def calibrate(model: nn.Module, batches, *, validate: bool = True) -> nn.Module:
             "sites and its inputs: overflow, log/division by zero, NaN in the data). "
             "check_qat_model(model, example_inputs) lists them in model_check_result.txt; "
             "quantlens.quantization.find_nonfinite(model, batch) names the first op site on one batch.",
-            stacklevel=2,
+            stacklevel=2, category=QuantLensWarning,
         )
     state_holder = getattr(model, "_quantlens_state", None)
     if getattr(getattr(state_holder, "consistency", None), "tables_in_qat", False):

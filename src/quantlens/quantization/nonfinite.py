@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from quantlens.errors import QuantLensError
+from quantlens.errors import QuantLensError, QuantLensWarning
 from quantlens.quantization.fake_quantize import FakeQuantize
 from quantlens.quantization.prepare import is_prepared, use_runtime
 from quantlens.quantization.runtime import Runtime
@@ -126,7 +126,7 @@ class _Watcher:
         if self.action == "raise":
             raise NonFiniteError(f"detect_nonfinite: {self.first.describe()}.", self.first)
         if self.action == "warn":
-            warnings.warn(f"detect_nonfinite: {self.first.describe()}.", stacklevel=2)
+            warnings.warn(f"detect_nonfinite: {self.first.describe()}.", stacklevel=2, category=QuantLensWarning)
 
 
 def _require_prepared(model: nn.Module, what: str):

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from quantlens.errors import QuantLensError
+from quantlens._advice import setting
+from quantlens.errors import QuantLensError, QuantLensWarning
 from quantlens.march import get_march
 from quantlens.march.opset import Stage, op_def
 from quantlens.quantization.consistency import ConsistencyConfig, ConsistencyStrategy
@@ -214,7 +215,7 @@ def prepare(
 
     refusals = stage_refusals(record, groups, plans)
     if assignment.unmatched:
-        _warnings.warn("prepare: " + " ".join(assignment.unmatched), stacklevel=2)
+        _warnings.warn("prepare: " + " ".join(assignment.unmatched), stacklevel=2, category=QuantLensWarning)
     warnings = folded + list(assignment.warnings) + list(assignment.unmatched) + plan_warnings + list(
         refusals.values())
     if refusals:
@@ -225,10 +226,10 @@ def prepare(
 
         listed = (f"{os.path.join(os.fspath(check_result_dir), CHECK_FILE)} lists each with the stage and its source line"
                   if check_result_dir is not None else
-                  f"prepare(..., check_result_dir=FOLDER) writes {CHECK_FILE} listing each with the stage "
+                  f"{setting('check_result_dir', 'FOLDER')} writes {CHECK_FILE} listing each with the stage "
                   "and its source line")
         _warnings.warn(f"prepare: {len(sites)} op site(s) use ops that a later stage will refuse ({shown}); "
-                       f"{listed}.", stacklevel=2)
+                       f"{listed}.", stacklevel=2, category=QuantLensWarning)
     _say_host_sites(plans, check_result_dir)
     state = QuantState(record, groups, unfused, plans, warnings, getattr(qconfig_setter, "name", repr(qconfig_setter)))
     for request in requests:
@@ -263,10 +264,10 @@ def _say_host_sites(plans: dict[str, SitePlan], check_result_dir: str | None) ->
     ops = sorted({p.op_type for p in host})
     shown = ", ".join(ops[:6]) + (f" and {len(ops) - 6} more" if len(ops) > 6 else "")
     where = (os.path.join(os.fspath(check_result_dir), CHECK_FILE) if check_result_dir is not None else
-             f"{CHECK_FILE} (prepare(..., check_result_dir=FOLDER))")
+             f"{CHECK_FILE} ({setting('check_result_dir', 'FOLDER')})")
     _warnings.warn(f"prepare: {len(host)} op site(s) run on the host in float ({shown}): the march has no integer "
                    f"rule for them, or they compute on values made inside forward; {where} lists each with why "
-                   "(column 'runs on').", stacklevel=3)
+                   "(column 'runs on').", stacklevel=3, category=QuantLensWarning)
 
 
 def _refuse_missing_stubs(record: ModelRecord, plans: dict[str, SitePlan]) -> None:
@@ -280,12 +281,12 @@ def _refuse_missing_stubs(record: ModelRecord, plans: dict[str, SitePlan]) -> No
     if not entries:
         return
     shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
-    raise QuantLensError(
+    raise QuantLensError(  # (the advice names the setting as the reader, Python or CONFIG, changes it)
         f"prepare: the model has no QuantStub, so its float inputs enter the integer region unmarked at {shown}. "
         "Expected a QuantStub on each float model input (and a DeQuantStub on each output the host reads). "
         "Fix: wrap the inputs in quantlens.quantization.QuantStub() and the outputs in DeQuantStub() in the "
-        "model's forward (or in a wrapper module), or, for code you do not edit, call "
-        "prepare(..., allow_no_stubs=True) to quantize the inputs where those op sites consume them.")
+        "model's forward (or in a wrapper module), or, for code you do not edit, set "
+        f"{setting('allow_no_stubs', True)} to quantize the inputs where those op sites consume them.")
 
 
 def _copy_model(model: nn.Module) -> nn.Module:
@@ -314,7 +315,7 @@ def _write_check_report(prepared: nn.Module, example: Any, directory: Any) -> No
     except OSError as exc:
         _warnings.warn(f"prepare: could not write the check report {path} ({exc.strerror or exc}); the model is "
                        "prepared. Pass check_result_dir= a writable folder, or None to skip the report.",
-                       stacklevel=3)
+                       stacklevel=3, category=QuantLensWarning)
 
 
 def stage_refusals(record: ModelRecord, groups: list[FusedGroup] = (),

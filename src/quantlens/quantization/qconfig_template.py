@@ -18,7 +18,7 @@ import warnings as _warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from quantlens.errors import QuantLensError
+from quantlens.errors import QuantLensError, QuantLensWarning
 from quantlens.march import QuantDType
 from quantlens.quantization.fuse import FusedGroup
 from quantlens.quantization.observers import MinMaxObserver
@@ -309,7 +309,7 @@ class SensitiveOpQconfigSetter(QconfigSetter):
                 "non-finite); find the op site that produces them (compare_per_layer's nan_inf rule, "
                 "quantlens.quantization.find_nonfinite) and re-run sensitivity()."
             )
-            _warnings.warn(self.nonfinite_warning, stacklevel=3)
+            _warnings.warn(self.nonfinite_warning, stacklevel=3, category=QuantLensWarning)
         self.int16 = QuantSpec(QuantDType.qint16, observer)
         self.int8_weight = QuantSpec(QuantDType.qint8, MinMaxObserver, ch_axis=0)
         self.int16_weight = QuantSpec(QuantDType.qint16, MinMaxObserver, ch_axis=0)

@@ -14,6 +14,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from quantlens.errors import QuantLensWarning
 from quantlens.search.promotion import Promotion
 
 __all__ = ["PROGRESS_FILE", "Progress", "fingerprint", "selection_key"]
@@ -78,7 +79,7 @@ class Progress:
             elif old is not None:
                 # stacklevel 3: the caller of search_mixed_precision, which constructs this
                 warnings.warn(f"{path}: written by a search with other inputs (model, data, candidates, target or "
-                              "budget); starting afresh.", stacklevel=3)
+                              "budget); starting afresh.", stacklevel=3, category=QuantLensWarning)
         self.resumed_measurements = len(self.data["measurements"])
 
     def save(self) -> None:

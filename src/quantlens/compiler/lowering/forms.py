@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch import fx
 
+from quantlens._advice import setting
 from quantlens.compiler.ir import Node, ValueInfo
 from quantlens.compiler.lowering.movement import batch_rows
 from quantlens.compiler.lowering.rules import (
@@ -77,10 +78,11 @@ def _repeat(ctx, node):
                              f"{'a dynamic dim' if any(d < 0 for d in shape) else 'by counts'} computed at run time "
                              "in a form the IR cannot follow (it follows one count that is the dynamic batch, or a "
                              "multiple or quotient of it by a constant, of a tensor of static shape); export with "
-                             "dynamic_batch=False (one IR per batch size), or at the deployment batch size.")
+                             f"{setting('dynamic_batch', False)} (one IR per batch size), or at the deployment batch "
+                             "size.")
     if any(d < 0 for d in shape):
         raise QuantLensError(f"export: repeat at op site '{_site(node)}' ({_source(node)}) of a dynamic dim; export "
-                             "with static shapes (dynamic_batch=False).")
+                             f"with static shapes ({setting('dynamic_batch', False)}).")
     reps = [-1 if i in symbolic else int(r) for i, r in enumerate(bound["repeats"])]
     value, dtype = _value(ctx, bound["self"]), _info(node).dtype
     value = _step(ctx, node, "reshape", [value], {"shape": [d for s in shape for d in (1, s)]}, dtype)

@@ -9,6 +9,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 import quantlens.march.numerics  # noqa: F401  (registers torch.ops.quantlens.fake_quant)
+from quantlens._advice import setting
 from quantlens.compiler.ir import Node, ValueInfo
 from quantlens.compiler.lowering.rules import (
     TORCH_OPS,
@@ -102,7 +103,7 @@ def _static_dim(node: fx.Node, shape: tuple, dim: int) -> None:
     if shape[dim] == -1:
         raise QuantLensError(
             f"export: op site '{_site(node)}' ({_source(node)}) indexes the dynamic batch dimension; export with "
-            "dynamic_batch=False (the default) for this model."
+            f"{setting('dynamic_batch', False)} (the default) for this model."
         )
 
 
@@ -313,7 +314,7 @@ def _batch_sized_full(ctx, node):
             f"export: op site '{_site(node)}' ({_source(node)}) makes a tensor whose size is computed at run time "
             f"({node.target}); the IR supports sizes that are constants or the dynamic batch read from an input "
             "(x.size(0), or a multiple or quotient of it by a constant). Pass the state explicitly, or export with "
-            "dynamic_batch=False.")
+            f"{setting('dynamic_batch', False)}.")
     position, dtype = dynamic[0][0], ctx.graph.values[name].dtype
     target = [-1 if i == position else int(a) for i, a in enumerate(size)]
     name = _append(ctx, node, "reshape", name, {"shape": [-1 if i == position else 1 for i in range(len(size))]},

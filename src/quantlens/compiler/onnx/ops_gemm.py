@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from quantlens._advice import setting
 from quantlens.compiler.ir import Node
 from quantlens.compiler.onnx.attrs import _pair
 from quantlens.compiler.onnx.builder import _Builder
@@ -52,7 +53,7 @@ def _linear(b: _Builder, node: Node) -> None:
     if x_shape is None or out_shape is None or len(x_shape) < 1 or x_shape[-1] < 0 or \
             list(out_shape[:-1]).count(-1) > 1:
         raise b.error(node, f"input shape {x_shape} / output shape {out_shape} cannot be flattened to 2-D",
-                      "Export with static shapes (dynamic_batch=False).")
+                      f"Export with static shapes ({setting('dynamic_batch', False)}).")
     dtype = b.dtype(node.inputs[0])
     if len(x_shape) == 1:
         flat_shape, back_shape = [1, x_shape[0]], list(out_shape)
