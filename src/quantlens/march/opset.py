@@ -122,7 +122,8 @@ class IROp:
     #: arity.py`` reads the schema otherwise): names in order; ``name?`` may be absent (``""``), ``name+`` /
     #: ``name*`` stands for one or more / any number of inputs
     inputs: tuple[str, ...] | None = None
-    #: its outputs, with declared ``inputs``: a count, or the list attr with one entry per output (``None``: one)
+    #: its outputs, with declared ``inputs``: a count, the list attr with one entry per output, ``"*"`` (any number:
+    #: a host op returns what its aten overload returns) or ``None`` (one)
     outputs: int | str | None = None
     #: attrs every node of it carries (its kernels read them), beyond the required arguments of its torch op
     attrs: tuple[str, ...] = ()
@@ -179,8 +180,9 @@ class OpDef:
         return bool(self.ir) and all(IR_OPS[n].keeps_dims or IR_OPS[n].moves_channel_axis for n in self.ir)
 
     def refused_by(self) -> list[Stage]:
-        """The later stages (in pipeline order) that refuse this op; empty when every stage accepts it."""
-        if self.category in (Category.METADATA, Category.COMPOSITE):
+        """The later stages (in pipeline order) that refuse this op; empty when every stage accepts it, as they
+        do an op the march cannot compute: it runs on the host, in float, at every stage (§12.1)."""
+        if self.category in (Category.METADATA, Category.COMPOSITE) or not self.on_npu:
             return []
         have = self.stages()
         return [s for s in Stage if s not in have]
@@ -203,7 +205,8 @@ _IR_ROWS: list[IROp] = [
     IROp("fake_quant", Q, "§5"),
     IROp("quantize", B, "§5, §12", level="quantized", inputs=("x", "scale"), attrs=("out_dtype",)),
     IROp("dequantize", B, "§5, §12", level="quantized", inputs=("q", "scale")),
-    IROp("host_aten", B, "§12", convert=False, inputs=("inputs*",), attrs=("target", "args", "kwargs"),
+    IROp("host_aten", B, "§12", convert=False, inputs=("inputs*",), outputs="*",
+         attrs=("target", "args", "kwargs"),
          note="any aten op with no IR lowering: float, on the host (§12.1, compiler/host_ops.py); ONNX through "
               "torch's exporter"),
     IROp("requantize", Q, "§8", level="quantized", cost=Cost.REQUANTIZE, inputs=("q",)),

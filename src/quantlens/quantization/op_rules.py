@@ -8,8 +8,8 @@ Every op the tracer sees is classified once, here:
   value stays on its grid, so the output inherits the input's quantization;
 * ``IGNORED``: metadata and non-float work (``size``, ``shape``, comparisons, creation ops); no op site.
 
-Ops not in the registry that touch float tensors are treated as ``QUANTIZED`` and reported as "no integer rule"
-in ``model_check_result.txt``; export will refuse them.
+Ops not in the registry that touch float tensors run on the host, in float, at every stage (``docs/march.md``
+§12.1), and ``model_check_result.txt`` says so.
 
 The op types and their categories are declared once, in :mod:`quantlens.march.opset`; this module derives each op's
 kind from its category and maps leaf modules to op types. To support a new op, add it to the op set (and a

@@ -331,9 +331,10 @@ def stage_refusals(record: ModelRecord, groups: list[FusedGroup] = (),
         if site.name in folded or (plans is not None and site.name in plans and plans[site.name].host):
             continue
         op = op_def(site.op_type) if site.known else None
-        if site.known and op is None:
-            continue  # a module op type the op set does not list (QuantStub, DeQuantStub)
-        stages = [s for s in Stage if s is not Stage.FAKE_QUANT] if op is None else op.refused_by()
+        if op is None:
+            continue  # a module op type the op set does not list (QuantStub, DeQuantStub); an op it does not know
+            # runs on the host (§12.1): no stage refuses it
+        stages = op.refused_by()
         if site.after_dequant:  # export keeps any aten op there as a float host op; ONNX needs a form for it
             stages = [s for s in stages if s is Stage.ONNX]
         if not stages:

@@ -80,7 +80,7 @@ def signature(op: str) -> Signature:
     """The node shape of IR op ``op`` (an op of ``IR_OPS``)."""
     spec = IR_OPS[op]
     if spec.inputs is not None:
-        outputs = 1 if spec.outputs is None else spec.outputs
+        outputs = 1 if spec.outputs is None else None if spec.outputs == "*" else spec.outputs
         sig = Signature(spec.inputs, outputs, spec.attrs, spec.int_attrs, "quantlens.march.opset")
     else:
         torch_op = _torch_op(op)
