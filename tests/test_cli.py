@@ -244,20 +244,27 @@ def test_pair_verdicts_and_report_agree(analyzed):
 
 
 def test_a_warning_is_one_line_in_words(monkeypatch, tmp_path):
-    """A library warning during a command reaches the user as one 'warning:' line, not Python's
-    'file:line: UserWarning' with a source line (--debug keeps Python's own format)."""
+    """A warning during a command reaches the user as one line, not Python's 'file:line: UserWarning' with a
+    source line (--debug keeps Python's own format): quantlens' own as 'warning:', another library's named as
+    that library's, with its file and line."""
     import warnings
 
+    import torch
+
     import quantlens.cli.analyze as analyze
+    from quantlens.errors import QuantLensWarning
 
     def warns(args):
-        warnings.warn("prepare: 1 op site(s) use ops that a later stage will refuse ('x')", stacklevel=2)
+        warnings.warn("prepare: 2 op site(s) run on the host in float ('x')", QuantLensWarning, stacklevel=2)
+        warnings.warn_explicit("a tensor attribute was assigned during export", UserWarning,
+                               torch.__file__.replace("__init__.py", "export/_trace.py"), 7)
         return 0
 
     monkeypatch.setattr(analyze, "run", warns)
     res = ql("analyze", tmp_path / "c.py")
     assert res.returncode == 0
-    assert "warning: prepare: 1 op site(s)" in res.stderr and "UserWarning" not in res.stderr, res.stderr
+    assert "warning: prepare: 2 op site(s)" in res.stderr and "UserWarning" not in res.stderr, res.stderr
+    assert "warning from torch (_trace.py:7): a tensor attribute" in res.stderr, res.stderr
 
 
 def test_report_reads_the_saved_rows_back_without_recomputing(analyzed, monkeypatch, tmp_path):

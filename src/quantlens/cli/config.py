@@ -188,12 +188,33 @@ def load_config(path: str | Path, debug: bool = False) -> Config:
         train_qat=get("train_qat"),
         post_process=get("post_process"),
         march=get("march"),
-        dynamic_batch=bool(get("dynamic_batch", True)),
-        num_steps=get("num_steps"),
+        dynamic_batch=_typed(path, module, "dynamic_batch"),
+        num_steps=_typed(path, module, "num_steps"),
         evaluate=_callable_or_none(path, "evaluate", get("evaluate")),
-        higher_is_better=bool(get("higher_is_better", True)),
-        allow_no_stubs=bool(get("allow_no_stubs", False)),
+        higher_is_better=_typed(path, module, "higher_is_better"),
+        allow_no_stubs=_typed(path, module, "allow_no_stubs"),
     )
+
+
+#: the CONFIG's plain settings: their default, and what a value must be (``bool("False")`` is True: a string where a
+#: bool belongs is refused, not read)
+_SETTINGS: dict[str, tuple[Any, str, Callable[[Any], bool]]] = {
+    "dynamic_batch": (True, "True or False", lambda v: isinstance(v, bool)),
+    "higher_is_better": (True, "True or False", lambda v: isinstance(v, bool)),
+    "allow_no_stubs": (False, "True or False", lambda v: isinstance(v, bool)),
+    "num_steps": (None, "None or a whole number >= 1",
+                  lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1)),
+}
+
+
+def _typed(path: Path, module: Any, name: str) -> Any:
+    default, expected, valid = _SETTINGS[name]
+    value = getattr(module, name, default)
+    if not valid(value):
+        raise UsageError(f"CONFIG {path}: {name} = {value!r} ({type(value).__name__}); expected {expected}. "
+                         f"Write e.g. '{name} = {default!r}'." if default is not None else
+                         f"CONFIG {path}: {name} = {value!r} ({type(value).__name__}); expected {expected}.")
+    return value
 
 
 def _callable_or_none(path: Path, name: str, value: Any) -> Callable | None:
