@@ -124,3 +124,36 @@ def test_a_stale_lock_is_taken_over_by_one_of_several_runs_starting_together(tmp
     assert all(a[1] <= b[0] for a, b in zip(held, held[1:])), held  # no two holds overlap
     assert all("in use by another quantlens run" in r["refused"] for r in results if "refused" in r)
     assert not (folder / LOCK_FILE).exists() and not list(folder.glob(f"{LOCK_FILE}.*"))
+
+
+def test_one_run_per_out_dir_threads_included(tmp_path):
+    """The lock let any thread of the owning process in, and a second thread's staging cleared the first's files
+    while it wrote (issue #43): another thread is refused in words, the holding thread enters again (a run inside
+    a run), and the folder is free once the holder leaves."""
+    import threading
+
+    from quantlens.errors import QuantLensError
+    from quantlens.profiler.trace._lock import FolderLock
+
+    held, release, seen = threading.Event(), threading.Event(), []
+
+    def holder():
+        with FolderLock(tmp_path):
+            with FolderLock(tmp_path):  # re-entrant in its own thread
+                held.set()
+                release.wait(10)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert held.wait(10)
+        with pytest.raises(QuantLensError, match="in use by another thread of this process"):
+            with FolderLock(tmp_path):
+                seen.append("entered")
+    finally:
+        release.set()
+        thread.join()
+    assert not seen
+    with FolderLock(tmp_path):  # free again
+        seen.append("entered")
+    assert seen == ["entered"] and not (tmp_path / ".quantlens.lock").exists()

@@ -3,12 +3,14 @@
 Two runs writing traces into one ``out_dir`` would clear each other's files and leave a folder mixed from both.
 :class:`FolderLock` takes ``out_dir/.quantlens.lock`` (created exclusively, the owner's pid inside); a second run
 is refused with the owner's pid and the fix. A lock whose owner is gone (a killed run) is taken over, by one run
-only when several start together.
+only when several start together. Within one process the lock belongs to the thread that took it: a run inside a
+run (the same thread) enters again, another thread of the process is refused like another process.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +21,11 @@ __all__ = ["FolderLock", "LOCK_FILE"]
 LOCK_FILE = ".quantlens.lock"
 #: how many times (10 ms apart) an empty lock file is read again before it is taken for a killed run's
 _EMPTY_TRIES = 200
+
+
+#: folder -> [the thread holding its lock in this process, how many times it entered]
+_THREADS: dict[Path, list] = {}
+_THREADS_GUARD = threading.Lock()
 
 
 def _alive(pid: int) -> bool:
@@ -46,6 +53,44 @@ class FolderLock:
     def __enter__(self) -> FolderLock:
         self.folder.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + self._wait
+        self._key = self.folder.resolve()
+        while not self._enter_thread():
+            if time.monotonic() >= deadline:
+                raise QuantLensError(
+                    f"{self.folder} is in use by another thread of this process ({self.path}); two runs into one "
+                    "out_dir would clear each other's files. Run them one after the other, or give each its own "
+                    "out_dir.")
+            time.sleep(0.02)
+        try:
+            return self._enter_process(deadline)
+        except BaseException:
+            self._leave_thread()
+            raise
+
+    def _enter_thread(self) -> bool:
+        """Take the folder for this thread (again, for a run inside a run); False: another thread holds it."""
+        me = threading.get_ident()
+        with _THREADS_GUARD:
+            entry = _THREADS.get(self._key)
+            if entry is None:
+                _THREADS[self._key] = [me, 1]
+                return True
+            if entry[0] == me:
+                entry[1] += 1
+                return True
+            return False
+
+    def _leave_thread(self) -> bool:
+        """Leave this thread's hold; True when it was the outermost."""
+        with _THREADS_GUARD:
+            entry = _THREADS[self._key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _THREADS[self._key]
+                return True
+            return False
+
+    def _enter_process(self, deadline: float) -> FolderLock:
         tries = 0
         while tries < 2:  # the second try after clearing a stale lock
             try:
@@ -112,3 +157,4 @@ class FolderLock:
         if self._held and self._owner() == os.getpid():
             self.path.unlink(missing_ok=True)
         self._held = False
+        self._leave_thread()
