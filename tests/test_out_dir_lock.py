@@ -157,3 +157,24 @@ def test_one_run_per_out_dir_threads_included(tmp_path):
     with FolderLock(tmp_path):  # free again
         seen.append("entered")
     assert seen == ["entered"] and not (tmp_path / ".quantlens.lock").exists()
+
+
+@pytest.mark.parametrize("where", ["tensors", "folder"])
+def test_a_trace_is_never_written_through_a_link(tmp_path, where):
+    """A ``tensors/`` that is a symbolic link out of the trace folder had run() write its tensor files outside the
+    out_dir (issue #43): the link is refused in words before anything is written, and nothing lands there."""
+    qa = _analysis(tmp_path / "out")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    trace = tmp_path / "out" / "analysis_model"
+    if where == "tensors":
+        import shutil
+
+        shutil.rmtree(trace / "tensors")
+        (trace / "tensors").symlink_to(outside, target_is_directory=True)
+    else:
+        trace.rename(tmp_path / "moved")
+        trace.symlink_to(outside, target_is_directory=True)
+    with pytest.raises(QuantLensError, match="is a symbolic link .*never writes a trace through a link"):
+        qa.run()
+    assert list(outside.iterdir()) == []

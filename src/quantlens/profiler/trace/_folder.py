@@ -53,6 +53,7 @@ def staging_dir(target: Path) -> Path:
     if target.exists() and not target.is_dir():
         raise QuantLensError(f"{target} is a file, not a folder; a trace is a folder there. Move the file away or "
                              "pass another out_dir.")
+    _refuse_links(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     # leftovers of interrupted runs (the caller holds the out_dir's lock, so no live run owns one): cleared of
     # quantlens' own files; one holding anything else is left alone
@@ -63,10 +64,23 @@ def staging_dir(target: Path) -> Path:
     return Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-{os.getpid()}-"))
 
 
+def _refuse_links(target: Path) -> None:
+    """A trace folder, its ``tensors/`` or a file quantlens replaces there that is a symbolic link would send the
+    trace's files wherever it points, outside the out_dir: refused, before anything is computed."""
+    names = [target, target / TENSORS_DIR, *(target / n for n in sorted(_OWN_TOP))]
+    link = next((p for p in names if p.is_symlink()), None)
+    if link is not None:
+        raise QuantLensError(
+            f"{link} is a symbolic link (to {os.readlink(link)}); quantlens never writes a trace through a link, which "
+            "would put its files outside the out_dir. Remove the link (or replace it by a folder), or pass another "
+            "out_dir.")
+
+
 def swap_in(staging: Path, target: Path) -> None:
     """Move the complete trace in ``staging`` to ``target``. A target holding only quantlens' files is replaced
     by two renames; one with other files too gets the new files moved in (the old index is removed first and
     the new one moved last, so the folder never holds a trace mixed from two runs) and keeps the others."""
+    _refuse_links(target)  # (made since the run began)
     own, foreign = _own_files(target)
     if not target.exists() or (not foreign and target.is_dir() and not target.is_symlink()):
         old = None
