@@ -45,7 +45,7 @@ def test_demo_writes_every_pair_and_an_index(fault, tmp_path):
         assert by_kind["onnxruntime"]["note"].startswith("ORT_ENABLE_ALL (onnxruntime's default level)")
         assert "onnxruntime: ORT_ENABLE_ALL" in res.stdout
     culprit = summary["culprit"]["op"]
-    first = next(line for line in res.stdout.splitlines() if "precision is lost first at" in line)
+    first = next(line for line in res.stdout.splitlines() if "precision is lost most at" in line)
     assert culprit in first
     if fault:
         assert summary["fault"] == FAULT_SITE

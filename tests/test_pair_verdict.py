@@ -122,13 +122,14 @@ def test_ranking_and_culprit(tmp_path):
     results = [lossy_a, exact, lossy_b, differs]
     assert [r.analysis_type for r in ranked_losses(results)] == ["convert", "fake_quant", "onnxruntime"]
     text = console_text(results)
-    assert "precision is lost first at b (convert: qat_ir vs onnx, same-input SQNR 30.0 dB" in text
+    assert "precision is lost most at b (convert: qat_ir vs onnx, same-input SQNR 30.0 dB" in text
     assert "o (within 4 LSB)" in line_of(text, "onnxruntime")
     only = console_text([exact, differs])
-    assert "precision is lost first at o (onnxruntime: qat_ir vs onnx, within 4 LSB, no same-input data)" in only
+    assert "precision is lost most at o (onnxruntime: qat_ir vs onnx, within 4 LSB, no same-input data)" in only
     summary = json.loads(write_summary([exact, differs], tmp_path).read_text())
-    assert summary["culprit"] == {"op": "o", "analysis_type": "onnxruntime", "verdict": "differs",
-                                  "same_input_sqnr": None, "diff": "within 4 LSB"}
+    assert summary["culprit"] == summary["most_loss"] == {"op": "o", "analysis_type": "onnxruntime",
+                                                          "verdict": "differs", "same_input_sqnr": None,
+                                                          "diff": "within 4 LSB"}
 
 
 @pytest.mark.parametrize("verdict", list(PairVerdict))

@@ -224,7 +224,7 @@ def test_pair_verdict_names_the_perturbed_op(zoo, tmp_path):
     console = Console(record=True, width=200)
     print_losses(console, [result])
     text = console.export_text()
-    assert f"precision is lost first at {result.worst_op}" in text and "none (exact)" not in text
+    assert f"precision is lost most at {result.worst_op}" in text and "none (exact)" not in text
 
 
 def test_outputs_check_reports_a_difference(multitask, tmp_path):

@@ -40,7 +40,8 @@ def test_chart_ticks_and_labels():
     ticks = re.findall(r'class="tick" text-anchor="end">([^<]*)</text>', svg)
     assert ticks == ["0.3", "0.4", "0.5", "0.6", "0.7", "0.8"]
     labels = re.findall(r'class="tick xlabel"[^>]*>([^<]*)</text>', svg)
-    assert labels[:2] == ["quant", "layer1.conv"] and labels[2].endswith("\u2026")
+    # a long name keeps its distinguishing tail: leading parts abbreviated, not its end cut
+    assert labels == ["quant", "layer1.conv", "a.inside.a.block"]
     assert svg.count('<circle class="pt"') == 2 and svg.count('class="hit"') == 3
     hist = str(histogram_chart("h", [1.0, 2.0, 2.5, float("nan"), 3.0], [("bad case", 1)]))
     counts = [int(c) for c in re.findall(r'data-count="(\d+)"', hist)]

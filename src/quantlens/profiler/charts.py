@@ -13,12 +13,19 @@ from typing import Sequence
 from markupsafe import Markup
 
 from quantlens.profiler.formatting import fmt
+from quantlens.profiler.short_names import short_names
 
 __all__ = ["line_chart", "bar_chart", "histogram_chart", "lsb_histogram", "hist_buckets", "nice_ticks",
            "tick_text", "tick_texts", "value_ticks"]
 
-_W, _H, _PAD_L, _PAD_R, _PAD_T, _PAD_B = 900, 300, 70, 20, 30, 90
-_MAX_X_LABELS = 45  # op-name labels on a chart's x axis; every point names its op in its tooltip
+#: the charts' drawing width (SVG user units); the page scales a chart to its width (about 1 unit per CSS pixel in
+#: a 1400 px window), so the layout below is in units of the 11 px tick font
+_W, _PAD_L, _PAD_R, _PAD_T = 1300, 70, 20, 30
+_PLOT_H = 190  # a line chart's plot height; the x labels get their own band below it
+_TICK_CHAR = 7.0  # an upper bound of a tick character's width (11 px font): label bands never fall short
+_XLABEL_ANGLE = 60  # degrees the x labels are turned (counter-clockwise)
+_XLABEL_GAP = 19  # the least distance between two x labels' anchors: their text boxes never touch
+_XLABEL_CHARS = 30  # an x label's most characters (see short_names)
 
 _esc = _html.escape
 _DASH = " \u2014 "
@@ -88,8 +95,29 @@ def value_ticks(values: Sequence[float]) -> list[float]:
     return nice_ticks(lo, hi)
 
 
-def _label(text: str, limit: int = 22) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+def _nth(k: int) -> str:
+    return f"{k}{'st' if k % 10 == 1 and k % 100 != 11 else 'nd' if k % 10 == 2 and k % 100 != 12 else 'rd' if k % 10 == 3 and k % 100 != 13 else 'th'}"
+
+
+def _x_labels(texts: Sequence[str], right: float) -> tuple[list[int], float]:
+    """Which x positions get a label (every k-th, k the smallest step that keeps the anchors
+    :data:`_XLABEL_GAP` apart) and the plot's left edge: far enough right that the first labels, turned and
+    hanging down to the left of their anchors, stay inside the chart."""
+    n = len(texts)
+    if n == 0:
+        return [], _PAD_L
+    cos = math.cos(math.radians(_XLABEL_ANGLE))
+    pad_l = float(_PAD_L)
+
+    def layout(left: float) -> tuple[list[int], float]:
+        gap = (right - left) / (n - 1) if n > 1 else right - left
+        shown = list(range(0, n, max(1, math.ceil(_XLABEL_GAP / gap))))
+        return shown, max([float(_PAD_L)] + [_TICK_CHAR * len(texts[i]) * cos + 10 - gap * i for i in shown])
+
+    for _ in range(4):  # the left edge and the spacing depend on each other: a few rounds settle them
+        shown, need = layout(pad_l)
+        pad_l = max(pad_l, need)
+    return shown, math.ceil(pad_l)
 
 
 # -- charts -------------------------------------------------------------------------------------------------
@@ -108,30 +136,36 @@ def line_chart(title: str, labels: Sequence[str], series: Sequence[tuple[str, st
     lo, hi = y_ticks[0], y_ticks[-1]
     n = max(len(labels), 2)
     pad_t = _PAD_T + _LEGEND_ROW  # the legend has its own row above the plot: it never covers a line
-    plot_w, plot_h = _W - _PAD_L - _PAD_R, _H - pad_t - _PAD_B
+    texts, prefix = short_names(labels, _XLABEL_CHARS)
+    shown, pad_l = _x_labels(texts, _W - _PAD_R)
+    plot_w, plot_h = _W - pad_l - _PAD_R, _PLOT_H
     slot = plot_w / (n - 1) if len(labels) > 1 else plot_w
+    base = pad_t + plot_h + 16  # the x labels' anchors: below the plot, clear of the lowest y tick
+    drop = max((_TICK_CHAR * len(texts[i]) for i in shown), default=0) * math.sin(math.radians(_XLABEL_ANGLE))
+    height = math.ceil(base + drop + 8 + 16)  # the labels' band, then the axis title's own line
 
     def x(i: int) -> float:
-        return _PAD_L + plot_w * i / (n - 1) if len(labels) > 1 else _PAD_L + plot_w / 2
+        return pad_l + plot_w * i / (n - 1) if len(labels) > 1 else pad_l + plot_w / 2
 
     def y(v: float) -> float:
         return pad_t + plot_h * (1 - (v - lo) / (hi - lo))
 
-    parts = [f'<svg class="chart" viewBox="0 0 {_W} {_H}" width="{_W}" height="{_H}" role="img" '
+    parts = [f'<svg class="chart" viewBox="0 0 {_W} {height}" width="{_W}" height="{height}" role="img" '
              f'aria-label="{_esc(title)}" data-points="{len(labels)}">',
-             f'<text x="{_PAD_L}" y="18" class="title">{_esc(title)}</text>',
-             f'<rect x="{_PAD_L}" y="{pad_t}" width="{plot_w}" height="{plot_h}" class="frame"/>']
+             f'<text x="{pad_l}" y="18" class="title">{_esc(title)}</text>',
+             f'<rect x="{pad_l}" y="{pad_t}" width="{plot_w}" height="{plot_h}" class="frame"/>']
     for t, text in zip(y_ticks, tick_texts(y_ticks)):
-        parts.append(f'<line x1="{_PAD_L}" x2="{_W - _PAD_R}" y1="{y(t):.1f}" y2="{y(t):.1f}" class="grid"/>')
-        parts.append(f'<text x="{_PAD_L - 6}" y="{y(t) + 4:.1f}" class="tick" text-anchor="end">{_esc(text)}</text>')
-    step = max(1, math.ceil(len(labels) / _MAX_X_LABELS))
-    base = _H - _PAD_B + 12
-    for i in range(0, len(labels), step):
+        parts.append(f'<line x1="{pad_l}" x2="{_W - _PAD_R}" y1="{y(t):.1f}" y2="{y(t):.1f}" class="grid"/>')
+        parts.append(f'<text x="{pad_l - 6}" y="{y(t) + 4:.1f}" class="tick" text-anchor="end">{_esc(text)}</text>')
+    for i in shown:
         parts.append(f'<text x="{x(i):.1f}" y="{base}" class="tick xlabel" text-anchor="end" '
-                     f'transform="rotate(-40 {x(i):.1f} {base})">{_esc(_label(labels[i]))}</text>')
-    parts.append(f'<text x="{_PAD_L + plot_w / 2:.1f}" y="{_H - 4}" class="axis" text-anchor="middle">'
-                 f'op site{" (every " + str(step) + "th named; hover for all)" if step > 1 else ""}'
-                 f'{_DASH + _esc(y_label) if y_label else ""}</text>')
+                     f'transform="rotate(-{_XLABEL_ANGLE} {x(i):.1f} {base})" '
+                     f'data-tip="{_esc(labels[i])} (#{_esc(ticks[i])})">{_esc(texts[i])}</text>')
+    step = shown[1] - shown[0] if len(shown) > 1 else 1
+    notes = ([f"every {_nth(step)} named"] if step > 1 else []) + \
+        ([f"names without their common prefix '{prefix}'"] if prefix else []) + ["hover for full names"]
+    parts.append(f'<text x="{pad_l + plot_w / 2:.1f}" y="{height - 4}" class="axis" text-anchor="middle">'
+                 f'op site ({_esc("; ".join(notes))}){_DASH + _esc(y_label) if y_label else ""}</text>')
     for k, (name, color, vals) in enumerate(series):
         segment: list[str] = []
         points: list[str] = []
@@ -176,7 +210,9 @@ def bar_chart(title: str, bars: Sequence[dict], value_label: str = "") -> Markup
     value gets a full-length red bar labelled with its value."""
     # the right margin holds the longest value label after its bar (it is never clipped nor drawn over a bar)
     pad_r = max([70.0] + [_CHAR_W * len(fmt(b["value"])) + 10 for b in bars])
-    bar_h, gap, pad_l, pad_t, pad_b = 16, 4, 250, 30, 34
+    # the left margin holds the longest label whole (labels come shortened: see short_names)
+    pad_l = min(_W // 2, max([120.0] + [_TICK_CHAR * len(b["label"]) + 12 for b in bars]))
+    bar_h, gap, pad_t, pad_b = 16, 4, 30, 34
     height = pad_t + pad_b + len(bars) * (bar_h + gap)
     values = [fv for b in bars if (fv := _finite(b["value"])) is not None]
     lo_v, hi_v = (min(values), max(values)) if values else (0.0, 1.0)
@@ -207,7 +243,7 @@ def bar_chart(title: str, bars: Sequence[dict], value_label: str = "") -> Markup
         color = "#d62728" if fv is None else "#1f77b4"
         link = f' data-row="{_esc(b["row"])}"' if b.get("row") else ""
         parts.append(f'<text x="{pad_l - 6}" y="{top + 12}" class="tick" text-anchor="end">'
-                     f'{_esc(_label(b["label"], 40))}</text>')
+                     f'{_esc(b["label"])}</text>')
         parts.append(f'<rect class="bar" x="{pad_l}" y="{top}" width="{width:.1f}" height="{bar_h}" fill="{color}" '
                      f'data-tip="{_esc(b["tip"])}"{link}/>')
         parts.append(f'<text x="{pad_l + width + 4:.1f}" y="{top + 12}" class="tick">{_esc(fmt(b["value"]))}</text>')

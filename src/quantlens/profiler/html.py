@@ -29,6 +29,7 @@ from quantlens.profiler.advisor.base import THRESHOLDS, Finding
 from quantlens.profiler.charts import bar_chart, hist_buckets, histogram_chart, line_chart, lsb_histogram
 from quantlens.profiler.compare import SAME_INPUT_SQNR_LIMIT, LayerComparison, LayerRow
 from quantlens.profiler.formatting import fmt
+from quantlens.profiler.short_names import short_name
 
 __all__ = ["render_html", "write_html", "worst_ops", "worst_channel_ops", "TABLE_COLUMNS", "render_bad_case_html", "write_bad_case_html",
            "refresh_sensitivity", "sensitivity_tables", "row_id"]
@@ -48,6 +49,7 @@ TABLE_COLUMNS = (
 )
 
 SENSITIVITY_TOP = 20  # bars per sensitivity chart
+SENSITIVITY_LABEL = 40  # an op name's most characters on a sensitivity bar (the full name is in its tooltip)
 SENSITIVITY_BEGIN, SENSITIVITY_END = "<!-- sensitivity:begin -->", "<!-- sensitivity:end -->"
 
 
@@ -72,9 +74,10 @@ def _charts(rows: list[LayerRow]) -> list[Markup]:
          "lower is worse; no point: no error"),
         ("Same-input error in output quantization steps",
          [("same-input Atol / scale", "#9467bd", col("same_input_in_scale"))], ""),
+        # baseline blue, analysis orange (dark: min, light: max): the two models read apart at a glance
         ("Output ranges",
-         [("baseline min", "#2ca02c", col("base_min")), ("baseline max", "#98df8a", col("base_max")),
-          ("analysis min", "#8c564b", col("analy_min")), ("analysis max", "#c49c94", col("analy_max"))], ""),
+         [("baseline min", "#1f4e9c", col("base_min")), ("baseline max", "#6fa8dc", col("base_max")),
+          ("analysis min", "#d95f02", col("analy_min")), ("analysis max", "#fdb863", col("analy_max"))], ""),
     ]
     return [line_chart(title, labels, series, y_label, ticks, anchors) for title, series, y_label in specs]
 
@@ -159,7 +162,8 @@ def _sensitivity_charts(out_dir: str | os.PathLike | None, rows_by_name: dict[st
         return []
     charts = []
     for output, metric, rows in sensitivity_tables(out_dir):
-        bars = [{"label": f"{r.get('op_name', '')} ({r.get('sensitive_type', '')})", "value": r.get("value"),
+        bars = [{"label": f"{short_name(str(r.get('op_name', '')), SENSITIVITY_LABEL)} ({r.get('sensitive_type', '')})",
+                 "value": r.get("value"),
                  "tip": f"{r.get('op_name', '')}\n{r.get('sensitive_type', '')} quantization of "
                         f"{r.get('op_type', '')} ({r.get('quant_dtype', '')})\n{metric} of output '{output}' with "
                         f"it alone: {fmt(r.get('value'))}\nrank {k + 1} of {len(rows)}",
@@ -177,6 +181,11 @@ def _sensitivity_section(charts: list[Markup]) -> str:
     return (SENSITIVITY_BEGIN + '\n<h2 id="sensitivity">Sensitivity ranking</h2>\n<p class="meta">One chart per '
             "model output and metric (<code>sensitivity()</code>): the output's metric against the baseline with "
             "only that quantizer on, in the ranking's order. Click a bar for its op's row.</p>\n"
+            '<p class="meta" id="rankings">What each ranking measures: the sensitivity ranking is the model '
+            "output's loss when only that one quantizer (a weight's or an activation's) is on; the table "
+            "<i>Ops that lose the most precision themselves</i> and the summary's worst op rank the op's own "
+            "loss, its same-input SQNR on the baseline's input. A quantizer can move the output most while "
+            "another op adds the most error of its own, so the two rankings can name different ops.</p>\n"
             + "\n".join(charts) + "\n" + SENSITIVITY_END)
 
 
