@@ -248,3 +248,15 @@ def test_dynamic_batch_from_batch_one_whose_batch_two_trace_fails_raises():
     ir = export(model, (x,))
     with torch.no_grad():
         torch.testing.assert_close(ir(x), model(x))
+
+
+def test_an_input_on_the_meta_device_is_refused_by_its_device_first():
+    """The finite check ran before the device check and failed on a meta tensor with torch's own 'Tensor.item()
+    cannot be called on meta tensors' (issue #43): the device is named first, with the fix."""
+    torch.manual_seed(0)
+    model = nn.Sequential(QuantStub(), nn.Linear(4, 4), DeQuantStub()).eval()
+    x = torch.randn(2, 4)
+    qat_ir = export(_prepared(model, x, [x]), x)
+    for ir in (qat_ir, convert(qat_ir)):
+        with pytest.raises(QuantLensError, match=r"'input' is on meta, but the IR's constants are on cpu"):
+            ir(torch.randn(2, 4, device="meta"))

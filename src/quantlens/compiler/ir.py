@@ -235,11 +235,13 @@ class Module:
                     f"IR input '{name}' was not given; inputs are {self.graph.inputs}. It expects "
                     f"{self.describe_call()}."
                 )
-            _check_input(name, feeds[name], self.graph.values.get(name), check_finite)
-            if feeds[name].device != device:
+            _check_input(name, feeds[name], self.graph.values.get(name), check_finite=False)
+            if feeds[name].device != device:  # (before the finite check: a meta tensor has no values to read)
                 raise QuantLensError(
                     f"IR input '{name}' is on {feeds[name].device}, but the IR's constants are on {device}. Move "
                     f"the input (`x.to('{device}')`) or the IR (`module.to('{feeds[name].device}')`).")
+            if check_finite:
+                _check_finite(name, feeds[name])
 
     def feeds(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """The named input tensors for one call, in any accepted format (the torch input pytree, the deployment
@@ -388,7 +390,12 @@ def _check_input(name: str, value: Any, info: ValueInfo | None, check_finite: bo
             f"IR input '{name}' has dtype {_dtype_name(value.dtype)}, but the IR was exported for {info.dtype} "
             f"(shape {want}); it takes exactly that dtype and never converts. Convert it: `x{cast}`."
         )
-    if check_finite and not all_finite(value):
+    if check_finite:
+        _check_finite(name, value)
+
+
+def _check_finite(name: str, value: torch.Tensor) -> None:
+    if not all_finite(value):
         nan = int(torch.isnan(value).sum())
         inf = int((~torch.isfinite(value)).sum()) - nan
         raise QuantLensError(
