@@ -15,7 +15,11 @@ from quantlens.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, UsageError
 from quantlens.cli._common import console, parent
 from quantlens.cli.pipeline import PAIRS, STAGE_CHOICES, onnxruntime_available
 
-__all__ = ["add_parser", "run", "kinds_for"]
+__all__ = ["add_parser", "run", "kinds_for", "index_title", "SUMMARY_EXTRAS"]
+
+#: what ``summary.json`` holds besides what is computed from the pairs (``quantlens report`` keeps these as they
+#: are, in this order, and recomputes the rest from the pairs' reports)
+SUMMARY_EXTRAS = ("config", "title", "failed_stage", "stage_metrics")
 
 #: the last stage each analysis type needs
 _UPTO = {"fake_quant": "calibration", "pre_export": "pre_export", "export": "qat_ir", "convert": "quantized_ir",
@@ -45,6 +49,11 @@ def add_parser(sub) -> None:
 
 def kinds_for(stage: str) -> list[str]:
     return list(PAIRS) if stage == "all" else [stage]
+
+
+def index_title(config: Path) -> str:
+    """The title of the ``index.html`` of an analysis of ``config`` (kept in ``summary.json``)."""
+    return f"quantlens analyze {config.name}"
 
 
 def run(args) -> int:
@@ -119,8 +128,9 @@ def analyze_config(cfg, kinds: list[str], out_dir: Path, *, sensitivity: bool = 
         console.print(metrics_table(metrics, cfg.higher_is_better))
     from quantlens.cli.stage_metrics import metrics_line
 
-    index = write_index(results, out_dir, f"quantlens analyze {cfg.path.name}", metrics_line(metrics))
-    extra = {"config": str(cfg.path)}
+    title = index_title(cfg.path)
+    index = write_index(results, out_dir, title, metrics_line(metrics))
+    extra = {"config": str(cfg.path), "title": title}
     if stages.failed:
         extra["failed_stage"] = {"stage": stages.failed, "error": stages.error}
     if metrics:

@@ -112,20 +112,25 @@ def render_pair(folder: Path, analysis_type: str | None = None, prefixes=None) -
     from quantlens.profiler.compare_cache import COMPARISON_FILE, load_comparison, save_comparison
     from quantlens.profiler.html import write_html
     from quantlens.profiler.model_access import ConsistencyInfo, parse_analysis_type
+    from quantlens.profiler.pair_facts import find_facts
+    from quantlens.profiler.reach import mark, reached_only
     from quantlens.profiler.report import write_advisor, write_compare_csv, write_compare_text
     from quantlens.profiler.trace.reader import TraceReader
 
     meta = read_pair_meta(folder)
-    kind = analysis_type or meta.get("analysis_type")
-    if kind is None:
-        raise UsageError(f"{folder} has no {PAIR_FILE} (it was not written by 'quantlens analyze'): pass --type "
-                         f"({', '.join(PAIRS)}).")
-    atype = parse_analysis_type(kind)
     traces = [TraceReader(folder / f"{label}_model") for label in ("baseline", "analysis")]
     for trace, label in zip(traces, ("baseline", "analysis")):
         if trace.label != label:  # (a folder copied or linked over the other one)
             raise QuantLensError(f"{trace.dir} holds the trace of the {trace.label} model, not of the {label} model. "
                                  "Run the analysis again into a fresh out_dir.")
+    # what the analysis knew besides the traces (the models' bias saturation, reach, consistency, its sensitivity
+    # ranking), saved for these very traces: the reports come out as the analysis wrote them
+    facts = find_facts(folder, *traces)
+    kind = analysis_type or meta.get("analysis_type") or (facts.analysis_type if facts is not None else None)
+    if kind is None:
+        raise UsageError(f"{folder} has no {PAIR_FILE} (it was not written by 'quantlens analyze'): pass --type "
+                         f"({', '.join(PAIRS)}).")
+    atype = parse_analysis_type(kind)
     # the rows the analysis saved from these very traces (compare_per_layer.json): no tensor is read again
     comparison = load_comparison(folder / COMPARISON_FILE, *traces)
     if comparison is not None and prefixes:
@@ -133,6 +138,8 @@ def render_pair(folder: Path, analysis_type: str | None = None, prefixes=None) -
     try:
         if comparison is None:
             comparison = compare_traces(*traces, prefixes, None, deployed=atype.deployed)
+            if facts is not None and facts.reach is not None:  # (rows computed from the traces have no marks)
+                comparison = mark(comparison, facts.reach)
             if not prefixes:  # the next report reads it back (only a speed-up: a folder in its place is left)
                 with contextlib.suppress(IsADirectoryError, NotADirectoryError, PermissionError):
                     save_comparison(comparison, folder / COMPARISON_FILE, *traces)
@@ -140,16 +147,24 @@ def render_pair(folder: Path, analysis_type: str | None = None, prefixes=None) -
         if str(folder) in str(exc):
             raise
         raise QuantLensError(f"The traces in {folder}: {exc}") from None
-    consistency = ConsistencyInfo(**meta["consistency"]) if meta.get("consistency") else None
+    if facts is not None:
+        consistency, state = facts.consistency, facts.fake_quant_state
+    else:  # a folder of an older analysis: what quantlens_pair.json kept
+        consistency = ConsistencyInfo(**meta["consistency"]) if meta.get("consistency") else None
+        state = meta.get("fake_quant_state")
     comparison.consistency = consistency
-    findings = advise(AdvisorContext(comparison, atype.value, meta.get("fake_quant_state"), consistency))
+    ctx = AdvisorContext(reached_only(comparison), atype.value, state, consistency,
+                         bias=facts.bias if facts is not None else {})
+    findings = advise(ctx)
     write_advisor(findings, folder / "abnormal_layer_advisor.txt", consistency)
-    write_compare_text(comparison, folder / "compare_per_layer_out.txt")
+    write_compare_text(comparison, folder / "compare_per_layer_out.txt",
+                       sensitivity=facts.sensitivity if facts is not None else None)
     write_compare_csv(comparison, folder / "compare_per_layer_out.csv")
     write_html(comparison, findings, folder / "profiler.html")
     base, analy = PAIRS[atype.value]
     result = PairResult(atype.value, meta.get("baseline", base), meta.get("analysis", analy), folder.name,
                         findings=[asdict(f) for f in findings], lsb=comparison.lsb_summary(),
+                        sensitivity_top=facts.sensitivity_top if facts is not None else [],
                         note=ort_note(meta.get("onnxruntime")))
     return summarize(result, comparison)
 
@@ -170,19 +185,23 @@ def run(args) -> int:
         results.append(render_pair(folder, args.type, args.prefix))
         out.print(f"re-rendered {folder}: compare_per_layer_out.txt/.csv, profiler.html, abnormal_layer_advisor.txt")
     if folders != [root]:  # an analyze folder: its index and summary too
+        from quantlens.cli.analyze import SUMMARY_EXTRAS, index_title
+        from quantlens.cli.stage_metrics import metrics_line
+
         extra = {}
         old = root / SUMMARY_FILE
         if old.is_file():
-            try:
-                extra = {k: v for k, v in json.loads(old.read_text(encoding="utf-8")).items()
-                         if k not in ("pairs", "culprit")}
+            try:  # what analyze knew besides the pairs (the rest of the summary is computed from the pairs)
+                saved = json.loads(old.read_text(encoding="utf-8"))
+                extra = {k: saved[k] for k in SUMMARY_EXTRAS if isinstance(saved, dict) and k in saved}
             except ValueError:
                 extra = {}
-        from quantlens.cli.stage_metrics import metrics_line
-
+        title = extra.get("title")
+        if not isinstance(title, str):  # a summary of an older analyze: its title came from the CONFIG's name
+            config = extra.get("config")
+            title = index_title(Path(config)) if isinstance(config, str) else f"quantlens report {root.name}"
         metrics = extra.get("stage_metrics")  # (what analyze measured: kept in the index it re-renders)
-        write_index(results, root, f"quantlens report {root.name}",
-                    metrics_line(metrics) if isinstance(metrics, list) else "")
+        write_index(results, root, title, metrics_line(metrics) if isinstance(metrics, list) else "")
         write_summary(results, root, extra)
         out.print(f"wrote {root / 'index.html'} and {root / SUMMARY_FILE}")
     print_losses(out, results)

@@ -17,21 +17,28 @@ from quantlens.profiler.compare import LayerComparison, LayerRow
 from quantlens.profiler.trace.format import TRACE_FILE
 from quantlens.profiler.trace.reader import TraceReader
 
-__all__ = ["COMPARISON_FILE", "trace_digest", "save_comparison", "load_comparison"]
+__all__ = ["COMPARISON_FILE", "trace_digest", "save_comparison", "load_comparison", "json_types", "json_valid",
+           "encode", "decode"]
 
 COMPARISON_FILE = "compare_per_layer.json"
 _FORMAT = 1
 _ROW_FIELDS = {f.name for f in fields(LayerRow)}
-#: each row field's allowed JSON value types, from its annotation ("float | None", "str", "bool | None", ...)
 _JSON_TYPES = {"float": (int, float), "int": (int,), "str": (str,), "bool": (bool,), "None": (type(None),)}
-_ROW_TYPES = {f.name: tuple(t for part in str(f.type).split("|") for t in _JSON_TYPES[part.strip()])
-              for f in fields(LayerRow)}
 
 
-def _valid(name: str, value) -> bool:
-    """A saved row value of the field's type (a bool is no number; inf / nan come back as floats)."""
-    kinds = _ROW_TYPES[name]
+def json_types(cls) -> dict[str, tuple[type, ...]]:
+    """Each field of the dataclass ``cls`` -> its allowed JSON value types, from its annotation ("float | None",
+    "str", "bool | None", ...: the flat types only)."""
+    return {f.name: tuple(t for part in str(f.type).split("|") for t in _JSON_TYPES[part.strip()])
+            for f in fields(cls)}
+
+
+def json_valid(kinds: tuple[type, ...], value) -> bool:
+    """A saved value of one of the types ``kinds`` (a bool is no number; inf / nan come back as floats)."""
     return isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+
+
+_ROW_TYPES = json_types(LayerRow)
 _MAX_BYTES = 1 << 30  # a larger file is not ours (rows are a few hundred bytes each)
 
 
@@ -40,13 +47,15 @@ def trace_digest(trace: TraceReader) -> str:
     return hashlib.sha256((Path(trace.dir) / TRACE_FILE).read_bytes()).hexdigest()
 
 
-def _encode(value):
+def encode(value):
+    """``value`` as JSON holds it (inf / nan as ``{"float": "inf"}``, tuples as lists); :func:`decode` reverses it."""
     if isinstance(value, float) and not math.isfinite(value):
         return {"float": repr(value)}  # JSON has no inf / nan
     return list(value) if isinstance(value, tuple) else value
 
 
-def _decode(value):
+def decode(value):
+    """The value :func:`encode` saved."""
     if isinstance(value, dict) and set(value) == {"float"} and value["float"] in ("inf", "-inf", "nan"):
         return float(value["float"])
     return value
@@ -58,7 +67,7 @@ def save_comparison(comparison: LayerComparison, path: str | os.PathLike, base: 
     data = {"format": _FORMAT, "traces": [trace_digest(base), trace_digest(analy)],
             "baseline": comparison.baseline, "analysis": comparison.analysis,
             "only_in_baseline": comparison.only_in_baseline, "only_in_analysis": comparison.only_in_analysis,
-            "rows": [{k: _encode(getattr(row, k)) for k in _ROW_TYPES} for row in comparison]}  # (flat: no asdict)
+            "rows": [{k: encode(getattr(row, k)) for k in _ROW_TYPES} for row in comparison]}  # (flat: no asdict)
     return atomic_write_text(path, json.dumps(data, allow_nan=False, sort_keys=True) + "\n")
 
 
@@ -77,8 +86,8 @@ def load_comparison(path: str | os.PathLike, base: TraceReader, analy: TraceRead
         for raw in data["rows"]:
             if not isinstance(raw, dict) or set(raw) != _ROW_FIELDS:
                 return None
-            values = {k: _decode(v) for k, v in raw.items()}
-            if not all(_valid(k, v) for k, v in values.items()):
+            values = {k: decode(v) for k, v in raw.items()}
+            if not all(json_valid(_ROW_TYPES[k], v) for k, v in values.items()):
                 return None
             rows.append(LayerRow(**values))
         pairs = [[tuple(p) for p in data[k]] for k in ("only_in_baseline", "only_in_analysis")]

@@ -13,7 +13,6 @@ Each method returns its result as data and writes its report files into ``out_di
 from __future__ import annotations
 
 import os
-import pickle
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -25,6 +24,7 @@ from quantlens.errors import QuantLensError
 from quantlens.profiler.access_factory import make_access
 from quantlens.profiler.advisor import AdvisorContext, Finding, advise
 from quantlens.profiler.bad_case import BadCaseResult, find_bad_case
+from quantlens.profiler.bad_case_io import read_bad_case, refuse_empty
 from quantlens.profiler.cached_attrs import install_cached_attrs
 from quantlens.profiler.compare import LayerComparison, check_site_match, compare_traces
 from quantlens.profiler.fingerprint import check_made_from, model_digest
@@ -32,6 +32,7 @@ from quantlens.profiler.joint_sensitivity import JointSensitivityResult, run_joi
 from quantlens.profiler.model_access import AnalysisType, ConsistencyInfo, SiteEvent, parse_analysis_type
 from quantlens.profiler.outputs import PostProcess, named_outputs, unique_name
 from quantlens.profiler.pair_checks import check_deployed_pair, check_weights_correspond
+from quantlens.profiler.pair_facts import FACTS_FILE, PairFacts, find_facts, save_facts, with_sensitivity
 from quantlens.profiler.reach import ReachTee, SiteReach, mark, reached_only, site_reach
 from quantlens.profiler.report import (
     keeping,
@@ -50,23 +51,13 @@ from quantlens.profiler.trace._lock import FolderLock
 from quantlens.profiler.trace.reader import TraceReader
 from quantlens.profiler.trace.stats import input_digest
 from quantlens.profiler.trace.writer import HOLD_BYTES, TraceWriter
+from quantlens.profiler.trace_pair import open_trace_pair
 from quantlens.quantization.fake_quantize import uncalibrated_message, uncalibrated_sites
 
 __all__ = ["QuantAnalysis", "RunResult"]
 
 BASELINE_DIR, ANALYSIS_DIR = "baseline_model", "analysis_model"
 BAD_CASE_FILE, ALL_BAD_CASE_FILE = "badcase.pt", "all_badcase_info.pt"
-
-
-def _refuse_empty(data: Any) -> None:
-    """A bad case whose every tensor is empty would give a report of zeros rather than an analysis."""
-    from torch.utils import _pytree as pytree
-
-    tensors = [t for t in pytree.tree_leaves(data) if isinstance(t, torch.Tensor)]
-    if tensors and all(t.numel() == 0 for t in tensors):
-        shapes = ", ".join(str(tuple(t.shape)) for t in tensors[:4])
-        raise QuantLensError(f"set_bad_case(): every input tensor is empty ({shapes}); there is nothing to "
-                             "analyse. Pass at least one sample (a batch of size >= 1).")
 
 
 class QuantAnalysis:
@@ -136,6 +127,7 @@ class QuantAnalysis:
         self._base_dir, self._analy_dir = self.out_dir / BASELINE_DIR, self.out_dir / ANALYSIS_DIR
         self._row_stream: RowStream | None = None  # the rows the last analysis run computed (row_stream)
         self._readers: dict[Path, TraceReader] = {}  # folder -> the reader run() opened on its trace
+        self._traced = False  # whether this QuantAnalysis traced the analysis trace it compares (run())
 
     # -- bad case ---------------------------------------------------------------------------------------------
     def auto_find_bad_case(self, data_generator: Iterable[Any], num_steps: int | None = None, metric: str = "L1",
@@ -186,7 +178,7 @@ class QuantAnalysis:
                 raise QuantLensError("set_bad_case(rank=...): no bad case search in this QuantAnalysis yet; call "
                                      "auto_find_bad_case(data, topk=k) first (or pass the inputs).")
             data = self.bad_case_result.inputs[self.bad_case_result.ranked(rank, metric, output)]
-        _refuse_empty(data)
+        refuse_empty(data)
         with FolderLock(self.out_dir, wait=5.0):  # (waits for a moment's write: every rank of a sharded run)
             save_pt(data, self.out_dir / BAD_CASE_FILE)
         self._bad_case, self._has_bad_case = data, True
@@ -197,15 +189,7 @@ class QuantAnalysis:
     def load_bad_case(self, filename: str | os.PathLike | None = None) -> Any:
         """Load a bad case saved by :meth:`set_bad_case` / :meth:`auto_find_bad_case` (default
         ``out_dir/badcase.pt``) and use it."""
-        path = Path(filename) if filename else self.out_dir / BAD_CASE_FILE
-        if not path.is_file():
-            raise QuantLensError(f"load_bad_case: {path} does not exist. Call auto_find_bad_case() or set_bad_case() "
-                                 "first, or pass the file's path.")
-        try:
-            data = torch.load(path, weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise QuantLensError(f"load_bad_case: {path} holds objects other than tensors and containers ({exc}). "
-                                 "Pass the input to set_bad_case() directly.") from None
+        data = read_bad_case(Path(filename) if filename else self.out_dir / BAD_CASE_FILE)
         self._bad_case, self._has_bad_case = data, True
         return data
 
@@ -241,35 +225,9 @@ class QuantAnalysis:
     def _open_traces(self, base_dir: Path | None = None, analy_dir: Path | None = None
                      ) -> tuple[TraceReader, TraceReader]:
         """The baseline and analysis traces compare_per_layer() reads, checked to belong together."""
-        base_dir = self._base_dir if base_dir is None else base_dir
-        analy_dir = self._analy_dir if analy_dir is None else analy_dir
-        traces = []
-        for label, folder in (("baseline", base_dir), ("analysis", analy_dir)):
-            opened = self._readers.get(Path(folder))  # run()'s reader, while trace.json is the file it read
-            try:
-                trace = opened if opened is not None and opened.unchanged() else TraceReader(folder)
-            except QuantLensError as exc:  # names the folder (missing folder, no trace.json, old format)
-                raise QuantLensError(
-                    f"{exc} (the {label} trace{'' if folder.is_dir() else '; the folder does not exist'}: "
-                    f"set_model_profiler_dir() takes the '{label}_model' folder of a run()'s out_dir)") from None
-            if trace.label != label:
-                raise QuantLensError(
-                    f"The {label} trace folder {folder} holds the trace of the {trace.label} model "
-                    f"({trace.description}), not of the {label} model. set_model_profiler_dir(baseline_dir, "
-                    "analysis_dir) takes the baseline folder first.")
-            traces.append(trace)
-        base, analy = traces
-        if base.input_digest != analy.input_digest:
-            raise QuantLensError(
-                f"The traces were made on different bad cases: the baseline trace in {base_dir} and the analysis "
-                f"trace in {analy_dir} hold different model inputs, so their op sites cannot be compared. Trace "
-                "both models on one bad case (qa.run()) and compare those folders.")
-        if self._has_bad_case and base.input_digest != input_digest(self._bad_case):
-            raise QuantLensError(
-                f"The traces in {base_dir} and {analy_dir} were made on another bad case than this QuantAnalysis's "
-                "current one. Re-run qa.run() on the current bad case, or compare them from a QuantAnalysis without "
-                "a bad case (or after load_bad_case() from that run's out_dir).")
-        return base, analy
+        return open_trace_pair(self._readers, self._base_dir if base_dir is None else base_dir,
+                               self._analy_dir if analy_dir is None else analy_dir,
+                               input_digest(self._bad_case) if self._has_bad_case else None, TraceReader)
 
     # -- run -------------------------------------------------------------------------------------------------
     def _trace(self, access, directory: Path, same_input=None, values_not_needed: frozenset[str] = frozenset(),
@@ -353,6 +311,7 @@ class QuantAnalysis:
                     "cannot feed the analysis model's same-input run. Run both models: qa.run()."
                 )
             analy, outputs = self._trace(self.analysis, analy_dir, same_input=source)
+            self._traced = True
             source.drop_held()  # (the row stream keeps the reader)
             self._readers[Path(base_dir)] = source
             self._analy_dir = analy_dir
@@ -382,36 +341,54 @@ class QuantAnalysis:
         comparison = compare_traces(*traces, prefixes, types, deployed=self.analysis_type.deployed,
                                     early=stream.rows_for(*traces) if stream is not None else None)
         comparison.consistency = self.consistency
-        comparison = mark(comparison, self._reach())
+        # traces made earlier (not by this run()): what the analysis that made them knew and the traces do not
+        # hold (the reach, its sensitivity ranking), saved with them for these very traces (pair_facts)
+        facts = self._facts(traces)
+        reach = self._reach(facts)
+        comparison = mark(comparison, reach)
         self._last_comparison = comparison
+        sensitivity = getattr(self, "_last_sensitivity", None)
+        if sensitivity is None and facts is not None:
+            sensitivity = facts.sensitivity
+        whole = prefixes is None and types is None
         with keeping(comparison):  # a full disk: DiskFullError.result holds the rows
             findings = self.advise(comparison)
-            write_comparison(comparison, findings, self.out_dir, getattr(self, "_last_sensitivity", None),
-                             traces if prefixes is None and types is None else None)
+            write_comparison(comparison, findings, self.out_dir, sensitivity, traces if whole else None)
+            if whole:  # every input of the reports that is not in the traces, for whoever renders them again
+                save_facts(PairFacts(self.analysis_type.value, self.analysis.fake_quant_state, self.consistency,
+                                     self._last_bias, reach, sensitivity), self.out_dir / FACTS_FILE, *traces)
         return comparison
 
     def advise(self, comparison: LayerComparison | None = None) -> list[Finding]:
         """Run the abnormal-layer rules on ``comparison`` (default: a fresh comparison of the traces) and
         write ``abnormal_layer_advisor.txt``."""
         if comparison is None:
-            comparison = compare_traces(*self._open_traces(), deployed=self.analysis_type.deployed)
+            traces = self._open_traces()
+            comparison = compare_traces(*traces, deployed=self.analysis_type.deployed)
             comparison.consistency = self.consistency
+            comparison = mark(comparison, self._reach(self._facts(traces)))
         from quantlens.profiler.bias_check import bias_saturation
 
         analysed = getattr(self.analysis, "model", None) or getattr(self.analysis, "module", None)
         comparison = reached_only(comparison)  # an op no compared output depends on explains nothing
+        self._last_bias = bias_saturation(analysed, comparison)
         ctx = AdvisorContext(comparison, self.analysis_type.value, self.analysis.fake_quant_state,
-                             self.consistency, bias=bias_saturation(analysed, comparison))
+                             self.consistency, bias=self._last_bias)
         findings = advise(ctx)
         write_advisor(findings, self.out_dir / "abnormal_layer_advisor.txt", self.consistency)
         return findings
 
-    def _reach(self) -> SiteReach:
+    def _facts(self, traces: tuple[TraceReader, TraceReader]) -> PairFacts | None:
+        """The facts saved with ``traces`` by the analysis that made them; None for traces this run() made."""
+        return None if self._traced else find_facts(self.out_dir, *traces)
+
+    def _reach(self, facts: PairFacts | None = None) -> SiteReach:
         """Which op sites reach a compared output and which are host-side, on the bad case (:mod:`.reach`): from
         the analysis model when it has the structure (a prepared model, an IR), else the baseline; one forward,
-        cached per bad case. Without a bad case (traces compared from folders) nothing is claimed."""
+        cached per bad case. Without a bad case (traces compared from folders): what the analysis that made the
+        traces saved with them (``facts``), else nothing is claimed."""
         if not self._has_bad_case:
-            return SiteReach(None, frozenset())
+            return facts.reach if facts is not None and facts.reach is not None else SiteReach(None, frozenset())
         case = self._sensitivity_case()
         key = input_digest(case)
         cached = getattr(self, "_reach_cache", None)
@@ -436,6 +413,14 @@ class QuantAnalysis:
         if traced is not None and input_digest(traced) == input_digest(current):
             return traced
         return current
+
+    def _save_sensitivity(self, result: SensitivityResult) -> None:
+        """Keep the ranking the per-layer text now leads with in the traces' facts (pair_facts)."""
+        try:
+            traces = self._open_traces()
+        except QuantLensError:  # the traces are gone or of another bad case: the ranking is not theirs
+            return
+        with_sensitivity(self.out_dir, *traces, result, input_digest(self._sensitivity_case()))
 
     def _refuse_onnxruntime(self, what: str) -> None:
         if self.analysis_type is AnalysisType.ONNXRUNTIME:
@@ -490,6 +475,7 @@ class QuantAnalysis:
                     write_sensitivity(table, self.out_dir)
                 if comparison is not None and not reverse:  # its summary leads with the sensitivity ranking
                     write_compare_text(comparison, self.out_dir / "compare_per_layer_out.txt", sensitivity=result)
+                    self._save_sensitivity(result)
         if shard and group is not None:
             import torch.distributed as dist
 
