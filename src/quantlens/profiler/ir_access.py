@@ -60,6 +60,7 @@ from quantlens.profiler.model_access import (
     SiteEvent,
     TraceSink,
 )
+from quantlens.profiler.same_input_feed import baseline_output, float_heads, is_index_value
 from quantlens.quantization.record import inputs_to
 
 __all__ = ["IRModelAccess", "SiteOverride"]
@@ -298,6 +299,7 @@ class IRModelAccess(ModelAccess):
                     entering: list[int] | None = None):
         prog = self.program(site, _fused(source, site))
         values, borrowed = {}, []
+        heads = float_heads(self.nodes, prog.nodes, [n for n, w in prog.externals.items() if w and w.site != _INPUT])
         for name, where in prog.externals.items():
             base = None if where is None or where.site == _INPUT else _site_outputs(source, where)
             if where is None or (base is None and where.occurrence != -1 and name in live):
@@ -307,10 +309,13 @@ class IRModelAccess(ModelAccess):
             elif where.site == _INPUT:
                 values[name] = feeds[name]
             else:
-                if base is None or where[1] >= len(base):
+                # (an index input takes the baseline's indices, whatever position they have there: same_input_feed)
+                given = baseline_output(base, where[1], self.program(where.site).outputs,
+                                        lambda n: is_index_value(self.value_info(n))) if base else None
+                if given is None:
                     return None, None, f"the baseline has no value for '{where[0]}'"
                 info = self.value_info(name)
-                if info is not None and not _fits(base[where[1]].shape, info.shape):
+                if info is not None and not _fits(given.shape, info.shape):
                     # the site means another value in the baseline (a conv quantizing its own input, its output
                     # attributed to the fused BatchNorm's site): this IR's own value, said in the note
                     if name not in live:
@@ -318,11 +323,15 @@ class IRModelAccess(ModelAccess):
                     values[name] = live[name]
                     borrowed.append(name)
                     continue
+                if name in heads:  # read through a dequantize: the baseline's float value in place of its result
+                    values[self.nodes[prog.nodes[heads[name]]].outputs[0]] = inputs_to(given, self.module.device)
+                    continue
                 if entering is not None and info is not None and info.qdtype:  # quantized to this IR's integers
-                    entering[0] += nonfinite_count(base[where[1]])
-                # (the baseline's trace is held on the CPU)
-                values[name] = self.from_float(name, inputs_to(base[where[1]], self.module.device))
-        out, pre = self.run_program(prog, values)
+                    entering[0] += nonfinite_count(given)
+                values[name] = self.from_float(name, inputs_to(given, self.module.device))  # (trace: on the CPU)
+        skipped = {prog.nodes[k] for name, k in heads.items() if name not in values}  # (the dequantizes fed past)
+        out, pre = self.run_program(Program(prog.site, [i for i in prog.nodes if i not in skipped], prog.externals,
+                                            prog.outputs), values)
         note = f"inputs {borrowed} are this model's own" if borrowed else ""
         return out, pre, note
 

@@ -179,7 +179,7 @@ class TraceSink(Protocol):
 
 
 class SameInputSource(Protocol):
-    """Gives the baseline's incoming float tensors of an op site (leaf position -> tensor), or None."""
+    """Gives the baseline's incoming float and index tensors of an op site (leaf position -> tensor), or None."""
 
     def inputs(self, site: str) -> dict[int, torch.Tensor] | None: ...
 

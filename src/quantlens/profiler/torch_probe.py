@@ -41,9 +41,21 @@ __all__ = ["Probe", "FloatProbe", "RuntimeProbe", "quant_error_stats", "deferred
            "DeferredQuantError"]
 
 
-def _incoming(args: tuple, kwargs: dict) -> dict[int, torch.Tensor]:
+def _incoming(args: tuple, kwargs: dict, indices: bool = True) -> dict[int, torch.Tensor]:
+    """The op's incoming float tensors (not its weights) and, with ``indices``, its index tensors, by leaf position:
+    a baseline records both, and the other model's same-input run takes both (a ``gather`` on the baseline's
+    indices only moves values; on its own indices it showed the index flips of the ops before as its own loss)."""
     leaves, _, positions = float_tensor_leaves(args, kwargs)
-    return {p: leaves[p] for p in positions if not isinstance(leaves[p], nn.Parameter)}
+    floats = {p: leaves[p] for p in positions if not isinstance(leaves[p], nn.Parameter)}
+    if indices:
+        floats.update({p: leaf for p, leaf in enumerate(leaves) if _is_index(leaf)})
+    return floats
+
+
+def _is_index(leaf: Any) -> bool:
+    """An integer tensor (indices, positions, ids); booleans are masks, not indices."""
+    return isinstance(leaf, torch.Tensor) and not leaf.is_floating_point() and not leaf.is_complex() and \
+        leaf.dtype is not torch.bool
 
 
 def _tensor_leaves(output: Any) -> list[torch.Tensor]:
@@ -320,7 +332,7 @@ class RuntimeProbe(Runtime):
         new = self.probe.substitute(site, args, kwargs, out)
         if new is not out:
             # substituted indices keep the input's grid; a value from another model (override) is this site's
-            src = next(iter(_incoming(args, kwargs).values()), None) if site.rule.index_producing else out
+            src = next(iter(_incoming(args, kwargs, False).values()), None) if site.rule.index_producing else out
             self._set_marks(new, self._mark(src) if src is not None else None)
             out = new
         if self.probe.sink is None:
@@ -405,9 +417,15 @@ class RuntimeProbe(Runtime):
         return {inp.position: self._group_same[inp.producer] for inp in inputs}, None
 
     def _baseline_inputs(self, args, kwargs, base: dict[int, torch.Tensor], internal: dict[int, torch.Tensor]):
-        """``(args, kwargs, note)`` with the incoming float tensors replaced by ``internal``'s or the baseline's."""
+        """``(args, kwargs, note)`` with the incoming float tensors replaced by ``internal``'s or the baseline's, and
+        the index tensors by the baseline's (where the baseline recorded them)."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
         for pos, leaf in enumerate(leaves):
+            if _is_index(leaf) and pos in base:
+                if base[pos].shape != leaf.shape:
+                    return None, None, f"the baseline's index input {pos} has another shape"
+                leaves[pos] = base[pos].to(device=leaf.device, dtype=leaf.dtype)
+                continue
             if not is_float_tensor(leaf) or isinstance(leaf, nn.Parameter):
                 continue
             repl = internal.get(pos)

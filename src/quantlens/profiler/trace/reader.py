@@ -197,7 +197,7 @@ class TraceReader:
                 "file was damaged or does not belong to this trace. Re-run QuantAnalysis.run() to write it again.")
 
     def inputs(self, site: str, occurrence: int | None = None) -> dict[int, torch.Tensor] | None:
-        """The site's incoming float tensors by leaf position (loads only those), of its last run unless
+        """The site's incoming float and index tensors by leaf position (loads only those), of its last run unless
         ``occurrence`` says which; None for a site or run the trace does not have."""
         s = self.occurrence(site, occurrence)
         if s is None:
