@@ -145,7 +145,7 @@ def _synthetic_module() -> Module:
         "none": None, "flag": True, "off": False, "mode": "nearest", "nested": [[1, 2], [3.5, None]],
         "tuple": (1, (2, "x")), "by_int": {1: "a", 2: [3]}, "tagged_key": {"$float": "looks like a tag"},
         "empty_list": [], "empty_dict": {},
-        "multipliers": [1, 1], "shifts": [0, 0], "out_dtype": "qint8",  # what the integer add reads (load checks)
+        "multipliers": [1, 1], "shifts": [0, 0], "out_dtype": "qint8", "frac_bits": 8,  # what the integer add reads
     }
     nodes = [Node("add", ["x", "f32"], ["y"], attrs, "site.add_0"),
              Node("mul", ["y", "f32"], ["z"], {"out_dtype": "qint8"}, ""),

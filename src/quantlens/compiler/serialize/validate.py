@@ -190,9 +190,25 @@ def _module_from_header(header: dict, constants: dict[str, torch.Tensor]) -> Mod
     _check_spec(header["input_spec"], len(leaves), "input_spec", "input leaves")
     _check_spec(header["output_spec"], len(outputs), "output_spec", "graph outputs")
     meta = _meta_from_header(header)
+    _check_channel_axes(nodes, constants)
     _check_shapes(kind, nodes, inputs, constants, values)
     graph = Graph(nodes=nodes, inputs=inputs, outputs=outputs, constants=constants, values=values)
     return Module(kind, graph, leaves, header["input_spec"], header["output_spec"], meta=meta)
+
+
+#: ops whose input 1 is a scale: one per channel needs the channel's axis (per tensor, none)
+_SCALED = frozenset({"quantize", "dequantize", "requantize", "fake_quant"})
+
+
+def _check_channel_axes(nodes: list[Node], constants: dict[str, torch.Tensor]) -> None:
+    """A per-channel scale (a constant of more than one element) comes with the integer ``axis`` of its channels:
+    without it the kernels would broadcast the scale along the last dim, or fail inside torch at the call."""
+    for i, node in enumerate(nodes):
+        scale = constants.get(node.inputs[1]) if node.op in _SCALED and len(node.inputs) > 1 else None
+        if scale is not None and scale.numel() > 1 and not _is_int(node.attrs.get("axis")):
+            raise _Invalid(f"node #{i} '{node.op}' (op site '{node.site}') has a per-channel scale of "
+                           f"{scale.numel()} elements and no integer attr 'axis' (its channels' dim), which its "
+                           "kernel reads")
 
 
 def _check_shapes(kind: str, nodes: list[Node], inputs: list[str], constants: dict[str, torch.Tensor],
