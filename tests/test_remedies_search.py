@@ -101,7 +101,7 @@ def test_findings_carry_the_measured_gain(tmp_path):
 
     model = Outliers().eval()
     batches, held_out = _data()
-    result = search_remedies(model, batches[0], batches, _cosine(model, held_out), 0.998, out_dir=tmp_path / "s",
+    result = search_remedies(model, batches[0], batches, _cosine(model, held_out), 0.9995, out_dir=tmp_path / "s",
                              int16=False)
     int8 = calibrate(prepare(model, batches[0], check_result_dir=None), batches)
     qa = QuantAnalysis(model, int8, "fake_quant", out_dir=tmp_path / "qa", progress=False)

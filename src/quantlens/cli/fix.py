@@ -4,6 +4,9 @@ It calibrates the CONFIG's model with its ``calibration_qconfig_setter``, asks t
 (fake_quant pair, bad case from the evaluation data), then runs :func:`quantlens.search.remedies.search_remedies`
 from those findings. The metric is the CONFIG's ``evaluate(model) -> float`` (``higher_is_better``, default
 True) or, without one, the mean cosine of the first output against the float model on ``evaluation_data()``.
+The console and the page name that metric and its noise (a remedy is kept only when it gains more); a remedy that
+fails is skipped with a warning naming it and its error; ``--latency`` prints the latency estimate of the base and
+of the result, and each kept remedy's estimate before and after it.
 OUT gets ``remedies.html`` / ``remedies.csv`` (per finding: remedies tried, measured gain, chosen), the int16 curve,
 and ``remedies.json`` (+ ``remedied_weights.safetensors`` when a transform changed weights), which
 ``load_remedies(float_model(), OUT, calibration_qconfig_setter)`` turns back into what ``prepare`` takes.
@@ -19,7 +22,7 @@ from typing import Any, Callable
 from quantlens.cli import EXIT_OK, EXIT_PROBLEMS, UsageError
 from quantlens.cli._common import console, esc, parent
 
-__all__ = ["add_parser", "run", "output_cosine_metric"]
+__all__ = ["add_parser", "run", "output_cosine_metric", "metric_description"]
 
 
 def add_parser(sub) -> None:
@@ -36,7 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--range-sites", type=int, default=8, help="op sites that get the per-site range search")
     p.add_argument("--no-int16", action="store_true", help="do not promote op sites to int16")
     p.add_argument("--int16-budget", type=int, default=None, help="the most int16 promotions")
-    p.add_argument("--latency", action="store_true", help="also estimate the latency of the base and the result")
+    p.add_argument("--latency", action="store_true", help="also estimate the latency (cycles, the march's cost "
+                   "model) of the base, the result and each kept remedy")
     p.add_argument("--out", default="quantlens_fix", help="output folder (resumes a search with the same inputs)")
     p.set_defaults(func=run)
 
@@ -66,6 +70,14 @@ def output_cosine_metric(float_model, batches: list) -> Callable[[Any], float]:
     return evaluate
 
 
+def metric_description(cfg) -> str:
+    """What ``quantlens fix`` measures for ``cfg``, in words: its ``evaluate`` or the default cosine."""
+    if cfg.evaluate is not None:
+        return f"evaluate(model) of {Path(cfg.path).name}"
+    data = "evaluation_data()" if cfg.evaluation_data is not None else "calibration_data() (no evaluation_data())"
+    return f"mean cosine of the first output against the float model on {data} (the CONFIG has no evaluate())"
+
+
 def run(args) -> int:
     import warnings
 
@@ -74,6 +86,7 @@ def run(args) -> int:
     from quantlens import set_march
     from quantlens.cli.config import load_config
     from quantlens.search.remedies import save_remedies, search_remedies
+    from quantlens.search.remedies.report import latency_change, metric_sentence
 
     out = console()
     cfg = load_config(args.config, debug=args.debug or args.sub_debug)
@@ -95,16 +108,23 @@ def run(args) -> int:
                              base_setter=cfg.calibration_qconfig_setter, findings=findings,
                              range_sites=args.range_sites, int16=not args.no_int16,
                              higher_is_better=cfg.higher_is_better, out_dir=out_dir,
-                             int16_budget=args.int16_budget, latency=args.latency)
+                             int16_budget=args.int16_budget, latency=args.latency,
+                             metric=metric_description(cfg))
     save_remedies(result, out_dir)
+    for skipped in result.skipped:
+        out.print(f"warning: remedy {esc(skipped.name)} failed and was skipped: {esc(skipped.error)}")
+    out.print(esc(metric_sentence(result)))
     t = Table(title=f"remedies kept ({esc(result.base_value)} -> {esc(result.value)})")
-    for col in ("remedy", "op site", "before", "after"):
+    for col in ("remedy", "op site", "before", "after") + (("latency estimate",) if args.latency else ()):
         t.add_column(col)
     for trial in result.trials:
         if trial.kept:
+            cost = (esc(latency_change(*(trial.cycles or (None, None)))),) if args.latency else ()
             t.add_row(esc(f"{trial.kind} {trial.name}"), esc(trial.site or "(model)"), f"{trial.before:.6g}",
-                      f"{trial.value:.6g}")
+                      f"{trial.value:.6g}", *cost)
     out.print(t)
+    if result.latency_cycles is not None:
+        out.print(f"latency estimate: {esc(latency_change(*result.latency_cycles))} (base -> result)")
     reached = result.reached()
     out.print(f"target {args.target}: {'reached' if reached else 'NOT reached'} with {len(result.int16)} int16 op "
               f"site(s); report {esc(out_dir / 'remedies.html')}; re-run the flow with "

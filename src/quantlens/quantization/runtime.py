@@ -171,6 +171,13 @@ class Runtime(SiteHandler):
         plan = self._plan(site)
         target = args[0] if args and is_inplace(func) and isinstance(args[0], torch.Tensor) else None
         raw = args, kwargs
+        if target is not None and plan is not None and target.requires_grad and torch.is_grad_enabled():
+            # the input fake quant saves its input for backward, and target.copy_ below overwrites target: it
+            # quantizes a copy (x += y in QAT, DeBERTa's score += c2p; was "modified by an inplace operation")
+            fresh = target.clone()
+            if target in self.marks:
+                self.marks.set(fresh, self._mark(target))
+            args = (fresh, *args[1:])
         if plan is not None:
             args, kwargs, _ = self._quantize_inputs(plan, args, kwargs)
         call = None

@@ -1,7 +1,8 @@
 """The remedy search's report: ``remedies.csv`` (one row per measured candidate) and a self-contained
 ``remedies.html`` (per finding: the remedies that answer it, those tried at its op site with their measured
 values, the chosen one and its gain; the whole-model remedies; the int16 curve), written from a
-:class:`~.search.RemedyResult`."""
+:class:`~.search.RemedyResult`. The page names the metric and its noise, the remedies that failed and were
+skipped, and, with ``latency=True``, each kept remedy's latency estimate before and after it."""
 
 from __future__ import annotations
 
@@ -16,22 +17,24 @@ from quantlens.search.curve_files import svg_plot
 from quantlens.search.remedies.catalog import remedies_for
 from quantlens.search.remedies.search import RemedyResult, Trial
 
-__all__ = ["CSV_FILE", "HTML_FILE", "write_remedy_report", "trial_rows"]
+__all__ = ["CSV_FILE", "HTML_FILE", "write_remedy_report", "trial_rows", "latency_change", "metric_sentence"]
 
 CSV_FILE = "remedies.csv"
 HTML_FILE = "remedies.html"
-_FIELDS = ["kind", "name", "site", "value", "before", "gain", "kept"]
+_FIELDS = ["kind", "name", "site", "value", "before", "gain", "kept", "cycles_before", "cycles_after"]
 
 
 def trial_rows(result: RemedyResult) -> list[dict[str, Any]]:
-    """One row per measured candidate (a kept one once, with the metric before it and its gain)."""
+    """One row per measured candidate (a kept one once, with the metric before it, its gain and, when measured,
+    the latency estimate before and after it)."""
     rows = []
     for t in result.trials:
         if not t.kept and any(k.kept and (k.kind, k.name, k.site) == (t.kind, t.name, t.site) for k in result.trials):
             continue  # the kept row of the same candidate carries its gain
         gain = None if t.before is None else t.value - t.before
+        cycles = t.cycles or (None, None)
         rows.append({"kind": t.kind, "name": t.name, "site": t.site, "value": t.value, "before": t.before,
-                     "gain": gain, "kept": t.kept})
+                     "gain": gain, "kept": t.kept, "cycles_before": cycles[0], "cycles_after": cycles[1]})
     return rows
 
 
@@ -50,6 +53,25 @@ def write_remedy_report(result: RemedyResult, out_dir: str | Path, findings: Seq
 
 def _f(v: float | None) -> str:
     return "" if v is None else f"{v:.6g}"
+
+
+def latency_change(before: int | None, after: int | None) -> str:
+    """``before -> after cycles (+x.x %)``, or "" when not measured."""
+    if before is None or after is None:
+        return ""
+    pct = f" ({(after - before) / before:+.1%})" if before else ""
+    return f"{before} -> {after} cycles{pct}"
+
+
+def metric_sentence(result: RemedyResult) -> str:
+    """What the metric is, which way is better, and its noise (the least gain the search keeps)."""
+    way = "higher" if result.higher_is_better else "lower"
+    return (f"metric: {result.metric} ({way} is better); noise {result.noise:.3g}: a remedy is kept only when it "
+            "gains more")
+
+
+def _cycles(r: dict) -> str:
+    return html.escape(latency_change(r["cycles_before"], r["cycles_after"]))
 
 
 def _trial_cells(trials: list[Trial]) -> str:
@@ -77,14 +99,17 @@ def _page(result: RemedyResult, findings: Sequence[Any]) -> str:
     reached = "" if result.target is None else (f"; target {result.target:g} "
                                                 f"{'reached' if result.reached() else 'not reached'}")
     latency = ("" if result.latency_cycles is None else
-               f"; latency estimate {result.latency_cycles[0]} &rarr; {result.latency_cycles[1]} cycles")
+               f"; latency estimate {html.escape(latency_change(*result.latency_cycles))}")
+    skipped = "".join(f"<li>{html.escape(s.name)}: {html.escape(s.error)}</li>" for s in result.skipped)
+    skipped = f"<h2>Skipped (the remedy failed)</h2><ul>{skipped}</ul>" if skipped else ""
     model_rows = "".join(
         f"<tr><td>{html.escape(r['kind'])}</td><td>{html.escape(r['name'])}</td><td>{_f(r['value'])}</td>"
-        f"<td>{_f(r['gain'])}</td><td>{'kept' if r['kept'] else 'not kept'}</td></tr>"
+        f"<td>{_f(r['gain'])}</td><td>{'kept' if r['kept'] else 'not kept'}</td><td>{_cycles(r)}</td></tr>"
         for r in trial_rows(result) if not r["site"])
     all_rows = "".join(
         f"<tr><td>{html.escape(r['kind'])}</td><td>{html.escape(r['name'])}</td><td>{html.escape(r['site'])}</td>"
-        f"<td>{_f(r['value'])}</td><td>{_f(r['gain'])}</td><td>{'kept' if r['kept'] else ''}</td></tr>"
+        f"<td>{_f(r['value'])}</td><td>{_f(r['gain'])}</td><td>{'kept' if r['kept'] else ''}</td>"
+        f"<td>{_cycles(r)}</td></tr>"
         for r in trial_rows(result))
     curve = result.int16_curve
     plots = ""
@@ -98,12 +123,14 @@ def _page(result: RemedyResult, findings: Sequence[Any]) -> str:
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>remedy search</title><style>"
         "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid "
         "#ccc;padding:2px 6px;font-size:13px;vertical-align:top}</style></head><body><h1>Remedy search</h1>"
+        f"<p>{html.escape(metric_sentence(result))}.</p>"
         f"<p>metric {result.base_value:.6g} &rarr; {result.value:.6g}{reached}; kept transforms: "
         f"{html.escape(', '.join(result.transforms) or 'none')}; ranges at {len(result.observers)} op site(s); "
-        f"{len(result.int16)} int16 promotion(s){latency}.</p>"
-        "<h2>Findings</h2>" + _findings_table(result, findings)
+        f"{len(result.int16)} int16 promotion(s){latency}.</p>" + skipped
+        + "<h2>Findings</h2>" + _findings_table(result, findings)
         + "<h2>Whole-model remedies</h2><table><tr><th>kind</th><th>remedy</th><th>metric</th><th>gain</th>"
-          f"<th></th></tr>{model_rows or '<tr><td colspan=5>none applied</td></tr>'}</table>"
+          f"<th></th><th>latency estimate</th></tr>{model_rows or '<tr><td colspan=6>none applied</td></tr>'}"
+          "</table>"
         + (f"<h2>int16 on top</h2>{plots}" if plots else "")
         + "<h2>Every measured candidate</h2><table><tr><th>kind</th><th>remedy</th><th>op site</th><th>metric</th>"
-          f"<th>gain</th><th></th></tr>{all_rows}</table></body></html>")
+          f"<th>gain</th><th></th><th>latency estimate</th></tr>{all_rows}</table></body></html>")

@@ -7,11 +7,13 @@ kept only when it helps; the remedies go cheapest first, so int16 is spent only 
    and LayerNorm smoothing (free at run time, exact in float, :mod:`.equalize`), per-channel weights where the
    setter has per-tensor ones (:mod:`.weights`), bias correction (:mod:`.bias_correction`), learned ranges
    (:mod:`.learned_ranges`), learned rounding (:mod:`.learned_rounding`); each measured on top of those kept so far
-   and kept when the metric improves;
+   and kept when the metric improves by more than its noise (:mod:`.noise`); a remedy that fails (a
+   ``RuntimeError``, ``ValueError`` or ``QuantLensError`` while it is applied or measured) is skipped and recorded
+   in ``RemedyResult.skipped``, and the search goes on;
 2. **ranges**: for the op sites of the advisor's findings that a range answers, then those the outputs are most
    sensitive to (the profiler's sensitivity on the current model), each range observer of
-   :data:`~.observers.RANGE_OBSERVERS`; the best is kept per site when it improves the metric
-   (:class:`~.observers.ObserverQconfigSetter`);
+   :data:`~.observers.RANGE_OBSERVERS`; the best is kept per site when it improves the metric by more than its
+   noise (:class:`~.observers.ObserverQconfigSetter`);
 3. **precision**: if the target is not reached, ``search_mixed_precision`` promotes op sites to int16 on top of
    what 1-2 chose.
 
@@ -33,13 +35,19 @@ import torch
 from torch import nn
 
 from quantlens._io import atomic_write_text
+from quantlens.errors import QuantLensError
 from quantlens.quantization import calibrate, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.search.bar import SearchBar
 from quantlens.search.remedies.catalog import REMEDIES, RemedyContext, model_remedies
+from quantlens.search.remedies.noise import measure_noise
 from quantlens.search.remedies.observers import RANGE_OBSERVERS, ObserverQconfigSetter
 
-__all__ = ["Trial", "RemedyResult", "search_remedies"]
+__all__ = ["Trial", "SkippedRemedy", "RemedyResult", "search_remedies", "REMEDY_ERRORS"]
+
+#: what a failing remedy raises and the search survives: torch's errors (autograd, shapes), a bad value, or the
+#: toolchain's own refusal; anything else is a bug that should stop the search
+REMEDY_ERRORS = (RuntimeError, ValueError, QuantLensError)
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,18 @@ class Trial:
     kept: bool
     #: a kept remedy: the metric before it (its measured gain is ``value - before``)
     before: float | None = None
+    #: a kept remedy with ``latency=True``: the latency estimate (cycles) before and after it
+    cycles: tuple[int, int] | None = None
+    #: the noise of the configuration it was measured against (:mod:`.noise`): it is kept only when it gains more
+    noise: float | None = None
+
+
+@dataclass(frozen=True)
+class SkippedRemedy:
+    """A whole-model remedy that failed and was skipped: its name and the error, on one line."""
+
+    name: str
+    error: str
 
 
 @dataclass(frozen=True)
@@ -76,6 +96,13 @@ class RemedyResult:
     int16_curve: tuple = ()
     #: ``latency=True``: the quantized IR's latency estimate (cycles) of the base setter and of the result
     latency_cycles: tuple[int, int] | None = None
+    #: what ``value`` measures, in words (the report and the console name it)
+    metric: str = "evaluate(prepared)"
+    #: the metric's noise around the base configuration (:mod:`.noise`; each trial carries the one it was
+    #: judged against)
+    noise: float = 0.0
+    #: the whole-model remedies that failed, in the order tried
+    skipped: tuple[SkippedRemedy, ...] = ()
 
     def reached(self, target: float | None = None, higher_is_better: bool | None = None) -> bool:
         """Whether ``value`` reaches ``target`` (default: the search's own)."""
@@ -102,7 +129,8 @@ class _Measure:
                 self.values = {k: float(v) for k, v in data.get("measurements", {}).items()}
         self.replayed = len(self.values)
 
-    def __call__(self, model: nn.Module, setter: Any, key: str) -> float:
+    def __call__(self, model: nn.Module, setter: Any, key: str, batches: Sequence[Any] | None = None) -> float:
+        """The metric of ``model`` under ``setter``, calibrated on ``batches`` (default: all of them)."""
         if key in self.values:
             return self.values[key]
         with warnings.catch_warnings():
@@ -110,7 +138,7 @@ class _Measure:
             # at their own prepare (allow_no_stubs), not refused again
             warnings.simplefilter("ignore")
             prepared = calibrate(prepare(model, self.example, setter, check_result_dir=None,
-                                         allow_no_stubs=True), self.batches)
+                                         allow_no_stubs=True), self.batches if batches is None else batches)
         with torch.no_grad():
             value = float(self.evaluate(prepared))
         self.values[key] = value
@@ -118,8 +146,9 @@ class _Measure:
                                                  "measurements": self.values}, indent=1, sort_keys=True))
         return value
 
-    def better(self, a: float, b: float) -> bool:
-        return a > b if self.higher else a < b
+    def better(self, a: float, b: float, margin: float = 0.0) -> bool:
+        """Whether ``a`` is better than ``b`` by more than ``margin``."""
+        return a > b + margin if self.higher else a < b - margin
 
 
 def _sensitive_sites(model, example, setter, measure: _Measure, count: int, out_dir: Path) -> list[str]:
@@ -145,7 +174,7 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
                     range_sites: int = 8, observers: Sequence[str] = tuple(RANGE_OBSERVERS), int16: bool = True,
                     higher_is_better: bool = True, out_dir: str | os.PathLike = "remedies",
                     int16_budget: Any = None, latency: bool = False, progress: bool = True,
-                    report: bool = True) -> RemedyResult:
+                    report: bool = True, metric: str = "evaluate(prepared)") -> RemedyResult:
     """The whole-model remedies of :data:`~.catalog.REMEDIES`, then per-site ranges, then int16 promotion, each
     candidate measured and kept only when it helps (see the module docstring).
 
@@ -155,10 +184,11 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
             tried first, before the most sensitive ones.
         range_sites: how many op sites get the range search.
         int16_budget: the most int16 promotions (``int``) or ``MaxLatency(cycles)``.
-        latency: also export -> convert the base and the chosen configuration and record their latency
-            estimates (``RemedyResult.latency_cycles``).
+        latency: also export -> convert the base, the configuration after each kept remedy and the result, and
+            record their latency estimates (``RemedyResult.latency_cycles``, ``Trial.cycles`` of each kept one).
         report: write ``remedies.csv`` and ``remedies.html`` (per finding: remedies tried, measured gain, chosen;
             the int16 curve) to ``out_dir``.
+        metric: what ``evaluate`` measures, in words, for the report.
 
     ``model`` is not changed; ``RemedyResult.model`` and ``RemedyResult.setter`` go to ``prepare``.
     """
@@ -170,6 +200,8 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
     measure = _Measure(example_inputs, batches, evaluate, higher_is_better, out / PROGRESS_FILE, inputs_key)
     state = _State(measure, model, base_setter)
     state.best = state.base = measure(model, base_setter, state.key("base"))
+    state.noise = measure_noise(measure, model, base_setter, state.base, state.key("base"))
+    base_noise = state.noise
     with SearchBar(len(model_remedies()) + range_sites * len(observers), progress, label="remedies") as bar:
         _model_phase(state, example_inputs, bar)
         _range_phase(state, example_inputs, findings, range_sites, observers, out, target, bar)
@@ -186,13 +218,17 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
         promotions = tuple(mp.chosen)
         if promotions:
             setter = mp.setter()
-            state.trials += _int16_trials(mp, state.best)
+            _add_int16_trials(state, mp, setter)
             state.best = mp.metric
-    cycles = (_latency(model, example_inputs, batches, base_setter),
-              _latency(state.model, example_inputs, batches, setter)) if latency else None
+    cycles = None
+    if latency:
+        from quantlens.search.remedies.costs import kept_cycles
+
+        state.trials, cycles = kept_cycles(state.trials, state.configs, (model, base_setter), example_inputs,
+                                           batches)
     result = RemedyResult(state.model, setter, state.best, state.base, dict(state.chosen), promotions,
                           tuple(state.trials), tuple(state.applied), target, higher_is_better,
-                          mp.curve if mp is not None else (), cycles)
+                          mp.curve if mp is not None else (), cycles, metric, base_noise, tuple(state.skipped))
     if report:
         from quantlens.search.remedies.report import write_remedy_report
 
@@ -210,12 +246,17 @@ class _State:
         self.chosen: dict[str, str] = {}
         self.trials: list[Trial] = []
         self.best = self.base = float("nan")
+        self.noise = 0.0
+        self.skipped: list[SkippedRemedy] = []
+        #: (model, setter) after each kept trial, in the order of the kept trials (their latency cost)
+        self.configs: list[tuple[nn.Module, Any]] = []
 
     def key(self, *parts: str) -> str:
         return "|".join(["+".join(self.applied)] + list(parts))
 
     def better(self, value: float) -> bool:
-        return self.measure.better(value, self.best)
+        """Whether ``value`` gains more than the metric's noise over the best so far."""
+        return self.measure.better(value, self.best, self.noise)
 
 
 def _model_phase(state: _State, example: Any, bar: SearchBar) -> None:
@@ -223,15 +264,31 @@ def _model_phase(state: _State, example: Any, bar: SearchBar) -> None:
     for i, remedy in enumerate(model_remedies()):
         bar.show(remedy.name, completed=i)
         ctx = RemedyContext(state.model, example, state.measure.batches, state.setter)
-        if not remedy.applies(ctx):
+        try:
+            if not remedy.applies(ctx):
+                continue
+            model, setter = remedy.apply(ctx)
+            value = state.measure(model, setter, state.key(remedy.name))
+        except REMEDY_ERRORS as exc:
+            # one remedy's failure (DeBERTa's learned ranges: an autograd error) is not the search's: skip it
+            state.skipped.append(SkippedRemedy(remedy.name, _one_line(exc)))
             continue
-        model, setter = remedy.apply(ctx)
-        value = state.measure(model, setter, state.key(remedy.name))
         kept = state.better(value)
-        state.trials.append(Trial(remedy.kind.value, remedy.name, "", value, kept, state.best if kept else None))
+        state.trials.append(Trial(remedy.kind.value, remedy.name, "", value, kept, state.best if kept else None,
+                                  noise=state.noise))
         if kept:
+            key = state.key(remedy.name)
             state.model, state.setter, state.best = model, setter, value
             state.applied.append(remedy.name)
+            state.configs.append((model, setter))
+            state.noise = measure_noise(state.measure, model, setter, value, key)
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message``, at most ``limit`` characters."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _range_phase(state: _State, example, findings, count: int, observers, out: Path, target: float,
@@ -251,38 +308,38 @@ def _range_phase(state: _State, example, findings, count: int, observers, out: P
             bar.show(f"range {name} at {site}", completed=done)
             done += 1
             trial = {**state.chosen, site: name}
-            value = state.measure(state.model, ObserverQconfigSetter(trial, state.setter),
-                                  state.key("ranges", *(f"{s}={o}" for s, o in sorted(trial.items()))))
+            key = state.key("ranges", *(f"{s}={o}" for s, o in sorted(trial.items())))
+            value = state.measure(state.model, ObserverQconfigSetter(trial, state.setter), key)
             improves = state.better(value) and (site_best is None or state.measure.better(value, site_best[1]))
-            state.trials.append(Trial("range", name, site, value, False))
+            state.trials.append(Trial("range", name, site, value, False, noise=state.noise))
             if improves:
-                site_best = (name, value)
+                site_best = (name, value, key)
         if site_best is not None:
             state.chosen[site] = site_best[0]
-            state.trials.append(Trial("range", site_best[0], site, site_best[1], True, state.best))
+            state.trials.append(Trial("range", site_best[0], site, site_best[1], True, state.best,
+                                      noise=state.noise))
             state.best = site_best[1]
+            setter = ObserverQconfigSetter(dict(state.chosen), state.setter)
+            state.configs.append((state.model, setter))
+            state.noise = measure_noise(state.measure, state.model, setter, state.best, site_best[2])
 
 
-def _latency(model: nn.Module, example: Any, batches: list, setter: Any) -> int:
-    """The quantized IR's latency estimate of ``model`` under ``setter``, in cycles."""
-    from quantlens.compiler import convert, export
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prepared = calibrate(prepare(model, example, setter, check_result_dir=None, allow_no_stubs=True), batches)
-        return int(convert(export(prepared, example)).latency_estimate().cycles)
-
-
-def _int16_trials(mp, start: float) -> list[Trial]:
+def _add_int16_trials(state: _State, mp, final_setter: Any) -> None:
     """One kept trial per chosen promotion, with the metric the mixed-precision curve measured before and after
-    the step that added it (a promotion the pruning pass kept; steps that only removed one are skipped)."""
-    out, before = [], start
+    the step that added it (a promotion the pruning pass kept; steps that only removed one are skipped); its
+    configuration: the promotions so far on the setter the int16 phase started from (the last: the result)."""
+    from quantlens.search.setter import MixedPrecisionQconfigSetter
+
+    before, so_far = state.best, []
     chosen = set(mp.chosen)
     for point in mp.curve:
         if point.added is not None and point.added in chosen:
-            out.append(Trial("int16", point.added.kind, point.added.site, point.metric, True, before))
+            state.trials.append(Trial("int16", point.added.kind, point.added.site, point.metric, True, before))
+            so_far.append(point.added)
+            state.configs.append((state.model, MixedPrecisionQconfigSetter(tuple(so_far), mp.base_setter)))
         before = point.metric
-    return out
+    if so_far:
+        state.configs[-1] = (state.model, final_setter)
 
 
 def _reached(value: float, target: float, higher_is_better: bool) -> bool:
