@@ -154,7 +154,7 @@ def render_pair(folder: Path, analysis_type: str | None = None, prefixes=None) -
         state = meta.get("fake_quant_state")
     comparison.consistency = consistency
     ctx = AdvisorContext(reached_only(comparison), atype.value, state, consistency,
-                         bias=facts.bias if facts is not None else {})
+                         bias=facts.bias if facts is not None else {}, eager=facts.eager if facts is not None else None)
     findings = advise(ctx)
     write_advisor(findings, folder / "abnormal_layer_advisor.txt", consistency)
     write_compare_text(comparison, folder / "compare_per_layer_out.txt",

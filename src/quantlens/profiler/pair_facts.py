@@ -9,7 +9,9 @@ of a column or an advisor rule comes from the models or from later calls, and is
   rules and the reports' header lines);
 * the int32 bias saturation of the analysis model (:mod:`.bias_check`: the ``bias_saturation`` rule);
 * which op sites reach a compared output and which are host-side (:mod:`.reach`: needs the models and the bad case);
-* the sensitivity ranking the per-layer text leads with (``QuantAnalysis.sensitivity()``).
+* the sensitivity ranking the per-layer text leads with (``QuantAnalysis.sensitivity()``);
+* whether the float baseline, run as the user runs it, parts from its traced forward (:mod:`.eager_check`: the
+  ``float_model_branch`` rule).
 
 The file names the ``trace.json`` digests of the two traces the facts belong to: facts saved for other traces (a
 later run, a folder copied over another one) are ignored, never trusted, and so is a damaged or foreign file.
@@ -26,6 +28,7 @@ from typing import Any
 from quantlens._io import atomic_write_text
 from quantlens.profiler.bias_check import BiasSaturation
 from quantlens.profiler.compare_cache import decode, encode, json_types, json_valid, trace_digest
+from quantlens.profiler.eager_check import EagerDivergence
 from quantlens.profiler.model_access import ConsistencyInfo
 from quantlens.profiler.reach import SiteReach
 from quantlens.profiler.sensitivity import SensitivityResult, SensitivityRow, SensitivityTable
@@ -51,6 +54,8 @@ class PairFacts:
     reach: SiteReach | None = None
     #: the ranking the per-layer text leads with; None: no sensitivity shown
     sensitivity: SensitivityResult | None = None
+    #: where the float baseline as the user runs it parts from its traced forward; None: it does not (or unknown)
+    eager: EagerDivergence | None = None
 
     @property
     def sensitivity_top(self) -> list[tuple[str, str, float]]:
@@ -95,7 +100,8 @@ def save_facts(facts: PairFacts, path: str | os.PathLike, base: TraceReader, ana
     data = {"format": _FORMAT, "traces": _digests(base, analy), "analysis_type": facts.analysis_type,
             "fake_quant_state": facts.fake_quant_state,
             "consistency": None if facts.consistency is None else _flat(facts.consistency),
-            "bias": [_flat(entry) for entry in facts.bias.values()], "reach": reach, "sensitivity": sensitivity}
+            "bias": [_flat(entry) for entry in facts.bias.values()], "reach": reach, "sensitivity": sensitivity,
+            "eager": None if facts.eager is None else _flat(facts.eager)}
     return atomic_write_text(path, json.dumps(data, allow_nan=False, indent=1) + "\n")
 
 
@@ -120,7 +126,8 @@ def _parse(data: Any) -> PairFacts:
             tables.append(SensitivityTable(raw["output"], raw["metric"],
                                            [_unflat(SensitivityRow, r) for r in raw["rows"]]))
         sensitivity = SensitivityResult(tables)
-    return PairFacts(data["analysis_type"], data["fake_quant_state"], consistency, bias, reach, sensitivity)
+    eager = None if data.get("eager") is None else _unflat(EagerDivergence, data["eager"])
+    return PairFacts(data["analysis_type"], data["fake_quant_state"], consistency, bias, reach, sensitivity, eager)
 
 
 def load_facts(path: str | os.PathLike, base: TraceReader, analy: TraceReader) -> PairFacts | None:

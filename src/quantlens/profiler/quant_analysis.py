@@ -356,14 +356,15 @@ class QuantAnalysis:
             write_comparison(comparison, findings, self.out_dir, sensitivity, traces if whole else None)
             if whole:  # every input of the reports that is not in the traces, for whoever renders them again
                 save_facts(PairFacts(self.analysis_type.value, self.analysis.fake_quant_state, self.consistency,
-                                     self._last_bias, reach, sensitivity), self.out_dir / FACTS_FILE, *traces)
+                                     self._last_bias, reach, sensitivity, self._last_eager),
+                           self.out_dir / FACTS_FILE, *traces)
         return comparison
 
     def advise(self, comparison: LayerComparison | None = None) -> list[Finding]:
         """Run the abnormal-layer rules on ``comparison`` (default: a fresh comparison of the traces) and
         write ``abnormal_layer_advisor.txt``."""
+        traces = self._open_traces()
         if comparison is None:
-            traces = self._open_traces()
             comparison = compare_traces(*traces, deployed=self.analysis_type.deployed)
             comparison.consistency = self.consistency
             comparison = mark(comparison, self._reach(self._facts(traces)))
@@ -372,11 +373,26 @@ class QuantAnalysis:
         analysed = getattr(self.analysis, "model", None) or getattr(self.analysis, "module", None)
         comparison = reached_only(comparison)  # an op no compared output depends on explains nothing
         self._last_bias = bias_saturation(analysed, comparison)
+        self._last_eager = self._eager(self._facts(traces))
         ctx = AdvisorContext(comparison, self.analysis_type.value, self.analysis.fake_quant_state,
-                             self.consistency, bias=self._last_bias)
+                             self.consistency, bias=self._last_bias, eager=self._last_eager)
         findings = advise(ctx)
         write_advisor(findings, self.out_dir / "abnormal_layer_advisor.txt", self.consistency)
         return findings
+
+    def _eager(self, facts: PairFacts | None):
+        """Where the float baseline as the user runs it parts from its traced forward, on the bad case
+        (:mod:`.eager_check`; cached per bad case); without one, what the traces' analysis saved (``facts``)."""
+        if not self._has_bad_case:
+            return facts.eager if facts is not None else None
+        from quantlens.profiler.eager_check import check_baseline
+
+        case = self._sensitivity_case()
+        key = input_digest(case)
+        cached = getattr(self, "_eager_cache", None)
+        if cached is None or cached[0] != key:
+            cached = self._eager_cache = (key, check_baseline(self.baseline, case))
+        return cached[1]
 
     def _facts(self, traces: tuple[TraceReader, TraceReader]) -> PairFacts | None:
         """The facts saved with ``traces`` by the analysis that made them; None for traces this run() made."""

@@ -195,10 +195,14 @@ class OpSiteTracer(TorchFunctionMode):
 
     annotate_sites = False
 
-    def __init__(self, root: nn.Module, handler: SiteHandler, qualnames: dict[int, str] | None = None):
+    def __init__(self, root: nn.Module, handler: SiteHandler, qualnames: dict[int, str] | None = None,
+                 export_branch: bool = True):
         """``qualnames`` (``id(module) -> name``, as :func:`module_qualnames` gives it): for a caller that runs many
-        forwards of a model nobody restructures meanwhile (sensitivity's ablations); made here otherwise."""
+        forwards of a model nobody restructures meanwhile (sensitivity's ablations); made here otherwise.
+        ``export_branch=False`` leaves ``torch.compiler.is_exporting()`` as it is: the forward takes the branch the
+        user's own eager run takes (the profiler's check that the float model it traces is the one the user runs)."""
         super().__init__()
+        self.export_branch = export_branch
         self.root = root
         self.handler = handler
         self.qualnames = qualnames if qualnames is not None else module_qualnames(root)
@@ -224,13 +228,14 @@ class OpSiteTracer(TorchFunctionMode):
         # masks another way under torch.export), so every traced forward takes export's branch: the op sites
         # prepare records are the ones export meets, and calibration observes the ops the IR will run.
         # (quantlens' own code asks tracing_state.export_tracing() for the real answer)
-        self._saved_flags = enter_traced_forward()
+        self._saved_flags = enter_traced_forward() if self.export_branch else None
         return super().__enter__()
 
     def __exit__(self, *exc):
         for handle in self._handles:
             handle.remove()
-        leave_traced_forward(self._saved_flags)
+        if self._saved_flags is not None:
+            leave_traced_forward(self._saved_flags)
         return super().__exit__(*exc)
 
     # -- function ops ---------------------------------------------------------------------------------------

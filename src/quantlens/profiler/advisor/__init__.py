@@ -5,6 +5,8 @@ order; the thresholds are constants of :mod:`.base`, documented in ``docs/profil
 report header.
 
 * :mod:`.base`: the thresholds, :class:`Finding`, :class:`AdvisorContext` and the rules' shared helpers;
+* :mod:`.baseline`: what the baseline itself gets wrong (a float model that computes differently as the user runs
+  it) and values an op reads that are not its data (an index input that differs between the two models);
 * :mod:`.general`: the rules for every analysis type;
 * :mod:`.per_channel`: per-tensor weights that crush some of an op's output channels (the per-channel figures);
 * :mod:`.deployed`: the rules of ``pre_export``'s tables and of the integer stages (``export``, ``convert``);
@@ -21,14 +23,14 @@ from __future__ import annotations
 from typing import Callable
 
 from quantlens._registry import make_registry
-from quantlens.profiler.advisor import consistency, deployed, general, per_channel, runtime
+from quantlens.profiler.advisor import baseline, consistency, deployed, general, per_channel, runtime
 from quantlens.profiler.advisor.base import THRESHOLDS, AdvisorContext, Finding, Rule, Severity
 
 __all__ = ["Finding", "Severity", "AdvisorContext", "RULES", "register_rule", "advise", "THRESHOLDS"]
 
 #: every rule by name, in the order :func:`advise` runs them: the built-in ones, then those added by
 #: :func:`register_rule`
-RULES: dict[str, Rule] = {**general.RULES, **per_channel.RULES, **deployed.RULES, **consistency.RULES,
+RULES: dict[str, Rule] = {**baseline.RULES, **general.RULES, **per_channel.RULES, **deployed.RULES, **consistency.RULES,
                            **runtime.RULES}
 
 

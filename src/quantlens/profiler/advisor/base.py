@@ -97,6 +97,9 @@ class AdvisorContext:
     consistency: Any = None
     #: op site -> its int32 bias's saturation (``profiler.bias_check.bias_saturation`` of the analysis model)
     bias: dict = field(default_factory=dict)
+    #: the float baseline as the user runs it parts from its traced forward (``profiler.eager_check``); None: it
+    #: does not, or it was not checked (the baseline is no float torch model)
+    eager: Any = None
 
     def bias_saturated(self, op_name: str) -> bool:
         entry = self.bias.get(op_name)
