@@ -96,3 +96,36 @@ def test_the_finding_is_kept_with_the_traces_for_whoever_renders_them(tmp_path):
     (tmp_path / "abnormal_layer_advisor.txt").unlink()
     render_pair(tmp_path, "fake_quant")
     assert (tmp_path / "abnormal_layer_advisor.txt").read_bytes() == written
+
+
+_CONFIG = '''
+import torch
+import sys
+sys.path.insert(0, {tests!r})
+from test_float_model_as_run import ExportBranchNorm, Net
+
+def float_model():
+    torch.manual_seed(0)
+    return Net(ExportBranchNorm()).eval()
+
+def example_inputs():
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+
+def calibration_data():
+    return [example_inputs()]
+'''
+
+
+def test_the_summary_says_it_first(tmp_path):
+    import json
+    from pathlib import Path
+
+    from test_cli import ql
+
+    config = tmp_path / "branch.py"
+    config.write_text(_CONFIG.format(tests=str(Path(__file__).parent)))
+    res = ql("analyze", config, "--stage", "fake_quant", "--out", tmp_path / "out", "--no-sensitivity")
+    assert res.returncode == 1, res.stdout[-2000:] + res.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["headline"][0].startswith("the float model computes differently as you run it")
+    assert "norm.norm_0" in summary["headline"][0] and "the float model computes differently" in res.stdout

@@ -50,16 +50,27 @@ def _most_line(top: PairResult) -> str:
     return f"precision is lost most at {top.worst_op} ({_pair_text(top)}, {how})"
 
 
+def _baseline_lines(results: list[PairResult]) -> list[str]:
+    """A float baseline that computes another branch than the user's own run (the advisor's
+    ``float_model_branch``) comes first: every figure after it is measured against the export branch."""
+    for r in results:
+        for f in r.findings:
+            if f.get("rule") == "float_model_branch":
+                return [f"{f['info']} (every pair compares the export branch: "
+                        f"{r.analysis_type}/abnormal_layer_advisor.txt)"]
+    return []
+
+
 def headline_lines(results: list[PairResult]) -> list[str]:
-    """The answer in plain text lines: where precision is first lost along the chain (the earliest stage pair
-    that differs, at its first op that does), then where the most is lost (the worst op over the pairs); one
-    line when nothing compared differs."""
+    """The answer in plain text lines: a float model that computes differently as the user runs it, if so;
+    where precision is first lost along the chain (the earliest stage pair that differs, at its first op that
+    does), then where the most is lost (the worst op over the pairs); one line when nothing compared differs."""
     no_data = [r.analysis_type for r in results if r.verdict is PairVerdict.NO_DATA]
     tail = f"; no data (nothing compared): {', '.join(no_data)}" if no_data else ""
     first, ranked = first_loss(results), ranked_losses(results)
     if first is None or not ranked:
-        return ["no compared op differs in any stage pair" + tail]
-    return [_first_line(first), _most_line(ranked[0]) + tail]
+        return [*_baseline_lines(results), "no compared op differs in any stage pair" + tail]
+    return [*_baseline_lines(results), _first_line(first), _most_line(ranked[0]) + tail]
 
 
 def headline(results: list[PairResult]) -> str:
