@@ -78,7 +78,8 @@ def test_gen_template_runs_through_analyze(analyzed):
     metrics = {m["stage"]: m for m in json.loads((out / "summary.json").read_text())["stage_metrics"]}
     assert {"float", "calibration", "qat", "pre_export", "qat IR", "quantized IR"} <= set(metrics)
     assert all(not m["error"] and 0.9 < m["value"] <= 1 for m in metrics.values()), metrics
-    assert f"quantized IR {metrics['quantized IR']['value']:.6g}" in (out / "index.html").read_text()
+    assert (f"<tr><td>quantized IR</td><td class=num>{metrics['quantized IR']['value']:.6g}</td>"
+            in (out / "index.html").read_text())  # the index's table of the metric per stage
     summary = json.loads((out / "summary.json").read_text())
     kinds = [p["analysis_type"] for p in summary["pairs"]]
     assert kinds == list(PAIRS)
@@ -114,7 +115,7 @@ def test_report_rerenders_from_traces(analyzed):
     assert res.returncode == run.returncode, res.stderr
     assert html.read_text() == before  # same traces, same page
     assert (out / "index.html").is_file()
-    assert "evaluate(model) per stage: float" in (out / "index.html").read_text()  # kept from summary.json
+    assert '<table id="metrics">' in (out / "index.html").read_text()  # the metric per stage kept from summary.json
     # one QuantAnalysis folder works as well
     single = ql("report", out / "convert")
     assert single.returncode in (0, 1), single.stderr

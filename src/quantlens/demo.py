@@ -162,10 +162,10 @@ def run_demo(out_dir: str = "quantlens_demo", qat_epochs: int = 2, seed: int = 0
                                  progress=progress, step=step)
     ranked = ranked_losses(result.pairs)
     result.culprit = ranked[0].worst_op if ranked else None
-    intro = ("digits CNN, " + (f"planted fault at op site '{FAULT_SITE}' (fixed int8 scale {FAULT_SCALE})"
-                               if fault else "no planted fault") + ". Accuracy: " +
-             ", ".join(f"{s.stage} {s.accuracy:.2f}%" for s in result.stages))
-    index = write_index(result.pairs, out, "quantlens demo: where the digits CNN loses precision", intro)
+    intro = "digits CNN, " + (f"planted fault at op site '{FAULT_SITE}' (fixed int8 scale {FAULT_SCALE})"
+                              if fault else "no planted fault") + "."
+    index = write_index(result.pairs, out, "quantlens demo: where the digits CNN loses precision", intro,
+                        metrics=[(s.stage, s.accuracy) for s in result.stages], metric_label="accuracy (%)")
     summary = write_summary(result.pairs, out, {"fault": result.fault,
                                                 "stages": [asdict(s) for s in result.stages]})
     legacy = out / "demo_summary.json"  # accuracies only, as before

@@ -126,10 +126,8 @@ def analyze_config(cfg, kinds: list[str], out_dir: Path, *, sensitivity: bool = 
         with console.status("evaluate(model) on every stage"):
             metrics = stage_metrics(stages, cfg.evaluate)
         console.print(metrics_table(metrics, cfg.higher_is_better))
-    from quantlens.cli.stage_metrics import metrics_line
-
     title = index_title(cfg.path)
-    index = write_index(results, out_dir, title, metrics_line(metrics))
+    index = write_index(results, out_dir, title, metrics=metrics)
     extra = {"config": str(cfg.path), "title": title}
     if stages.failed:
         extra["failed_stage"] = {"stage": stages.failed, "error": stages.error}

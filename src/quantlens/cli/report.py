@@ -186,7 +186,6 @@ def run(args) -> int:
         out.print(f"re-rendered {folder}: compare_per_layer_out.txt/.csv, profiler.html, abnormal_layer_advisor.txt")
     if folders != [root]:  # an analyze folder: its index and summary too
         from quantlens.cli.analyze import SUMMARY_EXTRAS, index_title
-        from quantlens.cli.stage_metrics import metrics_line
 
         extra = {}
         old = root / SUMMARY_FILE
@@ -201,7 +200,7 @@ def run(args) -> int:
             config = extra.get("config")
             title = index_title(Path(config)) if isinstance(config, str) else f"quantlens report {root.name}"
         metrics = extra.get("stage_metrics")  # (what analyze measured: kept in the index it re-renders)
-        write_index(results, root, title, metrics_line(metrics) if isinstance(metrics, list) else "")
+        write_index(results, root, title, metrics=metrics if isinstance(metrics, list) else None)
         write_summary(results, root, extra)
         out.print(f"wrote {root / 'index.html'} and {root / SUMMARY_FILE}")
     print_losses(out, results)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["StageMetric", "stage_metrics", "metrics_table", "metrics_line"]
+__all__ = ["StageMetric", "stage_metrics", "metrics_table"]
 
 #: the stage models ``Stages`` holds, in pipeline order, with the names the reports use
 _STAGES = (("float", "float"), ("calibration", "calibration"), ("qat", "qat"), ("pre_export", "pre_export"),
@@ -60,14 +60,3 @@ def metrics_table(metrics: list[StageMetric], higher_is_better: bool = True):
         shown = "-" if delta is None else f"{delta:+.6g}"
         table.add_row(m.stage, f"{m.value:.6g}", f"[red]{shown}[/]" if worse else shown)
     return table
-
-
-def metrics_line(metrics: list) -> str:
-    """One line for ``index.html``: the metric per stage (``StageMetric``s, or their ``summary.json`` dicts)."""
-    items = [m if isinstance(m, StageMetric) else StageMetric(str(m.get("stage")), m.get("value"), str(m.get("error") or ""))
-             for m in metrics if isinstance(m, (StageMetric, dict))]
-    if not items:
-        return ""
-    return "the CONFIG's evaluate(model) per stage: " + ", ".join(
-        f"{m.stage} {m.value:.6g}" if isinstance(m.value, (int, float)) else f"{m.stage} failed ({m.error})"
-        for m in items)
