@@ -377,6 +377,28 @@ def _weight_per_channel(site: TracedSite) -> bool | None:
     return None if site.weight_scale is None else isinstance(site.weight_scale, list)
 
 
+def _index_inputs(site: TracedSite) -> list[str]:
+    """The keys of a site's stored index inputs (integer tensors), in input order."""
+    keys = [k for k, st in site.stats.items() if k.startswith("in") and st.dtype.startswith(("int", "uint"))]
+    return sorted(keys, key=lambda k: int(k[2:]))
+
+
+def _index_differs(b: TracedSite, a: TracedSite, bt: Mapping[str, torch.Tensor],
+                   at: Mapping[str, torch.Tensor]) -> str:
+    """"input k: n of m differ" for the first index input that differs between the two models (the k-th index
+    input of each, in order: the two sides may number their inputs differently), else ""."""
+    for kb, ka in zip(_index_inputs(b), _index_inputs(a)):
+        if kb not in bt or ka not in at:
+            continue
+        x, y = bt[kb], at[ka]
+        if x.shape != y.shape:
+            return f"input {ka[2:]}: shape {list(y.shape)}, the baseline's {list(x.shape)}"
+        n = int((x != y).sum())
+        if n:
+            return f"input {ka[2:]}: {n} of {x.numel()} differ"
+    return ""
+
+
 def site_row(base: TraceReader, b: TracedSite, a: TracedSite, at: Mapping[str, torch.Tensor],
              deployed: bool = False, owner: TracedSite | None = None) -> LayerRow:
     """The row of op site ``a`` (``b``: the baseline's; ``at``: a's tensors by key, as
@@ -406,6 +428,7 @@ def site_row(base: TraceReader, b: TracedSite, a: TracedSite, at: Mapping[str, t
     if a.fused_into:
         return LayerRow(**row, note=f"fused into {a.fused_into}")
     bt = base.tensors(b.name)
+    row.update(index_differs=_index_differs(b, a, bt, at), index_producer=a.index_producer or "")
     keys = b.float_outputs()
     # the tensors as stored: every figure goes to float64 a chunk at a time (pair_sums)
     base_out = [bt[k] for k in keys]

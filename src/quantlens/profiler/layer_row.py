@@ -89,6 +89,10 @@ class LayerRow:
     #: a fused group's row (its last op, where the group is compared): its members' op types in order, from the
     #: baseline ("conv2d+batch_norm+relu"); "" elsewhere
     group: str = ""
+    #: an op reading an index (gather, embedding ...): "input 2: 12 of 64 differ" when its index input differs
+    #: between the two models (the values it moves are then other values), and the op site that made that index
+    index_differs: str = ""
+    index_producer: str = ""
 
     @property
     def compared(self) -> bool:

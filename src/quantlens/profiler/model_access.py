@@ -150,6 +150,8 @@ class SiteEvent:
     boundary: str = ""  # "input" (QuantStub), "output" (DeQuantStub) or ""
     fused_into: str | None = None  # the fused group's last op, for the other members
     producer: str | None = None  # the op site that computed the (first) input, through passthrough ops
+    #: the op site that made its (first) index input, through integer ops (``profiler.index_origins``)
+    index_producer: str | None = None
     int_stats: IntegerStats | None = None  # IR sites: accumulator / table-input saturation, non-finite inputs
     scale_axis: int | None = None  # the channel axis of a per-channel scale (int32 high-precision outputs)
 

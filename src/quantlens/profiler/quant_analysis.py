@@ -27,6 +27,7 @@ from quantlens.profiler.bad_case import BadCaseResult, find_bad_case
 from quantlens.profiler.bad_case_io import read_bad_case, refuse_empty
 from quantlens.profiler.cached_attrs import install_cached_attrs
 from quantlens.profiler.compare import LayerComparison, check_site_match, compare_traces
+from quantlens.profiler.eager_check import check_baseline
 from quantlens.profiler.fingerprint import check_made_from, model_digest
 from quantlens.profiler.joint_sensitivity import JointSensitivityResult, run_joint_sensitivity, write_joint_sensitivity
 from quantlens.profiler.model_access import AnalysisType, ConsistencyInfo, SiteEvent, parse_analysis_type
@@ -300,6 +301,8 @@ class QuantAnalysis:
             internal = self.analysis.group_internal_sites() if run_analysis_model else frozenset()
             base, outputs = self._trace(self.baseline, base_dir, values_not_needed=internal,  # (values held for:)
                                         hold_bytes=HOLD_BYTES if run_analysis_model else 0)  # (the analysis run)
+            case = self._require_bad_case()  # the float baseline as the user runs it (eager_check): two forwards
+            self._eager_cache = (input_digest(case), check_baseline(self.baseline, case))
             self._base_dir = base_dir
         if run_analysis_model:
             source = base if base is not None else TraceReader(base_dir)
@@ -363,8 +366,8 @@ class QuantAnalysis:
     def advise(self, comparison: LayerComparison | None = None) -> list[Finding]:
         """Run the abnormal-layer rules on ``comparison`` (default: a fresh comparison of the traces) and
         write ``abnormal_layer_advisor.txt``."""
-        traces = self._open_traces()
         if comparison is None:
+            traces = self._open_traces()
             comparison = compare_traces(*traces, deployed=self.analysis_type.deployed)
             comparison.consistency = self.consistency
             comparison = mark(comparison, self._reach(self._facts(traces)))
@@ -373,26 +376,21 @@ class QuantAnalysis:
         analysed = getattr(self.analysis, "model", None) or getattr(self.analysis, "module", None)
         comparison = reached_only(comparison)  # an op no compared output depends on explains nothing
         self._last_bias = bias_saturation(analysed, comparison)
-        self._last_eager = self._eager(self._facts(traces))
+        self._last_eager = self._eager()
         ctx = AdvisorContext(comparison, self.analysis_type.value, self.analysis.fake_quant_state,
                              self.consistency, bias=self._last_bias, eager=self._last_eager)
         findings = advise(ctx)
         write_advisor(findings, self.out_dir / "abnormal_layer_advisor.txt", self.consistency)
         return findings
 
-    def _eager(self, facts: PairFacts | None):
-        """Where the float baseline as the user runs it parts from its traced forward, on the bad case
-        (:mod:`.eager_check`; cached per bad case); without one, what the traces' analysis saved (``facts``)."""
-        if not self._has_bad_case:
-            return facts.eager if facts is not None else None
-        from quantlens.profiler.eager_check import check_baseline
-
-        case = self._sensitivity_case()
-        key = input_digest(case)
+    def _eager(self):
+        """Where the float baseline as the user runs it parts from its traced forward (:mod:`.eager_check`), as
+        :meth:`run` found it on the bad case it traced; for traces made earlier, what their analysis saved."""
         cached = getattr(self, "_eager_cache", None)
-        if cached is None or cached[0] != key:
-            cached = self._eager_cache = (key, check_baseline(self.baseline, case))
-        return cached[1]
+        if cached is not None and self._has_bad_case and cached[0] == input_digest(self._bad_case):
+            return cached[1]
+        facts = None if self._traced else self._facts(self._open_traces())
+        return facts.eager if facts is not None else None
 
     def _facts(self, traces: tuple[TraceReader, TraceReader]) -> PairFacts | None:
         """The facts saved with ``traces`` by the analysis that made them; None for traces this run() made."""

@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 from quantlens.march.numerics import fake_quant
 from quantlens.profiler._sums import chunks, sum64
 from quantlens.profiler.index_ops import substitute_indices
+from quantlens.profiler.index_origins import IndexOrigins, is_index_tensor
 from quantlens.profiler.model_access import QuantErrorStats, SameInputSource, SiteEvent, TraceSink
 from quantlens.quantization.fake_quantize import FakeQuantize
 from quantlens.quantization.plan import OutputMode, SitePlan
@@ -52,10 +53,7 @@ def _incoming(args: tuple, kwargs: dict, indices: bool = True) -> dict[int, torc
     return floats
 
 
-def _is_index(leaf: Any) -> bool:
-    """An integer tensor (indices, positions, ids); booleans are masks, not indices."""
-    return isinstance(leaf, torch.Tensor) and not leaf.is_floating_point() and not leaf.is_complex() and \
-        leaf.dtype is not torch.bool
+_is_index = is_index_tensor
 
 
 def _tensor_leaves(output: Any) -> list[torch.Tensor]:
@@ -264,6 +262,14 @@ class RuntimeProbe(Runtime):
         self._group_of = {m: g for g in state.groups for m in g.members}
         self._group_same: dict[str, torch.Tensor] = {}
         self._runs: dict[str, int] = {}  # op site -> how many times it has run in this forward
+        self._origins = IndexOrigins()  # the op site each index tensor came from (event.index_producer)
+
+    @property
+    def follows_values(self) -> bool:
+        return self.probe.sink is not None
+
+    def follow(self, args, kwargs, output) -> None:
+        self._origins.follow(args, kwargs, output)
 
     # -- the runtime's hooks ------------------------------------------------------------------------------
     def _finish(self, plan, output, inputs, kwargs, site, *rest):
@@ -339,6 +345,7 @@ class RuntimeProbe(Runtime):
             return out
         event = self.probe.event(site, args, kwargs, out)
         self._describe(event, site, plan, args, kwargs, out)
+        self._origins.remember(out, site.name)
         occurrence = self._runs.get(site.name, 0)
         self._runs[site.name] = occurrence + 1
         if self.probe.same_input is not None:
@@ -369,6 +376,7 @@ class RuntimeProbe(Runtime):
         data = [i for i in record.inputs if not i.is_parameter] if record is not None else []
         if data and data[0].producer is not None:
             event.producer = self.state.record.origin(data[0].producer)
+        event.index_producer = next((o for t in event.inputs.values() if (o := self._origins.origin(t))), None)
 
     def _same_input(self, site: SiteCall, plan: SitePlan | None, args, kwargs, run: Callable, occurrence: int = 0):
         """The op on the baseline's inputs (of the same run of the site, ``occurrence``), with this site's own fake

@@ -155,6 +155,13 @@ class SiteCall:
 class SiteHandler:
     """What to do at each op site. The default runs the op unchanged."""
 
+    #: whether :meth:`follow` wants the ops that are no op site (integer only): a profiler run that names the op
+    #: site an index came from
+    follows_values = False
+
+    def follow(self, args: tuple, kwargs: dict, output: Any) -> None:
+        """An op that is no op site ran (only called while :attr:`follows_values`)."""
+
     def function_op(self, site: SiteCall, func: Callable, args: tuple, kwargs: dict) -> Any:
         return func(*args, **kwargs)
 
@@ -246,7 +253,10 @@ class OpSiteTracer(TorchFunctionMode):
         op = canonical_op_name(func)
         rule = function_rule(op)
         if rule.kind is OpKind.IGNORED or not _has_float_tensor(args, kwargs):
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if self.handler.follows_values:
+                self.handler.follow(args, kwargs, out)
+            return out
         if op in MARCH_FUNCTIONS and not is_inplace(func):  # the march's answer (march/semantics.py): topk /
             func = MARCH_FUNCTIONS[op]  # sort's tie order, 0 / 0 (docs/march.md §11.1, §13.5), at every stage
         if rule.kind is OpKind.COMPOSITE:

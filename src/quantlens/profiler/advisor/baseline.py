@@ -3,7 +3,7 @@ user runs, and an op that reads another index in each model."""
 
 from __future__ import annotations
 
-from quantlens.profiler.advisor.base import AdvisorContext, Finding, Rule, registrar
+from quantlens.profiler.advisor.base import AdvisorContext, Finding, Rule, finding, registrar
 
 __all__ = ["RULES"]
 
@@ -26,3 +26,25 @@ def float_model_branch(ctx: AdvisorContext) -> list[Finding]:
         "fast path, a mask built another way) and make both branches compute the same, or evaluate the float model "
         "under the export branch, before reading any figure of this analysis as quantization loss",
     )]
+
+
+@_rule("index_input_differs")
+def index_input_differs(ctx: AdvisorContext) -> list[Finding]:
+    """An op that reads an index (gather, index_select, embedding) gets another index in each model: it then
+    moves other values, a loss no precision of its own explains and int16 for its data does not fix."""
+    out = []
+    for row in ctx.comparison:
+        if not row.index_differs:
+            continue
+        maker = f"'{row.index_producer}'" if row.index_producer else "ops made inside forward"
+        out.append(finding(
+            "index_input_differs", row,
+            f"the index input of '{row.op_name}' differs between the two models ({row.index_differs}): it moves "
+            f"other values than the baseline's, whatever its own precision; the index is made by {maker}",
+            f"keep the arithmetic that makes the index exact: {maker} and the ops before it compute on quantized "
+            "values here; compute the index from integer values (positions, ids) or in float on the host (a "
+            "qconfig of None for those op sites, or the index computed before the QuantStub), or give its source "
+            f"int16 where the index comes from a ranking (topk / argmax of scores); int16 for the data of "
+            f"'{row.op_name}' does not change which values it moves",
+        ))
+    return out

@@ -74,6 +74,7 @@ class TracedSite:
     boundary: str = ""
     fused_into: str | None = None
     producer: str | None = None
+    index_producer: str | None = None  # the op site that made its index input (absent from older traces)
     index_producing: bool = False
     stats: dict[str, TensorStat] = field(default_factory=dict)
     quant_error: QuantErrorStats | None = None
@@ -199,7 +200,7 @@ _KEY = re.compile(r"(in|out|same|samepre)\d+|weight")
 _SITE_CHECKS = {
     "index": _count, "name": _STR, "op_type": _STR, "module_type": _opt(_STR), "file": _STR, "quant_dtype": _STR,
     "scale": _scale, "weight_scale": _scale, "input_dtypes": _str_list, "boundary": _STR, "fused_into": _opt(_STR),
-    "producer": _opt(_STR), "index_producing": lambda v: isinstance(v, bool), "same_input_note": _STR,
+    "producer": _opt(_STR), "index_producer": _opt(_STR), "index_producing": lambda v: isinstance(v, bool), "same_input_note": _STR,
     "scale_axis": _opt(lambda v: isinstance(v, int) and not isinstance(v, bool)), "stats_only": _str_list,
     "refs": lambda v: isinstance(v, dict) and all(_STR(k) and isinstance(r, list) and len(r) == 2 and
                                                   all(map(_STR, r)) for k, r in v.items()),

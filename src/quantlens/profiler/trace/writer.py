@@ -3,8 +3,8 @@
 
 Every op site's tensors are copied as soon as the op has run and handed to a writer thread, which computes
 their statistics and writes them to disk while the model runs on; the copies waiting for it are bounded
-(:data:`QUEUE_BYTES`), so tracing needs a few layers' worth of extra memory, not the network's. ``trace.json``
-is written last: a trace without it is incomplete and is refused by the reader.
+(:data:`QUEUE_BYTES`), so tracing needs a few layers' worth of extra memory, not the network's. ``trace.json`` is
+written last: a trace without it is incomplete and is refused by the reader.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from safetensors import safe_open
 from quantlens._io import atomic_write_text
 from quantlens.errors import QuantLensError
 from quantlens.profiler._sums import CHUNK, chunks
+from quantlens.profiler.index_origins import is_index_tensor
 from quantlens.profiler.model_access import SiteEvent
 from quantlens.profiler.trace._files import save_tensors, write_safetensors
 from quantlens.profiler.trace._folder import staging_dir, swap_in
@@ -203,7 +204,9 @@ class TraceWriter:
 
     def on_site(self, event: SiteEvent) -> None:
         self._raise_error()
-        inputs = event.inputs if self.save_inputs or event.boundary == "input" else {}
+        # a baseline keeps every input (the other model's same-input run reads them), any trace its index inputs
+        keep = self.save_inputs or event.boundary == "input"
+        inputs = {pos: t for pos, t in event.inputs.items() if keep or is_index_tensor(t)}
         tensors: dict[str, torch.Tensor] = {f"in{pos}": t for pos, t in inputs.items()}
         tensors.update({f"out{i}": t for i, t in enumerate(event.outputs)})
         if event.weight is not None:
@@ -238,7 +241,7 @@ class TraceWriter:
             quant_dtype=event.quant_dtype, scale=_scale_value(event.scale),
             weight_scale=_scale_value(event.weight_scale), input_dtypes=list(event.input_dtypes),
             boundary=event.boundary, fused_into=event.fused_into, producer=event.producer,
-            index_producing=event.index_producing, stats={},
+            index_producer=event.index_producer, index_producing=event.index_producing, stats={},
             quant_error=None if callable(quant_error) else quant_error, same_input_note=event.same_input_note,
             int_stats=event.int_stats, scale_axis=event.scale_axis, refs=refs,
         )
