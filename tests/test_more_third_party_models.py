@@ -61,10 +61,10 @@ def test_librosa_mel_matches_librosa_filterbank():
     """The rebuilt mel spectrogram against librosa's own filterbank code, as torchfcpe vendors it."""
     _needs("torchfcpe")
 
-    from quantlens.zoo.third_party import _module_from_file, _package_dir
+    from quantlens.zoo.wheel_loading import module_from_file, package_dir
 
-    vendored = _module_from_file("torchfcpe.mel_fn_librosa",
-                                 os.path.join(_package_dir("torchfcpe"), "mel_fn_librosa.py"))
+    vendored = module_from_file("torchfcpe.mel_fn_librosa",
+                                 os.path.join(package_dir("torchfcpe"), "mel_fn_librosa.py"))
     weights = torch.tensor(vendored.mel(sr=16000, n_fft=400, n_mels=40), dtype=torch.float64)
     x = torch.randn(4000, generator=torch.Generator().manual_seed(0))
     power = torch.stft(x.double(), 400, 160, window=torch.hann_window(400, dtype=torch.float64), center=True,

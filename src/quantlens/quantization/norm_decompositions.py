@@ -23,26 +23,22 @@ Op site names: the ops are named in the scope of the module that called the func
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from quantlens.errors import QuantLensError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from quantlens.quantization.tracer import OpSiteTracer
+from quantlens.quantization.source_location import ForwardTracer, user_source_location
 
 __all__ = ["NORM_DECOMPOSED_FUNCTIONS", "group_norm", "instance_norm", "glu"]
 
 
 def _source() -> str:
-    from quantlens.quantization.tracer import user_source_location
-
     return user_source_location()
 
 
-def _affine(tracer: "OpSiteTracer", y: torch.Tensor, weight: torch.Tensor | None,
+def _affine(tracer: ForwardTracer, y: torch.Tensor, weight: torch.Tensor | None,
             bias: torch.Tensor | None) -> torch.Tensor:
     """``weight_c · y + bias_c`` over dim 1 as the march's channel affine: ``batch_norm`` with mean 0, variance 1
     and eps 0 (so its ``a = weight / sqrt(1 + 0)`` and ``b = bias - 0 · a`` are the parameters exactly)."""
@@ -57,7 +53,7 @@ def _affine(tracer: "OpSiteTracer", y: torch.Tensor, weight: torch.Tensor | None
     return F.batch_norm(y, mean, var, weight, bias, False, 0.0, 0.0)
 
 
-def _grouped_norm(tracer: "OpSiteTracer", x: torch.Tensor, groups: int, weight, bias, eps: float,
+def _grouped_norm(tracer: ForwardTracer, x: torch.Tensor, groups: int, weight, bias, eps: float,
                   what: str) -> torch.Tensor:
     if x.dim() < 2 or x.shape[1] % groups:
         raise QuantLensError(
@@ -70,13 +66,13 @@ def _grouped_norm(tracer: "OpSiteTracer", x: torch.Tensor, groups: int, weight, 
     return _affine(tracer, y, weight, bias)
 
 
-def group_norm(tracer: "OpSiteTracer", input: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
+def group_norm(tracer: ForwardTracer, input: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
                bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
     """``F.group_norm``: reshape, layer_norm over each group (no affine), reshape, per-channel affine."""
     return _grouped_norm(tracer, input, int(num_groups), weight, bias, float(eps), "group_norm")
 
 
-def instance_norm(tracer: "OpSiteTracer", input: torch.Tensor, running_mean: torch.Tensor | None = None,
+def instance_norm(tracer: ForwardTracer, input: torch.Tensor, running_mean: torch.Tensor | None = None,
                   running_var: torch.Tensor | None = None, weight: torch.Tensor | None = None,
                   bias: torch.Tensor | None = None, use_input_stats: bool = True, momentum: float = 0.1,
                   eps: float = 1e-5) -> torch.Tensor:
@@ -96,7 +92,7 @@ def instance_norm(tracer: "OpSiteTracer", input: torch.Tensor, running_mean: tor
                          "instance_norm")
 
 
-def glu(tracer: "OpSiteTracer", input: torch.Tensor, dim: int = -1) -> torch.Tensor:
+def glu(tracer: ForwardTracer, input: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``F.glu``: the first half of ``dim`` times the sigmoid of the second half."""
     if input.dim() == 0 or input.shape[dim] % 2:
         raise QuantLensError(f"glu at {_source()}: dim {dim} of the input (shape {tuple(input.shape)}) must have "

@@ -34,7 +34,7 @@ and time step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,9 +43,7 @@ from quantlens.errors import QuantLensError
 from quantlens.quantization.gemm_decompositions import GEMM_DECOMPOSED_FUNCTIONS
 from quantlens.quantization.norm_decompositions import NORM_DECOMPOSED_FUNCTIONS
 from quantlens.quantization.rnn_fold import folds, run_folded
-
-if TYPE_CHECKING:  # pragma: no cover
-    from quantlens.quantization.tracer import OpSiteTracer
+from quantlens.quantization.source_location import ForwardTracer
 
 __all__ = ["DECOMPOSED_FUNCTIONS", "lstm_cell", "gru_cell", "lstm", "gru"]
 
@@ -80,18 +78,18 @@ def _rnn_step(x, h, w_ih, w_hh, b_ih=None, b_hh=None, relu=False):
 
 
 # -- the _VF functions ----------------------------------------------------------------------------------------------
-def lstm_cell(tracer: "OpSiteTracer", input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+def lstm_cell(tracer: ForwardTracer, input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
     """``_VF.lstm_cell(input, (h, c), w_ih, w_hh, b_ih, b_hh) -> (h, c)``."""
     h, c = hx
     return _lstm_step(input, h, c, w_ih, w_hh, b_ih, b_hh)
 
 
-def gru_cell(tracer: "OpSiteTracer", input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+def gru_cell(tracer: ForwardTracer, input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
     """``_VF.gru_cell(input, h, w_ih, w_hh, b_ih, b_hh) -> h``."""
     return _gru_step(input, hx, w_ih, w_hh, b_ih, b_hh)
 
 
-def lstm(tracer: "OpSiteTracer", *args):
+def lstm(tracer: ForwardTracer, *args):
     """``_VF.lstm(input, (h0, c0), params, has_biases, num_layers, dropout, train, bidirectional, batch_first)``
     ``-> (output, h_n, c_n)``."""
     if len(args) < 9 or isinstance(args[1], torch.Tensor):
@@ -102,7 +100,7 @@ def lstm(tracer: "OpSiteTracer", *args):
     return output, h_n, c_n
 
 
-def gru(tracer: "OpSiteTracer", *args):
+def gru(tracer: ForwardTracer, *args):
     """``_VF.gru(input, h0, params, has_biases, num_layers, dropout, train, bidirectional, batch_first)``
     ``-> (output, h_n)``."""
     if len(args) < 9 or not isinstance(args[2], (list, tuple)):
@@ -114,7 +112,7 @@ def gru(tracer: "OpSiteTracer", *args):
 
 
 def _rnn_cell(relu: bool) -> Callable[..., Any]:
-    def cell(tracer: "OpSiteTracer", input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    def cell(tracer: ForwardTracer, input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
         return _rnn_step(input, hx, w_ih, w_hh, b_ih, b_hh, relu)
 
     cell.__doc__ = f"``_VF.rnn_{'relu' if relu else 'tanh'}_cell(input, h, w_ih, w_hh, b_ih, b_hh) -> h``."
@@ -124,7 +122,7 @@ def _rnn_cell(relu: bool) -> Callable[..., Any]:
 def _rnn(relu: bool) -> Callable[..., Any]:
     kind = "rnn_relu" if relu else "rnn_tanh"
 
-    def rnn(tracer: "OpSiteTracer", *args):
+    def rnn(tracer: ForwardTracer, *args):
         if len(args) < 9 or not isinstance(args[2], (list, tuple)):
             raise QuantLensError(_PACKED.format(kind="RNN", module=_scope(tracer, "") or "<root>"))
         input, h0, params, has_biases, num_layers, dropout, train, bidirectional, batch_first = args[:9]
@@ -142,7 +140,7 @@ _PACKED = (
 )
 
 
-def _scope(tracer: "OpSiteTracer", sub: str) -> str:
+def _scope(tracer: ForwardTracer, sub: str) -> str:
     module = tracer.module_stack[-1]
     return f"{module}.{sub}" if module and sub else (module or sub)
 

@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import is_fake
 
 from quantlens.errors import QuantLensError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from quantlens.quantization.tracer import OpSiteTracer
+from quantlens.quantization.source_location import ForwardTracer
 
 __all__ = ["STEP_META", "TRACED_STEPS", "folds", "run_folded", "unrolled_export", "recurrent_steps"]
 
@@ -74,7 +72,7 @@ def _recurrent_steps_fake(state_in, state_mid, state_out, xs, key, repeats):
     return [torch.empty_like(s) for _ in range(repeats) for s in state_out]
 
 
-def folds(tracer: "OpSiteTracer", length: int, state: list) -> bool:
+def folds(tracer: ForwardTracer, length: int, state: list) -> bool:
     """Whether a layer direction of ``length`` steps is folded: long enough, inside quantlens' export (sites
     annotated) while ``torch.export`` traces it (its tensors are fake; the eager pass of export, like every traced
     forward, also answers ``torch.compiler.is_exporting()`` with True, see the tracer)."""
@@ -82,7 +80,7 @@ def folds(tracer: "OpSiteTracer", length: int, state: list) -> bool:
             and any(is_fake(s) for s in state))
 
 
-def run_folded(tracer: "OpSiteTracer", run_step: Callable[[int, list], list], order: list[int], state: list,
+def run_folded(tracer: ForwardTracer, run_step: Callable[[int, list], list], order: list[int], state: list,
                xs: list) -> list[list]:
     """The states after each iteration over ``order`` (time indices): ``run_step(t, state)`` traced for the first
     ``TRACED_STEPS``, one ``recurrent_steps`` placeholder for the rest. ``xs``: the inputs of iterations 1...

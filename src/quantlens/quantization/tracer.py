@@ -19,7 +19,6 @@ name, so they cannot shift the numbering of the ops that matter.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import weakref
 from collections import defaultdict
@@ -42,34 +41,11 @@ from quantlens.quantization.op_rules import (
     module_rule,
 )
 from quantlens.quantization.rnn import DECOMPOSED_FUNCTIONS
+from quantlens.quantization.source_location import TORCH_DIR, is_within, user_source_location
 from quantlens.quantization.tracing_state import enter_traced_forward, leave_traced_forward
 
 __all__ = ["SiteCall", "SiteHandler", "OpSiteTracer", "module_qualnames", "float_tensor_leaves", "user_source_location", "is_within",
            "TORCH_DIR", "TensorMarks"]
-
-_QUANTLENS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-_SKIP_DIRS = (os.path.join(_QUANTLENS_DIR, "quantization"), os.path.join(_QUANTLENS_DIR, "profiler"), TORCH_DIR)
-
-
-def is_within(filename: str, dirs: tuple[str, ...] | str) -> bool:
-    """Whether ``filename`` lies inside one of ``dirs``. Compares whole path components, so user code in
-    ``site-packages/torchcrepe/`` is not inside ``site-packages/torch``."""
-    path = os.path.abspath(filename)
-    return any(path == d or path.startswith(d.rstrip(os.sep) + os.sep)
-               for d in ((dirs,) if isinstance(dirs, str) else dirs))
-
-
-def user_source_location() -> str:
-    """``file:line`` of the innermost frame outside torch and quantlens' own machinery (the user's code)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith("<") and not is_within(filename, _SKIP_DIRS):
-            return f"{filename}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "<unknown>"
-
 
 def is_float_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point()

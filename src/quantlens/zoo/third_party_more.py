@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantlens.errors import QuantLensError
-from quantlens.zoo.third_party import ThirdPartyModel, Wrapped, _bare_package, _module_from_file, _package_dir
+from quantlens.zoo.wheel_loading import ThirdPartyModel, Wrapped, bare_package, module_from_file, package_dir
 
 __all__ = ["MORE_THIRD_PARTY_MODELS", "resemblyzer", "pesto_pitch", "fcpe"]
 
@@ -80,7 +80,7 @@ def _resemblyzer_module() -> types.ModuleType:
     name = "resemblyzer.voice_encoder"
     if name in sys.modules:
         return sys.modules[name]
-    _bare_package("resemblyzer")
+    bare_package("resemblyzer")
     if "resemblyzer.audio" not in sys.modules and (importlib.util.find_spec("librosa") is None
                                                    or importlib.util.find_spec("webrtcvad") is None):
         placeholder = types.ModuleType("resemblyzer.audio")
@@ -205,7 +205,7 @@ _PESTO_STEP_MS = 250.0  # the data's CQT hop: frames 250 ms apart (a frame does 
 def _pesto_full(sampling_rate: int | None = None):
     """PESTO's full model as ``pesto.loader.load_model`` builds it (CQT preprocessor, encoder, confidence); the
     CQT kernels are built only with a sampling rate."""
-    _bare_package("pesto")  # its __init__ imports pesto.core: torchaudio, tqdm
+    bare_package("pesto")  # its __init__ imports pesto.core: torchaudio, tqdm
     loader = importlib.import_module("pesto.loader")
     return loader.load_model("mir-1k_g7", step_size=_PESTO_STEP_MS, sampling_rate=sampling_rate)
 
@@ -239,7 +239,7 @@ def _pesto_data():
 
 def _pesto_hz(activations: torch.Tensor, shift: float) -> torch.Tensor:
     """Pitch in Hz as ``PESTO.forward`` decodes it: roll by the shift, ``reduce_activations`` (alwa)."""
-    _bare_package("pesto")
+    bare_package("pesto")
     reduce = importlib.import_module("pesto.utils.reduce_activations").reduce_activations
     bps = activations.shape[-1] // 128
     semitones = reduce(activations.roll(-round(shift * bps), -1), reduction="alwa")
@@ -262,15 +262,15 @@ _FCPE_SECONDS = 0.32  # 33 mel frames per clip
 
 
 def _fcpe_checkpoint() -> dict:
-    return torch.load(os.path.join(_package_dir("torchfcpe"), "assets", "fcpe_c_v001.pt"), map_location="cpu",
+    return torch.load(os.path.join(package_dir("torchfcpe"), "assets", "fcpe_c_v001.pt"), map_location="cpu",
                       weights_only=False)  # a dict of tensors and its config: plain Python types only
 
 
 def _fcpe_models_module() -> types.ModuleType:
     """``torchfcpe/models.py``; its ``model_conformer_naive`` imports ``local_attention`` (for the local heads,
     which this config does not use), whose ``__init__`` needs hyper-connections: only its module file is loaded."""
-    _bare_package("torchfcpe")  # its __init__ imports tools -> mel_extractor -> torchaudio
-    package = _bare_package("local_attention")
+    bare_package("torchfcpe")  # its __init__ imports tools -> mel_extractor -> torchaudio
+    package = bare_package("local_attention")
     package.LocalAttention = importlib.import_module("local_attention.local_attention").LocalAttention
     return importlib.import_module("torchfcpe.models")
 
@@ -290,8 +290,8 @@ def fcpe() -> nn.Module:
 def _fcpe_mel(wavs: torch.Tensor) -> torch.Tensor:
     """torchfcpe's own ``Wav2MelModule`` (from ``mel_extractor.py``'s verbatim source; its ``torchaudio`` import
     only serves resampling, never used at 16 kHz) on waveforms [B, N] -> [B, T, 128]."""
-    root = _package_dir("torchfcpe")
-    librosa_mel = _module_from_file("torchfcpe.mel_fn_librosa", os.path.join(root, "mel_fn_librosa.py")).mel
+    root = package_dir("torchfcpe")
+    librosa_mel = module_from_file("torchfcpe.mel_fn_librosa", os.path.join(root, "mel_fn_librosa.py")).mel
     namespace = {"torch": torch, "np": np, "F": F, "librosa_mel_fn": librosa_mel}
     defs = _defs_from_file(os.path.join(root, "mel_extractor.py"),
                            ["dynamic_range_compression_torch", "HannWindow", "MelModule", "Wav2MelModule"], namespace)

@@ -16,54 +16,22 @@ ranked by that method, or the method does not apply to the stage pair). The meth
   error jumps beyond rounding while their producer's was within it, in execution order;
 * ``advisor``: whether a finding names the culprit (1) or not (None), with the rules that fired there.
 
-Faults register with :func:`register_fault`; :data:`FAULTS` holds them by name.
+Faults register with :func:`register_fault`; :data:`FAULTS` holds them by name (:mod:`.registry`, which each
+fault module imports; this package imports the fault modules).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
 from quantlens.profiler import QuantAnalysis
+from quantlens.zoo.faults.registry import FAULTS, Fault, FaultCase, register_fault
 
 __all__ = ["Fault", "FaultCase", "FaultRanks", "FAULTS", "register_fault", "rank_fault", "METHODS"]
 
 METHODS = ("same_input", "worst_channel", "sensitivity", "op_sensitivity", "pair_sensitivity", "accumulated_jump",
            "advisor")
-
-
-@dataclass(frozen=True)
-class FaultCase:
-    """What a fault builds: the two models of its stage pair, the bad case (positional inputs) and an optional
-    post-process."""
-
-    baseline: Any
-    analysis: Any
-    bad_case: tuple
-    post_process: Callable | None = None
-
-
-@dataclass(frozen=True)
-class Fault:
-    """One planted fault: its stage pair (the analysis type), the culprit op site(s) and how to build it."""
-
-    name: str
-    stage: str
-    model: str  # what it is planted in ("tiny conv", "all-MiniLM-L6-v2", ...)
-    #: the names of the culprit op site: any of them counts (a fused group's members: the conv holds the weight,
-    #: its relu the output fake quant)
-    culprit: tuple[str, ...]
-    description: str
-    build: Callable[[], FaultCase]
-    #: whether the fault changes the model's output (a fault that does must be first by sensitivity)
-    changes_output: bool = True
-    #: an interaction fault: the culprit is two op sites together (each harmless alone); the pair method ranks
-    #: the pair holding both, the other methods either of them
-    interaction: tuple[str, ...] = ()
-    #: whether the fault is visible op by op (an advisor finding must name it); an interaction is not: no op of
-    #: it is wrong alone (the joint sensitivity's small-share warning and its pair row say it)
-    per_op_finding: bool = True
 
 
 @dataclass(frozen=True)
@@ -88,17 +56,6 @@ class FaultRanks:
         found = [self.ranks.get(k) for k in ("sensitivity", "op_sensitivity", "pair_sensitivity")]
         found = [r for r in found if r is not None]
         return min(found) if found else None
-
-
-FAULTS: dict[str, Fault] = {}
-
-
-def register_fault(fault: Fault) -> Fault:
-    """Add ``fault`` to :data:`FAULTS` (a repeated name is an error)."""
-    if fault.name in FAULTS:
-        raise ValueError(f"planted fault {fault.name!r} is registered twice.")
-    FAULTS[fault.name] = fault
-    return fault
 
 
 def _rank(names: list[str], culprit: tuple[str, ...]) -> int | None:

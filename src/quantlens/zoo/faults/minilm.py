@@ -31,7 +31,7 @@ from quantlens.quantization.qconfig_template import (
     ModuleNameQconfigSetter,
     calibration_8bit_weight_16bit_act_qconfig_setter,
 )
-from quantlens.zoo.faults import Fault, FaultCase, register_fault
+from quantlens.zoo.faults.registry import Fault, FaultCase, register_fault
 
 MODEL = "all-MiniLM-L6-v2"
 _LAYER = "bert.encoder.layer"

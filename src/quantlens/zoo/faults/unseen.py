@@ -18,7 +18,7 @@ from quantlens.quantization import (
     prepare,
 )
 from quantlens.quantization.qconfig_template import ModuleNameQconfigSetter, default_calibration_qconfig_setter
-from quantlens.zoo.faults import Fault, FaultCase, register_fault
+from quantlens.zoo.faults.registry import Fault, FaultCase, register_fault
 
 
 class ChannelNet(nn.Module):
