@@ -6,7 +6,9 @@ from those findings. The metric is the CONFIG's ``evaluate(model) -> float`` (``
 True) or, without one, the mean cosine of the first output against the float model on ``evaluation_data()``.
 The console and the page name that metric and its noise (a remedy is kept only when it gains more); a remedy that
 fails is skipped with a warning naming it and its error; ``--latency`` prints the latency estimate of the base and
-of the result, and each kept remedy's estimate before and after it.
+of the result, and each kept remedy's estimate before and after it. An ``evaluate`` that raises or returns anything
+but one finite number is a usage error (exit 2) naming it and the configuration; a search resumed in OUT replays
+only measurements of the same CONFIG evaluate and evaluation data.
 OUT gets ``remedies.html`` / ``remedies.csv`` (per finding: remedies tried, measured gain, chosen), the int16 curve,
 and ``remedies.json`` (+ ``remedied_weights.safetensors`` when a transform changed weights), which
 ``load_remedies(float_model(), OUT, calibration_qconfig_setter)`` turns back into what ``prepare`` takes.
@@ -84,7 +86,10 @@ def run(args) -> int:
     from rich.table import Table
 
     from quantlens import set_march
+    from quantlens._io import writable_dir_problem
     from quantlens.cli.config import load_config
+    from quantlens.search.evaluation import EvaluateError
+    from quantlens.search.provenance import data_digest
     from quantlens.search.remedies import save_remedies, search_remedies
     from quantlens.search.remedies.report import latency_change, metric_sentence
 
@@ -92,6 +97,10 @@ def run(args) -> int:
     cfg = load_config(args.config, debug=args.debug or args.sub_debug)
     if not math.isfinite(args.target):
         raise UsageError(f"--target must be a finite number, got {args.target}.")
+    out_dir = Path(args.out)
+    problem = writable_dir_problem(out_dir)
+    if problem is not None:
+        raise UsageError(f"--out {out_dir}: {problem}; give --out a folder that can be written.")
     if cfg.march is not None:
         set_march(cfg.march)
     model, example = cfg.float_model(), cfg.example_inputs()
@@ -100,16 +109,19 @@ def run(args) -> int:
     if not batches or not held_out:
         raise UsageError(f"CONFIG {cfg.path}: calibration_data() and evaluation_data() must give at least one batch.")
     evaluate = cfg.evaluate or output_cosine_metric(model, held_out)
-    out_dir = Path(args.out)
     with out.status("advisor findings on the calibrated model"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         findings = _findings(model, example, batches, held_out, cfg, out_dir)
-    result = search_remedies(model, example, batches, evaluate, args.target,
-                             base_setter=cfg.calibration_qconfig_setter, findings=findings,
-                             range_sites=args.range_sites, int16=not args.no_int16,
-                             higher_is_better=cfg.higher_is_better, out_dir=out_dir,
-                             int16_budget=args.int16_budget, latency=args.latency,
-                             metric=metric_description(cfg))
+    try:
+        # the evaluation data's digest keys the resume: another evaluation_data() must not replay old values
+        result = search_remedies(model, example, batches, evaluate, args.target,
+                                 base_setter=cfg.calibration_qconfig_setter, findings=findings,
+                                 range_sites=args.range_sites, int16=not args.no_int16,
+                                 higher_is_better=cfg.higher_is_better, out_dir=out_dir,
+                                 int16_budget=args.int16_budget, latency=args.latency,
+                                 metric=metric_description(cfg), evaluation_key=data_digest(held_out))
+    except EvaluateError as exc:
+        raise UsageError(_evaluate_failed(cfg, exc)) from None
     save_remedies(result, out_dir)
     for skipped in result.skipped:
         out.print(f"warning: remedy {esc(skipped.name)} failed and was skipped: {esc(skipped.error)}")
@@ -130,6 +142,17 @@ def run(args) -> int:
               f"site(s); report {esc(out_dir / 'remedies.html')}; re-run the flow with "
               f"load_remedies(float_model(), {esc(repr(str(out_dir)))}, calibration_qconfig_setter)")
     return EXIT_OK if reached else EXIT_PROBLEMS
+
+
+def _evaluate_failed(cfg, exc) -> str:
+    """The CONFIG's metric failed on a configuration of the search: what, where and how to fix it."""
+    if cfg.evaluate is not None:
+        return (f"CONFIG {cfg.path}: its evaluate(model) {exc.problem} on the configuration {exc.configuration}; "
+                "it must return one finite number (a float, or a one-element tensor) for any stage's model. Fix "
+                f"evaluate() in {cfg.path} (call it on a calibrated prepare() of float_model() to see why).")
+    return (f"CONFIG {cfg.path}: the default metric ({metric_description(cfg)}) {exc.problem} on the configuration "
+            f"{exc.configuration}; the quantized model's first output is not finite there. Define "
+            f"evaluate(model) -> float in {cfg.path}, or check the model's outputs.")
 
 
 def _findings(model, example, batches, held_out, cfg, out_dir: Path) -> list:

@@ -22,14 +22,18 @@ int16 output reaching that GEMM's data input, and at most one data input of an a
 chosen set (empty by construction).
 
 Every measurement is written to ``out_dir/mixed_precision_progress.json`` as it finishes; a search started again
-with the same inputs (model weights, data, candidates, ranking, target, budget) replays it and continues from
-there, so an interrupted search ends with the result an uninterrupted one gives. ``out_dir`` also gets the curve
+with the same inputs (model weights and code, data, candidates, ranking, target, budget, and ``evaluate``: its
+code, its file, the tensors it reads, ``evaluation_key``) replays it and continues from there, so an interrupted
+search ends with the result an uninterrupted one gives; a damaged progress file is set aside. ``evaluate`` must
+return one finite number, else an ``EvaluateError`` names the configuration. ``out_dir`` also gets the curve
 (metric vs number of int16 sites, and vs the latency estimate with ``latency=True``) as
 ``mixed_precision_curve.csv`` and a self-contained ``mixed_precision_curve.html`` (inline SVG).
 
 Modules: ``mixed_precision`` (the entry point), ``promotion``, ``setter``, ``graph`` (candidates, the
 int16 x int16 rule), ``ranking``, ``measure``, ``progress`` (the progress file), ``greedy``, ``descend``,
-``refine`` (pruning, exchange), ``result``, ``curve_files``.
+``refine`` (pruning, exchange), ``result``, ``curve_files``; shared with the remedy search: ``evaluation`` (the
+rule for what ``evaluate`` returns), ``provenance`` (what a measurement depends on), ``progress_file`` (reading a
+progress file back, the output folder's check).
 """
 
 from quantlens.search.graph import int16_conflicts, mixed_precision_candidates

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 __all__ = ["Goal"]
@@ -31,8 +30,3 @@ class Goal:
     def best_first(self, value: float) -> float:
         """A sort key that puts the best value first."""
         return -value if self.higher_is_better else value
-
-    @property
-    def worst(self) -> float:
-        """The value a non-finite measurement counts as (it never reaches the target)."""
-        return -math.inf if self.higher_is_better else math.inf

@@ -3,22 +3,28 @@ configuration once, the values kept in the progress file."""
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import torch
 from torch import nn
 
 from quantlens.quantization.fake_quantize import calibrate
 from quantlens.quantization.prepare import prepare
+from quantlens.search.evaluation import call_evaluate
 from quantlens.search.goal import Goal
 from quantlens.search.progress import Progress, selection_key
 from quantlens.search.promotion import Promotion
 from quantlens.search.setter import MixedPrecisionQconfigSetter
 
-__all__ = ["Builder", "Measurer"]
+__all__ = ["Builder", "Measurer", "describe_selection"]
+
+
+def describe_selection(selection: Sequence[Promotion]) -> str:
+    """A configuration of the mixed-precision search in words (errors name it)."""
+    if not selection:
+        return "'the base setter, no int16'"
+    return "'int16 at " + ", ".join(p.label() for p in sorted(selection)) + "'"
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,16 +67,13 @@ class Measurer:
         return len(self._metrics)
 
     def measure(self, selection: Sequence[Promotion], prepared: nn.Module | None = None) -> float:
-        """``evaluate`` of the calibrated model of ``selection`` (``prepared`` when already built); a non-finite
-        value counts as the worst."""
+        """``evaluate`` of the calibrated model of ``selection`` (``prepared`` when already built); a value that
+        is not one finite number, or an error of ``evaluate``, is an
+        :class:`~quantlens.search.evaluation.EvaluateError` naming the configuration."""
         key = selection_key(selection)
         if key not in self._metrics:
             prepared = prepared if prepared is not None else self.build(selection)
-            with torch.no_grad():
-                value = float(self.evaluate(prepared))
-            if not math.isfinite(value):
-                value = self.goal.worst
-            self._metrics[key] = value
+            self._metrics[key] = call_evaluate(self.evaluate, prepared, describe_selection(selection))
             self.progress.save()
         return self._metrics[key]
 

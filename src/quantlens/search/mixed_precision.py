@@ -18,7 +18,9 @@ from quantlens.search.graph import SearchGraph, graph_candidates, int16x16_resol
 from quantlens.search.greedy import greedy_pass
 from quantlens.search.measure import Builder, Measurer
 from quantlens.search.progress import PROGRESS_FILE, Progress, fingerprint
+from quantlens.search.progress_file import check_out_dir
 from quantlens.search.promotion import MaxLatency, Promotion, as_promotion
+from quantlens.search.provenance import evaluate_identity, setter_identity
 from quantlens.search.ranking import first_ranking, initial_ranking
 from quantlens.search.refine import exchange_pass, prune_pass
 from quantlens.search.result import CurvePoint, MixedPrecisionResult
@@ -47,6 +49,7 @@ def search_mixed_precision(
     prune: bool = True,
     exchange: int = 0,
     progress: bool = True,
+    evaluation_key: str = "",
 ) -> MixedPrecisionResult:
     """Greedy int16 promotion with re-measurement until ``evaluate`` reaches ``target``.
 
@@ -82,9 +85,16 @@ def search_mixed_precision(
             smaller that backward elimination misses (two sites that do best together); each round costs about
             as many measurements as there are candidates.
         progress: show a rich progress bar.
+        evaluation_key: what else decides ``evaluate``'s value that the search cannot see (a digest of data it
+            reads from disk): part of the resume key, with ``evaluate``'s own identity (its code, the file it is
+            written in, the tensors and modules it reads: :func:`~quantlens.search.provenance.evaluate_identity`).
+
+    ``evaluate`` must return one finite number: anything else, or an error it raises, is an
+    :class:`~quantlens.search.evaluation.EvaluateError` naming the configuration it was measured on.
     """
     out = Path(out_dir)
     _check_arguments(tries, exchange, method, budget)
+    check_out_dir(out, "search_mixed_precision")
     latency = latency or isinstance(budget, MaxLatency)
     batches = list(calibration_batches)
     goal = Goal(target, higher_is_better)
@@ -92,10 +102,10 @@ def search_mixed_precision(
     base_prepared = build(())
     graph = search_graph(base_prepared)
     cands = _candidates(graph, candidates)
-    out.mkdir(parents=True, exist_ok=True)
     given = None if ranking is None else initial_ranking(model, base_prepared, example_inputs, cands, ranking, out)
     fp = fingerprint(model, example_inputs, batches, cands, given or [], target, budget, tries,
-                     _setter_identity(base_setter, base_prepared), higher_is_better, method, prune, exchange)
+                     setter_identity(base_setter, base_prepared), higher_is_better, method, prune, exchange,
+                     evaluation=evaluate_identity(evaluate) + "|" + evaluation_key)
     prog = Progress(out / PROGRESS_FILE, fp, resume)  # constructed here: its warning names our caller's line
     ranked0 = first_ranking(given, prog, lambda: initial_ranking(model, base_prepared, example_inputs, cands,
                                                                  None, out))
@@ -171,15 +181,3 @@ def _run_passes(ctx: SearchContext, state: SearchState, method: str, prune: bool
     if prune and exchange and ctx.goal.reached(state.metric) and len(state.selected) > 1:
         exchange_pass(ctx, state, exchange, bar.show)
     bar.show(f"done: {len(state.selected)} int16, metric {state.metric:.4f}", len(state.selected))
-
-
-def _setter_identity(setter: Any, prepared: nn.Module) -> str:
-    """The base setter in the progress file's fingerprint: its name and what it gave every op site (dtype,
-    observer and its options, axis), so another mapping under the same name does not replay old measurements."""
-    plans = getattr(getattr(prepared, "_quantlens_state", None), "plans", {})
-    given = []
-    for name, plan in plans.items():
-        qc = plan.qconfig
-        specs = [] if qc is None else [getattr(qc, part, None) for part in ("input", "weight", "output")]
-        given.append(f"{name}:" + "|".join("-" if spec is None else spec.describe() for spec in specs))
-    return getattr(setter, "name", repr(setter)) + "#" + "\n".join(given)

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable
 
-import torch
 from torch import nn
 
-from quantlens.errors import QuantLensWarning
+from quantlens._io import atomic_write_text
+from quantlens.search.progress_file import is_number_map, read_progress
 from quantlens.search.promotion import Promotion
+from quantlens.search.provenance import hash_tree, model_code_identity
 
 __all__ = ["PROGRESS_FILE", "Progress", "fingerprint", "selection_key"]
 
@@ -23,32 +22,41 @@ PROGRESS_FILE = "mixed_precision_progress.json"
 _FORMAT = 1
 
 
-def _hash_tree(h, obj: Any) -> None:
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
-        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    elif isinstance(obj, dict):
-        for k in sorted(obj, key=str):
-            h.update(f"K{k!s}".encode())
-            _hash_tree(h, obj[k])
-    elif isinstance(obj, (list, tuple)):
-        h.update(f"L{len(obj)}".encode())
-        for item in obj:
-            _hash_tree(h, item)
-    else:
-        h.update(repr(obj).encode())
+def _ranking_problem(ranking: Any) -> str | None:
+    if ranking is None:
+        return None
+    if not isinstance(ranking, list) or not all(
+            isinstance(p, dict) and set(p) == {"site", "kind"} and isinstance(p["site"], str)
+            and p["kind"] in ("activation", "weight") for p in ranking):
+        return "'ranking' is not a list of {site, kind} promotions"
+    return None
+
+
+def _problem(data: dict) -> str | None:
+    """What is wrong with a progress file's fields (None: nothing), so that a damaged file is set aside rather
+    than replayed into an error halfway through the search."""
+    if not is_number_map(data.get("measurements")):
+        return "'measurements' does not map configurations to finite numbers"
+    if not is_number_map(data.get("latency"), int):
+        return "'latency' does not map configurations to whole numbers of cycles"
+    if not isinstance(data.get("steps"), list) or not all(isinstance(s, dict) for s in data["steps"]):
+        return "'steps' is not a list of objects"
+    if not isinstance(data.get("done"), bool):
+        return "'done' is not true or false"
+    return _ranking_problem(data.get("ranking"))
 
 
 def fingerprint(model: nn.Module, example_inputs, batches, candidates, ranking, target, budget, tries,
                 base_name: str, higher_is_better: bool, method: str = "greedy", prune: bool = True,
-                exchange: int = 0) -> str:
-    """What the chosen promotions depend on (not ``latency``: the latency estimates only annotate the curve)."""
+                exchange: int = 0, evaluation: str = "") -> str:
+    """What the chosen promotions depend on (not ``latency``: the latency estimates only annotate the curve);
+    ``evaluation``: what decides ``evaluate``'s value (:func:`~quantlens.search.provenance.evaluate_identity` and
+    the caller's ``evaluation_key``)."""
     h = hashlib.sha256()
-    _hash_tree(h, dict(model.state_dict()))
-    _hash_tree(h, example_inputs)
-    _hash_tree(h, list(batches))
-    h.update(json.dumps({"candidates": [asdict(c) for c in candidates], "ranking": [asdict(c) for c in ranking],
+    hash_tree(h, dict(model.state_dict()))
+    hash_tree(h, example_inputs)
+    hash_tree(h, list(batches))
+    h.update(json.dumps({"evaluation": evaluation, "code": model_code_identity(model),"candidates": [asdict(c) for c in candidates], "ranking": [asdict(c) for c in ranking],
                          "target": float(target), "budget": repr(budget), "tries": tries, "base": base_name,
                          "higher": higher_is_better, "method": method, "prune": prune,
                          # absent when off, so that files written before the exchange existed still resume
@@ -63,27 +71,20 @@ def selection_key(selection: Iterable[Promotion]) -> str:
 
 class Progress:
     """The progress file's data (``measurements``, ``latency``, ``steps``, ``ranking``, ``done``), loaded from
-    ``path`` when ``resume`` and it was written with the same ``fingerprint``; :meth:`save` writes it."""
+    ``path`` when ``resume`` and it was written with the same ``fingerprint`` (a damaged file is set aside,
+    :func:`~quantlens.search.progress_file.read_progress`); :meth:`save` writes it."""
 
     def __init__(self, path: Path, fingerprint: str, resume: bool):
         self.path = path
         self.data = {"format": _FORMAT, "fingerprint": fingerprint, "measurements": {}, "latency": {},
                      "steps": [], "done": False}
-        if resume and path.exists():
-            try:
-                old = json.loads(path.read_text())
-            except (OSError, ValueError):
-                old = None
-            if old and old.get("format") == _FORMAT and old.get("fingerprint") == fingerprint:
+        if resume:
+            # stacklevel 3: the caller of search_mixed_precision, which constructs this
+            old = read_progress(path, fingerprint, _FORMAT, _problem, stacklevel=3)
+            if old is not None:
                 self.data = old
-            elif old is not None:
-                # stacklevel 3: the caller of search_mixed_precision, which constructs this
-                warnings.warn(f"{path}: written by a search with other inputs (model, data, candidates, target or "
-                              "budget); starting afresh.", stacklevel=3, category=QuantLensWarning)
         self.resumed_measurements = len(self.data["measurements"])
 
     def save(self) -> None:
         """Write the data atomically (a crash leaves the previous file)."""
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, json.dumps(self.data, indent=1, sort_keys=True))

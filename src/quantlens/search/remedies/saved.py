@@ -44,7 +44,7 @@ def save_remedies(result: RemedyResult, out_dir: str | Path) -> Path:
             "value": result.value, "target": result.target, "higher_is_better": result.higher_is_better,
             "weights_file": WEIGHTS_FILE if weights else None, "fixed_ranges": _fixed_ranges(result.setter),
             "metric": result.metric, "noise": result.noise, "latency_cycles": result.latency_cycles,
-            "skipped": [[s.name, s.error] for s in result.skipped]}
+            "skipped": [[s.name, s.error] for s in result.skipped], "model_digest": result.model_digest}
     return atomic_write_text(out / RESULT_FILE, json.dumps(data, indent=1, sort_keys=True))
 
 
@@ -64,7 +64,9 @@ def load_remedies(model: nn.Module, out_dir: str | Path,
                              "it.") from None
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
         raise QuantLensError(f"load_remedies: {path} is not a remedies file of format {_FORMAT}.")
-    unknown = [t for t in data.get("transforms", []) if t not in REMEDIES]
+    _check_fields(data, path)
+    _check_model(data, path, model)
+    unknown = [t for t in data["transforms"] if t not in REMEDIES]
     bad_obs = [o for o in data.get("observers", {}).values() if o not in RANGE_OBSERVERS]
     if unknown or bad_obs:
         raise QuantLensError(f"load_remedies: {path} names unknown remedies {unknown + bad_obs}; known: "
@@ -87,6 +89,55 @@ def load_remedies(model: nn.Module, out_dir: str | Path,
     if data.get("int16"):
         setter = MixedPrecisionQconfigSetter([tuple(p) for p in data["int16"]], setter)
     return out, setter
+
+
+def _is_str_map(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
+#: each field load_remedies reads: whether it must be present, what it must be (in words), the check
+_FIELDS = {
+    "transforms": (True, "a list of remedy names", lambda v: isinstance(v, list) and all(
+        isinstance(t, str) for t in v)),
+    "observers": (False, "an object mapping op sites to observer names", _is_str_map),
+    "int16": (False, "a list of [op site, \"activation\" or \"weight\"] pairs", lambda v: v is None or (
+        isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                                    and p[1] in ("activation", "weight") for p in v))),
+    "weights_file": (False, "null or a file name", lambda v: v is None or isinstance(v, str)),
+    "model_digest": (False, "the float model's fingerprint (a string)", lambda v: isinstance(v, str)),
+}
+
+
+_JSON_KIND = {list: "a list", dict: "an object", str: "a string", int: "a number", float: "a number",
+              bool: "true/false", type(None): "null"}
+
+
+def _check_fields(data: dict, path: Path) -> None:
+    """Refuse a hand-edited file whose fields load_remedies cannot read, naming the field and what it expects."""
+    for name, (required, expected, valid) in _FIELDS.items():
+        if name not in data:
+            if required:
+                raise QuantLensError(f"load_remedies: {path} has no field '{name}' ({expected} was expected). "
+                                     "Restore the file, or run the search again (quantlens fix) to write it.")
+            continue
+        if not valid(data[name]):
+            got = _JSON_KIND.get(type(data[name]), type(data[name]).__name__)
+            raise QuantLensError(f"load_remedies: {path}: field '{name}' is {got} where {expected} was expected "
+                                 f"({str(data[name])[:60]}). Restore the file, or run the search again (quantlens "
+                                 "fix) to write it.")
+
+
+def _check_model(data: dict, path: Path, model: nn.Module) -> None:
+    """Refuse a model other than the one the search started from (files written before the fingerprint existed
+    have none and are not checked)."""
+    from quantlens.search.provenance import float_model_digest
+
+    saved = data.get("model_digest")
+    if saved and saved != float_model_digest(model):
+        raise QuantLensError(f"load_remedies: {path} was written by a search on another float model (its weights, "
+                             "buffers or class differ from the model given): its remedies and weights belong to "
+                             "that model. Give load_remedies the float model the search ran on (float_model() of "
+                             "its CONFIG), or run the search on this one (quantlens fix --out another folder).")
 
 
 def _fixed_ranges(setter: Any) -> dict[str, float]:

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import torch
 from torch import nn
 
 from quantlens._io import atomic_write_text
@@ -39,6 +38,15 @@ from quantlens.errors import QuantLensError
 from quantlens.quantization import calibrate, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.search.bar import SearchBar
+from quantlens.search.evaluation import call_evaluate
+from quantlens.search.progress_file import check_out_dir, is_number_map, read_progress
+from quantlens.search.provenance import (
+    evaluate_identity,
+    float_model_digest,
+    hash_tree,
+    model_code_identity,
+    setter_identity,
+)
 from quantlens.search.remedies.catalog import REMEDIES, RemedyContext, model_remedies
 from quantlens.search.remedies.noise import measure_noise
 from quantlens.search.remedies.observers import RANGE_OBSERVERS, ObserverQconfigSetter
@@ -103,6 +111,8 @@ class RemedyResult:
     noise: float = 0.0
     #: the whole-model remedies that failed, in the order tried
     skipped: tuple[SkippedRemedy, ...] = ()
+    #: the fingerprint of the float model the search started from (``load_remedies`` refuses another model)
+    model_digest: str = ""
 
     def reached(self, target: float | None = None, higher_is_better: bool | None = None) -> bool:
         """Whether ``value`` reaches ``target`` (default: the search's own)."""
@@ -112,37 +122,56 @@ class RemedyResult:
 
 
 PROGRESS_FILE = "remedies_progress.json"
+_FORMAT = 1
+
+
+def _progress_problem(data: dict) -> str | None:
+    """What is wrong with the fields of a remedies progress file (None: nothing)."""
+    if not is_number_map(data.get("measurements")):
+        return "'measurements' does not map configurations to finite numbers"
+    return None
+
+
+def _calibrated(model: nn.Module, example: Any, setter: Any, batches: Sequence[Any]) -> nn.Module:
+    """``model`` prepared under ``setter`` and calibrated on ``batches``."""
+    with warnings.catch_warnings():
+        # one prepare per candidate: its warnings would repeat; a model without QuantStub was the user's choice
+        # at their own prepare (allow_no_stubs), not refused again
+        warnings.simplefilter("ignore")
+        return calibrate(prepare(model, example, setter, check_result_dir=None, allow_no_stubs=True), batches)
+
+
+def _described(key: str) -> str:
+    """A measurement's key in words: the kept whole-model remedies, then what was measured on top."""
+    applied, _, rest = key.partition("|")
+    return f"{rest} after {applied.replace('+', ', ')}" if applied else rest
 
 
 class _Measure:
     """Measures a configuration once: each value is written to ``out_dir/remedies_progress.json`` as it is
     measured, under a fingerprint of the search's inputs, so a search started again with the same inputs replays
-    what it measured and continues."""
+    what it measured and continues (a damaged file is set aside, :mod:`~quantlens.search.progress_file`)."""
 
     def __init__(self, example, batches, evaluate, higher_is_better, path: Path, fingerprint: str):
         self.example, self.batches, self.evaluate, self.higher = example, batches, evaluate, higher_is_better
         self.path, self.fingerprint = path, fingerprint
-        self.values: dict[str, float] = {}
-        if path.is_file():
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if data.get("fingerprint") == fingerprint:
-                self.values = {k: float(v) for k, v in data.get("measurements", {}).items()}
+        # stacklevel 3: the caller of search_remedies, which constructs this
+        data = read_progress(path, fingerprint, _FORMAT, _progress_problem, stacklevel=3)
+        self.values: dict[str, float] = {} if data is None else {k: float(v) for k, v in
+                                                                 data["measurements"].items()}
         self.replayed = len(self.values)
 
-    def __call__(self, model: nn.Module, setter: Any, key: str, batches: Sequence[Any] | None = None) -> float:
-        """The metric of ``model`` under ``setter``, calibrated on ``batches`` (default: all of them)."""
+    def __call__(self, model: nn.Module, setter: Any, key: str, batches: Sequence[Any] | None = None,
+                 prepared: nn.Module | None = None) -> float:
+        """The metric of ``model`` under ``setter``, calibrated on ``batches`` (default: all of them), or of
+        ``prepared`` when already built."""
         if key in self.values:
             return self.values[key]
-        with warnings.catch_warnings():
-            # one prepare per candidate: its warnings would repeat; a model without QuantStub was the user's choice
-            # at their own prepare (allow_no_stubs), not refused again
-            warnings.simplefilter("ignore")
-            prepared = calibrate(prepare(model, self.example, setter, check_result_dir=None,
-                                         allow_no_stubs=True), self.batches if batches is None else batches)
-        with torch.no_grad():
-            value = float(self.evaluate(prepared))
+        if prepared is None:
+            prepared = _calibrated(model, self.example, setter, self.batches if batches is None else batches)
+        value = call_evaluate(self.evaluate, prepared, f"'{_described(key)}' of the remedy search")
         self.values[key] = value
-        atomic_write_text(self.path, json.dumps({"format": 1, "fingerprint": self.fingerprint,
+        atomic_write_text(self.path, json.dumps({"format": _FORMAT, "fingerprint": self.fingerprint,
                                                  "measurements": self.values}, indent=1, sort_keys=True))
         return value
 
@@ -174,7 +203,8 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
                     range_sites: int = 8, observers: Sequence[str] = tuple(RANGE_OBSERVERS), int16: bool = True,
                     higher_is_better: bool = True, out_dir: str | os.PathLike = "remedies",
                     int16_budget: Any = None, latency: bool = False, progress: bool = True,
-                    report: bool = True, metric: str = "evaluate(prepared)") -> RemedyResult:
+                    report: bool = True, metric: str = "evaluate(prepared)",
+                    evaluation_key: str = "") -> RemedyResult:
     """The whole-model remedies of :data:`~.catalog.REMEDIES`, then per-site ranges, then int16 promotion, each
     candidate measured and kept only when it helps (see the module docstring).
 
@@ -189,17 +219,25 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
         report: write ``remedies.csv`` and ``remedies.html`` (per finding: remedies tried, measured gain, chosen;
             the int16 curve) to ``out_dir``.
         metric: what ``evaluate`` measures, in words, for the report.
+        evaluation_key: what else decides ``evaluate``'s value that the search cannot see (a digest of the
+            evaluation data it reads from disk): part of the resume key, with ``evaluate``'s own identity.
 
-    ``model`` is not changed; ``RemedyResult.model`` and ``RemedyResult.setter`` go to ``prepare``.
+    ``model`` is not changed; ``RemedyResult.model`` and ``RemedyResult.setter`` go to ``prepare``. ``evaluate``
+    must return one finite number: anything else, or an error it raises, on the base configuration is an
+    :class:`~quantlens.search.evaluation.EvaluateError` naming it (on a whole-model remedy's configuration, the
+    remedy is skipped with that error). A resumed search replays only measurements made with the same model,
+    data, setter, ``evaluate`` (and ``evaluation_key``) and settings.
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    check_out_dir(out, "search_remedies")
     batches = list(calibration_batches)
-    inputs_key = _fingerprint(model, example_inputs, batches, target, range_sites, observers, base_setter,
-                             higher_is_better)
+    base_prepared = _calibrated(model, example_inputs, base_setter, batches)
+    inputs_key = _fingerprint(model, example_inputs, batches, target, range_sites, observers,
+                              setter_identity(base_setter, base_prepared), higher_is_better,
+                              evaluate_identity(evaluate) + "|" + evaluation_key)
     measure = _Measure(example_inputs, batches, evaluate, higher_is_better, out / PROGRESS_FILE, inputs_key)
     state = _State(measure, model, base_setter)
-    state.best = state.base = measure(model, base_setter, state.key("base"))
+    state.best = state.base = measure(model, base_setter, state.key("base"), prepared=base_prepared)
     state.noise = measure_noise(measure, model, base_setter, state.base, state.key("base"))
     base_noise = state.noise
     with SearchBar(len(model_remedies()) + range_sites * len(observers), progress, label="remedies") as bar:
@@ -214,7 +252,7 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
 
         mp = search_mixed_precision(state.model, example_inputs, batches, evaluate, target, base_setter=setter,
                                     budget=int16_budget, out_dir=out / "int16", higher_is_better=higher_is_better,
-                                    progress=progress)
+                                    progress=progress, evaluation_key=evaluation_key)
         promotions = tuple(mp.chosen)
         if promotions:
             setter = mp.setter()
@@ -228,7 +266,8 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
                                            batches)
     result = RemedyResult(state.model, setter, state.best, state.base, dict(state.chosen), promotions,
                           tuple(state.trials), tuple(state.applied), target, higher_is_better,
-                          mp.curve if mp is not None else (), cycles, metric, base_noise, tuple(state.skipped))
+                          mp.curve if mp is not None else (), cycles, metric, base_noise, tuple(state.skipped),
+                          float_model_digest(model))
     if report:
         from quantlens.search.remedies.report import write_remedy_report
 
@@ -346,15 +385,15 @@ def _reached(value: float, target: float, higher_is_better: bool) -> bool:
     return value >= target if higher_is_better else value <= target
 
 
-def _fingerprint(model, example, batches, target, range_sites, observers, base_setter, higher_is_better) -> str:
-    """What the measurements depend on: the model's weights, the data, and the search's settings."""
-    from quantlens.search.progress import _hash_tree
-
+def _fingerprint(model, example, batches, target, range_sites, observers, setter_id: str, higher_is_better,
+                 evaluation: str) -> str:
+    """What the measurements depend on: the model's weights and code, the data, the base setter's assignments,
+    ``evaluate`` (:func:`~quantlens.search.provenance.evaluate_identity`) and the search's settings."""
     h = hashlib.sha256()
-    _hash_tree(h, dict(model.state_dict()))
-    _hash_tree(h, example)
-    _hash_tree(h, batches)
+    hash_tree(h, dict(model.state_dict()))
+    hash_tree(h, example)
+    hash_tree(h, batches)
     h.update(json.dumps({"target": float(target), "range_sites": range_sites, "observers": list(observers),
-                         "base": getattr(base_setter, "name", repr(base_setter)), "higher": higher_is_better},
-                        sort_keys=True).encode())
+                         "base": setter_id, "higher": higher_is_better, "evaluation": evaluation,
+                         "code": model_code_identity(model)}, sort_keys=True).encode())
     return h.hexdigest()
