@@ -9,9 +9,9 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
-from quantlens.errors import DiskFullError
+from quantlens.errors import DiskFullError, NotWritableError, QuantLensError
 
-__all__ = ["atomic_write", "atomic_write_text", "atomic_write_bytes", "format_table"]
+__all__ = ["atomic_write", "atomic_write_text", "atomic_write_bytes", "format_table", "write_error", "check_writable"]
 
 
 #: the errors of a write that ran out of space (a full disk, a quota, a file-size limit)
@@ -31,9 +31,15 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], fsync: b
     caller knows it) and the bytes free.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+    except OSError as exc:  # nothing was written yet
+        worded = write_error(exc, path, size or 0)
+        if worded is None:
+            raise
+        raise worded from None
     try:
         write(tmp)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; the file gets what open() would have given it
@@ -45,11 +51,59 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], fsync: b
         written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
         if os.path.exists(tmp):
             os.unlink(tmp)
-        full = _no_space(exc, path, size or written)
-        if full is not None:
-            raise full from exc
+        worded = write_error(exc, path, size or written)
+        if worded is not None:
+            raise worded from exc
         raise
     return path
+
+
+#: the errors of a write refused where it goes: a read-only disk, no permission, a file where a folder belongs
+#: (ENOTDIR, EEXIST from mkdir) or a folder where a file belongs (EISDIR)
+_NOT_WRITABLE = {errno.EROFS: "is on a read-only disk", errno.EACCES: "is not writable (permission denied)",
+                 errno.EPERM: "is not writable (operation not permitted)",
+                 errno.ENOTDIR: "lies under a path that is a file, not a folder",
+                 errno.EEXIST: "cannot be made: a file of that name is in the way",
+                 errno.EISDIR: "is a folder where a file belongs"}
+
+
+def write_error(exc: BaseException, path: str | os.PathLike, needed: int = 0) -> QuantLensError | None:
+    """The error in words that ``exc``, raised by a write of ``path``, stands for: a :class:`DiskFullError` for a
+    full disk, a :class:`NotWritableError` for a read-only folder, a file where a folder belongs, no permission;
+    None for anything else (which propagates as it is)."""
+    path = Path(path)
+    if isinstance(exc, QuantLensError):
+        return None
+    full = _no_space(exc, path, needed)
+    if full is not None and isinstance(exc, OSError) and exc.strerror:
+        full.args = (f"{full} The system said: {exc.strerror}.",)
+    if full is not None or not isinstance(exc, OSError) or exc.errno not in _NOT_WRITABLE:
+        return full
+    where = Path(exc.filename) if exc.filename else path
+    return NotWritableError(
+        f"cannot write {path.name} in {path.parent}: {where} {_NOT_WRITABLE[exc.errno]}. Write into a writable folder (out_dir=, --out), or "
+        "make that one writable. Nothing half-written was left there.", path=str(path), errno=exc.errno)
+
+
+_ELSEWHERE = "write into a writable folder (out_dir=, --out), or make that one writable"
+
+
+def check_writable(folder: str | os.PathLike, what: str, fix: str = _ELSEWHERE) -> None:
+    """Refuse, before any work, a ``folder`` that cannot take ``what``'s files: not writable, in the way of a file,
+    or on a disk with (almost) no space left. ``fix``: how to fix it, for the message. Creates nothing."""
+    folder = Path(folder)
+    problem = writable_dir_problem(folder)
+    if problem is not None:
+        raise NotWritableError(f"{what}: {folder} cannot hold its files: {problem}. To fix it, {fix}.",
+                               path=str(folder), errno=errno.EROFS if _read_only(folder) else errno.EACCES)
+    probe = folder
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    free = _free_bytes(probe)
+    if free is not None and free < _LOW_SPACE:
+        raise DiskFullError(f"{what}: no space left to write into {folder} ({free} bytes free). To fix it, free "
+                            f"space on that disk (or quota), or {fix}. Nothing was written.", folder=str(folder),
+                            path=str(folder), needed=None, free=free)
 
 
 def _free_bytes(folder: Path) -> int | None:
@@ -92,8 +146,16 @@ def writable_dir_problem(path: str | os.PathLike) -> str | None:
     if probe.exists() and not probe.is_dir():
         return f"{probe} is a file, so the folder {path} cannot be created"
     if not os.access(probe, os.W_OK | os.X_OK):
-        return f"{probe} is not writable" + ("" if probe == path else f", so the folder {path} cannot be created")
+        why = "is on a read-only disk" if _read_only(probe) else "is not writable"
+        return f"{probe} {why}" + ("" if probe == path else f", so the folder {path} cannot be created")
     return None
+
+
+def _read_only(folder: Path) -> bool:
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _umask() -> int:

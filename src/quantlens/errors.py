@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["QuantLensError", "DiskFullError", "QuantLensWarning"]
+__all__ = ["QuantLensError", "DiskFullError", "NotWritableError", "QuantLensWarning"]
 
 
 class QuantLensError(Exception):
@@ -31,3 +31,17 @@ class DiskFullError(QuantLensError):
         """This error, holding ``result`` (what was computed before the write failed)."""
         self.result = result
         return self
+
+
+class NotWritableError(QuantLensError, PermissionError):
+    """A file or folder could not be written where it belongs: a read-only folder or disk, a file where a folder
+    belongs (or a folder where a file does), no permission. The message names the path, the cause and the fix;
+    nothing half-written is left. A ``PermissionError`` too (``errno`` is the cause's), so code that catches
+    ``OSError`` around a write keeps working."""
+
+    def __init__(self, message: str, *, path: str, errno: int | None = None):
+        super().__init__(errno, message)
+        self.message, self.path = message, path
+
+    def __str__(self) -> str:  # (OSError's would read "[Errno 30] ...")
+        return self.message

@@ -180,6 +180,12 @@ def run(args) -> int:
                          "or in its subfolders). Run 'quantlens analyze CONFIG.py --out DIR' first.")
     if args.type and len(folders) > 1:
         raise UsageError("--type applies to one QuantAnalysis folder; this folder holds several pairs.")
+    from quantlens._io import check_writable
+
+    # a read-only folder, a full disk: said before any pair is rendered (nothing half-written)
+    for folder in folders + ([root] if folders != [root] else []):
+        check_writable(folder, "quantlens report", "make it writable, or copy OUT_DIR to a writable place and run "
+                       "'quantlens report' on the copy (it rewrites the reports in place)")
     results = []
     for folder in folders:
         results.append(render_pair(folder, args.type, args.prefix))

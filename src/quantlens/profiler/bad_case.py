@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from quantlens.errors import QuantLensError
+from quantlens.profiler.bad_case_shapes import explain_shape_error
 from quantlens.profiler.metrics import METRICS, Metric, custom_metric, get_metric
 from quantlens.profiler.model_access import ModelAccess
 from quantlens.profiler.outputs import PostProcess, float_outputs
@@ -141,8 +142,15 @@ def _check_search_args(num_steps: int | None, topk: int) -> None:
 def _sample_outputs(index: int, example: Any, baseline: ModelAccess, analysis: ModelAccess,
                     post_process: PostProcess) -> tuple[dict, dict]:
     """The float outputs of both models on one sample; both must return the same, non-empty set of outputs."""
-    base = float_outputs(post_process.outputs(baseline.run(example)))
-    analy = float_outputs(post_process.outputs(analysis.run(example)))
+    try:
+        base = float_outputs(post_process.outputs(baseline.run(example)))
+        analy = float_outputs(post_process.outputs(analysis.run(example)))
+    except RuntimeError as exc:  # a sample of the wrong shape: named, with the shape the models were prepared with
+        worded = explain_shape_error((analysis, baseline), example, exc, "auto_find_bad_case",
+                                     f"sample {index} of data_generator")
+        if worded is None:
+            raise
+        raise worded from None
     if set(base) != set(analy):
         raise QuantLensError(
             f"Sample {index}: the models returned different outputs (baseline {sorted(base)}, analysis "

@@ -34,3 +34,17 @@ def read_bad_case(path: Path) -> Any:
     except pickle.UnpicklingError as exc:
         raise QuantLensError(f"load_bad_case: {path} holds objects other than tensors and containers ({exc}). "
                              "Pass the input to set_bad_case() directly.") from None
+    except (RuntimeError, EOFError, KeyError, ValueError, OSError):
+        # a truncated or overwritten file: torch says "PytorchStreamReader failed reading zip archive", an empty
+        # one EOFError, another format KeyError / ValueError
+        raise QuantLensError(
+            f"load_bad_case: {path} is damaged ({_size(path)}: truncated, or not a bad case saved by quantlens). "
+            "Save it again: run auto_find_bad_case(data) or set_bad_case(example_inputs) with this out_dir, or "
+            "pass the path of an intact file.") from None
+
+
+def _size(path: Path) -> str:
+    try:
+        return f"{path.stat().st_size} bytes"
+    except OSError:
+        return "size unknown"

@@ -16,25 +16,24 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-import torch
-
-from quantlens._io import writable_dir_problem
+from quantlens._io import check_writable, writable_dir_problem
 from quantlens._threads import loop_threads
 from quantlens.errors import QuantLensError
 from quantlens.profiler.access_factory import make_access
 from quantlens.profiler.advisor import AdvisorContext, Finding, advise
 from quantlens.profiler.bad_case import BadCaseResult, find_bad_case
 from quantlens.profiler.bad_case_io import read_bad_case, refuse_empty
+from quantlens.profiler.bad_case_shapes import check_bad_case_shapes
 from quantlens.profiler.cached_attrs import install_cached_attrs
 from quantlens.profiler.compare import LayerComparison, check_site_match, compare_traces
 from quantlens.profiler.eager_check import check_baseline
-from quantlens.profiler.fingerprint import check_made_from, model_digest
+from quantlens.profiler.fingerprint import check_made_from
 from quantlens.profiler.joint_sensitivity import JointSensitivityResult, run_joint_sensitivity, write_joint_sensitivity
-from quantlens.profiler.model_access import AnalysisType, ConsistencyInfo, SiteEvent, parse_analysis_type
-from quantlens.profiler.outputs import PostProcess, named_outputs, unique_name
+from quantlens.profiler.model_access import AnalysisType, ConsistencyInfo, parse_analysis_type
+from quantlens.profiler.outputs import PostProcess
 from quantlens.profiler.pair_checks import check_deployed_pair, check_weights_correspond
 from quantlens.profiler.pair_facts import FACTS_FILE, PairFacts, find_facts, save_facts, with_sensitivity
-from quantlens.profiler.reach import ReachTee, SiteReach, mark, reached_only, site_reach
+from quantlens.profiler.reach import SiteReach, mark, reached_only, site_reach
 from quantlens.profiler.report import (
     keeping,
     save_pt,
@@ -43,15 +42,15 @@ from quantlens.profiler.report import (
     write_compare_text,
     write_comparison,
     write_sensitivity,
-    write_statistic,
 )
 from quantlens.profiler.row_stream import RowStream
 from quantlens.profiler.run_result import RunResult
+from quantlens.profiler.run_trace import trace_model
 from quantlens.profiler.sensitivity import SensitivityResult, run_sensitivity
 from quantlens.profiler.trace._lock import FolderLock
 from quantlens.profiler.trace.reader import TraceReader
 from quantlens.profiler.trace.stats import input_digest
-from quantlens.profiler.trace.writer import HOLD_BYTES, TraceWriter
+from quantlens.profiler.trace.writer import HOLD_BYTES
 from quantlens.profiler.trace_pair import open_trace_pair
 from quantlens.quantization.fake_quantize import uncalibrated_message, uncalibrated_sites
 
@@ -145,6 +144,7 @@ class QuantAnalysis:
         ``topk=k`` keeps the k worst samples per output and metric (``BadCaseResult.topk``/``overall_topk``, also
         in ``badcase.txt`` and ``all_badcase_info.pt``); ``set_bad_case(rank=r)`` then picks the r-th worst.
         """
+        check_writable(self.out_dir, "auto_find_bad_case")  # before the search, not after a dataset's worth
         with loop_threads():  # quantlens._threads: few intra-op threads on small or busy machines
             result = find_bad_case(self.baseline, self.analysis, data_generator, self.post_process, num_steps,
                                    metric, custom_metric_func, custom_metric_order_seq, self.progress, topk)
@@ -180,6 +180,8 @@ class QuantAnalysis:
                                      "auto_find_bad_case(data, topk=k) first (or pass the inputs).")
             data = self.bad_case_result.inputs[self.bad_case_result.ranked(rank, metric, output)]
         refuse_empty(data)
+        check_bad_case_shapes((self.analysis, self.baseline), data, "set_bad_case()")
+        check_writable(self.out_dir, "set_bad_case()")
         with FolderLock(self.out_dir, wait=5.0):  # (waits for a moment's write: every rank of a sharded run)
             save_pt(data, self.out_dir / BAD_CASE_FILE)
         self._bad_case, self._has_bad_case = data, True
@@ -231,62 +233,13 @@ class QuantAnalysis:
                                input_digest(self._bad_case) if self._has_bad_case else None, TraceReader)
 
     # -- run -------------------------------------------------------------------------------------------------
-    def _trace(self, access, directory: Path, same_input=None, values_not_needed: frozenset[str] = frozenset(),
-               hold_bytes: int = 0) -> tuple[TraceReader, list[str]]:
-        # the analysis run computes compare_per_layer()'s rows on its writer thread as it goes (row_stream)
-        stream = RowStream(same_input, self.analysis_type.deployed) if same_input is not None else None
-        writer = TraceWriter(directory, access.label, access.describe(), save_inputs=same_input is None,
-                             values_not_needed=values_not_needed, after_write=stream, hold_bytes=hold_bytes)
-        example = self._require_bad_case()
-        # the run that traces the model _reach() reads also records its data flow: no extra forward later
-        tee = ReachTee(writer, example) if access is self._reach_access() and not hasattr(access, "module") else None
-        try:
-            # every traced run starts torch's generator from one seed: a model that draws random numbers in forward
-            # (ViT-MAE's masking) draws the same ones in both models and in every report of the folder
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                output = access.run(example, sink=tee or writer, same_input=same_input)
-        except TypeError as exc:  # the model's own call signature refused the input's structure
-            writer.close()
-            raise QuantLensError(
-                f"The {access.label} model ({access.describe()}) cannot be called with the bad case: {exc}. A torch "
-                "model takes its full input pytree (non-tensor arguments such as a task list included); an IR also "
-                "takes the deployment format. Set a bad case in a format this model accepts before running it.") from exc
-        except BaseException:
-            writer.close()  # stop its writer thread; the previous complete trace stays as it was
-            raise
-        if access is self.baseline:
-            self._baseline_case = example  # sensitivity re-runs the baseline in the format it was traced in
-        if tee is not None:
-            reach = tee.reach(output)
-            self._reach_cache = (input_digest(example), SiteReach(reach.reaching,
-                                                                  reach.host_side | access.host_sites()))
-        try:
-            extra = self.post_process.extra(output)
-            outputs = named_outputs(output)
-            for name, value in extra.items():  # a model output named like a post-processed one keeps its own name
-                outputs[unique_name(name, outputs)] = value
-            if extra:  # the post-processing is one more "op site", compared like the others
-                writer.on_site(SiteEvent(index=len(writer.sites), name="post_process", op_type="post_process",
-                                         module_type=None, inputs={}, outputs=list(extra.values())))
-            writer.finish(outputs, input_digest(self._require_bad_case()), model_digest(access), access.folded)
-        except BaseException:
-            writer.close()
-            raise
-        trace = TraceReader(directory, held=writer.held)
-        if not writer.held:  # (a baseline holding values for the analysis run: kept once it has dropped them)
-            self._readers[Path(directory)] = trace
-        if stream is not None:
-            stream.seal(trace)
-            self._row_stream = stream
-        write_statistic(trace, directory / "statistic.txt")
-        return trace, list(outputs)
-
     def run(self, run_baseline_model: bool = True, run_analysis_model: bool = True) -> RunResult:
         """Trace both models on the bad case: every op site's inputs, outputs, weights and scales stream to
         ``out_dir/baseline_model/`` and ``out_dir/analysis_model/`` (plus ``statistic.txt`` each). The analysis
         run also computes each op's same-input output from the baseline trace, so the baseline runs first (or
         was traced by an earlier call)."""
+        check_bad_case_shapes((self.analysis, self.baseline), self._require_bad_case(), "run()")
+        check_writable(self.out_dir, "run()")  # before any forward
         # one run per out_dir at a time (trace._lock): two would clear each other's files and mix their traces
         with FolderLock(self.out_dir), loop_threads():  # loop_threads: few intra-op threads on busy machines
             return self._run(run_baseline_model, run_analysis_model)
@@ -299,7 +252,7 @@ class QuantAnalysis:
         if run_baseline_model:
             # traced together with the analysis: the values only the analysis model's fused ops hold are not kept
             internal = self.analysis.group_internal_sites() if run_analysis_model else frozenset()
-            base, outputs = self._trace(self.baseline, base_dir, values_not_needed=internal,  # (values held for:)
+            base, outputs = trace_model(self, self.baseline, base_dir, values_not_needed=internal,  # (values held for:)
                                         hold_bytes=HOLD_BYTES if run_analysis_model else 0)  # (the analysis run)
             case = self._require_bad_case()  # the float baseline as the user runs it (eager_check): two forwards
             self._eager_cache = (input_digest(case), check_baseline(self.baseline, case))
@@ -313,7 +266,7 @@ class QuantAnalysis:
                     f"The baseline trace in {base_dir} was made on another bad case than the current one, so it "
                     "cannot feed the analysis model's same-input run. Run both models: qa.run()."
                 )
-            analy, outputs = self._trace(self.analysis, analy_dir, same_input=source)
+            analy, outputs = trace_model(self, self.analysis, analy_dir, same_input=source)
             self._traced = True
             source.drop_held()  # (the row stream keeps the reader)
             self._readers[Path(base_dir)] = source

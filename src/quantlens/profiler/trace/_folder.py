@@ -64,6 +64,15 @@ def staging_dir(target: Path) -> Path:
     return Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-{os.getpid()}-"))
 
 
+def remove_staging(staging: Path) -> None:
+    """Remove a staging folder's files after a failed run (a full disk gets its space back); what cannot be
+    removed is left to the next run's :func:`staging_dir`."""
+    try:
+        _remove_own(staging)
+    except OSError:
+        pass
+
+
 def _refuse_links(target: Path) -> None:
     """A trace folder, its ``tensors/`` or a file quantlens replaces there that is a symbolic link would send the
     trace's files wherever it points, outside the out_dir: refused, before anything is computed."""

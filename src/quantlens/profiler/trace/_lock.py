@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+from quantlens._io import write_error
 from quantlens.errors import QuantLensError
 
 __all__ = ["FolderLock", "LOCK_FILE"]
@@ -51,7 +52,10 @@ class FolderLock:
         self._wait = wait
 
     def __enter__(self) -> FolderLock:
-        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a read-only disk, a file in the way: in words (write_error), before any work
+            raise (write_error(exc, self.path) or exc) from None
         deadline = time.monotonic() + self._wait
         self._key = self.folder.resolve()
         while not self._enter_thread():
@@ -63,6 +67,12 @@ class FolderLock:
             time.sleep(0.02)
         try:
             return self._enter_process(deadline)
+        except OSError as exc:  # the lock file could not be made or written (a full disk, a read-only folder)
+            self._leave_thread()
+            worded = write_error(exc, self.path)
+            if worded is None:
+                raise
+            raise worded from None
         except BaseException:
             self._leave_thread()
             raise
@@ -110,8 +120,12 @@ class FolderLock:
                 self._clear_stale(owner)  # its owner is gone: a stale lock
                 tries += 1
                 continue
-            with os.fdopen(fd, "w") as handle:
-                handle.write(str(os.getpid()))
+            try:
+                with os.fdopen(fd, "w") as handle:
+                    handle.write(str(os.getpid()))
+            except OSError:
+                self.path.unlink(missing_ok=True)  # (an empty lock file would hold the folder for 2 s)
+                raise
             self._held = True
             return self
         raise QuantLensError(f"{self.path} could not be taken (it keeps reappearing); is another run starting?")

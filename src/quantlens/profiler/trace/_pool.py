@@ -20,6 +20,7 @@ class BufferPool:
         self.limit = limit
         self.free: list[torch.Tensor] = []
         self.out = 0  # bytes handed out
+        self.peak = 0  # the most bytes handed out at once
         self.cond = threading.Condition()
 
     def take(self, nbytes: int, failed: Callable[[], bool], held: int = 0,
@@ -46,6 +47,7 @@ class BufferPool:
                     self.free.pop(0)  # too small for what comes now: let the smallest go
                 buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
             self.out += nbytes
+            self.peak = max(self.peak, self.out)
             return buf
 
     def give(self, buf: torch.Tensor, nbytes: int) -> None:

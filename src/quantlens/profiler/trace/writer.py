@@ -13,20 +13,23 @@ import os
 import queue
 import threading
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
 from safetensors import safe_open
 
-from quantlens._io import atomic_write_text
+from quantlens._io import atomic_write_text, write_error
 from quantlens.errors import QuantLensError
-from quantlens.profiler._sums import CHUNK, chunks
 from quantlens.profiler.index_origins import is_index_tensor
 from quantlens.profiler.model_access import SiteEvent
+from quantlens.profiler.trace._codes import CODE_DTYPES
+from quantlens.profiler.trace._codes import encode as _encode
 from quantlens.profiler.trace._files import save_tensors, write_safetensors
-from quantlens.profiler.trace._folder import staging_dir, swap_in
+from quantlens.profiler.trace._folder import remove_staging, staging_dir, swap_in
+from quantlens.profiler.trace._job import Job as _Job
+from quantlens.profiler.trace._job import scale_value as _scale_value
+from quantlens.profiler.trace._job import version as _version
 from quantlens.profiler.trace._pool import BufferPool, copy_into, layout_bytes
 from quantlens.profiler.trace.format import (
     ALIGN,
@@ -40,11 +43,17 @@ from quantlens.profiler.trace.format import (
 )
 from quantlens.profiler.trace.stats import tensor_stat
 
-__all__ = ["TraceWriter", "QUEUE_BYTES", "HOLD_BYTES", "HOLD_SITE_BYTES"]
+__all__ = ["TraceWriter", "QUEUE_BYTES", "QUEUE_SITES", "QUEUE_FLOOR", "HOLD_BYTES", "HOLD_SITE_BYTES"]
 
 #: the most bytes of tensor copies waiting for the writer thread; the traced forward waits when it is reached
 #: (one item larger than this is still taken, alone)
 QUEUE_BYTES = 24 * 1024 * 1024
+#: the queue's budget follows the sites' size: at most this many times the largest site queued so far (and at least
+#: :data:`QUEUE_FLOOR`), up to :data:`QUEUE_BYTES`. A model of many small sites whose writer lags (its rows are
+#: computed there) filled all 24 MB: 204 sites of 0.5 MB activations kept 55 MB beyond the forward, 35 with this
+#: (``benchmarks/bench_run_many_sites.py``); large activations still get the whole budget
+QUEUE_SITES = 4
+QUEUE_FLOOR = 2 * 1024 * 1024
 #: the most bytes of a baseline trace's copies kept in memory after they are written (:attr:`TraceWriter.held`), for
 #: the analysis run that follows: its same-input runs and rows read them there instead of from the files. Small
 #: enough that a run's peak memory stays within 1.2x a plain forward's on large activations
@@ -54,69 +63,6 @@ HOLD_BYTES = 16 * 1024 * 1024
 #: dominate small tensors; a large one reads back from the page cache for about what its copy costs, and holding
 #: it raised ``bench_profiler``'s peak from 1.17x to 1.21x a plain forward at 128x128 (8 MB activations)
 HOLD_SITE_BYTES = 1024 * 1024
-#: the integer grids whose values may be stored as codes: quant dtype -> (qmin, qmax, code dtype)
-_CODE_DTYPES = {"qint8": (-128, 127, torch.int8), "qint16": (-32768, 32767, torch.int16)}
-
-
-def _scale_value(scale: torch.Tensor | None) -> float | list[float] | None:
-    if scale is None:
-        return None
-    values = [float(v) for v in scale.detach().cpu().reshape(-1).tolist()]  # (one call, not a tensor per value)
-    return values[0] if len(values) == 1 and scale.dim() == 0 else values
-
-
-def _version(t: torch.Tensor) -> int | None:
-    """The tensor's in-place version counter (None where torch keeps none: inference tensors)."""
-    try:
-        return t._version
-    except (RuntimeError, AttributeError):
-        return None
-
-
-@dataclass(eq=False)  # (a job is itself: the queue's lists find it by identity, never by comparing tensors)
-class _Job:
-    """One op site's copies on their way to disk (see :class:`TraceWriter`)."""
-
-    site: TracedSite
-    tensors: dict[str, torch.Tensor]  # the copies to store, by key
-    order: list[str]  # every key of the site, stored or referenced, in the trace's order
-    nbytes: int
-    quant_error: Callable[[], Any] | None = None  # computed by the writer thread (see torch_probe)
-    stats: dict[str, TensorStat] = field(default_factory=dict)
-    encode: dict[str, tuple[float, int, int, torch.dtype]] = field(default_factory=dict)  # key -> grid
-    buffer: torch.Tensor | None = None  # the pool buffer holding the copies
-    stats_only: frozenset[str] = frozenset()  # keys whose statistics are computed but which are not written
-    # Storing a site has two parts: computing (statistics, codes, the file, the deferred split: on the writer
-    # thread, or on the forward's thread where it would wait) and recording (in queue order, on the writer thread).
-    claimed: bool = False  # some thread computes it (under TraceWriter._lock)
-    computed: threading.Event = field(default_factory=threading.Event)  # set once the computing part is done
-    error: BaseException | None = None  # what the computing part raised, on a helping thread
-    payload: dict[str, torch.Tensor] | None = None  # what the file holds, for holding it (no codes)
-    weight: tuple[torch.Tensor, int | None] | None = None  # the weight the op read and its version then (the
-    # model's own tensor: kept until finish() checks it)
-
-
-def _encode(x: torch.Tensor, scale: float, qmin: int, qmax: int, dtype: torch.dtype,
-            scratch: Callable[[int], torch.Tensor], codes_buf: Callable[[int], torch.Tensor]) -> torch.Tensor | None:
-    """Integer codes ``c`` with ``c.float() * scale == x`` elementwise (value equality: -0.0 comes back as 0.0),
-    or None where ``x`` is not exactly on that grid (NaN, Inf, off-grid values, out of range)."""
-    if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() == 0:
-        return None
-    s = torch.tensor(scale, dtype=torch.float32)
-    size = torch.empty((), dtype=dtype).element_size()
-    codes = codes_buf(x.numel() * size).view(dtype)[:x.numel()]
-    buf = scratch(min(x.numel(), CHUNK) * 4).view(torch.float32)
-    done = 0
-    for c in chunks(x):  # (a chunk's temporary, not an activation's)
-        q = torch.div(c, s, out=buf[:c.numel()]).round_()
-        lo, hi = torch.aminmax(q)
-        if not (bool(lo >= qmin) and bool(hi <= qmax)):  # NaN fails both
-            return None
-        codes[done:done + c.numel()].copy_(q)
-        if not torch.equal(q.mul_(s), c):
-            return None
-        done += c.numel()
-    return codes.view(x.shape)
 
 
 def _weight_changed(site: str) -> QuantLensError:
@@ -147,7 +93,11 @@ class TraceWriter:
         #: :meth:`finish`, so until then ``target`` keeps the previous complete trace (an interrupted run
         #: changes nothing there)
         self.target = Path(directory)
-        self.dir = staging_dir(self.target)
+        try:
+            self.dir = staging_dir(self.target)
+            (self.dir / TENSORS_DIR).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a read-only disk, a file in the way, a full disk: in words, before the forward
+            raise (write_error(exc, self.target / TRACE_FILE) or exc) from None
         #: inputs are what the same-input run of the *other* model needs; without it only model inputs
         #: (QuantStub inputs) are kept, the rest are the previous ops' outputs anyway
         self.save_inputs = save_inputs
@@ -168,13 +118,13 @@ class TraceWriter:
         self.label = label
         self.description = description
         self.sites: list[TracedSite] = []
-        (self.dir / TENSORS_DIR).mkdir(parents=True, exist_ok=True)
         self.queue_bytes = QUEUE_BYTES if queue_bytes is None else queue_bytes
         #: id(tensor) -> (weak reference, version, file, key) of every tensor stored so far
         self._stored: dict[int, tuple[Any, int, str, str]] = {}
         self._jobs: list[_Job] = []
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pool = BufferPool(self.queue_bytes)
+        self._largest = 0  # the largest site queued so far, in bytes (the queue's budget follows it)
         self._scratch: dict[tuple[int, str], torch.Tensor] = {}  # each thread's reusable temporaries
         self._lock = threading.Lock()  # guards the jobs' claims and :attr:`_unclaimed`
         self._unclaimed: list[_Job] = []  # queued jobs no thread computes yet, oldest first
@@ -260,7 +210,7 @@ class TraceWriter:
                 site.quant_error, quant_error = quant_error(), None
             del stored["\0qerr"], to_copy["\0qerr"]
             qerr_tensor, nbytes = None, layout_bytes(to_copy)
-        buffer = self._pool.take(nbytes, lambda: self._error is not None, held, helper=self._help)
+        buffer = self._pool.take(self._follow_site_size(nbytes, held), lambda: self._error is not None, held, helper=self._help)
         self._raise_error()
         copied = copy_into(buffer, to_copy)
         copies = {k: copied[k] if k in copied else keep[k] for k in stored}  # the site's key order
@@ -283,7 +233,7 @@ class TraceWriter:
         job = _Job(site, copies, list(tensors), nbytes, quant_error if callable(quant_error) else None,
                    buffer=buffer, stats_only=stats_only,
                    weight=None if weight is None else (weight, _version(weight)))
-        grid = _CODE_DTYPES.get(event.quant_dtype)
+        grid = CODE_DTYPES.get(event.quant_dtype)
         if grid is not None and site.per_tensor_scale is not None and not event.fused_into:
             # the site's values on its output grid go to disk as integer codes (checked exactly when written)
             job.encode = {k: (site.per_tensor_scale, *grid) for k in copies if k.startswith(("out", "same"))
@@ -294,6 +244,19 @@ class TraceWriter:
         with self._lock:
             self._unclaimed.append(job)
         self._queue.put(job)
+
+    def _follow_site_size(self, nbytes: int, held: int) -> int:
+        """Set the queue's budget for a site of ``nbytes`` copies and ``held`` bytes queued as they are, and return
+        ``nbytes``: :data:`QUEUE_SITES` times the largest site so far, within [:data:`QUEUE_FLOOR`,
+        ``queue_bytes``], so what run() holds beyond the forward follows the model's sites, not their number."""
+        self._largest = max(self._largest, nbytes + held)
+        self._pool.limit = min(self.queue_bytes, max(QUEUE_FLOOR, QUEUE_SITES * self._largest))
+        return nbytes
+
+    @property
+    def queue_peak(self) -> int:
+        """The most bytes of copies that waited for the writer thread at once (one site over budget included)."""
+        return self._pool.peak
 
     def _help(self) -> bool:
         """Compute the newest queued site's statistics, codes and file on the calling thread, which would wait
@@ -341,6 +304,9 @@ class TraceWriter:
             self.close()
             if isinstance(error, (KeyboardInterrupt, SystemExit)):
                 raise error
+            worded = write_error(error, Path(getattr(error, "filename", None) or self.target / TENSORS_DIR))
+            if worded is not None:  # a full disk, a folder made read-only meanwhile
+                raise worded from error
             # (a QuantLensError, so that the forward's callers do not take it for the model's own error)
             raise QuantLensError(f"Writing the {self.label} trace to {self.dir} failed: {type(error).__name__}: "
                                  f"{error}") from error
@@ -467,11 +433,13 @@ class TraceWriter:
             self._thread = None
 
     def close(self) -> None:
-        """Stop the writer thread (queued sites are dropped); the staging folder keeps what was written."""
+        """Stop the writer thread (queued sites are dropped) and remove the staging folder's files: nothing
+        half-written is left (the previous complete trace stays as it was)."""
         self._closed = True
         self._drain()
         self._pool.clear()
         self._scratch = {}
+        remove_staging(self.dir)
 
     def finish(self, outputs: dict[str, torch.Tensor], input_digest: str = "", model_digest: str = "",
                folded: dict[str, str] | None = None) -> Path:
@@ -495,6 +463,10 @@ class TraceWriter:
         save_tensors(outputs, self.dir / OUTPUTS_FILE)
         index = TraceIndex(self.label, self.description, input_digest, list(outputs), self.sites, model_digest,
                            dict(folded or {}))
-        atomic_write_text(self.dir / TRACE_FILE, index.to_json())
-        swap_in(self.dir, self.target)
+        try:
+            atomic_write_text(self.dir / TRACE_FILE, index.to_json())
+            swap_in(self.dir, self.target)
+        except OSError as exc:  # (DiskFullError and NotWritableError are OSErrors too: the staging files go)
+            remove_staging(self.dir)
+            raise (write_error(exc, self.target / TRACE_FILE) or exc) from None
         return self.target / TRACE_FILE
