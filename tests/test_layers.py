@@ -196,7 +196,6 @@ KNOWN_CIRCLES = {
     "quantlens.cli": "the commands import UsageError and the exit codes from the package, which imports them",
     "quantlens.compiler": "the IR runs its interpreter, which reads the op meanings the lowering registers",
     "quantlens.quantization": "prepare, its runtime state, the quantizers and pre_export in one room",
-    "quantlens.search": "the remedies' report and search",
 }
 
 

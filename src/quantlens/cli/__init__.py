@@ -14,14 +14,9 @@ import warnings
 from pathlib import Path
 
 from quantlens._advice import speaking_to
+from quantlens.cli.exits import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, UsageError
 
 __all__ = ["main", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_USAGE", "UsageError", "warning_origin"]
-
-EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
-
-
-class UsageError(Exception):
-    """Bad command-line input (a missing file, a wrong combination of options): exit 2."""
 
 
 def _quiet_torch() -> None:

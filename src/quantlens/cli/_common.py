@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from quantlens.cli import UsageError
+from quantlens.cli.exits import UsageError
 
 __all__ = ["parent", "console", "esc", "existing_file", "existing_dir"]
 

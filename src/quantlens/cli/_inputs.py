@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from quantlens.cli import UsageError
+from quantlens.cli.exits import UsageError
 
 __all__ = ["add_input_options", "samples_for"]
 

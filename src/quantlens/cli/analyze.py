@@ -11,8 +11,8 @@ from typing import Any
 
 from rich.markup import escape
 
-from quantlens.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, UsageError
 from quantlens.cli._common import console, parent
+from quantlens.cli.exits import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, UsageError
 from quantlens.cli.pipeline import PAIRS, STAGE_CHOICES, onnxruntime_available
 
 __all__ = ["add_parser", "run", "kinds_for", "index_title", "SUMMARY_EXTRAS"]

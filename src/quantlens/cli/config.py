@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from quantlens.cli import UsageError
+from quantlens.cli.exits import UsageError
 
 __all__ = ["Config", "load_config", "TEMPLATE", "REQUIRED", "OPTIONAL"]
 

@@ -21,8 +21,8 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from quantlens.cli import EXIT_OK, EXIT_PROBLEMS, UsageError
 from quantlens.cli._common import console, esc, parent
+from quantlens.cli.exits import EXIT_OK, EXIT_PROBLEMS, UsageError
 
 __all__ = ["add_parser", "run", "output_cosine_metric", "metric_description"]
 

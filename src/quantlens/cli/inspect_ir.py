@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from quantlens.cli import EXIT_OK
 from quantlens.cli._common import console, esc, existing_file, parent
+from quantlens.cli.exits import EXIT_OK
 
 __all__ = ["add_parser", "run"]
 

@@ -14,8 +14,8 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from quantlens.cli import EXIT_OK, EXIT_PROBLEMS, UsageError
 from quantlens.cli._common import console, existing_dir, parent
+from quantlens.cli.exits import EXIT_OK, EXIT_PROBLEMS, UsageError
 from quantlens.cli.pipeline import PAIR_FILE, PAIRS, SUMMARY_FILE, PairResult, ort_note, summarize
 from quantlens.errors import QuantLensError
 

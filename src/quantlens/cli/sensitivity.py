@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quantlens.cli import EXIT_OK, UsageError
 from quantlens.cli._common import console, esc, existing_file, parent
 from quantlens.cli._inputs import add_input_options, samples_for
+from quantlens.cli.exits import EXIT_OK, UsageError
 
 __all__ = ["add_parser", "run"]
 

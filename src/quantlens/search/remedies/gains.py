@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from quantlens.profiler.advisor import Finding
-from quantlens.search.remedies.search import RemedyResult
+from quantlens.search.remedies.result import RemedyResult
 
 __all__ = ["MeasuredFinding", "findings_with_gains"]
 

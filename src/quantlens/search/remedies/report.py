@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from quantlens._io import atomic_write_text
 from quantlens.search.curve_files import svg_plot
 from quantlens.search.remedies.catalog import remedies_for
-from quantlens.search.remedies.search import RemedyResult, Trial
+from quantlens.search.remedies.result import RemedyResult, Trial
 
 __all__ = ["CSV_FILE", "HTML_FILE", "write_remedy_report", "trial_rows", "latency_change", "metric_sentence"]
 

@@ -19,7 +19,7 @@ from quantlens.quantization.qconfig_template import default_calibration_qconfig_
 from quantlens.search.remedies.catalog import REMEDIES
 from quantlens.search.remedies.learned_ranges import FixedRangeQconfigSetter
 from quantlens.search.remedies.observers import RANGE_OBSERVERS, ObserverQconfigSetter
-from quantlens.search.remedies.search import RemedyResult
+from quantlens.search.remedies.result import RemedyResult
 from quantlens.search.remedies.weights import PerChannelWeightQconfigSetter
 
 __all__ = ["RESULT_FILE", "WEIGHTS_FILE", "save_remedies", "load_remedies"]

@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -50,75 +49,13 @@ from quantlens.search.provenance import (
 from quantlens.search.remedies.catalog import REMEDIES, RemedyContext, model_remedies
 from quantlens.search.remedies.noise import measure_noise
 from quantlens.search.remedies.observers import RANGE_OBSERVERS, ObserverQconfigSetter
+from quantlens.search.remedies.result import RemedyResult, SkippedRemedy, Trial
 
 __all__ = ["Trial", "SkippedRemedy", "RemedyResult", "search_remedies", "REMEDY_ERRORS"]
 
 #: what a failing remedy raises and the search survives: torch's errors (autograd, shapes), a bad value, or the
 #: toolchain's own refusal; anything else is a bug that should stop the search
 REMEDY_ERRORS = (RuntimeError, ValueError, QuantLensError)
-
-
-@dataclass(frozen=True)
-class Trial:
-    """One measured candidate: the remedy (``kind``: "equalization", "weights", "range" or "int16"), where it
-    applies, its value of the metric, and whether it was kept."""
-
-    kind: str
-    name: str
-    site: str
-    value: float
-    kept: bool
-    #: a kept remedy: the metric before it (its measured gain is ``value - before``)
-    before: float | None = None
-    #: a kept remedy with ``latency=True``: the latency estimate (cycles) before and after it
-    cycles: tuple[int, int] | None = None
-    #: the noise of the configuration it was measured against (:mod:`.noise`): it is kept only when it gains more
-    noise: float | None = None
-
-
-@dataclass(frozen=True)
-class SkippedRemedy:
-    """A whole-model remedy that failed and was skipped: its name and the error, on one line."""
-
-    name: str
-    error: str
-
-
-@dataclass(frozen=True)
-class RemedyResult:
-    """What the search chose: ``model`` (the float model after the kept transforms) and ``setter`` (ranges and
-    int16 promotions on top of the base setter) go to ``prepare`` unchanged; ``value`` is their metric."""
-
-    model: nn.Module
-    setter: Any
-    value: float
-    base_value: float
-    observers: dict[str, str]
-    int16: tuple = ()
-    trials: tuple[Trial, ...] = field(default_factory=tuple)
-    #: the kept whole-model remedies, in the order applied (their names in ``REMEDIES``)
-    transforms: tuple[str, ...] = ()
-    target: float | None = None
-    higher_is_better: bool = True
-    #: the int16 phase's curve (metric vs int16 sites), empty when it did not run
-    int16_curve: tuple = ()
-    #: ``latency=True``: the quantized IR's latency estimate (cycles) of the base setter and of the result
-    latency_cycles: tuple[int, int] | None = None
-    #: what ``value`` measures, in words (the report and the console name it)
-    metric: str = "evaluate(prepared)"
-    #: the metric's noise around the base configuration (:mod:`.noise`; each trial carries the one it was
-    #: judged against)
-    noise: float = 0.0
-    #: the whole-model remedies that failed, in the order tried
-    skipped: tuple[SkippedRemedy, ...] = ()
-    #: the fingerprint of the float model the search started from (``load_remedies`` refuses another model)
-    model_digest: str = ""
-
-    def reached(self, target: float | None = None, higher_is_better: bool | None = None) -> bool:
-        """Whether ``value`` reaches ``target`` (default: the search's own)."""
-        target = self.target if target is None else target
-        higher = self.higher_is_better if higher_is_better is None else higher_is_better
-        return self.value >= target if higher else self.value <= target
 
 
 PROGRESS_FILE = "remedies_progress.json"
@@ -269,7 +206,7 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
                           mp.curve if mp is not None else (), cycles, metric, base_noise, tuple(state.skipped),
                           float_model_digest(model))
     if report:
-        from quantlens.search.remedies.report import write_remedy_report
+        from quantlens.search.remedies.report import write_remedy_report  # (the page: jinja2, on use)
 
         write_remedy_report(result, out, findings)
     return result
