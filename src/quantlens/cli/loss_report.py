@@ -13,11 +13,11 @@ from typing import Any, Sequence
 
 from quantlens._io import atomic_write_text
 from quantlens.cli.pair_result import PairResult, PairVerdict, first_loss, ranked_losses
+from quantlens.profiler.report_files import INDEX_FILE, SUMMARY_FILE
 
 __all__ = ["headline", "headline_lines", "write_summary", "write_index", "print_losses", "SUMMARY_FILE",
            "RANKINGS_NOTE"]
 
-SUMMARY_FILE = "summary.json"
 
 #: why the sensitivity ranking and the worst op can name different ops (both pages and the console say it)
 RANKINGS_NOTE = ("The worst op is the op that loses the most precision itself: the lowest same-input SQNR, its "
@@ -181,7 +181,7 @@ input (worst op: highest LSB verdict, else lowest SQNR); <i>no data</i>: nothing
 Each link opens that pair's <code>profiler.html</code>; the text and CSV reports are in the same folder.</p>
 </body></html>
 """
-    path = out_dir / "index.html"
+    path = out_dir / INDEX_FILE
     atomic_write_text(path, page)
     return path
 

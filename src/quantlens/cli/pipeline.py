@@ -39,6 +39,7 @@ from quantlens.cli.pair_result import (
     worst_row,
 )
 from quantlens.cli.stages import Stages, build_stages, onnxruntime_available
+from quantlens.profiler.report_files import PAIR_FILE
 
 __all__ = ["PAIRS", "STAGE_CHOICES", "PairResult", "PairVerdict", "Stages", "build_stages", "onnxruntime_available",
            "analyze_pair",
@@ -46,7 +47,6 @@ __all__ = ["PAIRS", "STAGE_CHOICES", "PairResult", "PairVerdict", "Stages", "bui
            "print_losses", "ranked_losses", "first_loss", "first_lossy_row", "headline", "headline_lines", "ort_note",
            "PAIR_FILE", "SUMMARY_FILE", "ORT_PAIR_LEVEL"]
 
-PAIR_FILE = "quantlens_pair.json"
 
 STAGE_CHOICES = [*PAIRS, "all"]
 #: the onnxruntime level the ``onnxruntime`` pair runs the ONNX file at: onnxruntime's default (ORT_ENABLE_ALL)

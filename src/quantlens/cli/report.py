@@ -18,6 +18,7 @@ from quantlens.cli._common import console, existing_dir, parent
 from quantlens.cli.exits import EXIT_OK, EXIT_PROBLEMS, UsageError
 from quantlens.cli.pipeline import PAIR_FILE, PAIRS, SUMMARY_FILE, PairResult, ort_note, summarize
 from quantlens.errors import QuantLensError
+from quantlens.profiler.report_files import ADVISOR_FILE, COMPARE_CSV, COMPARE_TEXT, PROFILER_HTML
 
 __all__ = ["add_parser", "run", "render_pair", "pair_dirs", "read_pair_meta"]
 
@@ -156,11 +157,11 @@ def render_pair(folder: Path, analysis_type: str | None = None, prefixes=None) -
     ctx = AdvisorContext(reached_only(comparison), atype.value, state, consistency,
                          bias=facts.bias if facts is not None else {}, eager=facts.eager if facts is not None else None)
     findings = advise(ctx)
-    write_advisor(findings, folder / "abnormal_layer_advisor.txt", consistency)
-    write_compare_text(comparison, folder / "compare_per_layer_out.txt",
+    write_advisor(findings, folder / ADVISOR_FILE, consistency)
+    write_compare_text(comparison, folder / COMPARE_TEXT,
                        sensitivity=facts.sensitivity if facts is not None else None)
-    write_compare_csv(comparison, folder / "compare_per_layer_out.csv")
-    write_html(comparison, findings, folder / "profiler.html")
+    write_compare_csv(comparison, folder / COMPARE_CSV)
+    write_html(comparison, findings, folder / PROFILER_HTML)
     base, analy = PAIRS[atype.value]
     result = PairResult(atype.value, meta.get("baseline", base), meta.get("analysis", analy), folder.name,
                         findings=[asdict(f) for f in findings], lsb=comparison.lsb_summary(),

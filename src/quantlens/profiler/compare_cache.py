@@ -14,13 +14,13 @@ from pathlib import Path
 
 from quantlens._io import atomic_write_text
 from quantlens.profiler.compare import LayerComparison, LayerRow
+from quantlens.profiler.report_files import COMPARISON_FILE
 from quantlens.profiler.trace.format import TRACE_FILE
 from quantlens.profiler.trace.reader import TraceReader
 
 __all__ = ["COMPARISON_FILE", "trace_digest", "save_comparison", "load_comparison", "json_types", "json_valid",
            "encode", "decode"]
 
-COMPARISON_FILE = "compare_per_layer.json"
 _FORMAT = 1
 _ROW_FIELDS = {f.name for f in fields(LayerRow)}
 _JSON_TYPES = {"float": (int, float), "int": (int,), "str": (str,), "bool": (bool,), "None": (type(None),)}

@@ -29,6 +29,7 @@ from quantlens.profiler.advisor.base import THRESHOLDS, Finding
 from quantlens.profiler.charts import bar_chart, hist_buckets, histogram_chart, line_chart, lsb_histogram
 from quantlens.profiler.compare import SAME_INPUT_SQNR_LIMIT, LayerComparison, LayerRow
 from quantlens.profiler.formatting import fmt
+from quantlens.profiler.report_files import PROFILER_HTML
 from quantlens.profiler.short_names import short_name
 
 __all__ = ["render_html", "write_html", "worst_ops", "worst_channel_ops", "TABLE_COLUMNS", "render_bad_case_html", "write_bad_case_html",
@@ -195,7 +196,7 @@ def _rows_by_name(comparison: LayerComparison) -> dict[str, str]:
 
 def refresh_sensitivity(out_dir: str | os.PathLike) -> Path | None:
     """Update the sensitivity section of ``out_dir/profiler.html`` (if it exists) from the sensitivity files."""
-    path = Path(out_dir) / "profiler.html"
+    path = Path(out_dir) / PROFILER_HTML
     if not path.is_file():
         return None
     page = path.read_text(encoding="utf-8")

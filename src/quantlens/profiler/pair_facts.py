@@ -31,12 +31,12 @@ from quantlens.profiler.compare_cache import decode, encode, json_types, json_va
 from quantlens.profiler.eager_check import EagerDivergence
 from quantlens.profiler.model_access import ConsistencyInfo
 from quantlens.profiler.reach import SiteReach
+from quantlens.profiler.report_files import FACTS_FILE
 from quantlens.profiler.sensitivity import SensitivityResult, SensitivityRow, SensitivityTable
 from quantlens.profiler.trace.reader import TraceReader
 
 __all__ = ["FACTS_FILE", "PairFacts", "save_facts", "load_facts", "find_facts", "with_sensitivity"]
 
-FACTS_FILE = "pair_facts.json"
 _FORMAT = 1
 _MAX_BYTES = 1 << 28  # a larger file is not ours (a few entries per op site)
 

@@ -43,6 +43,15 @@ from quantlens.profiler.report import (
     write_comparison,
     write_sensitivity,
 )
+from quantlens.profiler.report_files import (
+    ADVISOR_FILE,
+    ALL_BAD_CASE_FILE,
+    ANALYSIS_DIR,
+    BAD_CASE_FILE,
+    BAD_CASE_TEXT,
+    BASELINE_DIR,
+    COMPARE_TEXT,
+)
 from quantlens.profiler.row_stream import RowStream
 from quantlens.profiler.run_result import RunResult
 from quantlens.profiler.run_trace import trace_model
@@ -56,8 +65,6 @@ from quantlens.quantization.fake_quantize import uncalibrated_message, uncalibra
 
 __all__ = ["QuantAnalysis", "RunResult"]
 
-BASELINE_DIR, ANALYSIS_DIR = "baseline_model", "analysis_model"
-BAD_CASE_FILE, ALL_BAD_CASE_FILE = "badcase.pt", "all_badcase_info.pt"
 
 
 class QuantAnalysis:
@@ -150,7 +157,7 @@ class QuantAnalysis:
                                    metric, custom_metric_func, custom_metric_order_seq, self.progress, topk)
         self.bad_case_result = result
         with FolderLock(self.out_dir, wait=5.0):  # another process's run here keeps its bad case files
-            write_bad_case(result, self.out_dir / "badcase.txt")
+            write_bad_case(result, self.out_dir / BAD_CASE_TEXT)
             save_pt({"worst_index": result.worst_index, "worst_value": result.worst_value, "overall": result.overall,
                      "metric": result.metric, "inputs": result.inputs, "topk": result.k, "topk_index": result.topk,
                      "overall_topk": result.overall_topk}, self.out_dir / ALL_BAD_CASE_FILE)
@@ -333,7 +340,7 @@ class QuantAnalysis:
         ctx = AdvisorContext(comparison, self.analysis_type.value, self.analysis.fake_quant_state,
                              self.consistency, bias=self._last_bias, eager=self._last_eager)
         findings = advise(ctx)
-        write_advisor(findings, self.out_dir / "abnormal_layer_advisor.txt", self.consistency)
+        write_advisor(findings, self.out_dir / ADVISOR_FILE, self.consistency)
         return findings
 
     def _eager(self):
@@ -441,7 +448,7 @@ class QuantAnalysis:
                 for table in result:
                     write_sensitivity(table, self.out_dir)
                 if comparison is not None and not reverse:  # its summary leads with the sensitivity ranking
-                    write_compare_text(comparison, self.out_dir / "compare_per_layer_out.txt", sensitivity=result)
+                    write_compare_text(comparison, self.out_dir / COMPARE_TEXT, sensitivity=result)
                     self._save_sensitivity(result)
         if shard and group is not None:
             import torch.distributed as dist

@@ -27,6 +27,7 @@ from quantlens.profiler.compare import COLUMNS, SAME_INPUT_SQNR_LIMIT, LayerComp
 from quantlens.profiler.compare_cache import COMPARISON_FILE, save_comparison
 from quantlens.profiler.formatting import fmt
 from quantlens.profiler.html import refresh_sensitivity, write_bad_case_html, write_html
+from quantlens.profiler.report_files import BAD_CASE_HTML, COMPARE_CSV, COMPARE_TEXT, PROFILER_HTML, sensitivity_stem
 from quantlens.profiler.sensitivity import SensitivityTable
 from quantlens.profiler.trace.reader import TraceReader
 
@@ -145,7 +146,7 @@ def write_bad_case(result: BadCaseResult, path: str | os.PathLike) -> Path:
                        [[m, r, i, o, fmt(v)] for m in metrics for r, (i, o, v) in enumerate(result.overall_topk[m], 1)]),
         ]
     written = atomic_write_text(path, "\n".join(lines) + "\n")
-    write_bad_case_html(result, Path(path).parent / "badcase_report.html")
+    write_bad_case_html(result, Path(path).parent / BAD_CASE_HTML)
     return written
 
 
@@ -329,7 +330,7 @@ def write_advisor(findings: list[Finding], path: str | os.PathLike, consistency=
 
 def write_sensitivity(table: SensitivityTable, out_dir: str | os.PathLike) -> tuple[Path, Path]:
     """``output_<name>_<metric>_sensitive_ops.txt`` and ``.pt`` (a list of row dicts)."""
-    stem = f"output_{safe_name(table.output)}_{table.metric}_sensitive_ops"  # names may contain ".": no with_suffix
+    stem = sensitivity_stem(safe_name(table.output), table.metric)  # names may contain ".": no with_suffix
     if any(r.sensitive_type == "lut" for r in table):  # pre_export: each table's own error on the bad case
         text = wrap_table(["op_name", "sensitive_type", "op_type", table.metric, "quant_dtype",
                            "table err max (steps)", "table err hist (steps)"],
@@ -349,9 +350,9 @@ def write_comparison(comparison: LayerComparison, findings: list[Finding], out_d
                      traces: tuple[TraceReader, TraceReader] | None = None) -> None:
     """The per-layer reports: ``compare_per_layer_out.txt``/``.csv``, ``profiler.html`` and, given the two
     ``traces`` it was computed from (a whole comparison), ``compare_per_layer.json`` for ``quantlens report``."""
-    write_compare_text(comparison, out_dir / "compare_per_layer_out.txt", sensitivity=sensitivity)
-    write_compare_csv(comparison, out_dir / "compare_per_layer_out.csv")
-    write_html(comparison, findings, out_dir / "profiler.html")
+    write_compare_text(comparison, out_dir / COMPARE_TEXT, sensitivity=sensitivity)
+    write_compare_csv(comparison, out_dir / COMPARE_CSV)
+    write_html(comparison, findings, out_dir / PROFILER_HTML)
     if traces is not None:
         save_comparison(comparison, out_dir / COMPARISON_FILE, *traces)
 

@@ -15,6 +15,7 @@ from quantlens.profiler.outputs import named_outputs, unique_name
 from quantlens.profiler.reach import ReachTee, SiteReach
 from quantlens.profiler.report import write_statistic
 from quantlens.profiler.row_stream import RowStream
+from quantlens.profiler.trace.format import STATISTIC_FILE
 from quantlens.profiler.trace.reader import TraceReader
 from quantlens.profiler.trace.stats import input_digest
 from quantlens.profiler.trace.writer import TraceWriter
@@ -79,5 +80,5 @@ def trace_model(qa, access, directory: Path, same_input=None, values_not_needed:
     if stream is not None:
         stream.seal(trace)
         qa._row_stream = stream
-    write_statistic(trace, directory / "statistic.txt")
+    write_statistic(trace, directory / STATISTIC_FILE)
     return trace, list(outputs)
