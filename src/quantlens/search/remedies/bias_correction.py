@@ -19,7 +19,7 @@ from torch import nn
 
 from quantlens.quantization import calibrate, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
-from quantlens.quantization.record import call_model
+from quantlens.search.remedies.watch import watch_modules
 
 __all__ = ["BiasCorrection", "bias_correction", "has_correctable_layers"]
 
@@ -48,16 +48,7 @@ def _input_means(model: nn.Module, names: list[str], batches: list) -> dict[str,
             counts[name] = counts.get(name, 0) + flat.shape[0]
         return record
 
-    handles = [model.get_submodule(n).register_forward_pre_hook(hook(n, isinstance(model.get_submodule(n),
-                                                                                     nn.Linear)))
-               for n in names]
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                call_model(model, batch)
-    finally:
-        for h in handles:
-            h.remove()
+    watch_modules(model, batches, inputs={n: hook(n, isinstance(model.get_submodule(n), nn.Linear)) for n in names})
     return {n: sums[n] / counts[n] for n in sums}
 
 

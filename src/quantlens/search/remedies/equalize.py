@@ -31,6 +31,7 @@ from torch import nn
 
 from quantlens.errors import QuantLensError
 from quantlens.quantization.record import ModelRecord, record_model
+from quantlens.search.remedies.watch import watch_modules
 
 __all__ = ["EqualizationPair", "find_cle_pairs", "find_smoothing_pairs", "cross_layer_equalization",
            "smooth_activations", "activation_absmax"]
@@ -179,8 +180,6 @@ def cross_layer_equalization(model: nn.Module, example: Any, pairs: Iterable[Equ
 def activation_absmax(model: nn.Module, modules: Iterable[str], batches: Iterable[Any]) -> dict[str, torch.Tensor]:
     """The largest ``|x_j|`` per last-dim channel of each named module's output over ``batches`` (forward hooks
     on the float model; removed afterwards)."""
-    from quantlens.quantization.record import call_model
-
     found: dict[str, torch.Tensor] = {}
 
     def hook(name):
@@ -189,14 +188,7 @@ def activation_absmax(model: nn.Module, modules: Iterable[str], batches: Iterabl
             found[name] = torch.maximum(found[name], a) if name in found else a
         return record
 
-    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in modules]
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                call_model(model, batch)
-    finally:
-        for h in handles:
-            h.remove()
+    watch_modules(model, batches, outputs={n: hook(n) for n in modules})
     return found
 
 
