@@ -59,10 +59,11 @@ def test_the_tables_have_the_convert_pairs_per_op_criterion():
     assert not CoverageResult("x", "int8", agreements={**agreements, "pre_export vs fake quant": float("nan")}).passed
 
 
-def _drawn_sample(count: int = 20, seconds: float = 12.0) -> tuple[int, list[str]]:
+def _drawn_sample(count: int = 20, seconds: float = 5.0) -> tuple[int, list[str]]:
     """``count`` model types drawn from those the last sweep (docs/coverage.json, ``bench_coverage.py --auto``)
-    passed in at most ``seconds``, by a seed that changes with every test run (``QUANTLENS_SWEEP_SEED`` overrides
-    it; a failing test names it)."""
+    passed in at most ``seconds`` (177 of its 329 passing types: the suite's time stays within its budget, the whole
+    sweep is the benchmark), by a seed that changes with every test run (``QUANTLENS_SWEEP_SEED`` overrides it; a
+    failing test names it)."""
     import datetime
     import json
     import os
