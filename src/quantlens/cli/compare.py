@@ -5,6 +5,7 @@ A qat IR vs its quantized IR is analysis type ``convert``; a qat IR vs its ONNX 
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -44,10 +45,24 @@ def pair_type(a, b_path: Path) -> str:
     return "convert"
 
 
+def _check_made_from(a, a_path: Path, b, b_path: Path) -> None:
+    """B was converted from A: refused, naming both files, when B records another qat IR's digest; a warning
+    naming B when it records none (QuantAnalysis checks the pair again: its own warning is then left out)."""
+    from quantlens.compiler.provenance import SOURCE_DIGEST_KEY, check_source
+    from quantlens.errors import QuantLensWarning
+
+    warning = check_source(b.meta.get(SOURCE_DIGEST_KEY), a, who="quantlens compare",
+                           derived=f"B, the quantized IR '{b_path}',", source_name=str(a_path),
+                           remake="quantlens.compiler.convert(qat_ir) and save")
+    if warning:
+        warnings.warn(warning, QuantLensWarning, stacklevel=2)
+
+
 def run(args) -> int:
     from rich.table import Table
 
     from quantlens.compiler import load
+    from quantlens.errors import QuantLensWarning
     from quantlens.profiler import QuantAnalysis
 
     out = console()
@@ -58,7 +73,12 @@ def run(args) -> int:
     b = str(b_path) if kind == "onnxruntime" else load(b_path)
     if kind == "convert" and b.kind != "quantized":
         raise UsageError(f"B must be the quantized IR (convert(qat_ir)) or an .onnx file; {args.b} is a {b.kind} IR.")
-    qa = QuantAnalysis(a, b, kind, out_dir=args.out)
+    if kind == "convert":
+        _check_made_from(a, a_path, b, b_path)
+    with warnings.catch_warnings():
+        if kind == "convert":  # compare warned for an unrecorded quantized IR already, naming its file
+            warnings.filterwarnings("ignore", message=".*records no digest of the qat IR", category=QuantLensWarning)
+        qa = QuantAnalysis(a, b, kind, out_dir=args.out)
     qa.auto_find_bad_case(samples_for(a, args))
     qa.run()
     table = qa.compare_per_layer()

@@ -123,6 +123,28 @@ def _imports():
     return onnx, onnxruntime
 
 
+def _load_onnx(onnx, path: str, label: str):
+    """``onnx.load`` of ``path`` (with its external data), a damaged file or external data refused in words."""
+    from google.protobuf.message import DecodeError
+
+    def damaged(what: str) -> QuantLensError:
+        return QuantLensError(
+            f"QuantAnalysis: the {label} ONNX file '{path}' cannot be read: {what}. Expected an ONNX model as "
+            "to_onnx writes it; write it again with to_onnx(qat_ir, path) (the file may be damaged or incomplete).")
+
+    try:
+        proto = onnx.load(path)
+    except DecodeError as exc:
+        raise damaged(f"it is not a valid ONNX protobuf, truncated or damaged ({exc})") from None
+    except (onnx.checker.ValidationError, ValueError) as exc:  # onnx's external-data checks
+        raise damaged(f"its external data is missing or damaged ({str(exc)[:300]})") from None
+    except OSError as exc:
+        raise damaged(f"it or its external data cannot be read ({exc.strerror or exc})") from None
+    if not proto.graph.node or not proto.opset_import:
+        raise damaged("it holds no ONNX graph (an empty file, or not an ONNX model)")
+    return proto
+
+
 class OnnxModelAccess(ModelAccess):
     """An ONNX model (``to_onnx`` of the baseline qat IR; a path or an ``onnx.ModelProto``) run by onnxruntime.
 
@@ -149,7 +171,7 @@ class OnnxModelAccess(ModelAccess):
             if not os.path.isfile(model):
                 raise QuantLensError(f"QuantAnalysis: the {label} ONNX file {str(model)!r} does not exist.")
             self.source = str(model)
-            self.proto = onnx.load(str(model))
+            self.proto = _load_onnx(onnx, self.source, label)
         elif is_onnx_model(model):
             self.proto = onnx.ModelProto()
             self.proto.CopyFrom(model)
@@ -261,7 +283,11 @@ class OnnxModelAccess(ModelAccess):
         try:
             session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime raises its own exception types
-            raise QuantLensError(f"onnxruntime cannot load the ONNX model ({type(exc).__name__}: {exc}).") from exc
+            what = " ".join(str(exc).split())[:300]  # one line: onnxruntime's messages span several
+            where = f" '{self.source}'" if self.source else ""
+            raise QuantLensError(f"onnxruntime cannot load the ONNX model{where} ({type(exc).__name__}: {what}). "
+                                 "If the file is damaged or was changed, write it again with to_onnx(qat_ir, "
+                                 "path).") from exc
         self._sessions[extra] = session
         return session
 

@@ -1,6 +1,7 @@
 """Whether two models make a valid pair for an analysis type, checked before anything runs: the deployed stages'
-pairs (which IR, which baseline; the baseline becomes the IR's reference for sensitivity) and, for the torch
-stages, that the analysis model is the baseline's network (its weights are the baseline's, up to QAT)."""
+pairs (which IR, which baseline; the baseline becomes the IR's reference for sensitivity; a quantized IR or ONNX
+model made from another qat IR than the baseline is refused, :mod:`quantlens.compiler.provenance`) and, for the
+torch stages, that the analysis model is the baseline's network (its weights are the baseline's, up to QAT)."""
 
 from __future__ import annotations
 
@@ -116,6 +117,7 @@ def check_deployed_pair(kind: AnalysisType, baseline: ModelAccess, analysis: Mod
             raise QuantLensError(
                 f"QuantAnalysis('onnxruntime'): baseline_model must be the qat IR the ONNX model was written "
                 f"from (export(pre_export_model, example), then to_onnx), got {got}.")
+        _check_provenance(kind, baseline, analysis)
         analysis.reference = baseline
         return
     if not kind.deployed:
@@ -139,5 +141,32 @@ def check_deployed_pair(kind: AnalysisType, baseline: ModelAccess, analysis: Mod
         raise QuantLensError(
             f"QuantAnalysis('{kind.value}'): baseline_model is a float model; compare neighbouring stages "
             "(the pre_export model or the qat IR).")
+    if isinstance(baseline, IRModelAccess):  # a qat IR and its quantized IR
+        _check_provenance(kind, baseline, analysis)
     analysis.reference = baseline
+
+
+def _check_provenance(kind: AnalysisType, baseline, analysis) -> None:
+    """The derived model (the quantized IR, the ONNX model) was made from the qat IR baseline: its recorded digest
+    of the qat IR must be the baseline's (else another version of the model would be compared, and every op site
+    would show a difference that is not the deployment's). A model that records none gets a warning."""
+    import warnings
+
+    from quantlens.compiler.provenance import ONNX_SOURCE_DIGEST_PROP, SOURCE_DIGEST_KEY, check_source
+    from quantlens.errors import QuantLensWarning
+
+    where = f" '{analysis.source}'" if analysis.source else ""
+    if kind is AnalysisType.ONNXRUNTIME:
+        props = {p.key: p.value for p in analysis.proto.metadata_props}
+        recorded = props.get(ONNX_SOURCE_DIGEST_PROP)
+        derived = f"the ONNX file{where}" if where else "the ONNX model"
+        remake = "to_onnx(qat_ir, path)"
+    else:
+        recorded = analysis.module.meta.get(SOURCE_DIGEST_KEY)
+        derived = f"the quantized IR{where}"
+        remake = "convert(qat_ir) (and save)"
+    warning = check_source(recorded, baseline.module, who=f"QuantAnalysis('{kind.value}')", derived=derived,
+                           remake=remake, source_name=baseline.source)
+    if warning:
+        warnings.warn(warning, QuantLensWarning, stacklevel=4)
 

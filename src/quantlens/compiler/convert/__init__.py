@@ -17,13 +17,17 @@ from quantlens.compiler.convert import arithmetic, gemm, movement, pools, tables
 from quantlens.compiler.convert.movement import _passthrough
 from quantlens.compiler.convert.state import CONVERTERS, PASSTHROUGH_OPS, _Converter, converter, qpp_of
 from quantlens.compiler.ir import Module
+from quantlens.compiler.provenance import SOURCE_DIGEST_KEY, ir_digest
 from quantlens.errors import QuantLensError
 
 __all__ = ["convert", "CONVERTERS", "PASSTHROUGH_OPS", "qpp_of"]
 
 
 def convert(qat_ir: Module) -> Module:
-    """Convert a qat IR (from ``export``) to the integer-only quantized IR; the input module is not modified."""
+    """Convert a qat IR (from ``export``) to the integer-only quantized IR; the input module is not modified.
+
+    The quantized IR's meta records the qat IR's digest (``meta["source_ir_digest"]``,
+    :func:`quantlens.compiler.provenance.ir_digest`): a pair of the two is checked to belong together."""
     if not isinstance(qat_ir, Module) or qat_ir.kind != "qat":
         raise QuantLensError(
             "convert expects the qat IR returned by quantlens.compiler.export (kind 'qat'), got "
@@ -32,7 +36,7 @@ def convert(qat_ir: Module) -> Module:
     state = _Converter(qat_ir)
     graph = state.run()
     return Module("quantized", graph, list(qat_ir.input_leaves), qat_ir.input_spec, qat_ir.output_spec,
-                  meta={**qat_ir.meta, "qpp": state.qpp.value})
+                  meta={**qat_ir.meta, "qpp": state.qpp.value, SOURCE_DIGEST_KEY: ir_digest(qat_ir)})
 
 
 for _op in sorted(PASSTHROUGH_OPS - CONVERTERS.keys()):  # pad, fill, the scatters have their own converters

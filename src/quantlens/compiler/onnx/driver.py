@@ -15,6 +15,7 @@ from quantlens.compiler.ir import Module
 from quantlens.compiler.onnx.builder import _Builder, _onnx_dtype
 from quantlens.compiler.onnx.ops_host import host_node, writes_on_host
 from quantlens.compiler.onnx.registry import ONNX_CONVERTERS
+from quantlens.compiler.provenance import ONNX_SOURCE_DIGEST_PROP, SOURCE_DIGEST_KEY, ir_digest
 from quantlens.errors import QuantLensError
 
 __all__ = ["to_onnx", "MIN_OPSET"]
@@ -193,8 +194,10 @@ def _build(module: Module, opset: int, standard_qdq: bool = False):
                                 doc_string="qat IR exported by quantlens.compiler.to_onnx "
                                 + ("(standard QDQ form)" if standard_qdq else "(Q -> Cast -> Mul form)"))
     model.ir_version = b.helper.find_min_ir_version_for([opset_id])
+    # the digest of the qat IR written: the onnxruntime pair refuses this file with another qat IR
     props = {"quantlens.ir_kind": module.kind, "quantlens.onnx_form": "standard_qdq" if standard_qdq else "exact",
-             **{f"quantlens.{k}": str(v) for k, v in module.meta.items()}}
+             **{f"quantlens.{k}": str(v) for k, v in module.meta.items() if k != SOURCE_DIGEST_KEY},
+             ONNX_SOURCE_DIGEST_PROP: ir_digest(module)}
     b.helper.set_model_props(model, props)
     try:
         onnx.checker.check_model(model, full_check=True)
@@ -225,7 +228,9 @@ def to_onnx(qat_ir: Module, path: str | os.PathLike, opset: int = 21, *, standar
 
     Input names are the IR input names and output names the IR output names (a repeated output gets a suffix
     ``_1``, ``_2``...). Shapes are static, except a dynamic batch (``dynamic_batch=True`` at export), written as
-    the symbolic dim ``batch`` on the inputs. The model passes ``onnx.checker.check_model(full_check=True)``
+    the symbolic dim ``batch`` on the inputs. The metadata ``quantlens.source_ir_digest`` records the qat IR's digest
+    (:func:`quantlens.compiler.provenance.ir_digest`): the ``onnxruntime`` pair refuses the file with another qat
+    IR. The model passes ``onnx.checker.check_model(full_check=True)``
     before it is written; the write is atomic. Needs ``pip install quantlens[onnx]``.
     """
     if not isinstance(qat_ir, Module):

@@ -15,6 +15,7 @@ import torch
 
 from quantlens.compiler.ir import Graph, InputLeaf, Module, Node, ValueInfo
 from quantlens.compiler.output_containers import load_spec
+from quantlens.compiler.provenance import SOURCE_DIGEST_KEY, is_digest
 from quantlens.compiler.serialize.arity import node_problem
 from quantlens.compiler.serialize.codec import _decode
 from quantlens.compiler.serialize.schema import (
@@ -415,6 +416,9 @@ def _meta_from_header(header: dict) -> dict:
         raise _Invalid(f"its meta cannot be decoded ({exc})") from None
     if not isinstance(meta, dict):
         raise _Invalid("its meta is not an object")
+    if SOURCE_DIGEST_KEY in meta and not is_digest(meta[SOURCE_DIGEST_KEY]):  # convert writes it: the pair checks
+        raise _Invalid(f"its meta '{SOURCE_DIGEST_KEY}' is {_short(meta[SOURCE_DIGEST_KEY])}, expected the qat IR's "
+                       "digest (64 lower-case hex digits) that convert writes")
     return meta
 
 
