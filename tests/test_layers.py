@@ -193,7 +193,6 @@ def package_circles(root: Path) -> list[list[str]]:
 #: the circles not yet taken apart (issue #44), each named by its package: the test fails on any other circle, and
 #: on one of these growing; taking one apart means deleting its line here
 KNOWN_CIRCLES = {
-    "quantlens.cli": "the commands import UsageError and the exit codes from the package, which imports them",
     "quantlens.compiler": "the IR runs its interpreter, which reads the op meanings the lowering registers",
     "quantlens.quantization": "prepare, its runtime state, the quantizers and pre_export in one room",
 }

@@ -9,7 +9,7 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-from quantlens.cli import EXIT_OK, EXIT_PROBLEMS, UsageError
+from quantlens.cli.exits import EXIT_OK, EXIT_PROBLEMS, UsageError
 from quantlens.cli._common import console, esc, existing_file, parent
 from quantlens.cli._inputs import add_input_options, samples_for
 
