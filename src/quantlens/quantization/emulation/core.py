@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -323,6 +324,17 @@ def _input(call: EmuCall, position: int, name: str):
 def _single(call: EmuCall):
     x = _input(call, 0, "input")
     return x if x is not None and x[1] is not None else None
+
+
+def on_one_input(rule: Callable) -> Callable:
+    """A rule of an op on one quantized input, called as ``rule(emu, call, q, x_fq)`` with that input's integers
+    and its fake quant; the op stays float (None) when its input 0 is not on a grid."""
+
+    @functools.wraps(rule)
+    def wrapped(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
+        x = _single(call)
+        return None if x is None else rule(emu, call, *x)
+    return wrapped
 
 
 def _grid_op(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:

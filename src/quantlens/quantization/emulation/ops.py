@@ -18,9 +18,9 @@ from quantlens.quantization.emulation.core import (
     _input,
     _kernel,
     _s64,
-    _single,
     codes_of,
     emulates,
+    on_one_input,
 )
 
 
@@ -104,11 +104,10 @@ def _mul(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
 
 
 @emulates("mean", "sum")
-def _reduce(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
-    x = _single(call)
-    if x is None or call.arg(3, "dtype") is not None:
+@on_one_input
+def _reduce(emu: IntegerEmulator, call: EmuCall, q: torch.Tensor, x_fq) -> Deferred | None:
+    if call.arg(3, "dtype") is not None:
         return None
-    q, x_fq = x
     dims = call.arg(1, "dim")
     keepdim = bool(call.arg(2, "keepdim", False))
     dims = list(range(q.dim())) if dims is None else ([dims] if isinstance(dims, int) else list(dims))
@@ -125,12 +124,11 @@ def _reduce(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
 
 
 @emulates("cumsum")
-def _cumsum(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
-    x = _single(call)
+@on_one_input
+def _cumsum(emu: IntegerEmulator, call: EmuCall, q: torch.Tensor, x_fq) -> Deferred | None:
     dim = call.arg(1, "dim")
-    if x is None or dim is None or call.arg(2, "dtype") is not None:
+    if dim is None or call.arg(2, "dtype") is not None:
         return None
-    q, x_fq = x
     qpp = emu.qpp
 
     def compute(fq):
@@ -176,11 +174,8 @@ def _pool_window(call: EmuCall, q: torch.Tensor) -> tuple[str, dict, int] | None
 
 
 @emulates("avg_pool2d", "adaptive_avg_pool2d", "avg_pool1d", "adaptive_avg_pool1d")
-def _avg_pool(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
-    x = _single(call)
-    if x is None:
-        return None
-    q, x_fq = x
+@on_one_input
+def _avg_pool(emu: IntegerEmulator, call: EmuCall, q: torch.Tensor, x_fq) -> Deferred | None:
     window = _pool_window(call, q)
     if window is None:
         return None
@@ -194,11 +189,8 @@ def _avg_pool(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
 
 
 @emulates("clamp", "clip", "hardtanh", "relu6")
-def _clamp(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
-    x = _single(call)
-    if x is None:
-        return None
-    q, x_fq = x
+@on_one_input
+def _clamp(emu: IntegerEmulator, call: EmuCall, q: torch.Tensor, x_fq) -> Deferred | None:
     m = call.module
     if call.op_type == "relu6":
         lo, hi = 0.0, 6.0
@@ -217,22 +209,16 @@ def _clamp(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
 
 
 @emulates("abs", "neg")
-def _sign(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
-    x = _single(call)
-    if x is None:
-        return None
-    q, x_fq = x
+@on_one_input
+def _sign(emu: IntegerEmulator, call: EmuCall, q: torch.Tensor, x_fq) -> Deferred | None:
     qpp = emu.qpp
     return Deferred(lambda fq: _kernel(f"{call.op_type}_int", rules.sign_op(x_fq.scale, fq.scale, fq.dtype, qpp),
                                        [q], call.site))
 
 
 @emulates("interpolate")
-def _interpolate(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
-    x = _single(call)
-    if x is None:
-        return None
-    q, x_fq = x
+@on_one_input
+def _interpolate(emu: IntegerEmulator, call: EmuCall, q: torch.Tensor, x_fq) -> Deferred | None:
     m = call.module
     mode = m.mode if m is not None else call.arg(3, "mode", "nearest")
     if mode == "nearest":
@@ -258,11 +244,8 @@ def _float_output_shape(call: EmuCall):
 
 
 @emulates("batch_norm")
-def _batch_norm(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
-    x = _single(call)
-    if x is None:
-        return None
-    q, x_fq = x
+@on_one_input
+def _batch_norm(emu: IntegerEmulator, call: EmuCall, q: torch.Tensor, x_fq) -> Deferred | None:
     m = call.module
     if m is not None:
         if m.training or m.running_mean is None:
@@ -287,11 +270,8 @@ def _batch_norm(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
 
 
 @emulates("prelu", "leaky_relu")
-def _prelu(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
-    x = _single(call)
-    if x is None:
-        return None
-    q, x_fq = x
+@on_one_input
+def _prelu(emu: IntegerEmulator, call: EmuCall, q: torch.Tensor, x_fq) -> Deferred | None:
     if call.op_type == "leaky_relu":
         slope = call.module.negative_slope if call.module is not None else call.arg(1, "negative_slope", 0.01)
         alpha = torch.tensor([float(slope)], dtype=torch.float64)
@@ -311,16 +291,15 @@ def _prelu(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
 
 
 @emulates("masked_fill")
-def _masked_fill(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
-    x = _single(call)
+@on_one_input
+def _masked_fill(emu: IntegerEmulator, call: EmuCall, q: torch.Tensor, x_fq) -> Deferred | None:
     mask, value = call.arg(1, "mask"), call.arg(2, "value")
-    if x is None or not isinstance(mask, torch.Tensor):
+    if not isinstance(mask, torch.Tensor):
         return None
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             return None
         value = float(value)
-    q, x_fq = x
     filled = q.masked_fill(mask, rules.fill_code(float(value), x_fq.scale, x_fq.dtype))
     return Deferred(lambda fq: emu.requantize_codes(filled, x_fq, fq))
 
