@@ -9,9 +9,9 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-from quantlens.cli.exits import EXIT_OK, EXIT_PROBLEMS, UsageError
 from quantlens.cli._common import console, esc, existing_file, parent
 from quantlens.cli._inputs import add_input_options, samples_for
+from quantlens.cli.exits import EXIT_OK, EXIT_PROBLEMS, UsageError
 
 __all__ = ["add_parser", "run", "pair_type"]
 
