@@ -18,7 +18,7 @@ import quantlens.quantization.rnn as rnn
 from quantlens.compiler import convert, export
 from quantlens.compiler.ir import Graph, Node, ValueInfo
 from quantlens.compiler.lowering.recurrence import _repeat, _template
-from quantlens.compiler.lowering.rules import _Ctx
+from quantlens.compiler.lowering.rules import LoweringContext as _Ctx
 from quantlens.errors import QuantLensError
 from quantlens.quantization import DeQuantStub, QuantStub, calibrate, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter

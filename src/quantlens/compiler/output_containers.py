@@ -34,7 +34,7 @@ def _qualified(obj: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _register(name: str) -> None:
+def register_lowering(name: str) -> None:
     if name in OUTPUT_CONTAINERS and name not in _done:
         OUTPUT_CONTAINERS[name]()
         _done.add(name)
@@ -45,7 +45,7 @@ def register_containers_of(output: Any) -> bool:
     names = {_qualified(leaf) for leaf in pytree.tree_leaves(output)} & set(OUTPUT_CONTAINERS)
     fresh = names - _done
     for name in sorted(fresh):
-        _register(name)
+        register_lowering(name)
     return bool(fresh)
 
 
@@ -53,5 +53,5 @@ def load_spec(text: str) -> pytree.TreeSpec:
     """``pytree.treespec_loads(text)``, with the container types the text names registered first."""
     for name in OUTPUT_CONTAINERS:
         if name in text:
-            _register(name)
+            register_lowering(name)
     return pytree.treespec_loads(text)

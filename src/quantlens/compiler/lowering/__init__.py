@@ -27,17 +27,17 @@ from quantlens.compiler.lowering.movement import _quantlens_custom, _static_dim
 from quantlens.compiler.lowering.rules import (
     LOWERINGS,
     TORCH_OPS,
-    _Ctx,
-    _emit,
+    LoweringContext,
     _generic,
     _info,
-    _normalized,
-    _register,
     _shape,
     _site,
     _source,
-    _value,
     aten,
+    emit,
+    normalized,
+    register_lowering,
+    value_of,
 )
 from quantlens.errors import QuantLensError
 from quantlens.march.opset import IR_OPS, Category
@@ -146,7 +146,7 @@ def _already_functional(ep: torch.export.ExportedProgram) -> bool:
 _NEVER_FOLD = {"fake_quant"}
 
 
-def _try_fold(ctx: _Ctx, node: fx.Node) -> bool:
+def _try_fold(ctx: LoweringContext, node: fx.Node) -> bool:
     if node.op != "call_function" or node.target is operator.getitem:
         return False
     if getattr(node.target, "namespace", None) == "quantlens":
@@ -159,7 +159,7 @@ def _try_fold(ctx: _Ctx, node: fx.Node) -> bool:
     return _store_folded(ctx, node, result)
 
 
-def _store_folded(ctx: _Ctx, node: fx.Node, result) -> bool:
+def _store_folded(ctx: LoweringContext, node: fx.Node, result) -> bool:
     """``node``'s folded result as constant(s); False when it is not a tensor or a sequence of them."""
     if isinstance(result, torch.Tensor):
         ctx.names[node] = ctx.const(result, "folded")
@@ -177,7 +177,7 @@ def _store_folded(ctx: _Ctx, node: fx.Node, result) -> bool:
 _KEEP_WHEN_KNOWN = {Category.MOVEMENT, Category.LOOKUP, Category.INDEX, Category.QUANTIZER, Category.BOUNDARY}
 
 
-def _known_args(ctx: _Ctx, args) -> bool | None:
+def _known_args(ctx: LoweringContext, args) -> bool | None:
     """None: an argument is computed at run time; else whether one of them (all constant or known) is known."""
     found = False
     for a in pytree.tree_leaves(args):
@@ -192,7 +192,7 @@ def _known_args(ctx: _Ctx, args) -> bool | None:
     return found
 
 
-def _known_value(ctx: _Ctx, arg):
+def _known_value(ctx: LoweringContext, arg):
     if isinstance(arg, fx.Node):
         names = ctx.names[arg]
         pick = lambda n: ctx.known[n] if n in ctx.known else ctx.graph.constants[n]  # noqa: E731
@@ -202,7 +202,7 @@ def _known_value(ctx: _Ctx, arg):
     return arg
 
 
-def _rule_on_constants(ctx: _Ctx, node: fx.Node, rule) -> None:
+def _rule_on_constants(ctx: LoweringContext, node: fx.Node, rule) -> None:
     """A fake quant (or table op) of known values reads them as constants: a weight split into q/k/v, sliced or
     transposed before its fake quant is then quantized by convert as the constant it is, whatever moved it."""
     swapped = {}
@@ -217,7 +217,7 @@ def _rule_on_constants(ctx: _Ctx, node: fx.Node, rule) -> None:
         ctx.names.update(swapped)
 
 
-def _lower_known(ctx: _Ctx, node: fx.Node, rule) -> bool:
+def _lower_known(ctx: LoweringContext, node: fx.Node, rule) -> bool:
     """Lower or fold ``node`` when its inputs are constants and known values (see above); False: not such a node."""
     if node.op != "call_function" or node.target is operator.getitem:
         return False
@@ -251,7 +251,7 @@ def lower_exported_program(ep: torch.export.ExportedProgram, input_names: list[s
     """Lower an exported program whose user inputs are flat tensors named ``input_names``. An op with no lowering
     rule at one of ``host_sites`` (after the DeQuantStub) becomes a float ``host_aten`` node."""
     graph = Graph(nodes=[], inputs=list(input_names), outputs=[], constants={}, values={})
-    ctx = _Ctx(graph)
+    ctx = LoweringContext(graph)
     sig = ep.graph_signature
     state = dict(ep.state_dict)
     state.update(ep.constants)
@@ -305,7 +305,7 @@ def lower_exported_program(ep: torch.export.ExportedProgram, input_names: list[s
     return graph
 
 
-def _lower_or_host(ctx: _Ctx, node: fx.Node, rule) -> None:
+def _lower_or_host(ctx: LoweringContext, node: fx.Node, rule) -> None:
     """Lower ``node`` by its rule; a form the rule cannot express in the IR (a bitwise and of int32 tensors, where
     the IR has logical ops on bool masks) runs on the host instead, as an op with no rule does. Only an aten op
     whose arguments the host node can record falls back; any other refusal stands (its words say why)."""
@@ -327,10 +327,10 @@ def _reads_symbolic(node: fx.Node) -> bool:
     return any(isinstance(a, fx.Node) and _is_symbolic(a) for a in pytree.tree_leaves((node.args, node.kwargs)))
 
 
-def _host_aten(ctx: _Ctx, node: fx.Node) -> None:
-    inputs, attrs = encode_call(node, lambda a: _value(ctx, a))
+def _host_aten(ctx: LoweringContext, node: fx.Node) -> None:
+    inputs, attrs = encode_call(node, lambda a: value_of(ctx, a))
     attrs["host"] = True
-    _emit(ctx, node, "host_aten", inputs, attrs, n_out=len(node.meta["val"]) if isinstance(
+    emit(ctx, node, "host_aten", inputs, attrs, n_out=len(node.meta["val"]) if isinstance(
         node.meta.get("val"), (tuple, list)) else 1)
 
 
@@ -346,7 +346,7 @@ def _is_symbolic(node: fx.Node) -> bool:
     )
 
 
-def _output_name(ctx: _Ctx, out: fx.Node) -> str:
+def _output_name(ctx: LoweringContext, out: fx.Node) -> str:
     name = ctx.names[out]
     if name in ctx.graph.constants:
         return name
@@ -374,7 +374,7 @@ _PAD_MODES = {"constant": "constant", "reflect": "reflect", "replicate": "replic
 
 def _pad(ctx, node):
     """``F.pad`` and the aten pads it becomes: one ``pad`` op ``{pad, mode, value}`` (``docs/march.md`` §11)."""
-    bound = _normalized(node)
+    bound = normalized(node)
     target = node.target
     if target is aten.pad.default:
         mode, pad, value = bound["mode"], bound["pad"], bound["value"]
@@ -388,11 +388,11 @@ def _pad(ctx, node):
             f"export: pad mode {mode!r} at op site '{_site(node)}' ({_source(node)}) is not supported; the march "
             f"pads with a constant, by reflection or by replication ({sorted(_PAD_MODES)})."
         )
-    _emit(ctx, node, "pad", [_value(ctx, bound.get("self", bound.get("input")))],
+    emit(ctx, node, "pad", [value_of(ctx, bound.get("self", bound.get("input")))],
           {"pad": [int(p) for p in pad], "mode": mode, "value": float(value or 0.0)})
 
 
-_register([aten.pad.default, aten.constant_pad_nd.default, aten.reflection_pad1d.default,
+register_lowering([aten.pad.default, aten.constant_pad_nd.default, aten.reflection_pad1d.default,
            aten.reflection_pad2d.default, aten.replication_pad1d.default, aten.replication_pad2d.default], _pad)
 
 
@@ -400,8 +400,8 @@ def _batch_norm(ctx, node):
     """A BatchNorm that export sees (one not folded into a conv/linear at prepare): ``batch_norm`` with its
     statistics as constant inputs. ``_native_batch_norm_legit_no_training`` has three outputs; only the first
     is a value."""
-    bound = _normalized(node)
-    names = [_value(ctx, bound[k]) if bound[k] is not None else ""
+    bound = normalized(node)
+    names = [value_of(ctx, bound[k]) if bound[k] is not None else ""
              for k in ("input", "weight", "bias", "running_mean", "running_var")]
     if bound.get("training"):
         raise QuantLensError(f"export: BatchNorm at op site '{_site(node)}' ({_source(node)}) runs in training "
@@ -414,29 +414,29 @@ def _batch_norm(ctx, node):
     ctx.names[node] = [out, out, out] if isinstance(val, (tuple, list)) else out
 
 
-_register([aten.batch_norm.default, aten._native_batch_norm_legit_no_training.default], _batch_norm)
-_register(aten.prelu.default, _generic("prelu", aten.prelu.default, ("self", "weight")))
-_register(aten._prelu_kernel.default, _generic("prelu", aten.prelu.default, ("self", "weight")))
-_register(aten.leaky_relu.default, _generic("leaky_relu", aten.leaky_relu.default, ("self",), ("negative_slope",)))
+register_lowering([aten.batch_norm.default, aten._native_batch_norm_legit_no_training.default], _batch_norm)
+register_lowering(aten.prelu.default, _generic("prelu", aten.prelu.default, ("self", "weight")))
+register_lowering(aten._prelu_kernel.default, _generic("prelu", aten.prelu.default, ("self", "weight")))
+register_lowering(aten.leaky_relu.default, _generic("leaky_relu", aten.leaky_relu.default, ("self",), ("negative_slope",)))
 
 
 def _relu6(ctx, node):
-    _emit(ctx, node, "hardtanh", [_value(ctx, node.args[0])], {"min_val": 0.0, "max_val": 6.0})
+    emit(ctx, node, "hardtanh", [value_of(ctx, node.args[0])], {"min_val": 0.0, "max_val": 6.0})
 
 
-_register(aten.relu6.default, _relu6)
-_register([aten.fill.Scalar], _generic("fill", aten.fill.Scalar, ("self",), ("value",)))
+register_lowering(aten.relu6.default, _relu6)
+register_lowering([aten.fill.Scalar], _generic("fill", aten.fill.Scalar, ("self",), ("value",)))
 
 
 def _fill_tensor(ctx, node):
-    value = _value(ctx, node.args[1])
+    value = value_of(ctx, node.args[1])
     if not ctx.is_const(value):
         raise QuantLensError(f"export: op site '{_site(node)}' ({_source(node)}) writes a computed value into a "
                              "tensor; the IR writes constants only (x[...] = 0.5).")
-    _emit(ctx, node, "fill", [_value(ctx, node.args[0])], {"value": float(ctx.graph.constants[value])})
+    emit(ctx, node, "fill", [value_of(ctx, node.args[0])], {"value": float(ctx.graph.constants[value])})
 
 
-_register(aten.fill.Tensor, _fill_tensor)
+register_lowering(aten.fill.Tensor, _fill_tensor)
 
 
 def _scatter(op: str, torch_op, attrs: tuple[str, ...]):
@@ -444,7 +444,7 @@ def _scatter(op: str, torch_op, attrs: tuple[str, ...]):
 
     def rule(ctx, node):
         shape = _info(node.args[0]).shape
-        bound = _normalized(node)
+        bound = normalized(node)
         dim = bound["dim"] % len(shape)
         _static_dim(node, shape, dim)
         generic(ctx, node)
@@ -458,8 +458,8 @@ def _scatter(op: str, torch_op, attrs: tuple[str, ...]):
     return rule
 
 
-_register(aten.select_scatter.default, _scatter("select_scatter", aten.select_scatter.default, ("dim", "index")))
-_register(aten.slice_scatter.default,
+register_lowering(aten.select_scatter.default, _scatter("select_scatter", aten.select_scatter.default, ("dim", "index")))
+register_lowering(aten.slice_scatter.default,
           _scatter("slice_scatter", aten.slice_scatter.default, ("dim", "start", "end", "step")))
 
 
@@ -467,16 +467,16 @@ def _copy(ctx, node):
     """Functional ``copy(dst, src)`` (an in-place write after functionalization): the value is ``src``, broadcast
     to ``dst``'s shape and cast to its dtype."""
     dst, src = node.args[0], node.args[1]
-    value = _value(ctx, src)
+    value = value_of(ctx, src)
     if _info(src).shape != _info(dst).shape:
         name = ctx.fresh("copy_expand")
         ctx.graph.nodes.append(Node("expand", [value], [name], {"shape": list(_info(dst).shape)}, _site(node)))
         ctx.graph.values[name] = ValueInfo(_info(dst).shape, _info(src).dtype)
         value = name
     if _info(src).dtype != _info(dst).dtype:
-        _emit(ctx, node, "cast", [value], {"dtype": _info(dst).dtype})
+        emit(ctx, node, "cast", [value], {"dtype": _info(dst).dtype})
         return
     ctx.names[node] = value
 
 
-_register(aten.copy.default, _copy)
+register_lowering(aten.copy.default, _copy)

@@ -10,48 +10,48 @@ import quantlens.march.numerics  # noqa: F401  (registers torch.ops.quantlens.fa
 from quantlens.compiler.ir import Node, ValueInfo
 from quantlens.compiler.lowering.rules import (
     TORCH_OPS,
-    _emit,
     _generic,
     _info,
-    _normalized,
-    _register,
     _shape,
     _site,
     _source,
     _tensor_arg,
-    _value,
     aten,
+    emit,
+    normalized,
+    register_lowering,
+    value_of,
 )
 from quantlens.errors import QuantLensError
 
 # -- GEMM and friends --------------------------------------------------------------------------------------
-_register(aten.conv2d.default, _generic("conv2d", aten.conv2d.default, ("input", "weight", "bias"),
+register_lowering(aten.conv2d.default, _generic("conv2d", aten.conv2d.default, ("input", "weight", "bias"),
                                          ("stride", "padding", "dilation", "groups")))
-_register(aten.conv1d.default, _generic("conv1d", aten.conv1d.default, ("input", "weight", "bias"),
+register_lowering(aten.conv1d.default, _generic("conv1d", aten.conv1d.default, ("input", "weight", "bias"),
                                          ("stride", "padding", "dilation", "groups")))
-_register(aten.conv_transpose1d.default,
+register_lowering(aten.conv_transpose1d.default,
           _generic("conv_transpose1d", aten.conv_transpose1d.default, ("input", "weight", "bias"),
                    ("stride", "padding", "output_padding", "groups", "dilation")))
-_register(aten.conv_transpose2d.input,
+register_lowering(aten.conv_transpose2d.input,
           _generic("conv_transpose2d", aten.conv_transpose2d.input, ("input", "weight", "bias"),
                    ("stride", "padding", "output_padding", "groups", "dilation")))
-_register(aten.linear.default, _generic("linear", aten.linear.default, ("input", "weight", "bias")))
-_register(aten.matmul.default, _generic("matmul", aten.matmul.default, ("self", "other")))
-_register([aten.bmm.default, aten.mm.default], _generic("matmul", aten.matmul.default, ("self", "mat2")))
-_register(aten.scaled_dot_product_attention.default,
+register_lowering(aten.linear.default, _generic("linear", aten.linear.default, ("input", "weight", "bias")))
+register_lowering(aten.matmul.default, _generic("matmul", aten.matmul.default, ("self", "other")))
+register_lowering([aten.bmm.default, aten.mm.default], _generic("matmul", aten.matmul.default, ("self", "mat2")))
+register_lowering(aten.scaled_dot_product_attention.default,
           _generic("sdpa", aten.scaled_dot_product_attention.default, ("query", "key", "value", "attn_mask"),
                    ("dropout_p", "is_causal", "scale")))
-_register(aten.embedding.default, _generic("embedding", aten.embedding.default, ("weight", "indices")))
+register_lowering(aten.embedding.default, _generic("embedding", aten.embedding.default, ("weight", "indices")))
 
 # -- elementwise -------------------------------------------------------------------------------------------
 for _name in ("add", "sub", "mul", "div"):
     _tensor_overload = getattr(aten, _name).Tensor
 
     def _binary(ctx, node, _op=_name, _t=_tensor_overload):
-        bound = _normalized(node)
+        bound = normalized(node)
         dtype = _info(node).dtype
-        a = _tensor_arg(ctx, _value(ctx, bound["self"]), dtype)
-        b = _tensor_arg(ctx, _value(ctx, bound["other"]), dtype)
+        a = _tensor_arg(ctx, value_of(ctx, bound["self"]), dtype)
+        b = _tensor_arg(ctx, value_of(ctx, bound["other"]), dtype)
         alpha = bound.get("alpha", 1)
         if alpha not in (None, 1):
             b_scaled = ctx.fresh("alpha")
@@ -62,10 +62,10 @@ for _name in ("add", "sub", "mul", "div"):
         if bound.get("rounding_mode") is not None:
             raise QuantLensError(f"div with rounding_mode={bound['rounding_mode']!r} is not supported "
                                  f"(op site '{_site(node)}', {_source(node)}).")
-        _emit(ctx, node, _op, [a, b], {})
+        emit(ctx, node, _op, [a, b], {})
 
     TORCH_OPS[_name] = _tensor_overload
-    _register([getattr(aten, _name).Tensor, getattr(aten, _name).Scalar], _binary)
+    register_lowering([getattr(aten, _name).Tensor, getattr(aten, _name).Scalar], _binary)
 
 
 def _scaled_info(ctx, b: str, factor: str, node) -> ValueInfo:
@@ -79,14 +79,14 @@ def _scaled_info(ctx, b: str, factor: str, node) -> ValueInfo:
 
 
 def _rsub(ctx, node):
-    bound = _normalized(node)
+    bound = normalized(node)
     dtype = _info(node).dtype
-    a = _tensor_arg(ctx, _value(ctx, bound["self"]), dtype)
-    b = _tensor_arg(ctx, _value(ctx, bound["other"]), dtype)
-    _emit(ctx, node, "sub", [b, a], {})
+    a = _tensor_arg(ctx, value_of(ctx, bound["self"]), dtype)
+    b = _tensor_arg(ctx, value_of(ctx, bound["other"]), dtype)
+    emit(ctx, node, "sub", [b, a], {})
 
 
-_register([aten.rsub.Scalar, aten.rsub.Tensor], _rsub)
+register_lowering([aten.rsub.Scalar, aten.rsub.Tensor], _rsub)
 
 for _name, _overload in (
     ("relu", aten.relu.default), ("sigmoid", aten.sigmoid.default), ("tanh", aten.tanh.default),
@@ -94,74 +94,74 @@ for _name, _overload in (
     ("rsqrt", aten.rsqrt.default), ("sqrt", aten.sqrt.default), ("neg", aten.neg.default),
     ("abs", aten.abs.default), ("erf", aten.erf.default), ("log", aten.log.default),
 ):
-    _register(_overload, _generic(_name, _overload, ("self",)))
-_register(aten.relu_.default, _generic("relu", aten.relu.default, ("self",)))
-_register(aten.gelu.default, _generic("gelu", aten.gelu.default, ("self",), ("approximate",)))
-_register(aten.softplus.default, _generic("softplus", aten.softplus.default, ("self",), ("beta", "threshold")))
-_register([aten.clamp.default], _generic("clamp", aten.clamp.default, ("self",), ("min", "max")))
-_register(aten.hardtanh.default, _generic("hardtanh", aten.hardtanh.default, ("self",), ("min_val", "max_val")))
-_register(aten.pow.Tensor_Scalar, _generic("pow", aten.pow.Tensor_Scalar, ("self",), ("exponent",)))
+    register_lowering(_overload, _generic(_name, _overload, ("self",)))
+register_lowering(aten.relu_.default, _generic("relu", aten.relu.default, ("self",)))
+register_lowering(aten.gelu.default, _generic("gelu", aten.gelu.default, ("self",), ("approximate",)))
+register_lowering(aten.softplus.default, _generic("softplus", aten.softplus.default, ("self",), ("beta", "threshold")))
+register_lowering([aten.clamp.default], _generic("clamp", aten.clamp.default, ("self",), ("min", "max")))
+register_lowering(aten.hardtanh.default, _generic("hardtanh", aten.hardtanh.default, ("self",), ("min_val", "max_val")))
+register_lowering(aten.pow.Tensor_Scalar, _generic("pow", aten.pow.Tensor_Scalar, ("self",), ("exponent",)))
 # float table ops (docs/march.md §13.4): in the qat IR only where pre_export left them float
-_register(aten.hardswish.default, _generic("hardswish", aten.hardswish.default, ("self",)))
-_register(aten.hardsigmoid.default, _generic("hardsigmoid", aten.hardsigmoid.default, ("self",)))
-_register(aten.elu.default, _generic("elu", aten.elu.default, ("self",), ("alpha", "scale", "input_scale")))
-_register(aten.where.self, _generic("where", aten.where.self, ("condition", "self", "other")))
-_register([aten.masked_fill.Scalar], _generic("masked_fill", aten.masked_fill.Scalar, ("self", "mask"), ("value",)))
+register_lowering(aten.hardswish.default, _generic("hardswish", aten.hardswish.default, ("self",)))
+register_lowering(aten.hardsigmoid.default, _generic("hardsigmoid", aten.hardsigmoid.default, ("self",)))
+register_lowering(aten.elu.default, _generic("elu", aten.elu.default, ("self",), ("alpha", "scale", "input_scale")))
+register_lowering(aten.where.self, _generic("where", aten.where.self, ("condition", "self", "other")))
+register_lowering([aten.masked_fill.Scalar], _generic("masked_fill", aten.masked_fill.Scalar, ("self", "mask"), ("value",)))
 
 
 def _masked_fill_tensor(ctx, node):
     """``masked_fill`` with a 0-d tensor value: the value must be a constant (it becomes an attribute)."""
-    bound = _normalized(node)
-    value = _value(ctx, bound["value"])
+    bound = normalized(node)
+    value = value_of(ctx, bound["value"])
     if not ctx.is_const(value):
         raise QuantLensError(f"masked_fill at op site '{_site(node)}' ({_source(node)}) fills with a computed "
                              "value; the IR needs a constant fill value.")
-    _emit(ctx, node, "masked_fill", [_value(ctx, bound["self"]), _value(ctx, bound["mask"])],
+    emit(ctx, node, "masked_fill", [value_of(ctx, bound["self"]), value_of(ctx, bound["mask"])],
           {"value": float(ctx.graph.constants[value])})
 
 
-_register([aten.masked_fill.Tensor], _masked_fill_tensor)
+register_lowering([aten.masked_fill.Tensor], _masked_fill_tensor)
 
 # -- normalisation, softmax ----------------------------------------------------------------------------------
-_register(aten.layer_norm.default, _generic("layer_norm", aten.layer_norm.default, ("input", "weight", "bias"),
+register_lowering(aten.layer_norm.default, _generic("layer_norm", aten.layer_norm.default, ("input", "weight", "bias"),
                                              ("normalized_shape", "eps")))
-_register(aten.softmax.int, _generic("softmax", aten.softmax.int, ("self",), ("dim",)))
-_register(aten._softmax.default, _generic("softmax", aten.softmax.int, ("self",), ("dim",)))
-_register(aten.log_softmax.int, _generic("log_softmax", aten.log_softmax.int, ("self",), ("dim",)))
+register_lowering(aten.softmax.int, _generic("softmax", aten.softmax.int, ("self",), ("dim",)))
+register_lowering(aten._softmax.default, _generic("softmax", aten.softmax.int, ("self",), ("dim",)))
+register_lowering(aten.log_softmax.int, _generic("log_softmax", aten.log_softmax.int, ("self",), ("dim",)))
 
 # -- reductions and pooling ------------------------------------------------------------------------------------
-_register(aten.mean.dim, _generic("mean", aten.mean.dim, ("self",), ("dim", "keepdim")))
-_register(aten.sum.dim_IntList, _generic("sum", aten.sum.dim_IntList, ("self",), ("dim", "keepdim")))
+register_lowering(aten.mean.dim, _generic("mean", aten.mean.dim, ("self",), ("dim", "keepdim")))
+register_lowering(aten.sum.dim_IntList, _generic("sum", aten.sum.dim_IntList, ("self",), ("dim", "keepdim")))
 for _name in ("mean", "sum"):
-    _register(getattr(aten, _name).default,
-              lambda ctx, node, _op=_name: _emit(ctx, node, _op, [_value(ctx, node.args[0])],
+    register_lowering(getattr(aten, _name).default,
+              lambda ctx, node, _op=_name: emit(ctx, node, _op, [value_of(ctx, node.args[0])],
                                                  {"dim": None, "keepdim": False}))
-_register(aten.cumsum.default, _generic("cumsum", aten.cumsum.default, ("self",), ("dim",)))
-_register(aten.amax.default, _generic("amax", aten.amax.default, ("self",), ("dim", "keepdim")))
-_register(aten.max.dim, _generic("max_dim", aten.max.dim, ("self",), ("dim", "keepdim"), n_out=2))
-_register(aten.argmax.default, _generic("argmax", aten.argmax.default, ("self",), ("dim", "keepdim")))
-_register(aten.topk.default, _generic("topk", aten.topk.default, ("self",), ("k", "dim", "largest", "sorted"), 2))
-_register(aten.sort.default, _generic("sort", aten.sort.default, ("self",), ("dim", "descending"), 2))
+register_lowering(aten.cumsum.default, _generic("cumsum", aten.cumsum.default, ("self",), ("dim",)))
+register_lowering(aten.amax.default, _generic("amax", aten.amax.default, ("self",), ("dim", "keepdim")))
+register_lowering(aten.max.dim, _generic("max_dim", aten.max.dim, ("self",), ("dim", "keepdim"), n_out=2))
+register_lowering(aten.argmax.default, _generic("argmax", aten.argmax.default, ("self",), ("dim", "keepdim")))
+register_lowering(aten.topk.default, _generic("topk", aten.topk.default, ("self",), ("k", "dim", "largest", "sorted"), 2))
+register_lowering(aten.sort.default, _generic("sort", aten.sort.default, ("self",), ("dim", "descending"), 2))
 # (the prepared model's topk is a stable sort and a narrow: the march's tie order, docs/march.md §11.1)
-_register(aten.sort.stable, _generic("sort", aten.sort.default, ("self",), ("dim", "descending"), 2))
-_register(aten.max_pool2d.default, _generic("max_pool2d", aten.max_pool2d.default, ("self",),
+register_lowering(aten.sort.stable, _generic("sort", aten.sort.default, ("self",), ("dim", "descending"), 2))
+register_lowering(aten.max_pool2d.default, _generic("max_pool2d", aten.max_pool2d.default, ("self",),
                                              ("kernel_size", "stride", "padding", "dilation", "ceil_mode")))
-_register(aten.avg_pool2d.default, _generic("avg_pool2d", aten.avg_pool2d.default, ("self",),
+register_lowering(aten.avg_pool2d.default, _generic("avg_pool2d", aten.avg_pool2d.default, ("self",),
                                              ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
                                               "divisor_override")))
-_register(aten.adaptive_avg_pool2d.default, _generic("adaptive_avg_pool2d", aten.adaptive_avg_pool2d.default,
+register_lowering(aten.adaptive_avg_pool2d.default, _generic("adaptive_avg_pool2d", aten.adaptive_avg_pool2d.default,
                                                       ("self",), ("output_size",)))
-_register(aten.adaptive_avg_pool1d.default, _generic("adaptive_avg_pool1d", aten.adaptive_avg_pool1d.default,
+register_lowering(aten.adaptive_avg_pool1d.default, _generic("adaptive_avg_pool1d", aten.adaptive_avg_pool1d.default,
                                                       ("self",), ("output_size",)))
-_register(aten.upsample_nearest2d.vec, _generic("upsample_nearest2d", aten.upsample_nearest2d.vec, ("input",),
+register_lowering(aten.upsample_nearest2d.vec, _generic("upsample_nearest2d", aten.upsample_nearest2d.vec, ("input",),
                                                  ("output_size", "scale_factors")))
-_register(aten.upsample_bilinear2d.vec, _generic("upsample_bilinear2d", aten.upsample_bilinear2d.vec, ("input",),
+register_lowering(aten.upsample_bilinear2d.vec, _generic("upsample_bilinear2d", aten.upsample_bilinear2d.vec, ("input",),
                                                   ("output_size", "align_corners", "scale_factors")))
-_register(aten.max_pool1d.default, _generic("max_pool1d", aten.max_pool1d.default, ("self",),
+register_lowering(aten.max_pool1d.default, _generic("max_pool1d", aten.max_pool1d.default, ("self",),
                                              ("kernel_size", "stride", "padding", "dilation", "ceil_mode")))
-_register(aten.avg_pool1d.default, _generic("avg_pool1d", aten.avg_pool1d.default, ("self",),
+register_lowering(aten.avg_pool1d.default, _generic("avg_pool1d", aten.avg_pool1d.default, ("self",),
                                              ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad")))
-_register(aten.upsample_nearest1d.vec, _generic("upsample_nearest1d", aten.upsample_nearest1d.vec, ("input",),
+register_lowering(aten.upsample_nearest1d.vec, _generic("upsample_nearest1d", aten.upsample_nearest1d.vec, ("input",),
                                                  ("output_size", "scale_factors")))
 
 
@@ -184,10 +184,10 @@ def _adaptive_max_pool(ctx, node):
     kernel = [s // o for s, o in zip(spatial, out_size)]
     attrs = {"kernel_size": kernel, "stride": kernel, "padding": [0] * n, "dilation": [1] * n, "ceil_mode": False}
     out = node.name
-    ctx.graph.nodes.append(Node(f"max_pool{n}d", [_value(ctx, node.args[0])], [out], attrs, _site(node)))
+    ctx.graph.nodes.append(Node(f"max_pool{n}d", [value_of(ctx, node.args[0])], [out], attrs, _site(node)))
     val = node.meta["val"][0]
     ctx.graph.values[out] = ValueInfo(_shape(val), str(val.dtype).replace("torch.", ""))
     ctx.names[node] = [out, None]
 
 
-_register([aten.adaptive_max_pool1d.default, aten.adaptive_max_pool2d.default], _adaptive_max_pool)
+register_lowering([aten.adaptive_max_pool1d.default, aten.adaptive_max_pool2d.default], _adaptive_max_pool)

@@ -10,14 +10,14 @@ from quantlens.compiler.ir import Node, ValueInfo
 from quantlens.compiler.lowering.movement import batch_rows
 from quantlens.compiler.lowering.rules import (
     TORCH_OPS,
-    _emit,
     _info,
-    _normalized,
-    _register,
     _site,
     _source,
-    _value,
     aten,
+    emit,
+    normalized,
+    register_lowering,
+    value_of,
 )
 from quantlens.errors import QuantLensError
 
@@ -26,39 +26,39 @@ _CONV_BY_RANK = {3: "conv1d", 4: "conv2d"}
 
 def _convolution(ctx, node):
     """``aten.convolution`` (not transposed) -> ``conv1d`` / ``conv2d`` by the weight's rank, same attributes."""
-    bound = _normalized(node)
+    bound = normalized(node)
     rank = len(_info(bound["weight"]).shape)
     if bound["transposed"] or rank not in _CONV_BY_RANK:
         raise QuantLensError(
             f"export: convolution at op site '{_site(node)}' ({_source(node)}) is "
             f"{'transposed' if bound['transposed'] else f'{rank - 2}-d'}; the IR lowers 1-d and 2-d convolutions "
             "(and conv_transpose1d/2d called as such).")
-    inputs = [_value(ctx, bound["input"]), _value(ctx, bound["weight"]),
-              "" if bound["bias"] is None else _value(ctx, bound["bias"])]
+    inputs = [value_of(ctx, bound["input"]), value_of(ctx, bound["weight"]),
+              "" if bound["bias"] is None else value_of(ctx, bound["bias"])]
     attrs = {k: [int(v) for v in bound[k]] for k in ("stride", "padding", "dilation")}
     attrs["groups"] = int(bound["groups"])
-    _emit(ctx, node, _CONV_BY_RANK[rank], inputs, attrs)
+    emit(ctx, node, _CONV_BY_RANK[rank], inputs, attrs)
 
 
-_register(aten.convolution.default, _convolution)
+register_lowering(aten.convolution.default, _convolution)
 
 
 def _addmm(ctx, node):
     """``addmm(bias, x, w)`` with beta = alpha = 1 is ``linear(x, wᵀ, bias)``: the weight's transpose is a data move
     of the (fake-quantized) weight, which convert carries out on the integer weight."""
-    bound = _normalized(node)
+    bound = normalized(node)
     if bound["beta"] != 1 or bound["alpha"] != 1:
         raise QuantLensError(f"export: addmm at op site '{_site(node)}' ({_source(node)}) scales its terms "
                              f"(beta={bound['beta']}, alpha={bound['alpha']}); the IR lowers addmm as a linear layer.")
-    weight = _value(ctx, bound["mat2"])
+    weight = value_of(ctx, bound["mat2"])
     shape = _info(bound["mat2"]).shape
     transposed = ctx.fresh("addmm_weight_t")
     ctx.graph.nodes.append(Node("permute", [weight], [transposed], {"dims": [1, 0]}, _site(node)))
     ctx.graph.values[transposed] = ValueInfo((shape[1], shape[0]), _info(bound["mat2"]).dtype)
-    _emit(ctx, node, "linear", [_value(ctx, bound["mat1"]), transposed, _value(ctx, bound["self"])], {})
+    emit(ctx, node, "linear", [value_of(ctx, bound["mat1"]), transposed, value_of(ctx, bound["self"])], {})
 
 
-_register(aten.addmm.default, _addmm)
+register_lowering(aten.addmm.default, _addmm)
 TORCH_OPS.setdefault("linear", aten.linear.default)
 
 
@@ -68,7 +68,7 @@ def _repeat(ctx, node):
     leaves strides that a later ``view`` (wavlm's position bias) cannot take. A count computed from the dynamic
     batch (DeBERTa's ``pos.repeat(q.size(0) // heads, 1, 1)``) is an ``index_select`` of index 0 as many times as
     the count has rows (``batch_rows``): the IR's expand takes static sizes only."""
-    bound = _normalized(node)
+    bound = normalized(node)
     symbolic = [i for i, r in enumerate(bound["repeats"]) if isinstance(r, fx.Node)]
     shape = list(_info(bound["self"]).shape)
     shape = [1] * (len(bound["repeats"]) - len(shape)) + shape
@@ -84,7 +84,7 @@ def _repeat(ctx, node):
         raise QuantLensError(f"export: repeat at op site '{_site(node)}' ({_source(node)}) of a dynamic dim; export "
                              f"with static shapes ({setting('dynamic_batch', False)}).")
     reps = [-1 if i in symbolic else int(r) for i, r in enumerate(bound["repeats"])]
-    value, dtype = _value(ctx, bound["self"]), _info(node).dtype
+    value, dtype = value_of(ctx, bound["self"]), _info(node).dtype
     value = _step(ctx, node, "reshape", [value], {"shape": [d for s in shape for d in (1, s)]}, dtype)
     if rows is not None:  # index 0 of the inserted dim, once per row of the count
         index = _step(ctx, node, "cast", [rows], {"dtype": "int64"}, "int64", (-1,))
@@ -92,7 +92,7 @@ def _repeat(ctx, node):
         value = _step(ctx, node, "index_select", [value, index], {"dim": 2 * symbolic[0]}, dtype,
                       [d for r, s in zip(reps, shape) for d in (-1 if r < 0 else 1, s)])
     value = _step(ctx, node, "expand", [value], {"shape": [d for r, s in zip(reps, shape) for d in (r, s)]}, dtype)
-    _emit(ctx, node, "reshape", [value], {"shape": [-1 if r < 0 else r * s for r, s in zip(reps, shape)]})
+    emit(ctx, node, "reshape", [value], {"shape": [-1 if r < 0 else r * s for r, s in zip(reps, shape)]})
 
 
 def _step(ctx, node, op: str, inputs: list[str], attrs: dict, dtype: str, shape=None) -> str:
@@ -102,4 +102,4 @@ def _step(ctx, node, op: str, inputs: list[str], attrs: dict, dtype: str, shape=
     return name
 
 
-_register(aten.repeat.default, _repeat)
+register_lowering(aten.repeat.default, _repeat)

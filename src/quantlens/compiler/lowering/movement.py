@@ -14,18 +14,18 @@ from quantlens.compiler.ir import Node, ValueInfo
 from quantlens.compiler.lowering.rules import (
     TORCH_OPS,
     _dim,
-    _emit,
     _generic,
     _info,
     _jsonable,
-    _normalized,
-    _register,
     _shape,
     _site,
     _source,
     _tensor_arg,
-    _value,
     aten,
+    emit,
+    normalized,
+    register_lowering,
+    value_of,
 )
 from quantlens.errors import QuantLensError
 
@@ -33,12 +33,12 @@ from quantlens.errors import QuantLensError
 
 
 def _reshape(ctx, node):
-    x = _value(ctx, node.args[0])
-    _emit(ctx, node, "reshape", [x], {"shape": list(_info(node).shape)})
+    x = value_of(ctx, node.args[0])
+    emit(ctx, node, "reshape", [x], {"shape": list(_info(node).shape)})
 
 
 def _permute(ctx, node):
-    x = _value(ctx, node.args[0])
+    x = value_of(ctx, node.args[0])
     ndim = len(_info(node.args[0]).shape)
     if node.target in (aten.transpose.int,):
         d0, d1 = (d % ndim for d in node.args[1:3])
@@ -48,11 +48,11 @@ def _permute(ctx, node):
         dims = list(range(ndim))[::-1]
     else:
         dims = [d % ndim for d in node.args[1]]
-    _emit(ctx, node, "permute", [x], {"dims": dims})
+    emit(ctx, node, "permute", [x], {"dims": dims})
 
 
 def _identity(ctx, node):
-    ctx.names[node] = _value(ctx, node.args[0])
+    ctx.names[node] = value_of(ctx, node.args[0])
 
 
 def _to(ctx, node):
@@ -60,33 +60,33 @@ def _to(ctx, node):
     dst = _info(node)
     if src.dtype == dst.dtype:
         return _identity(ctx, node)
-    _emit(ctx, node, "cast", [_value(ctx, node.args[0])], {"dtype": dst.dtype})
+    emit(ctx, node, "cast", [value_of(ctx, node.args[0])], {"dtype": dst.dtype})
 
 
 def _cat(ctx, node):
-    bound = _normalized(node)
-    tensors = [_tensor_arg(ctx, v) for v in _value(ctx, bound["tensors"])]
-    _emit(ctx, node, "cat", tensors, {"dim": bound["dim"] % len(_info(node).shape)})
+    bound = normalized(node)
+    tensors = [_tensor_arg(ctx, v) for v in value_of(ctx, bound["tensors"])]
+    emit(ctx, node, "cat", tensors, {"dim": bound["dim"] % len(_info(node).shape)})
 
 
 def _stack(ctx, node):
-    bound = _normalized(node)
+    bound = normalized(node)
     ndim = len(_info(node).shape)
     dim = bound["dim"] % ndim
     parts = []
-    for v, src in zip(_value(ctx, bound["tensors"]), bound["tensors"]):
+    for v, src in zip(value_of(ctx, bound["tensors"]), bound["tensors"]):
         shape = list(_info(src).shape)
         shape.insert(dim, 1)
         name = ctx.fresh("stack_part")
         ctx.graph.nodes.append(Node("reshape", [v], [name], {"shape": shape}, _site(node)))
         ctx.graph.values[name] = ValueInfo(tuple(shape), _info(src).dtype)
         parts.append(name)
-    _emit(ctx, node, "cat", parts, {"dim": dim})
+    emit(ctx, node, "cat", parts, {"dim": dim})
 
 
 def _split(ctx, node):
-    bound = _normalized(node)
-    x = _value(ctx, bound["self"])
+    bound = normalized(node)
+    x = value_of(ctx, bound["self"])
     vals = node.meta["val"]
     dim = bound["dim"] % len(_info(node.args[0]).shape)
     if len(vals) > 1 and any(free_unbacked_symbols(v.shape[dim]) for v in vals):
@@ -96,7 +96,7 @@ def _split(ctx, node):
             "are static. Compute such sizes outside the model, or give every part a fixed size."
         )
     sizes = [_dim(v.shape[dim]) for v in vals]
-    _emit(ctx, node, "split", [x], {"sizes": sizes, "dim": dim}, n_out=len(sizes))
+    emit(ctx, node, "split", [x], {"sizes": sizes, "dim": dim}, n_out=len(sizes))
 
 
 def _static_dim(node: fx.Node, shape: tuple, dim: int) -> None:
@@ -108,7 +108,7 @@ def _static_dim(node: fx.Node, shape: tuple, dim: int) -> None:
 
 
 def _slice(ctx, node):
-    bound = _normalized(node)
+    bound = normalized(node)
     shape = _info(node.args[0]).shape
     dim = bound["dim"] % len(shape)
     if shape[dim] == -1 and bound["start"] in (None, 0) and bound["step"] in (None, 1) and (
@@ -118,16 +118,16 @@ def _slice(ctx, node):
     start = bound["start"] if bound["start"] is not None else 0
     end = bound["end"] if bound["end"] is not None else shape[dim]
     start, end, _ = slice(start, end, bound["step"]).indices(shape[dim])
-    _emit(ctx, node, "slice", [_value(ctx, bound["self"])],
+    emit(ctx, node, "slice", [value_of(ctx, bound["self"])],
           {"dim": dim, "start": start, "end": end, "step": bound["step"]})
 
 
 def _select(ctx, node):
-    bound = _normalized(node)
+    bound = normalized(node)
     shape = _info(node.args[0]).shape
     dim = bound["dim"] % len(shape)
     _static_dim(node, shape, dim)
-    _emit(ctx, node, "select", [_value(ctx, bound["self"])], {"dim": dim, "index": bound["index"] % shape[dim]})
+    emit(ctx, node, "select", [value_of(ctx, bound["self"])], {"dim": dim, "index": bound["index"] % shape[dim]})
 
 
 def _getitem(ctx, node):
@@ -135,22 +135,22 @@ def _getitem(ctx, node):
     ctx.names[node] = ctx.names[source][index]
 
 
-_register([aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+register_lowering([aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
            aten.unflatten.int, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default],
           _reshape)
-_register([aten.permute.default, aten.transpose.int, aten.t.default], _permute)
-_register([aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default,
+register_lowering([aten.permute.default, aten.transpose.int, aten.t.default], _permute)
+register_lowering([aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default,
            aten.dropout.default, aten.lift_fresh_copy.default, aten.detach_.default], _identity)
-_register([aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default], _to)
-_register(aten.cat.default, _cat)
-_register(aten.stack.default, _stack)
-_register([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], _split)
+register_lowering([aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default], _to)
+register_lowering(aten.cat.default, _cat)
+register_lowering(aten.stack.default, _stack)
+register_lowering([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], _split)
 
 
 def _unbind(ctx, node):
     """``unbind(x, dim)``: a split into size-1 parts, each reshaped without ``dim``."""
-    bound = _normalized(node)
-    x = _value(ctx, bound["self"])
+    bound = normalized(node)
+    x = value_of(ctx, bound["self"])
     in_shape = _info(node.args[0]).shape
     dim = bound["dim"] % len(in_shape)
     _static_dim(node, in_shape, dim)
@@ -169,42 +169,42 @@ def _unbind(ctx, node):
     ctx.names[node] = outs
 
 
-_register(aten.unbind.int, _unbind)
-_register(aten.slice.Tensor, _slice)
-_register(aten.select.int, _select)
-_register(aten.expand.default, lambda ctx, node: _emit(ctx, node, "expand", [_value(ctx, node.args[0])],
+register_lowering(aten.unbind.int, _unbind)
+register_lowering(aten.slice.Tensor, _slice)
+register_lowering(aten.select.int, _select)
+register_lowering(aten.expand.default, lambda ctx, node: emit(ctx, node, "expand", [value_of(ctx, node.args[0])],
                                                         {"shape": list(_info(node).shape)}))
-_register(aten.gather.default, _generic("gather", aten.gather.default, ("self", "index"), ("dim",)))
-_register(aten.index_select.default, _generic("index_select", aten.index_select.default, ("self", "index"),
+register_lowering(aten.gather.default, _generic("gather", aten.gather.default, ("self", "index"), ("dim",)))
+register_lowering(aten.index_select.default, _generic("index_select", aten.index_select.default, ("self", "index"),
                                                ("dim",)))
-_register(operator.getitem, _getitem)
-_register(aten.pixel_shuffle.default, _generic("pixel_shuffle", aten.pixel_shuffle.default, ("self",),
+register_lowering(operator.getitem, _getitem)
+register_lowering(aten.pixel_shuffle.default, _generic("pixel_shuffle", aten.pixel_shuffle.default, ("self",),
                                                ("upscale_factor",)))
-_register(aten.pixel_unshuffle.default, _generic("pixel_unshuffle", aten.pixel_unshuffle.default, ("self",),
+register_lowering(aten.pixel_unshuffle.default, _generic("pixel_unshuffle", aten.pixel_unshuffle.default, ("self",),
                                                  ("downscale_factor",)))
 
 
 def _flip(ctx, node):
     ndim = len(_info(node.args[0]).shape)
-    _emit(ctx, node, "flip", [_value(ctx, node.args[0])], {"dims": sorted(d % ndim for d in node.args[1])})
+    emit(ctx, node, "flip", [value_of(ctx, node.args[0])], {"dims": sorted(d % ndim for d in node.args[1])})
 
 
-_register(aten.flip.default, _flip)
+register_lowering(aten.flip.default, _flip)
 TORCH_OPS["flip"] = aten.flip.default
 
 
 def _index(ctx, node):
     """Advanced indexing ``x[i, j]`` (masks, gathers): ``index(x, i0, i1, ...)``, "" for an unindexed dim."""
     x, indices = node.args[0], node.args[1]
-    names = [_value(ctx, x)] + ["" if i is None else _value(ctx, i) for i in indices]
-    _emit(ctx, node, "index", names, {})
+    names = [value_of(ctx, x)] + ["" if i is None else value_of(ctx, i) for i in indices]
+    emit(ctx, node, "index", names, {})
 
 
-_register(aten.index.Tensor, _index)
+register_lowering(aten.index.Tensor, _index)
 TORCH_OPS.update({"reshape": aten.reshape.default, "permute": aten.permute.default, "cat": aten.cat.default,
                   "expand": aten.expand.default})
 for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
-    _register([getattr(aten, _name).Tensor, getattr(aten, _name).Scalar],
+    register_lowering([getattr(aten, _name).Tensor, getattr(aten, _name).Scalar],
               _generic(_name, getattr(aten, _name).Tensor, ("self", "other")))
 def _bool_only(op: str, torch_op, args: tuple[str, ...]):
     """Bitwise ops are logical ops on bool tensors (masks); on integers they have no IR op."""
@@ -221,37 +221,37 @@ def _bool_only(op: str, torch_op, args: tuple[str, ...]):
     return rule
 
 
-_register([aten.logical_not.default, aten.bitwise_not.default],
+register_lowering([aten.logical_not.default, aten.bitwise_not.default],
           _bool_only("logical_not", aten.logical_not.default, ("self",)))
-_register([aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default],
+register_lowering([aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default],
           _bool_only("logical_and", aten.logical_and.default, ("self", "other")))
-_register([aten.__or__.Tensor, aten.bitwise_or.Tensor, aten.logical_or.default],
+register_lowering([aten.__or__.Tensor, aten.bitwise_or.Tensor, aten.logical_or.default],
           _bool_only("logical_or", aten.logical_or.default, ("self", "other")))
 
 
 def _fake_quant(ctx, node):
     x, scale, qmin, qmax, axis = node.args
-    _emit(ctx, node, "fake_quant", [_value(ctx, x), _value(ctx, scale)], {"qmin": qmin, "qmax": qmax, "axis": axis})
+    emit(ctx, node, "fake_quant", [value_of(ctx, x), value_of(ctx, scale)], {"qmin": qmin, "qmax": qmax, "axis": axis})
 
 
-_register(torch.ops.quantlens.fake_quant.default, _fake_quant)
+register_lowering(torch.ops.quantlens.fake_quant.default, _fake_quant)
 TORCH_OPS["fake_quant"] = torch.ops.quantlens.fake_quant.default
 
 
 def _quantlens_custom(ctx, node):
     """pre_export's table ops (``torch.ops.quantlens.*``) map one to one to IR ops of the same name."""
-    bound = _normalized(node)
+    bound = normalized(node)
     schema = node.target._schema
     inputs, attrs = [], {}
     for arg in schema.arguments:
-        value = _value(ctx, bound[arg.name])
+        value = value_of(ctx, bound[arg.name])
         if str(arg.type).startswith("Tensor"):
             inputs.append("" if value is None else value)
         else:
             attrs[arg.name] = _jsonable(value)
     op = schema.name.split("::", 1)[1]
     TORCH_OPS.setdefault(op, node.target)
-    _emit(ctx, node, op, inputs, attrs)
+    emit(ctx, node, op, inputs, attrs)
 
 
 # -- tensors sized by the dynamic batch --------------------------------------------------------------------------
@@ -276,7 +276,7 @@ def batch_rows(ctx, node: fx.Node, size) -> str | None:
         dim %= len(shape)
         if shape[dim] != -1:
             return None
-        name, dtype = _value(ctx, tensor), _info(tensor).dtype
+        name, dtype = value_of(ctx, tensor), _info(tensor).dtype
         for k in reversed(range(len(shape))):  # down to the dynamic dim alone: shape [-1]
             if k != dim:
                 shape.pop(k)
@@ -322,7 +322,7 @@ def _batch_sized_full(ctx, node):
     name = _append(ctx, node, "expand", name, {"shape": target}, target, dtype)
     if _info(node).dtype != dtype:
         name = _append(ctx, node, "cast", name, {"dtype": _info(node).dtype}, target, _info(node).dtype)
-    _emit(ctx, node, "fill", [name], {"value": value})
+    emit(ctx, node, "fill", [name], {"value": value})
 
 
-_register([aten.zeros.default, aten.full.default], _batch_sized_full)
+register_lowering([aten.zeros.default, aten.full.default], _batch_sized_full)

@@ -29,7 +29,7 @@ import torch
 from torch import fx
 
 from quantlens.compiler.ir import Node
-from quantlens.compiler.lowering.rules import _Ctx, _normalized, _register, _value
+from quantlens.compiler.lowering.rules import LoweringContext, normalized, register_lowering, value_of
 from quantlens.errors import QuantLensError
 from quantlens.quantization.rnn_fold import STEP_META
 
@@ -46,11 +46,11 @@ class _Template:
     state_outputs: list[tuple[int, int]]  # state k after the iteration: (node position, output index)
 
 
-def _names(ctx: _Ctx, values) -> list[str]:
-    return [_value(ctx, v) for v in values]
+def _names(ctx: LoweringContext, values) -> list[str]:
+    return [value_of(ctx, v) for v in values]
 
 
-def _iteration_nodes(ctx: _Ctx, node: fx.Node, key: int, iteration: int, position: dict[str, int]) -> list[int]:
+def _iteration_nodes(ctx: LoweringContext, node: fx.Node, key: int, iteration: int, position: dict[str, int]) -> list[int]:
     """Positions in the IR of the nodes lowered from one traced iteration (first to last)."""
     tag = f"{key}/{iteration}"
     found = []
@@ -89,7 +89,7 @@ def _classify(nodes: list[Node], state: list[str], x: str | None) -> list[list[t
     return result
 
 
-def _same_constant(ctx: _Ctx, a: str, b: str) -> bool:
+def _same_constant(ctx: LoweringContext, a: str, b: str) -> bool:
     c = ctx.graph.constants
     return a in c and b in c and c[a].dtype == c[b].dtype and c[a].shape == c[b].shape and bool(torch.equal(c[a], c[b]))
 
@@ -116,7 +116,7 @@ def _mismatch(a: Node, b: Node, what: str) -> QuantLensError:
     )
 
 
-def _template(ctx: _Ctx, first: list[Node], second: list[Node], states: tuple[list[str], list[str], list[str]],
+def _template(ctx: LoweringContext, first: list[Node], second: list[Node], states: tuple[list[str], list[str], list[str]],
               xs: list[str]) -> _Template:
     """Iteration 1 as a template, checked against iteration 2."""
     if len(first) != len(second):
@@ -148,7 +148,7 @@ def _template(ctx: _Ctx, first: list[Node], second: list[Node], states: tuple[li
     return _Template(first, ins_a, deltas, state_outputs)
 
 
-def _fresh(ctx: _Ctx, name: str, iteration: int) -> str:
+def _fresh(ctx: LoweringContext, name: str, iteration: int) -> str:
     new = f"{name}_r{iteration}"
     while new in ctx.graph.values:
         new = ctx.fresh(new)
@@ -162,7 +162,7 @@ def _copy_attrs(attrs: dict[str, Any], deltas: dict[str, int], steps: int) -> di
     return out
 
 
-def _repeat(ctx: _Ctx, template: _Template, state: list[str], xs: list[str], repeats: int) -> list[str]:
+def _repeat(ctx: LoweringContext, template: _Template, state: list[str], xs: list[str], repeats: int) -> list[str]:
     """Append one copy of the template per further iteration (3, 4, ...); the states after each, flat."""
     results: list[str] = []
     for iteration in range(3, 3 + repeats):
@@ -190,9 +190,9 @@ def _repeat(ctx: _Ctx, template: _Template, state: list[str], xs: list[str], rep
     return results
 
 
-def lower_recurrent_steps(ctx: _Ctx, node: fx.Node) -> None:
+def lower_recurrent_steps(ctx: LoweringContext, node: fx.Node) -> None:
     """``recurrent_steps(state_in, state_mid, state_out, xs, key, repeats)``: the folded iterations, unrolled."""
-    bound = _normalized(node)
+    bound = normalized(node)
     states = tuple(_names(ctx, bound[k]) for k in ("state_in", "state_mid", "state_out"))
     xs = _names(ctx, bound["xs"])
     position = {out: i for i, n in enumerate(ctx.graph.nodes) for out in n.outputs}
@@ -202,4 +202,4 @@ def lower_recurrent_steps(ctx: _Ctx, node: fx.Node) -> None:
     ctx.names[node] = _repeat(ctx, template, states[2], xs, bound["repeats"])
 
 
-_register(torch.ops.quantlens.recurrent_steps.default, lower_recurrent_steps)
+register_lowering(torch.ops.quantlens.recurrent_steps.default, lower_recurrent_steps)

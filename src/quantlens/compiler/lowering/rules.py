@@ -15,13 +15,13 @@ from quantlens.compiler.ir import Graph, Node, ValueInfo
 from quantlens.errors import QuantLensError
 from quantlens.quantization.tracer import TORCH_DIR, is_within
 
-__all__ = ["LOWERINGS", "TORCH_OPS"]
+__all__ = ["LOWERINGS", "TORCH_OPS", "LoweringContext", "register_lowering", "emit", "value_of", "normalized"]
 
 aten = torch.ops.aten
 
 
 @dataclass
-class _Ctx:
+class LoweringContext:
     graph: Graph
     names: dict[fx.Node, Any] = field(default_factory=dict)  # fx node -> value name (or list, or python value)
     counter: int = 0
@@ -45,7 +45,7 @@ class _Ctx:
 
 # IR op name -> the torch op whose float semantics it has (the qat kernels call it).
 TORCH_OPS: dict[str, Callable] = {}
-#: aten overload -> its lowering rule (``_Ctx, fx.Node -> None``)
+#: aten overload -> its lowering rule (``LoweringContext, fx.Node -> None``)
 LOWERINGS, _lowering = make_registry("lowering rule for aten op")
 
 
@@ -86,7 +86,7 @@ def _info(node: fx.Node) -> ValueInfo:
     return ValueInfo((), "unknown")
 
 
-def _emit(ctx: _Ctx, node: fx.Node, op: str, inputs: list[str], attrs: dict, n_out: int = 1) -> list[str]:
+def emit(ctx: LoweringContext, node: fx.Node, op: str, inputs: list[str], attrs: dict, n_out: int = 1) -> list[str]:
     vals = node.meta.get("val")
     # a one-part split (one feature level) still returns a tuple, which getitem indexes: a list of one name
     many = n_out != 1 or isinstance(vals, (tuple, list))
@@ -106,16 +106,16 @@ def _emit(ctx: _Ctx, node: fx.Node, op: str, inputs: list[str], attrs: dict, n_o
     return outs
 
 
-def _value(ctx: _Ctx, arg: Any) -> Any:
+def value_of(ctx: LoweringContext, arg: Any) -> Any:
     """IR value name for an fx node argument (constants are materialised); python values pass through."""
     if isinstance(arg, fx.Node):
         return ctx.names[arg]
     if isinstance(arg, (list, tuple)):
-        return type(arg)(_value(ctx, a) for a in arg)
+        return type(arg)(value_of(ctx, a) for a in arg)
     return arg
 
 
-def _normalized(node: fx.Node) -> dict[str, Any]:
+def normalized(node: fx.Node) -> dict[str, Any]:
     """Arguments by schema name, defaults filled in."""
     schema = node.target._schema
     bound = {}
@@ -131,7 +131,7 @@ def _normalized(node: fx.Node) -> dict[str, Any]:
     return bound
 
 
-def _tensor_arg(ctx: _Ctx, value: Any, dtype: str = "float32") -> str:
+def _tensor_arg(ctx: LoweringContext, value: Any, dtype: str = "float32") -> str:
     """A tensor operand: an IR value, or a python scalar made into a 0-d constant of ``dtype`` (the dtype torch
     computes in, so ``ids + 1`` stays integer)."""
     if isinstance(value, str):
@@ -141,7 +141,7 @@ def _tensor_arg(ctx: _Ctx, value: Any, dtype: str = "float32") -> str:
     raise QuantLensError(f"Expected a tensor operand, got {value!r}.")
 
 
-def _operand_dtype(ctx: _Ctx, names: list, node: fx.Node) -> str:
+def _operand_dtype(ctx: LoweringContext, names: list, node: fx.Node) -> str:
     """dtype for python scalars of an op: the other operand's for comparisons, else the result's."""
     out = _info(node).dtype
     if out != "bool":
@@ -155,15 +155,15 @@ def _operand_dtype(ctx: _Ctx, names: list, node: fx.Node) -> str:
 def _generic(op: str, torch_op, tensor_args: tuple[str, ...], attr_args: tuple[str, ...] = (), n_out: int = 1):
     """Rule: tensor schema args -> inputs ("" for None), listed attr args -> attrs."""
 
-    def rule(ctx: _Ctx, node: fx.Node) -> None:
-        bound = _normalized(node)
-        values = [_value(ctx, bound[name]) for name in tensor_args]
+    def rule(ctx: LoweringContext, node: fx.Node) -> None:
+        bound = normalized(node)
+        values = [value_of(ctx, bound[name]) for name in tensor_args]
         dtype = _operand_dtype(ctx, values, node)
         inputs = []
         for v in values:
             inputs.append("" if v is None else _tensor_arg(ctx, v, dtype))
         attrs = {name: _jsonable(bound[name]) for name in attr_args}
-        _emit(ctx, node, op, inputs, attrs, n_out)
+        emit(ctx, node, op, inputs, attrs, n_out)
         if isinstance(bound.get("dtype"), torch.dtype) and "dtype" not in attr_args and n_out == 1:
             _cast_result(ctx, node, bound["dtype"])  # cumsum(..., dtype=torch.int32): the IR op keeps its input's
 
@@ -171,7 +171,7 @@ def _generic(op: str, torch_op, tensor_args: tuple[str, ...], attr_args: tuple[s
     return rule
 
 
-def _cast_result(ctx: _Ctx, node: fx.Node, dtype: torch.dtype) -> None:
+def _cast_result(ctx: LoweringContext, node: fx.Node, dtype: torch.dtype) -> None:
     """The last emitted node computes in its input's dtype; a ``cast`` to the aten op's ``dtype`` argument makes
     the node's value (its IR name and value info stay the aten node's)."""
     emitted = ctx.graph.nodes[-1]
@@ -194,5 +194,5 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _register(targets, rule) -> None:
+def register_lowering(targets, rule) -> None:
     _lowering(*(targets if isinstance(targets, (list, tuple)) else (targets,)))(rule)

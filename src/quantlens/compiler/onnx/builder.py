@@ -1,4 +1,4 @@
-"""``_Builder``: the ONNX graph that ``to_onnx``'s converters write into (the one job of this module).
+"""``Builder``: the ONNX graph that ``to_onnx``'s converters write into (the one job of this module).
 
 It names values, turns IR constants into initializers, records each ONNX value's dtype and rank, adds nodes and
 casts, and makes ``QuantLensError`` messages that name the op site. :mod:`.registry` holds the converters and
@@ -13,6 +13,8 @@ import torch
 
 from quantlens.compiler.ir import Module, Node
 from quantlens.errors import QuantLensError
+
+__all__ = ["Builder"]
 
 
 def _onnx_dtype(dtype: str) -> int:
@@ -31,7 +33,7 @@ def _onnx_dtype(dtype: str) -> int:
     return table[dtype]
 
 
-class _Builder:
+class Builder:
     def __init__(self, module: Module, opset: int, standard_qdq: bool = False):
         import onnx.helper
 

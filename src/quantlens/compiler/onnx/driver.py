@@ -12,7 +12,7 @@ from pathlib import Path
 
 from quantlens._io import atomic_write_bytes
 from quantlens.compiler.ir import Module
-from quantlens.compiler.onnx.builder import _Builder, _onnx_dtype
+from quantlens.compiler.onnx.builder import Builder, _onnx_dtype
 from quantlens.compiler.onnx.ops_host import host_node, writes_on_host
 from quantlens.compiler.onnx.registry import ONNX_CONVERTERS
 from quantlens.compiler.provenance import ONNX_SOURCE_DIGEST_PROP, SOURCE_DIGEST_KEY, ir_digest
@@ -30,7 +30,7 @@ MIN_OPSET = 21
 _DATA_MOVEMENT = {"MaxPool", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice"}
 
 
-def _complete_qdq(b: _Builder) -> None:
+def _complete_qdq(b: Builder) -> None:
     """Give every data-movement op fed by a per-tensor DequantizeLinear (or feeding a per-tensor QuantizeLinear)
     its own Q/DQ pair on the same grid.
 
@@ -50,18 +50,18 @@ def _complete_qdq(b: _Builder) -> None:
     b.nodes = result
 
 
-def _is_scalar_init(b: _Builder, name: str) -> bool:
+def _is_scalar_init(b: Builder, name: str) -> bool:
     proto = b.initializers.get(name)
     return proto is not None and len(proto.dims) == 0
 
 
-def _is_per_tensor(b: _Builder, node) -> bool:
+def _is_per_tensor(b: Builder, node) -> bool:
     """A QuantizeLinear / DequantizeLinear with a scalar scale and zero point (initializers)."""
     return (node.op_type in ("QuantizeLinear", "DequantizeLinear") and len(node.input) == 3
             and _is_scalar_init(b, node.input[1]) and _is_scalar_init(b, node.input[2]))
 
 
-def _qdq_pair(b: _Builder, src: str, dst: str, q_node) -> list:
+def _qdq_pair(b: Builder, src: str, dst: str, q_node) -> list:
     """``src -> QuantizeLinear -> DequantizeLinear -> dst`` on the grid (scale, zero point) of ``q_node``."""
     mid = b.fresh(f"{dst}/requant")
     return [b.helper.make_node("QuantizeLinear", [src, q_node.input[1], q_node.input[2]], [mid],
@@ -70,7 +70,7 @@ def _qdq_pair(b: _Builder, src: str, dst: str, q_node) -> list:
                                name=b.fresh(f"{dst}/DequantizeLinear"))]
 
 
-def _requant_after_dequant(b: _Builder, outputs: set[str]) -> tuple[list, dict]:
+def _requant_after_dequant(b: Builder, outputs: set[str]) -> tuple[list, dict]:
     """The forward pass: DQ -> op  ==>  DQ -> op -> Q -> DQ (unless the op already feeds QuantizeLinear nodes
     only). Returns the new node list and the producer of every value."""
     readers: dict[str, list] = {}
@@ -102,7 +102,7 @@ def _requant_after_dequant(b: _Builder, outputs: set[str]) -> tuple[list, dict]:
     return nodes, producer
 
 
-def _requant_before_quant(b: _Builder, nodes: list, producer: dict, outputs: set[str]) -> dict[int, list]:
+def _requant_before_quant(b: Builder, nodes: list, producer: dict, outputs: set[str]) -> dict[int, list]:
     """The backward pass: x -> op -> Q  ==>  x -> Q -> DQ -> op -> Q, walking up chains of data-movement ops from
     every per-tensor QuantizeLinear. Returns the Q/DQ pairs to insert before each op (by ``id``); rewires the ops'
     inputs and updates ``producer``."""
@@ -117,7 +117,7 @@ def _requant_before_quant(b: _Builder, nodes: list, producer: dict, outputs: set
     return insert_before
 
 
-def _requant_chain(b: _Builder, q_node, producer: dict, consumers: dict[str, int], outputs: set[str],
+def _requant_chain(b: Builder, q_node, producer: dict, consumers: dict[str, int], outputs: set[str],
                    insert_before: dict[int, list]) -> None:
     """Walk up from ``q_node`` through data-movement ops, each read once and writing no graph output, giving each
     a Q/DQ pair on its input; stops at a DequantizeLinear (the forward pass covered it) or a shared value."""
@@ -138,7 +138,7 @@ def _requant_chain(b: _Builder, q_node, producer: dict, consumers: dict[str, int
 
 
 # -- driver ----------------------------------------------------------------------------------------------------------
-def _value_info(b: _Builder, name: str, onnx_name: str, is_input: bool):
+def _value_info(b: Builder, name: str, onnx_name: str, is_input: bool):
     info = b.graph.values.get(name)
     dtype = b.dtype(name)
     if dtype is None:
@@ -154,7 +154,7 @@ def _value_info(b: _Builder, name: str, onnx_name: str, is_input: bool):
 def _build(module: Module, opset: int, standard_qdq: bool = False):
     import onnx
 
-    b = _Builder(module, opset, standard_qdq)
+    b = Builder(module, opset, standard_qdq)
     graph = module.graph
     for node in graph.nodes:
         convert = ONNX_CONVERTERS.get(node.op)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from quantlens.compiler.ir import Node
-from quantlens.compiler.onnx.builder import _Builder, _onnx_dtype
+from quantlens.compiler.onnx.builder import Builder, _onnx_dtype
 from quantlens.compiler.onnx.registry import onnx_converter
 from quantlens.march.opset import IR_OPS, Category
 
@@ -16,7 +16,7 @@ _BOOL_BINARY = {"add": "Or", "mul": "And"}
 
 
 @onnx_converter(*_BINARY)
-def _binary(b: _Builder, node: Node) -> None:
+def _binary(b: Builder, node: Node) -> None:
     dtype = b.out_dtype(node)
     a, c = (b.cast(b.value(i), dtype) for i in node.inputs)
     b.add(_BOOL_BINARY.get(node.op, _BINARY[node.op]) if dtype == "bool" else _BINARY[node.op], [a, c],
@@ -28,7 +28,7 @@ _UNARY = {"relu": "Relu", "sigmoid": "Sigmoid", "tanh": "Tanh", "exp": "Exp", "r
 
 
 @onnx_converter(*_UNARY)
-def _unary(b: _Builder, node: Node) -> None:
+def _unary(b: Builder, node: Node) -> None:
     x = b.value(node.inputs[0])
     if IR_OPS[node.op].category is Category.TABLE:
         x = b.cast(x, b.out_dtype(node))  # torch promotes integer inputs to float
@@ -36,21 +36,21 @@ def _unary(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("rsqrt")
-def _rsqrt(b: _Builder, node: Node) -> None:
+def _rsqrt(b: Builder, node: Node) -> None:
     x = b.cast(b.value(node.inputs[0]), b.out_dtype(node))
     root = b.add("Sqrt", [x], f"{node.outputs[0]}/sqrt", dtype=b.out_dtype(node), rank=b.rank(node.inputs[0]))
     b.add("Reciprocal", [root], node.outputs[0])
 
 
 @onnx_converter("silu")
-def _silu(b: _Builder, node: Node) -> None:
+def _silu(b: Builder, node: Node) -> None:
     x = b.value(node.inputs[0])
     sig = b.add("Sigmoid", [x], f"{node.outputs[0]}/sigmoid", dtype=b.dtype(x), rank=b.rank(x))
     b.add("Mul", [x, sig], node.outputs[0])
 
 
 @onnx_converter("gelu")
-def _gelu(b: _Builder, node: Node) -> None:
+def _gelu(b: Builder, node: Node) -> None:
     approximate = node.attrs.get("approximate", "none")
     if approximate not in ("none", "tanh"):
         raise b.error(node, f"approximate={approximate!r}", "Use approximate='none' or 'tanh'.")
@@ -58,7 +58,7 @@ def _gelu(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("softplus")
-def _softplus(b: _Builder, node: Node) -> None:
+def _softplus(b: Builder, node: Node) -> None:
     x = b.value(node.inputs[0])
     out = node.outputs[0]
     dtype, rank = b.dtype(x) or "float32", b.rank(x)
@@ -74,7 +74,7 @@ def _softplus(b: _Builder, node: Node) -> None:
     b.add("Where", [big, x, sp], out)
 
 
-def _clip(b: _Builder, node: Node, lo: Any, hi: Any) -> None:
+def _clip(b: Builder, node: Node, lo: Any, hi: Any) -> None:
     x = b.value(node.inputs[0])
     dtype = b.dtype(x) or "float32"
     inputs = [x,
@@ -86,17 +86,17 @@ def _clip(b: _Builder, node: Node, lo: Any, hi: Any) -> None:
 
 
 @onnx_converter("clamp")
-def _clamp(b: _Builder, node: Node) -> None:
+def _clamp(b: Builder, node: Node) -> None:
     _clip(b, node, node.attrs.get("min"), node.attrs.get("max"))
 
 
 @onnx_converter("hardtanh")
-def _hardtanh(b: _Builder, node: Node) -> None:
+def _hardtanh(b: Builder, node: Node) -> None:
     _clip(b, node, node.attrs.get("min_val", -1.0), node.attrs.get("max_val", 1.0))
 
 
 @onnx_converter("pow")
-def _pow(b: _Builder, node: Node) -> None:
+def _pow(b: Builder, node: Node) -> None:
     exponent = node.attrs["exponent"]
     x = b.cast(b.value(node.inputs[0]), b.out_dtype(node))
     dtype = b.dtype(x) if b.dtype(x) in _FLOAT_DTYPES else ("int64" if isinstance(exponent, int) else "float32")
@@ -104,23 +104,23 @@ def _pow(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("hardswish")
-def _hardswish(b: _Builder, node: Node) -> None:
+def _hardswish(b: Builder, node: Node) -> None:
     b.add("HardSwish", [b.value(node.inputs[0])], node.outputs[0])  # x * max(0, min(1, x / 6 + 1 / 2)), as torch
 
 
 @onnx_converter("hardsigmoid")
-def _hardsigmoid(b: _Builder, node: Node) -> None:
+def _hardsigmoid(b: Builder, node: Node) -> None:
     b.add("HardSigmoid", [b.value(node.inputs[0])], node.outputs[0], alpha=1.0 / 6.0, beta=0.5)  # torch's constants
 
 
 @onnx_converter("elu")
-def _elu(b: _Builder, node: Node) -> None:
+def _elu(b: Builder, node: Node) -> None:
     if float(node.attrs.get("scale", 1.0)) != 1.0 or float(node.attrs.get("input_scale", 1.0)) != 1.0:
         raise b.error(node, "elu with scale or input_scale other than 1 (selu/celu)", "Use F.elu(x, alpha).")
     b.add("Elu", [b.value(node.inputs[0])], node.outputs[0], alpha=float(node.attrs.get("alpha", 1.0)))
 
 
-def _promote(b: _Builder, names: list[str]) -> list[str]:
+def _promote(b: Builder, names: list[str]) -> list[str]:
     """Cast comparison operands to one dtype (float wins over integer, as in torch)."""
     dtypes = [b.dtype(n) for n in names]
     if None in dtypes or len(set(dtypes)) == 1:
@@ -136,7 +136,7 @@ _COMPARE = {"eq": "Equal", "lt": "Less", "le": "LessOrEqual", "gt": "Greater", "
 
 
 @onnx_converter(*_COMPARE, "ne")
-def _compare(b: _Builder, node: Node) -> None:
+def _compare(b: Builder, node: Node) -> None:
     a, c = _promote(b, [b.value(i) for i in node.inputs])
     if node.op in ("lt", "le", "gt", "ge") and "bool" in (b.dtype(a), b.dtype(c)):  # ONNX orders numbers only
         a, c = b.cast(a, "int32"), b.cast(c, "int32")
@@ -148,7 +148,7 @@ def _compare(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("logical_not", "logical_and", "logical_or")
-def _logical(b: _Builder, node: Node) -> None:
+def _logical(b: Builder, node: Node) -> None:
     op = {"logical_not": "Not", "logical_and": "And", "logical_or": "Or"}[node.op]
     y = b.add(op, [b.cast(b.value(i), "bool") for i in node.inputs],
               node.outputs[0] if b.out_dtype(node) in (None, "bool") else f"{node.outputs[0]}/bool", dtype="bool")
@@ -157,7 +157,7 @@ def _logical(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("where")
-def _where(b: _Builder, node: Node) -> None:
+def _where(b: Builder, node: Node) -> None:
     cond, a, c = node.inputs
     dtype = b.out_dtype(node)
     b.add("Where", [b.cast(b.value(cond), "bool"), b.cast(b.value(a), dtype), b.cast(b.value(c), dtype)],
@@ -165,7 +165,7 @@ def _where(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("masked_fill")
-def _masked_fill(b: _Builder, node: Node) -> None:
+def _masked_fill(b: Builder, node: Node) -> None:
     x, mask = node.inputs
     dtype = b.dtype(x) or "float32"
     value = b.scalar(node.attrs["value"], dtype, f"{node.outputs[0]}/value")
@@ -173,7 +173,7 @@ def _masked_fill(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("prelu")
-def _prelu(b: _Builder, node: Node) -> None:
+def _prelu(b: Builder, node: Node) -> None:
     """ONNX PRelu broadcasts the slope numpy-style (from the last dim): a per-channel slope becomes [C, 1, ...]."""
     x, slope = node.inputs
     rank = b.rank(x)
@@ -187,12 +187,12 @@ def _prelu(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("leaky_relu")
-def _leaky_relu(b: _Builder, node: Node) -> None:
+def _leaky_relu(b: Builder, node: Node) -> None:
     b.add("LeakyRelu", [b.value(node.inputs[0])], node.outputs[0], alpha=float(node.attrs["negative_slope"]))
 
 
 @onnx_converter("fill")
-def _fill(b: _Builder, node: Node) -> None:
+def _fill(b: Builder, node: Node) -> None:
     x = b.value(node.inputs[0])
     out = node.outputs[0]
     zero = b.add("Mul", [x, b.scalar(0.0, b.dtype(node.inputs[0]) or "float32", f"{out}/zero")], f"{out}/zeros",

@@ -10,12 +10,12 @@ import torch
 from quantlens._advice import setting
 from quantlens.compiler.ir import Node
 from quantlens.compiler.onnx.attrs import _pair
-from quantlens.compiler.onnx.builder import _Builder
+from quantlens.compiler.onnx.builder import Builder
 from quantlens.compiler.onnx.registry import onnx_converter
 
 
 @onnx_converter("conv2d", "conv1d")
-def _conv(b: _Builder, node: Node) -> None:
+def _conv(b: Builder, node: Node) -> None:
     n = 2 if node.op == "conv2d" else 1
     a = node.attrs
     if isinstance(a.get("padding"), str):
@@ -27,7 +27,7 @@ def _conv(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("conv_transpose1d", "conv_transpose2d")
-def _conv_transpose(b: _Builder, node: Node) -> None:
+def _conv_transpose(b: Builder, node: Node) -> None:
     """``ConvTranspose``: the weight layout ``[in, out / groups, k...]`` is ONNX's; torch's padding crops both
     ends (``pads``), ``output_padding`` adds at the end."""
     n = 2 if node.op == "conv_transpose2d" else 1
@@ -40,7 +40,7 @@ def _conv_transpose(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("linear")
-def _linear(b: _Builder, node: Node) -> None:
+def _linear(b: Builder, node: Node) -> None:
     """``Gemm(x, W, b, transB=1)``; an N-D input is flattened to 2-D around it (``Reshape -> Gemm -> Reshape``)."""
     x, w = b.value(node.inputs[0]), b.value(node.inputs[1])
     bias = b.value(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
@@ -65,12 +65,12 @@ def _linear(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("matmul")
-def _matmul(b: _Builder, node: Node) -> None:
+def _matmul(b: Builder, node: Node) -> None:
     b.add("MatMul", [b.value(i) for i in node.inputs], node.outputs[0])
 
 
 @onnx_converter("sdpa")
-def _sdpa(b: _Builder, node: Node) -> None:
+def _sdpa(b: Builder, node: Node) -> None:
     a = node.attrs
     if a.get("dropout_p") not in (None, 0, 0.0):
         raise b.error(node, f"dropout_p={a['dropout_p']}", "Export the model in eval mode (dropout off).")
@@ -110,6 +110,6 @@ def _sdpa(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("embedding")
-def _embedding(b: _Builder, node: Node) -> None:
+def _embedding(b: Builder, node: Node) -> None:
     weight, indices = node.inputs[:2]
     b.add("Gather", [b.value(weight), b.cast(b.value(indices), "int64")], node.outputs[0], axis=0)

@@ -4,12 +4,12 @@ flip, pixel shuffle) and writes of slices into a tensor (select_scatter, slice_s
 from __future__ import annotations
 
 from quantlens.compiler.ir import Node
-from quantlens.compiler.onnx.builder import _Builder, _onnx_dtype
+from quantlens.compiler.onnx.builder import Builder, _onnx_dtype
 from quantlens.compiler.onnx.registry import onnx_converter
 
 
 @onnx_converter("reshape")
-def _reshape(b: _Builder, node: Node) -> None:
+def _reshape(b: Builder, node: Node) -> None:
     shape = [int(d) for d in node.attrs["shape"]]
     if shape.count(-1) > 1:
         raise b.error(node, f"target shape {shape} has more than one dynamic dimension",
@@ -19,17 +19,17 @@ def _reshape(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("permute")
-def _permute(b: _Builder, node: Node) -> None:
+def _permute(b: Builder, node: Node) -> None:
     b.add("Transpose", [b.value(node.inputs[0])], node.outputs[0], perm=[int(d) for d in node.attrs["dims"]])
 
 
 @onnx_converter("cast")
-def _cast(b: _Builder, node: Node) -> None:
+def _cast(b: Builder, node: Node) -> None:
     b.add("Cast", [b.value(node.inputs[0])], node.outputs[0], to=_onnx_dtype(node.attrs["dtype"]))
 
 
 @onnx_converter("cat")
-def _cat(b: _Builder, node: Node) -> None:
+def _cat(b: Builder, node: Node) -> None:
     dtype = b.out_dtype(node)
     # torch's cat skips an empty 1-D tensor (an empty cache before its first step); ONNX Concat needs equal ranks
     inputs = [i for i in node.inputs if b.shape(i) != (0,)] or node.inputs[:1]
@@ -37,7 +37,7 @@ def _cat(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("split")
-def _split(b: _Builder, node: Node) -> None:
+def _split(b: Builder, node: Node) -> None:
     sizes = [int(s) for s in node.attrs["sizes"]]
     if any(s < 0 for s in sizes):
         raise b.error(node, "split along the dynamic batch dimension", "Export without dynamic_batch.")
@@ -46,7 +46,7 @@ def _split(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("slice")
-def _slice(b: _Builder, node: Node) -> None:
+def _slice(b: Builder, node: Node) -> None:
     a = node.attrs
     out = node.outputs[0]
     b.add("Slice", [b.value(node.inputs[0]), b.ints([a["start"]], f"{out}/starts"), b.ints([a["end"]], f"{out}/ends"),
@@ -54,33 +54,33 @@ def _slice(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("select")
-def _select(b: _Builder, node: Node) -> None:
+def _select(b: Builder, node: Node) -> None:
     index = b.scalar(int(node.attrs["index"]), "int64", f"{node.outputs[0]}/index")
     b.add("Gather", [b.value(node.inputs[0]), index], node.outputs[0], axis=int(node.attrs["dim"]))
 
 
 @onnx_converter("expand")
-def _expand(b: _Builder, node: Node) -> None:
+def _expand(b: Builder, node: Node) -> None:
     # ONNX Expand broadcasts both ways: a 1 keeps the input's size, which is how the dynamic batch (-1) passes.
     shape = [1 if int(d) < 0 else int(d) for d in node.attrs["shape"]]
     b.add("Expand", [b.value(node.inputs[0]), b.ints(shape, f"{node.outputs[0]}/shape")], node.outputs[0])
 
 
 @onnx_converter("gather")
-def _gather(b: _Builder, node: Node) -> None:
+def _gather(b: Builder, node: Node) -> None:
     x, index = node.inputs
     b.add("GatherElements", [b.value(x), b.cast(b.value(index), "int64")], node.outputs[0],
           axis=int(node.attrs["dim"]))
 
 
 @onnx_converter("index_select")
-def _index_select(b: _Builder, node: Node) -> None:
+def _index_select(b: Builder, node: Node) -> None:
     x, index = node.inputs
     b.add("Gather", [b.value(x), b.cast(b.value(index), "int64")], node.outputs[0], axis=int(node.attrs["dim"]))
 
 
 @onnx_converter("index")
-def _index(b: _Builder, node: Node) -> None:
+def _index(b: Builder, node: Node) -> None:
     """``x[i0, i1, ...]`` (advanced indexing, "" = a full slice) as Transpose -> GatherND -> Transpose."""
     x, indices = node.inputs[0], node.inputs[1:]
     out = node.outputs[0]
@@ -124,7 +124,7 @@ _ONNX_PAD_MODES = {"constant": "constant", "reflect": "reflect", "replicate": "e
 
 
 @onnx_converter("pad")
-def _pad(b: _Builder, node: Node) -> None:
+def _pad(b: Builder, node: Node) -> None:
     """torch's pad list runs from the last dim backwards as (begin, end) pairs; ONNX wants all begins, then all
     ends, from the first dim."""
     x = b.value(node.inputs[0])
@@ -141,7 +141,7 @@ def _pad(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("pixel_shuffle", "pixel_unshuffle")
-def _pixel_shuffle(b: _Builder, node: Node) -> None:
+def _pixel_shuffle(b: Builder, node: Node) -> None:
     """``pixel_shuffle`` is ``DepthToSpace(CRD)``; ``pixel_unshuffle`` (no ONNX op: ``SpaceToDepth`` is the DCR
     order) is ``Reshape [N, C, H, r, W, r] -> Transpose [0, 1, 3, 5, 2, 4] -> Reshape [N, C·r·r, H, W]``."""
     x, out = node.inputs[0], node.outputs[0]
@@ -161,7 +161,7 @@ def _pixel_shuffle(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("flip")
-def _flip(b: _Builder, node: Node) -> None:
+def _flip(b: Builder, node: Node) -> None:
     """``Slice`` with step -1 over every flipped dim (starts -1, ends the most negative int64)."""
     dims = [int(d) for d in node.attrs["dims"]]
     out = node.outputs[0]
@@ -174,7 +174,7 @@ def _flip(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("select_scatter", "slice_scatter")
-def _scatter(b: _Builder, node: Node) -> None:
+def _scatter(b: Builder, node: Node) -> None:
     """``x[..., i, ...] = src`` as a concat of x's slices before and after the written range and src (step 1)."""
     x, src = node.inputs
     a = node.attrs

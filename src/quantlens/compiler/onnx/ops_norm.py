@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from quantlens.compiler.ir import Node
-from quantlens.compiler.onnx.builder import _Builder, _onnx_dtype
+from quantlens.compiler.onnx.builder import Builder, _onnx_dtype
 from quantlens.compiler.onnx.registry import onnx_converter
 from quantlens.compiler.onnx.tables import _F64, _MANT, _constants, _exact
 from quantlens.kernels.norm_ops import _RSQRT_TO_ROOT, VECTOR_NORM_ROOT_BITS
@@ -14,7 +14,7 @@ from quantlens.kernels.tables import rsqrt_mantissa_table
 
 
 @onnx_converter("layer_norm")
-def _layer_norm(b: _Builder, node: Node) -> None:
+def _layer_norm(b: Builder, node: Node) -> None:
     x = b.value(node.inputs[0])
     shape = [int(d) for d in node.attrs["normalized_shape"]]
     dtype = b.dtype(x) or "float32"
@@ -27,13 +27,13 @@ def _layer_norm(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("softmax", "log_softmax")
-def _softmax(b: _Builder, node: Node) -> None:
+def _softmax(b: Builder, node: Node) -> None:
     op = "Softmax" if node.op == "softmax" else "LogSoftmax"
     b.add(op, [b.value(node.inputs[0])], node.outputs[0], axis=int(node.attrs["dim"]))
 
 
 @onnx_converter("batch_norm")
-def _batch_norm(b: _Builder, node: Node) -> None:
+def _batch_norm(b: Builder, node: Node) -> None:
     x, weight, bias, mean, var = node.inputs
     channels = b.shape(mean)[0]
     dtype = b.dtype(x) or "float32"
@@ -45,7 +45,7 @@ def _batch_norm(b: _Builder, node: Node) -> None:
 
 
 @_exact("int_vector_norm")
-def _vector_norm(b: _Builder, node: Node) -> bool:
+def _vector_norm(b: Builder, node: Node) -> bool:
     """``int_vector_norm`` (``kernels.norm_ops``) exactly: the sum of squares and the mantissa normalisation in
     int64, the rsqrt mantissa table and ``t = rhe(m · S(m), 23)`` in float64 (``m · S(m) < 2**48``: exact), and the
     requantize ``rhe(t · M, shift + 11 - k)`` in int64 (``t · M < 2**55``)."""

@@ -1,6 +1,6 @@
 """ONNX converters: fake quant.
 
-A fake quant of an activation becomes ``QuantizeLinear`` followed by its dequantization (``_Builder.dequantize``:
+A fake quant of an activation becomes ``QuantizeLinear`` followed by its dequantization (``Builder.dequantize``:
 ``Cast -> Mul`` by default, ``DequantizeLinear`` in the standard QDQ form), or its own float arithmetic where no
 ``QuantizeLinear`` type holds its range (int32). A fake quant of a constant is folded into an integer initializer
 and the same dequantization when that reproduces it bit for bit (checked at export), else a float initializer.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from quantlens.compiler.ir import Node
-from quantlens.compiler.onnx.builder import _Builder, _onnx_dtype
+from quantlens.compiler.onnx.builder import Builder, _onnx_dtype
 from quantlens.compiler.onnx.registry import onnx_converter
 
 #: (qmin, qmax) -> the QuantizeLinear output type that holds exactly that range.
@@ -27,7 +27,7 @@ def _container(qmin: int, qmax: int) -> str | None:
     return None
 
 
-def _scale_tensor(b: _Builder, node: Node) -> torch.Tensor:
+def _scale_tensor(b: Builder, node: Node) -> torch.Tensor:
     name = node.inputs[1]
     if name not in b.graph.constants:
         raise b.error(node, f"its scale '{name}' is not a constant",
@@ -44,7 +44,7 @@ def _broadcast_scale(scale: torch.Tensor, rank: int, axis: int) -> torch.Tensor:
 
 
 @onnx_converter("fake_quant")
-def _fake_quant(b: _Builder, node: Node) -> None:
+def _fake_quant(b: Builder, node: Node) -> None:
     x, _ = node.inputs
     out = node.outputs[0]
     qmin, qmax, axis = int(node.attrs["qmin"]), int(node.attrs["qmax"]), int(node.attrs.get("axis", -1))
@@ -87,7 +87,7 @@ def _fake_quant(b: _Builder, node: Node) -> None:
         b.add("Cast", [y], out, dtype=b.dtype(x), rank=rank, to=_onnx_dtype(b.dtype(x)))
 
 
-def _folded_fake_quant(b: _Builder, node: Node, x: torch.Tensor, scale: torch.Tensor, qmin: int, qmax: int,
+def _folded_fake_quant(b: Builder, node: Node, x: torch.Tensor, scale: torch.Tensor, qmin: int, qmax: int,
                        axis: int, per_axis: bool) -> None:
     out = node.outputs[0]
     expected = torch.ops.quantlens.fake_quant(x, scale, qmin, qmax, axis)

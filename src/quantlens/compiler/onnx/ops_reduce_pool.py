@@ -8,7 +8,7 @@ import torch
 
 from quantlens.compiler.ir import Node
 from quantlens.compiler.onnx.attrs import _pair, _pair_f
-from quantlens.compiler.onnx.builder import _Builder
+from quantlens.compiler.onnx.builder import Builder
 from quantlens.compiler.onnx.registry import onnx_converter
 
 
@@ -20,7 +20,7 @@ def _dims(value: Any) -> list[int] | None:
 
 
 @onnx_converter("mean", "sum", "amax")
-def _reduce(b: _Builder, node: Node) -> None:
+def _reduce(b: Builder, node: Node) -> None:
     op = {"mean": "ReduceMean", "sum": "ReduceSum", "amax": "ReduceMax"}[node.op]
     x = b.value(node.inputs[0])
     if node.op == "sum":
@@ -31,13 +31,13 @@ def _reduce(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("cumsum")
-def _cumsum(b: _Builder, node: Node) -> None:
+def _cumsum(b: Builder, node: Node) -> None:
     x = b.cast(b.value(node.inputs[0]), b.out_dtype(node))
     b.add("CumSum", [x, b.scalar(int(node.attrs["dim"]), "int64", f"{node.outputs[0]}/axis")], node.outputs[0])
 
 
 @onnx_converter("max_dim")
-def _max_dim(b: _Builder, node: Node) -> None:
+def _max_dim(b: Builder, node: Node) -> None:
     x = b.value(node.inputs[0])
     dim, keep = int(node.attrs["dim"]), int(bool(node.attrs.get("keepdim", False)))
     b.add("ReduceMax", [x, b.ints([dim], f"{node.outputs[0]}/axes")], node.outputs[0], keepdims=keep)
@@ -45,7 +45,7 @@ def _max_dim(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("argmax")
-def _argmax(b: _Builder, node: Node) -> None:
+def _argmax(b: Builder, node: Node) -> None:
     x = b.value(node.inputs[0])
     dim, keep = node.attrs.get("dim"), int(bool(node.attrs.get("keepdim", False)))
     if dim is not None:
@@ -61,7 +61,7 @@ def _argmax(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("topk")
-def _topk(b: _Builder, node: Node) -> None:
+def _topk(b: Builder, node: Node) -> None:
     a = node.attrs
     b.add("TopK", [b.value(node.inputs[0]), b.ints([a["k"]], f"{node.outputs[0]}/k")], list(node.outputs),
           axis=int(a.get("dim", -1)), largest=int(bool(a.get("largest", True))),
@@ -69,7 +69,7 @@ def _topk(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("sort")
-def _sort(b: _Builder, node: Node) -> None:
+def _sort(b: Builder, node: Node) -> None:
     x = node.inputs[0]
     dim = int(node.attrs.get("dim", -1))
     shape = b.shape(x)
@@ -79,7 +79,7 @@ def _sort(b: _Builder, node: Node) -> None:
           largest=int(bool(node.attrs.get("descending", False))), sorted=1)
 
 
-def _pool_attrs(b: _Builder, node: Node, n: int) -> dict:
+def _pool_attrs(b: Builder, node: Node, n: int) -> dict:
     a = node.attrs
     kernel = _pair(a["kernel_size"], n)
     stride = _pair(a["stride"], n) if a.get("stride") else kernel
@@ -88,14 +88,14 @@ def _pool_attrs(b: _Builder, node: Node, n: int) -> dict:
 
 
 @onnx_converter("max_pool2d")
-def _max_pool(b: _Builder, node: Node) -> None:
+def _max_pool(b: Builder, node: Node) -> None:
     attrs = _pool_attrs(b, node, 2)
     b.add("MaxPool", [b.value(node.inputs[0])], node.outputs[0], dilations=_pair(node.attrs.get("dilation", 1), 2),
           **attrs)
 
 
 @onnx_converter("avg_pool2d")
-def _avg_pool(b: _Builder, node: Node) -> None:
+def _avg_pool(b: Builder, node: Node) -> None:
     attrs = _pool_attrs(b, node, 2)
     divisor = node.attrs.get("divisor_override")
     include = int(bool(node.attrs.get("count_include_pad", True)))
@@ -110,7 +110,7 @@ def _avg_pool(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("adaptive_avg_pool2d", "adaptive_avg_pool1d")
-def _adaptive_avg_pool(b: _Builder, node: Node) -> None:
+def _adaptive_avg_pool(b: Builder, node: Node) -> None:
     n = 2 if node.op == "adaptive_avg_pool2d" else 1
     x = node.inputs[0]
     out_size = _pair(node.attrs["output_size"], n)
@@ -127,7 +127,7 @@ def _adaptive_avg_pool(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("upsample_nearest1d", "upsample_nearest2d", "upsample_bilinear2d")
-def _upsample(b: _Builder, node: Node) -> None:
+def _upsample(b: Builder, node: Node) -> None:
     """``Resize`` on the spatial axes (2, or 2 and 3): nearest is ``asymmetric``/``floor`` (torch's ``nearest``)."""
     a = node.attrs
     out = node.outputs[0]
@@ -148,13 +148,13 @@ def _upsample(b: _Builder, node: Node) -> None:
 
 
 @onnx_converter("max_pool1d")
-def _max_pool1d(b: _Builder, node: Node) -> None:
+def _max_pool1d(b: Builder, node: Node) -> None:
     b.add("MaxPool", [b.value(node.inputs[0])], node.outputs[0], dilations=_pair(node.attrs.get("dilation", 1), 1),
           **_pool_attrs(b, node, 1))
 
 
 @onnx_converter("avg_pool1d")
-def _avg_pool1d(b: _Builder, node: Node) -> None:
+def _avg_pool1d(b: Builder, node: Node) -> None:
     include = int(bool(node.attrs.get("count_include_pad", True)))
     b.add("AveragePool", [b.value(node.inputs[0])], node.outputs[0], count_include_pad=include,
           **_pool_attrs(b, node, 1))

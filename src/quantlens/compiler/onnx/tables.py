@@ -29,7 +29,7 @@ import torch
 
 from quantlens._registry import make_registry
 from quantlens.compiler.ir import Node
-from quantlens.compiler.onnx.builder import _Builder, _onnx_dtype
+from quantlens.compiler.onnx.builder import Builder, _onnx_dtype
 from quantlens.compiler.onnx.registry import ONNX_CONVERTERS, onnx_converter
 from quantlens.kernels import TABLE_OP_IO, dtype_from_range
 from quantlens.kernels.int_ops import (
@@ -57,7 +57,7 @@ _POW2_RANGE = 256  # 2**e for e in [-256, 256]: every exponent the kernels use
 class _F64:
     """Small float64 / int64 graph helpers for one node (names derived from its first output)."""
 
-    def __init__(self, b: _Builder, node: Node):
+    def __init__(self, b: Builder, node: Node):
         self.b, self.node, self.out = b, node, node.outputs[0]
 
     def const(self, value, dtype: str = "float64") -> str:
@@ -164,7 +164,7 @@ class _F64:
         self.b.add("Mul", [y, self.b.value(scale)], self.out)
 
 
-def _constants(b: _Builder, node: Node) -> list[torch.Tensor] | None:
+def _constants(b: Builder, node: Node) -> list[torch.Tensor] | None:
     constants = b.graph.constants
     if any(name not in constants for name in node.inputs[1:]):
         return None
@@ -174,7 +174,7 @@ def _constants(b: _Builder, node: Node) -> list[torch.Tensor] | None:
 
 # -- elementwise --------------------------------------------------------------------------------------------------
 @_exact("lut", "segment_lut", "int_reciprocal")
-def _elementwise(b: _Builder, node: Node) -> bool:
+def _elementwise(b: Builder, node: Node) -> bool:
     from quantlens.compiler.interpreter import call_torch_op
     from quantlens.kernels import table_torch_op
 
@@ -220,7 +220,7 @@ def _exp_sum(f: _F64, node: Node, constants: list[torch.Tensor]) -> tuple[str, s
 
 
 @_exact("int_softmax")
-def _softmax(b: _Builder, node: Node) -> bool:
+def _softmax(b: Builder, node: Node) -> bool:
     constants = _constants(b, node)
     if constants is None:
         return False
@@ -244,7 +244,7 @@ def _softmax(b: _Builder, node: Node) -> bool:
 
 
 @_exact("int_log_softmax")
-def _log_softmax(b: _Builder, node: Node) -> bool:
+def _log_softmax(b: Builder, node: Node) -> bool:
     """``int_log_softmax`` (``kernels.log_softmax_ops``): ``L = LN(m) + (k + 23 - X) · LN2`` in float64 (integers
     below ``2**29``), then ``rhe(d · M_x - L · M_l, T)`` in int64 (``|.| < 2**61``)."""
     constants = _constants(b, node)
@@ -266,7 +266,7 @@ def _log_softmax(b: _Builder, node: Node) -> bool:
 
 # -- layer norm ---------------------------------------------------------------------------------------------------
 @_exact("int_layer_norm")
-def _layer_norm(b: _Builder, node: Node, center: bool = True) -> bool:
+def _layer_norm(b: Builder, node: Node, center: bool = True) -> bool:
     """The kernel's int64 path (``int_ops.int_layer_norm``), valid for every site it accepts (its ``P`` keeps
     ``sum(c**2) < 2**61``); ``u`` in float64, exact as the kernel proves (``|c * r| < 2**47``). ``center=False``:
     ``int_rms_norm`` (no mean)."""
@@ -320,7 +320,7 @@ def _layer_norm(b: _Builder, node: Node, center: bool = True) -> bool:
 
 
 @_exact("int_rms_norm")
-def _rms_norm(b: _Builder, node: Node) -> bool:
+def _rms_norm(b: Builder, node: Node) -> bool:
     return _layer_norm(b, node, center=False)
 
 
@@ -328,7 +328,7 @@ def _rms_norm(b: _Builder, node: Node) -> bool:
 #    softmax, log_softmax, layer_norm); otherwise the float op they emulate runs, and the fake quants around them (QDQ pairs)
 #    keep the grid, so ONNX agrees with those tables to within rounding.
 @onnx_converter(*TABLE_OP_IO)
-def _table_reference(b: _Builder, node: Node) -> None:
+def _table_reference(b: Builder, node: Node) -> None:
     exact = EXACT_TABLE_EXPORTS.get(node.op)
     if exact is not None and exact(b, node):
         return
@@ -351,7 +351,7 @@ def _table_reference(b: _Builder, node: Node) -> None:
     ONNX_CONVERTERS[ref["op"]](b, Node(ref["op"], inputs, list(node.outputs), attrs, node.site))
 
 
-def _divisor_one_at_zero_over_zero(b: _Builder, node: Node, x: str, y: str) -> str:
+def _divisor_one_at_zero_over_zero(b: Builder, node: Node, x: str, y: str) -> str:
     """``where(x == 0 and y == 0, 1, y)``: the divisor that makes ``x / y`` the march's ``0 / 0 = 0``."""
     dtype = b.dtype(y) or "float32"
     zero, one = (b.init(torch.tensor(v, dtype=getattr(torch, dtype)), f"{node.outputs[0]}/{n}")
