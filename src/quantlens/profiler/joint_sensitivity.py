@@ -49,6 +49,7 @@ from typing import Any
 from quantlens._io import atomic_write_text
 from quantlens.errors import QuantLensError
 from quantlens.profiler.formatting import fmt
+from quantlens.profiler.keyed_tables import KeyedTables
 from quantlens.profiler.metrics import Metric, get_metric
 from quantlens.profiler.model_access import AnalysisType, ModelAccess
 from quantlens.profiler.op_units import AblationUnit, op_units, quantizer_units
@@ -127,7 +128,7 @@ class JointTable:
 
 
 @dataclass(frozen=True)
-class JointSensitivityResult:
+class JointSensitivityResult(KeyedTables):
     """One :class:`JointTable` per model output (index by position or ``"<output>_<metric>"``), and the plain
     per-quantizer tables (``sensitivity``: what ``sensitivity()`` returns, for the sensitive-op setters)."""
 
@@ -135,23 +136,6 @@ class JointSensitivityResult:
     sensitivity: SensitivityResult
     pairs: int
     share_threshold: float
-
-    def __getitem__(self, item):
-        if isinstance(item, str):
-            for table in self.tables:
-                if table.key == item or table.output == item:
-                    return table
-            raise KeyError(f"{item!r}; tables: {self.keys()}")
-        return self.tables[item]
-
-    def __len__(self) -> int:
-        return len(self.tables)
-
-    def __iter__(self):
-        return iter(self.tables)
-
-    def keys(self) -> list[str]:
-        return [t.key for t in self.tables]
 
 
 class _SetRunner:

@@ -40,6 +40,7 @@ import torch
 
 from quantlens._finite import all_finite
 from quantlens.errors import QuantLensError
+from quantlens.profiler.keyed_tables import KeyedTables
 from quantlens.profiler.lsb import LSB_BUCKETS
 from quantlens.profiler.metrics import get_metric
 from quantlens.profiler.model_access import AnalysisType, ModelAccess, SiteEvent
@@ -99,7 +100,7 @@ class SensitivityTable(Sequence[SensitivityRow]):
         return f"SensitivityTable(output={self.output!r}, metric={self.metric!r}, rows={len(self.rows)})"
 
 
-class SensitivityResult(Sequence[SensitivityTable]):
+class SensitivityResult(KeyedTables, Sequence[SensitivityTable]):
     """One :class:`SensitivityTable` per model output; index by position or by ``"<output>_<metric>"``.
 
     Being a sequence of tables, it is also a valid "list of tables" for the sensitive-op qconfig setters
@@ -108,20 +109,6 @@ class SensitivityResult(Sequence[SensitivityTable]):
 
     def __init__(self, tables: list[SensitivityTable]):
         self.tables = tables
-
-    def __getitem__(self, item):
-        if isinstance(item, str):
-            for table in self.tables:
-                if table.key == item or table.output == item:
-                    return table
-            raise KeyError(f"{item!r}; tables: {[t.key for t in self.tables]}")
-        return self.tables[item]
-
-    def __len__(self) -> int:
-        return len(self.tables)
-
-    def keys(self) -> list[str]:
-        return [t.key for t in self.tables]
 
 
 class IndexRecorder:
