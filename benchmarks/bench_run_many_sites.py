@@ -23,40 +23,25 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import torch
+from bench_profiler import PeakRSS as _Sampler  # (the same folder: run as a script)
+from bench_profiler import _rss_bytes
 from torch import nn
 
 MB = 1024 * 1024
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakRSS:
-    """Samples the resident set size every millisecond while the block runs."""
+class PeakRSS(_Sampler):
+    """bench_profiler's sampler, with what the block kept once it ended (``kept``: RSS after minus before)."""
 
     def __enter__(self):
         gc.collect()
-        self.start = self.peak = _rss_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_bytes())
-            time.sleep(0.001)
+        return super().__enter__()
 
     def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_bytes())
+        super().__exit__(*exc)
         gc.collect()
         self.kept = _rss_bytes() - self.start
 

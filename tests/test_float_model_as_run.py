@@ -39,6 +39,18 @@ def _x():
     return torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
 
 
+def _analysis(norm: type, out_dir):
+    """A traced fake_quant pair of ``Net(norm())``, calibrated on the bad case."""
+    torch.manual_seed(0)
+    model = Net(norm()).eval()
+    x = _x()
+    prepared = calibrate(prepare(model, x, default_calibration_qconfig_setter, check_result_dir=None), [x])
+    qa = QuantAnalysis(model, prepared, "fake_quant", out_dir=out_dir, progress=False)
+    qa.set_bad_case(x)
+    qa.run()
+    return qa
+
+
 def test_the_first_op_site_where_the_export_branch_parts_is_named():
     torch.manual_seed(0)
     found = eager_divergence(Net(ExportBranchNorm()).eval(), _x())
@@ -49,13 +61,7 @@ def test_the_first_op_site_where_the_export_branch_parts_is_named():
 
 
 def test_the_advisor_and_the_summary_say_the_float_model_runs_another_branch(tmp_path):
-    torch.manual_seed(0)
-    model = Net(ExportBranchNorm()).eval()
-    x = _x()
-    prepared = calibrate(prepare(model, x, default_calibration_qconfig_setter, check_result_dir=None), [x])
-    qa = QuantAnalysis(model, prepared, "fake_quant", out_dir=tmp_path, progress=False)
-    qa.set_bad_case(x)
-    qa.run()
+    qa = _analysis(ExportBranchNorm, tmp_path)
     qa.compare_per_layer()
     findings = [f for f in qa.advise() if f.rule == "float_model_branch"]
     assert len(findings) == 1 and findings[0].op_name == "norm.norm_0"
@@ -65,13 +71,7 @@ def test_the_advisor_and_the_summary_say_the_float_model_runs_another_branch(tmp
 
 
 def test_a_model_with_one_branch_gets_no_such_finding(tmp_path):
-    torch.manual_seed(0)
-    model = Net(SameNorm()).eval()
-    x = _x()
-    prepared = calibrate(prepare(model, x, default_calibration_qconfig_setter, check_result_dir=None), [x])
-    qa = QuantAnalysis(model, prepared, "fake_quant", out_dir=tmp_path, progress=False)
-    qa.set_bad_case(x)
-    qa.run()
+    qa = _analysis(SameNorm, tmp_path)
     assert not [f for f in qa.advise(qa.compare_per_layer()) if f.rule == "float_model_branch"]
 
 
@@ -80,13 +80,8 @@ def test_the_finding_is_kept_with_the_traces_for_whoever_renders_them(tmp_path):
     (no model at all: the divergence is saved with the traces, pair_facts.json)."""
     from quantlens.cli.report import render_pair
 
-    torch.manual_seed(0)
-    model = Net(ExportBranchNorm()).eval()
-    x = _x()
-    prepared = calibrate(prepare(model, x, default_calibration_qconfig_setter, check_result_dir=None), [x])
-    qa = QuantAnalysis(model, prepared, "fake_quant", out_dir=tmp_path, progress=False)
-    qa.set_bad_case(x)
-    qa.run()
+    qa = _analysis(ExportBranchNorm, tmp_path)
+    model, prepared = qa.baseline.model, qa.analysis.model
     qa.compare_per_layer()
     written = (tmp_path / "abnormal_layer_advisor.txt").read_bytes()
     (tmp_path / "abnormal_layer_advisor.txt").unlink()

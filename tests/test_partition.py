@@ -308,12 +308,11 @@ def test_gpt2_with_its_cache_goes_through_every_stage():
 
 
 def _deberta():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.DebertaV2Config(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                       intermediate_size=64, max_position_embeddings=64, relative_attention=True,
-                                       position_buckets=8, pos_att_type=["p2c", "c2p"], max_relative_positions=16)
-    return transformers.DebertaV2Model(cfg).eval()
+    """The tiny DeBERTa-v2 a newcomer brought (tests/newcomers/deberta.py, its CONFIG)."""
+    pytest.importorskip("transformers")
+    from newcomers.deberta import float_model
+
+    return float_model()
 
 
 def test_deberta_relative_positions_stay_exact():
