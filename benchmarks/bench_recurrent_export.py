@@ -4,7 +4,7 @@ Run: .venv/bin/python benchmarks/bench_recurrent_export.py [--lengths 40 160] [-
 
 Prints, per sequence length, the seconds of prepare, calibration, export (the qat IR) and convert, the IR's node
 count and the cosine of the quantized IR against the qat IR. ``--unrolled`` also times the export that traces
-every time step (``quantlens.quantization.rnn_fold.unrolled_export``; minutes per length, the former behaviour).
+every time step (``quantlens.sites.rnn_fold.unrolled_export``; minutes per length, the former behaviour).
 The goal is an export of <= 60 s at 160 steps on a 2-core machine with one torch thread (no threshold is
 enforced; this prints measurements).
 """
@@ -20,7 +20,7 @@ from torch import nn
 from quantlens.compiler import convert, export
 from quantlens.quantization import DeQuantStub, QuantStub, calibrate, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
-from quantlens.quantization.rnn_fold import unrolled_export
+from quantlens.sites.rnn_fold import unrolled_export
 
 
 class Recurrent(nn.Module):

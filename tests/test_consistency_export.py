@@ -29,9 +29,9 @@ from quantlens.quantization import (
     prepare,
     set_fake_quantize,
 )
-from quantlens.quantization.consistency import without_integer_rules
 from quantlens.quantization.observers import FixedScaleObserver
 from quantlens.quantization.qconfig_template import ModuleNameQconfigSetter, default_calibration_qconfig_setter
+from quantlens.quantization.queries import without_integer_rules
 
 LEVELS = [None, 0, 1, 2, 3, 4]
 

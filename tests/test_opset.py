@@ -11,7 +11,7 @@ from quantlens.compiler import interpreter, kernels_int, lowering
 from quantlens.compiler.onnx import ONNX_CONVERTERS
 from quantlens.kernels import TABLE_OP_IO
 from quantlens.march.opset import IR_OPS, OPS, Category, OpDef, render_markdown
-from quantlens.quantization import op_rules
+from quantlens.sites import op_rules
 
 convert_mod = sys.modules["quantlens.compiler.convert"]
 QAT_LEVEL = {n for n, op in IR_OPS.items() if op.level in ("qat", "both")}

@@ -972,7 +972,7 @@ def test_deepcopy_of_prepared_model():
     prepared, ex = _calibrated_digits()
     clone = copy.deepcopy(prepared)
     assert is_prepared(clone)
-    assert clone._quantlens_state._root() is clone
+    assert clone._quantlens_state.root() is clone
     assert clone.forward.model is clone
     torch.testing.assert_close(_validate(clone, ex), _validate(prepared, ex), atol=0, rtol=0)
     # the copy is independent: calibrating it leaves the original's scales alone
@@ -990,7 +990,7 @@ def test_torch_save_load_of_prepared_model():
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     assert is_prepared(loaded)
-    assert loaded._quantlens_state._root() is loaded
+    assert loaded._quantlens_state.root() is loaded
     torch.testing.assert_close(_validate(loaded, ex), _validate(prepared, ex), atol=0, rtol=0)
     assert get_op_sites(loaded, ex) == get_op_sites(prepared, ex)
 

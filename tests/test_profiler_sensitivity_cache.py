@@ -16,6 +16,7 @@ from quantlens.quantization.qconfig_template import (
     calibration_8bit_weight_16bit_act_qconfig_setter,
     default_calibration_qconfig_setter,
 )
+from quantlens.quantization.queries import last_sites
 from quantlens.zoo import example_inputs, get_model, sample_batches
 
 
@@ -127,7 +128,7 @@ def test_cache_skips_upstream_work(monkeypatch):
         enable(last, True)
         runner.run(last, lambda: pytest.fail("fell back to the full forward"))
         enable(last, False)
-    sites = calib._quantlens_state.last_sites(example)
+    sites = last_sites(calib._quantlens_state, example)
     assert last.op_name in computed and len(computed) < len(sites) / 2
     # upstream, only the sites that hand their input on unchanged (a folded BatchNorm, QuantStub) run
     plans = calib._quantlens_state.plans

@@ -1,7 +1,7 @@
 """Export of nn.LSTM / nn.GRU folds the time steps: torch.export traces three steps per layer, the IR repeats them.
 
 The IR stays the one a full trace gives (one node per gate op and time step, each with its step's op site); only
-the cost of torch.export no longer grows with the sequence length (``quantization/rnn_fold.py``,
+the cost of torch.export no longer grows with the sequence length (``sites/rnn_fold.py``,
 ``compiler/lowering/recurrence.py``). Timings are in ``benchmarks/bench_recurrent_export.py``.
 """
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-import quantlens.quantization.rnn as rnn
+import quantlens.sites.rnn as rnn
 from quantlens.compiler import convert, export
 from quantlens.compiler.ir import Graph, Node, ValueInfo
 from quantlens.compiler.lowering.recurrence import _repeat, _template
@@ -22,7 +22,7 @@ from quantlens.compiler.lowering.rules import LoweringContext as _Ctx
 from quantlens.errors import QuantLensError
 from quantlens.quantization import DeQuantStub, QuantStub, calibrate, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
-from quantlens.quantization.rnn_fold import TRACED_STEPS, unrolled_export
+from quantlens.sites.rnn_fold import TRACED_STEPS, unrolled_export
 
 
 class Deployed(nn.Module):

@@ -22,9 +22,9 @@ from quantlens.quantization import (
     prepare,
     set_fake_quantize,
 )
-from quantlens.quantization.op_rules import OpKind, function_rule
 from quantlens.quantization.plan import OutputMode
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter, default_qat_qconfig_setter
+from quantlens.sites.op_rules import OpKind, function_rule
 
 CALIB = default_calibration_qconfig_setter
 LSTM_CELL_SITES = [

@@ -25,7 +25,7 @@ from quantlens.quantization import (
     set_fake_quantize,
 )
 from quantlens.quantization.qconfig_template import ModuleNameQconfigSetter, TemplateQconfigSetter
-from quantlens.quantization.scale_policy import pow2_ceil
+from quantlens.quantization.scale_groups import pow2_ceil
 
 NAME = "tiny_resnet"
 #: int8 everywhere, the final linear included (its output has a fake quant, so "one output step" is defined)

@@ -16,8 +16,8 @@ from quantlens.compiler import convert, export
 from quantlens.compiler.interpreter import run_graph
 from quantlens.errors import QuantLensError
 from quantlens.quantization import calibrate, pre_export, prepare
-from quantlens.quantization.op_rules import COMPUTES_REGISTERED_OP, module_rule
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+from quantlens.sites.op_rules import COMPUTES_REGISTERED_OP, module_rule
 
 
 def _cos(a, b):

@@ -14,7 +14,7 @@ from torch import nn
 from quantlens.compiler import convert, export, save
 from quantlens.quantization import DeQuantStub, QuantStub, calibrate, pre_export, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
-from quantlens.quantization.tracer import is_within
+from quantlens.sites.tracer import is_within
 from quantlens.zoo import example_inputs, get_model, sample_batches
 
 

@@ -39,7 +39,7 @@ from quantlens.quantization.qconfig_template import (
     calibration_8bit_weight_16bit_act_qconfig_setter,
     default_calibration_qconfig_setter,
 )
-from quantlens.quantization.table_overrides import ElementwiseOverride
+from quantlens.quantization.table_overrides import ElementwiseOverride, override_class
 from quantlens.quantization.table_registry import TABLE_OP_SPECS, table_op_spec
 
 I8, I16 = QuantDType.qint8, QuantDType.qint16
@@ -70,7 +70,7 @@ def test_every_table_op_is_declared_by_every_stage_it_needs(op_type):
     # the IR ops its overrides emit are the table ops of kernels.ops (one declaration: TABLE_OP_IO)
     assert set(op.ir) & set(TABLE_OP_IO), op.ir
     if spec.elementwise:
-        assert spec.override_cls is ElementwiseOverride
+        assert override_class(spec.kind) is ElementwiseOverride
         assert op.ir == ("lut", "segment_lut") and op.march == "§13.4"
         # export names the float op a lut emulates by op type; ONNX and the float qat IR need that IR op
         assert op_type in IR_OPS and not IR_OPS[op_type].convert

@@ -20,7 +20,7 @@ from quantlens.profiler.report import safe_name, save_pt
 from quantlens.profiler.trace.reader import TraceReader
 from quantlens.quantization import FakeQuantState, calibrate, prepare, set_fake_quantize
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
-from quantlens.quantization.tracer import TensorMarks
+from quantlens.sites.tracer import TensorMarks
 
 CALIB = default_calibration_qconfig_setter
 

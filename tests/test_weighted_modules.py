@@ -22,10 +22,10 @@ from torch import nn
 from quantlens.compiler import convert, export
 from quantlens.quantization import DeQuantStub, QuantStub, calibrate, prepare
 from quantlens.quantization.plan import fq_key
-from quantlens.quantization.prepare import use_runtime
 from quantlens.quantization.qat_modules import QATConv1d, QATConvBn2d
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.quantization.runtime import Runtime
+from quantlens.quantization.state import use_runtime
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -10,7 +10,7 @@ import torch
 
 from quantlens import zoo
 from quantlens.errors import QuantLensError
-from quantlens.quantization.stubs import DeQuantStub, QuantStub
+from quantlens.sites.stubs import DeQuantStub, QuantStub
 from quantlens.zoo import digits as digits_mod
 
 # name -> {output key (None for a plain tensor): (shape at batch 2, dtype)}

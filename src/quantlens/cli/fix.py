@@ -52,7 +52,7 @@ def output_cosine_metric(float_model, batches: list) -> Callable[[Any], float]:
     import torch
 
     from quantlens.profiler.outputs import named_outputs
-    from quantlens.quantization.record import call_model
+    from quantlens.sites.record import call_model
 
     def call(model, batch):
         tensors = list(named_outputs(call_model(model, batch)).values())

@@ -28,8 +28,8 @@ from quantlens.compiler.output_containers import register_containers_of
 from quantlens.errors import QuantLensError, QuantLensWarning
 from quantlens.kernels import TABLE_OP_IO
 from quantlens.quantization.fake_quantize import FakeQuantize
-from quantlens.quantization.prepare import is_prepared
-from quantlens.quantization.tracer import OpSiteTracer
+from quantlens.quantization.state import is_prepared
+from quantlens.sites.tracer import OpSiteTracer
 
 __all__ = ["export"]
 

@@ -58,7 +58,7 @@ def div(input, other, *, rounding_mode: str | None = None):  # noqa: A002
 
 #: the ops whose order of ties the march fixes
 ORDER_OPS = frozenset({"topk", "sort", "argsort"})
-#: op type -> the march's function for it (``quantization.tracer`` calls it in place of torch's, out of place only)
+#: op type -> the march's function for it (``sites.tracer`` calls it in place of torch's, out of place only)
 MARCH_FUNCTIONS = {"topk": topk, "sort": sort, "argsort": argsort, "div": div}
 
 

@@ -1,7 +1,7 @@
 """Is the float model the profiler traces the one the user runs?
 
 Every traced forward answers ``torch.compiler.is_exporting()`` with True, so that the op sites prepare records are
-the ones export meets (see :class:`~quantlens.quantization.tracer.OpSiteTracer`). A library branch that computes
+the ones export meets (see :class:`~quantlens.sites.tracer.OpSiteTracer`). A library branch that computes
 differently under export (a norm that skips its centring, an attention that drops its mask) is then taken by the
 float baseline of every stage pair too, and no pair can show it, while the user's own evaluation of the float
 model takes the other branch. :func:`eager_divergence` runs the float model as the user runs it (a plain call,
@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from quantlens.profiler.outputs import float_outputs, named_outputs
-from quantlens.quantization.record import call_model
-from quantlens.quantization.tracer import OpSiteTracer, SiteHandler
+from quantlens.sites.record import call_model
+from quantlens.sites.tracer import OpSiteTracer, SiteHandler
 
 __all__ = ["EagerDivergence", "eager_divergence", "outputs_part", "check_baseline"]
 

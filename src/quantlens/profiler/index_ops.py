@@ -23,8 +23,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from quantlens.march.opset import OPS, Category
-from quantlens.quantization import tracer
-from quantlens.quantization.op_rules import canonical_op_name
+from quantlens.sites import tracer
+from quantlens.sites.op_rules import canonical_op_name
+from quantlens.sites.source_location import MACHINERY_DIRS
 
 __all__ = ["substitute_indices", "IndexOpMode", "INDEX_ONLY_OPS"]
 
@@ -78,7 +79,6 @@ def substitute_indices(op_type: str, args: tuple, kwargs: dict, output: Any, bas
 
 
 _PROFILER_DIR = os.path.dirname(os.path.abspath(__file__))
-_QUANTIZATION_DIR = os.path.join(os.path.dirname(_PROFILER_DIR), "quantization")
 
 
 _PASS_THROUGH = (os.path.abspath(tracer.__file__), os.path.abspath(__file__))
@@ -92,7 +92,7 @@ def _called_from_model_code() -> bool:
         filename = frame.f_code.co_filename
         if not filename.startswith("<") and not tracer.is_within(filename, tracer.TORCH_DIR) and \
                 filename not in _PASS_THROUGH:
-            return not tracer.is_within(filename, (_PROFILER_DIR, _QUANTIZATION_DIR))
+            return not tracer.is_within(filename, (_PROFILER_DIR, *MACHINERY_DIRS))
         frame = frame.f_back
     return False
 

@@ -61,7 +61,7 @@ from quantlens.profiler.model_access import (
     TraceSink,
 )
 from quantlens.profiler.same_input_feed import baseline_output, float_heads, is_index_value
-from quantlens.quantization.record import inputs_to
+from quantlens.sites.record import inputs_to
 
 __all__ = ["IRModelAccess", "SiteOverride"]
 

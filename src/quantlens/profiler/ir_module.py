@@ -10,7 +10,7 @@ import torch
 
 from quantlens.compiler.ir import Module
 from quantlens.errors import QuantLensError
-from quantlens.quantization.record import inputs_to
+from quantlens.sites.record import inputs_to
 
 __all__ = ["as_ir_module", "call_ir"]
 

@@ -21,13 +21,13 @@ from quantlens.profiler.model_access import (
     TraceSink,
 )
 from quantlens.profiler.torch_probe import FloatProbe, Probe, RuntimeProbe
-from quantlens.quantization.consistency import without_integer_rules
 from quantlens.quantization.fake_quantize import FakeQuantize, frozen_weights
-from quantlens.quantization.prepare import is_prepared, use_runtime
 from quantlens.quantization.qat_modules import frozen_folds
-from quantlens.quantization.record import call_model, inputs_to, model_device
+from quantlens.quantization.queries import without_integer_rules
 from quantlens.quantization.runtime import emulator_for
-from quantlens.quantization.tracer import OpSiteTracer
+from quantlens.quantization.state import is_prepared, use_runtime
+from quantlens.sites.record import call_model, inputs_to, model_device
+from quantlens.sites.tracer import OpSiteTracer
 
 __all__ = ["TorchModelAccess"]
 

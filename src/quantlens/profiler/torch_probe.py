@@ -36,7 +36,7 @@ from quantlens.profiler.model_access import QuantErrorStats, SameInputSource, Si
 from quantlens.quantization.fake_quantize import FakeQuantize
 from quantlens.quantization.plan import OutputMode, SitePlan
 from quantlens.quantization.runtime import Runtime, is_inplace, tensor_leaves
-from quantlens.quantization.tracer import SiteCall, SiteHandler, float_tensor_leaves, is_float_tensor
+from quantlens.sites.tracer import SiteCall, SiteHandler, float_tensor_leaves, is_float_tensor
 
 __all__ = ["Probe", "FloatProbe", "RuntimeProbe", "quant_error_stats", "deferred_quant_error_stats",
            "DeferredQuantError"]

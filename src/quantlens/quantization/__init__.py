@@ -16,13 +16,7 @@ profiler, so they live a layer above both, in ``quantlens.search``.
 
 from quantlens.quantization.check import ModelCheckResult, check_qat_model
 from quantlens.quantization.consistency import ConsistencyConfig, ConsistencyStrategy
-from quantlens.quantization.fake_quantize import (
-    FakeQuantize,
-    FakeQuantState,
-    calibrate,
-    set_fake_quantize,
-    uncalibrated_sites,
-)
+from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, uncalibrated_sites
 from quantlens.quantization.observers import (
     FixedRangeObserver,
     FixedScaleObserver,
@@ -32,10 +26,12 @@ from quantlens.quantization.observers import (
     Observer,
     PercentileObserver,
 )
-from quantlens.quantization.prepare import is_prepared, prepare, use_runtime
+from quantlens.quantization.prepare import prepare
 from quantlens.quantization.qconfig import QConfig, QuantSpec, get_qconfig
-from quantlens.quantization.record import get_op_sites
-from quantlens.quantization.stubs import DeQuantStub, QuantStub
+from quantlens.quantization.queries import get_op_sites
+from quantlens.quantization.stages import calibrate, set_fake_quantize
+from quantlens.quantization.state import is_prepared, use_runtime
+from quantlens.sites.stubs import DeQuantStub, QuantStub
 
 __all__ = [
     "ConsistencyStrategy",

@@ -18,6 +18,8 @@ from quantlens._io import atomic_write_text, format_table
 from quantlens.errors import QuantLensError
 from quantlens.quantization.fake_quantize import FakeQuantize, nonfinite_sites
 from quantlens.quantization.plan import OutputMode
+from quantlens.quantization.queries import last_sites
+from quantlens.quantization.state import is_prepared
 
 __all__ = ["OpSiteCheck", "ModelCheckResult", "check_qat_model"]
 
@@ -121,8 +123,6 @@ def _observer_text(fq: FakeQuantize | None) -> str:
 def check_qat_model(model: nn.Module, example_inputs: Any, out_dir: str | os.PathLike | None = ".") -> ModelCheckResult:
     """Check a prepared model on ``example_inputs``; write ``out_dir/model_check_result.txt`` (unless
     ``out_dir`` is None) and return the same content as data."""
-    from quantlens.quantization.prepare import is_prepared
-
     if not is_prepared(model):
         raise QuantLensError(
             f"check_qat_model expects a model returned by quantlens.quantization.prepare, got "
@@ -131,7 +131,7 @@ def check_qat_model(model: nn.Module, example_inputs: Any, out_dir: str | os.Pat
     state = model._quantlens_state
     modules = dict(model.named_modules())
     # Count calls of leaf modules on a fresh forward without touching observers.
-    visited = state.last_sites(example_inputs)
+    visited = last_sites(state, example_inputs)
     calls = Counter()
     for name in visited:
         site = state.record.sites.get(name.split("@")[0])

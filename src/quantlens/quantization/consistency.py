@@ -26,14 +26,12 @@ by exactly those rules. The profiler's ``export`` pair therefore runs its pre_ex
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Iterator
 
 from quantlens.errors import QuantLensError
 from quantlens.march import Qpp
 
-__all__ = ["ConsistencyStrategy", "ConsistencyConfig", "MAX_LEVEL", "without_integer_rules"]
+__all__ = ["ConsistencyStrategy", "ConsistencyConfig", "MAX_LEVEL"]
 
 MAX_LEVEL = 4
 #: the boolean switches of :class:`ConsistencyConfig`, in the order the levels add them
@@ -137,21 +135,3 @@ class ConsistencyStrategy:
     def config(cls) -> ConsistencyConfig:
         """The switches that ``prepare`` will record."""
         return cls._config
-
-
-@contextlib.contextmanager
-def without_integer_rules(model) -> Iterator[None]:
-    """Run the prepared ``model``'s forwards in this block without its consistency level's integer rules: float +
-    fake quant, what ``export`` traces (the qat IR computes that at every level). Below level 1 it changes nothing.
-
-    The block installs a plain runtime (``use_runtime``), so it replaces any runtime installed outside it."""
-    from quantlens.quantization.prepare import is_prepared, use_runtime
-    from quantlens.quantization.runtime import Runtime
-
-    if not is_prepared(model):
-        raise QuantLensError(f"without_integer_rules expects a model returned by quantlens.quantization.prepare, "
-                             f"got {type(model).__name__}.")
-    runtime = Runtime(model._quantlens_state)
-    runtime.emulator = None
-    with use_runtime(model, runtime):
-        yield

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from enum import Enum
 from typing import Iterator
 
@@ -12,14 +11,16 @@ import torch
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
-from quantlens.errors import QuantLensError, QuantLensWarning
-from quantlens.march import QuantDType
+from quantlens.errors import QuantLensError
+from quantlens.march import QuantDType, get_march
 from quantlens.march.numerics import fake_quant, fake_quant_range
+from quantlens.quantization.emulation.core import straight_through
+from quantlens.quantization.observers import FixedScaleObserver
 from quantlens.quantization.qconfig import QuantSpec
-from quantlens.quantization.scale_policy import group_scale, pow2_ceil, sync_groups
-from quantlens.quantization.tracing_state import export_tracing
+from quantlens.quantization.scale_groups import group_scale, pow2_ceil, sync_groups
+from quantlens.sites.tracing_state import export_tracing
 
-__all__ = ["FakeQuantState", "FakeQuantize", "set_fake_quantize", "calibrate", "int32_bias", "nonfinite_sites", "fake_quant_sites",
+__all__ = ["FakeQuantState", "FakeQuantize", "switch_fake_quants", "int32_bias", "nonfinite_sites", "fake_quant_sites",
            "frozen_weights", "hold_weight", "release_weight"]
 
 
@@ -135,9 +136,6 @@ class FakeQuantize(nn.Module):
             self.learned_initialized.fill_(True)
 
     def _learned_forward(self, x: torch.Tensor) -> torch.Tensor:
-        from quantlens.march import get_march
-        from quantlens.quantization.emulation.core import _ste
-
         self.start_learning()
         s = self.learned_scale.clamp(min=get_march().spec.min_scale)
         with torch.no_grad():
@@ -149,7 +147,7 @@ class FakeQuantize(nn.Module):
         v = x / s_grad
         lsq = torch.clamp(v + (torch.round(v) - v).detach(), self.dtype.qmin, self.dtype.qmax) * s_grad
         # the value is the exact fake quant of docs/march.md (the expression above rounds in float32)
-        return _ste(lsq, fake_quant(x, self.scale.clone(), self.dtype, None))
+        return straight_through(lsq, fake_quant(x, self.scale.clone(), self.dtype, None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # nothing to observe or round (torch.zeros(1, 0) padding a cat); a size from data is no guard for export
@@ -287,13 +285,10 @@ def frozen_weights() -> Iterator[None]:
         _FROZEN[0] -= 1
 
 
-def set_fake_quantize(model: nn.Module, state: FakeQuantState | str) -> nn.Module:
-    """Switch every fake quant of a prepared model to ``state``; returns the model for chaining.
-
-    Typical use: ``model.eval(); set_fake_quantize(model, FakeQuantState.CALIBRATION)`` for calibration,
-    ``model.train(); set_fake_quantize(model, FakeQuantState.QAT)`` for QAT, and
-    ``model.eval(); set_fake_quantize(model, FakeQuantState.VALIDATION)`` to evaluate.
-    """
+def switch_fake_quants(model: nn.Module, state: FakeQuantState | str) -> FakeQuantState:
+    """Switch every fake quant of a prepared model to ``state`` (and give the members of each shared scale group
+    one scale); returns the state. The stage function :func:`quantlens.quantization.set_fake_quantize` adds the
+    lookup tables of consistency level 3+ to this."""
     try:
         state = FakeQuantState(state)
     except ValueError:
@@ -317,82 +312,7 @@ def set_fake_quantize(model: nn.Module, state: FakeQuantState | str) -> nn.Modul
         state_holder.fake_quant_state = state
         if state in (FakeQuantState.QAT, FakeQuantState.VALIDATION):
             sync_groups(state_holder)  # shared add/sub/cat scales: every member's buffer bit-identical
-    if (state_holder is not None and state in (FakeQuantState.QAT, FakeQuantState.VALIDATION)
-            and getattr(getattr(state_holder, "consistency", None), "tables_in_qat", False)):
-        from quantlens.quantization.pre_export import _table_sites, install_tables, lut_sites  # level 3+
-
-        acts = [m for m in model.modules() if isinstance(m, FakeQuantize) and not m.is_weight]
-        uncalibrated = [m for m in acts if not bool(m.calibrated)]
-        fresh = len(uncalibrated) == len(acts) and state is FakeQuantState.QAT  # prepare, or QAT from scratch
-        if not uncalibrated:
-            install_tables(model)
-        elif not fresh and not lut_sites(model) and _table_sites(state_holder):
-            # the tables are built from the calibrated scales: without them this forward runs the float ops, and
-            # consistency level 3 would silently not be in effect
-            names = ", ".join(getattr(m, "name", "?") for m in uncalibrated[:4])
-            more = f" and {len(uncalibrated) - 4} more" if len(uncalibrated) > 4 else ""
-            warnings.warn(
-                f"set_fake_quantize({state.value}): consistency level {state_holder.consistency.level} computes the "
-                f"lookup tables in the QAT forward, but {len(uncalibrated)} activation fake quant(s) are not "
-                f"calibrated yet ({names}{more}), so the tables cannot be built and this model runs the float "
-                "nonlinear ops. Calibrate first (quantlens.quantization.calibrate(model, batches)): it installs the "
-                "tables, and QAT then trains through them.",
-                stacklevel=2, category=QuantLensWarning,
-            )
-    return model
-
-
-def calibrate(model: nn.Module, batches, *, validate: bool = True) -> nn.Module:
-    """Post-training calibration: ``eval()``, CALIBRATION state, one no-grad forward per batch, then (by default)
-    VALIDATION. A batch that is a tuple is unpacked as positional arguments. Returns the model."""
-    model.eval()
-    set_fake_quantize(model, FakeQuantState.CALIBRATION)
-    seen = 0
-    first_batch = None
-    from quantlens._threads import loop_threads
-    from quantlens.quantization.record import inputs_to, model_device
-
-    device = model_device(model)  # batches held elsewhere (a CPU data loader) move to the model
-    with torch.no_grad(), loop_threads():
-        for batch in batches:
-            batch = inputs_to(batch, device)
-            if first_batch is None:
-                first_batch = batch
-            try:
-                model(*batch) if isinstance(batch, tuple) else model(batch)
-            except QuantLensError as exc:
-                first = next(iter(nonfinite_sites(model)), None)
-                if first is None or "NaN/Inf" not in str(exc):
-                    raise
-                raise QuantLensError(
-                    f"calibrate: batch {seen}: {exc} NaN/Inf first appeared (execution order) at op site '{first}'; "
-                    "quantlens.quantization.find_nonfinite(model, batch) tells whether that op produced them."
-                ) from None
-            seen += 1
-    if seen == 0:
-        raise QuantLensError("calibrate: the data gave no batch; pass an iterable of model inputs.")
-    bad = nonfinite_sites(model)
-    if bad:
-        shown = ", ".join(f"'{site}' ({', '.join(roles)})" for site, roles in list(bad.items())[:8])
-        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
-        warnings.warn(
-            f"calibrate: the observers of {len(bad)} op site(s) saw NaN/Inf values: {shown}{more}. They were left "
-            "out of the statistics, but the model computes non-finite values there (check the first of these op "
-            "sites and its inputs: overflow, log/division by zero, NaN in the data). "
-            "check_qat_model(model, example_inputs) lists them in model_check_result.txt; "
-            "quantlens.quantization.find_nonfinite(model, batch) names the first op site on one batch.",
-            stacklevel=2, category=QuantLensWarning,
-        )
-    state_holder = getattr(model, "_quantlens_state", None)
-    if getattr(getattr(state_holder, "consistency", None), "tables_in_qat", False):
-        # consistency level 3+: the lookup tables from now on (QAT and VALIDATION compute through them); the
-        # first batch tells the call parameters of ops such as pow
-        from quantlens.quantization.pre_export import install_tables
-
-        install_tables(model, example_inputs=first_batch)
-    if validate:
-        set_fake_quantize(model, FakeQuantState.VALIDATION)
-    return model
+    return state
 
 
 def fake_quant_sites(model: nn.Module) -> dict[int, tuple[str, str, str | None]]:
@@ -472,8 +392,6 @@ def uncalibrated_sites(model: nn.Module) -> list[str]:
     scale observers need no data and are not listed. A decomposed op (sdpa) quantizes through its own inner fake
     quants, some of them optional (the mask's, without a float mask): it is listed when none of them saw data.
     Empty for any other model."""
-    from quantlens.quantization.observers import FixedScaleObserver
-
     modules = {id(m): m for m in model.modules() if isinstance(m, FakeQuantize)}
     state = getattr(model, "_quantlens_state", None)
     owned = {id(state.fq[p.output_fq]) for p in getattr(state, "plans", {}).values()  # not called: see above

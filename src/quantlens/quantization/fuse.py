@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from quantlens.quantization.op_rules import OpKind
 from quantlens.quantization.qat_modules import float_base
-from quantlens.quantization.record import ModelRecord, OpSiteRecord
+from quantlens.sites.op_rules import OpKind
+from quantlens.sites.record import ModelRecord, OpSiteRecord
 
 __all__ = ["FusedGroup", "UnfusedPattern", "find_fusions"]
 

@@ -9,7 +9,7 @@ from quantlens.march import QuantDType
 from quantlens.quantization.fuse import FusedGroup
 from quantlens.quantization.qat_modules import fused_class_for, qat_class_for
 from quantlens.quantization.qconfig import QConfig, QuantSpec
-from quantlens.quantization.record import ModelRecord
+from quantlens.sites.record import ModelRecord
 
 __all__ = ["swap_modules"]
 

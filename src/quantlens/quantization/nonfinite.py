@@ -25,8 +25,8 @@ from torch.utils import _pytree as pytree
 
 from quantlens.errors import QuantLensError, QuantLensWarning
 from quantlens.quantization.fake_quantize import FakeQuantize
-from quantlens.quantization.prepare import is_prepared, use_runtime
 from quantlens.quantization.runtime import Runtime
+from quantlens.quantization.state import is_prepared, use_runtime
 
 __all__ = ["NonFiniteSite", "NonFiniteError", "find_nonfinite", "detect_nonfinite"]
 
@@ -195,7 +195,7 @@ def find_nonfinite(model: nn.Module, example: Any) -> NonFiniteSite | None:
     of their last observation, so a NaN weight does not stop the forward before its op site); BatchNorm running
     statistics are restored afterwards, so the model is left as it was.
     """
-    from quantlens.quantization.record import call_model
+    from quantlens.sites.record import call_model
 
     state = _require_prepared(model, "find_nonfinite")
     watcher = _Watcher("record")

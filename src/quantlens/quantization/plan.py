@@ -13,9 +13,9 @@ from enum import Enum
 from quantlens.march import QuantDType, get_march
 from quantlens.march.opset import op_def
 from quantlens.quantization.fuse import FusedGroup
-from quantlens.quantization.op_rules import OpKind
 from quantlens.quantization.qconfig import QConfig, QuantSpec
-from quantlens.quantization.record import ModelRecord, OpSiteRecord
+from quantlens.sites.op_rules import OpKind
+from quantlens.sites.record import ModelRecord, OpSiteRecord
 
 __all__ = ["OutputMode", "SitePlan", "FakeQuantRequest", "build_plans", "march_lacks_rule"]
 

@@ -31,13 +31,13 @@ from torch import nn
 
 from quantlens.errors import QuantLensError
 from quantlens.quantization.decompositions import SdpaDecomposition
-from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
+from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, switch_fake_quants
 from quantlens.quantization.overrides import OverrideCall, SiteOverride
 from quantlens.quantization.plan import OutputMode, SitePlan, fq_key
-from quantlens.quantization.prepare import QuantState, is_prepared
-from quantlens.quantization.record import OpSiteRecord, call_model, inputs_to, model_device
-from quantlens.quantization.table_overrides import LutSiteInfo, SoftmaxOverride, TableOverride
+from quantlens.quantization.state import QuantState, is_prepared
+from quantlens.quantization.table_overrides import LutSiteInfo, SoftmaxOverride, TableOverride, override_class
 from quantlens.quantization.table_registry import TABLE_OP_SPECS, table_op_spec
+from quantlens.sites.record import OpSiteRecord, call_model, inputs_to, model_device
 
 __all__ = [
     "TABLE_OPS",
@@ -135,7 +135,7 @@ def _site_fqs(model: nn.Module, state: QuantState, rec: OpSiteRecord, plan: Site
     return fqs, out_fq
 
 
-def _table_sites(state: QuantState) -> list[tuple[OpSiteRecord, SitePlan]]:
+def table_sites(state: QuantState) -> list[tuple[OpSiteRecord, SitePlan]]:
     sites = []
     for name, plan in state.plans.items():
         rec = state.record.sites.get(name)
@@ -204,7 +204,7 @@ def _build(model, state, rec, plan, resolved) -> TableOverride:
     params, weight, bias = resolved
     spec = table_op_spec(rec.op_type)
     fqs, out_fq = _site_fqs(model, state, rec, plan, spec.inputs)
-    return spec.override_cls(rec.name, rec.op_type, fqs, out_fq, params, weight, bias)
+    return override_class(spec.kind)(rec.name, rec.op_type, fqs, out_fq, params, weight, bias)
 
 
 def _state(model: nn.Module, what: str) -> QuantState:
@@ -244,7 +244,7 @@ def pre_export(model: nn.Module, inplace: bool = False, *, example_inputs: Any =
     _state(model, "pre_export")  # raises for a model that is not prepared
     result = model if inplace else copy.deepcopy(model)
     result.eval()
-    set_fake_quantize(result, FakeQuantState.VALIDATION)
+    switch_fake_quants(result, FakeQuantState.VALIDATION)  # (the tables are installed below)
     for module in result.modules():  # weight fake quants too: the result is a frozen evaluation artifact
         if isinstance(module, FakeQuantize):
             module.observe_enabled = False
@@ -281,7 +281,7 @@ def _install(result: nn.Module, example_inputs: Any) -> None:
     for plan in state.plans.values():
         if plan.override is not None and plan.override.endswith("|" + _ROLE):
             plan.override = None
-    sites = _table_sites(state)
+    sites = table_sites(state)
     calls = _capture(result, state, sites, example_inputs) if example_inputs is not None else {}
     resolved = [(rec, plan, _params(result, rec, calls.get(rec.name))) for rec, plan in sites]  # raise early
     built = {rec.name: _build(result, state, rec, plan, params) for rec, plan, params in resolved

@@ -17,23 +17,23 @@ import copy
 import dataclasses
 import os
 import warnings as _warnings
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from quantlens._advice import setting
+from quantlens._io import atomic_write_text
 from quantlens.errors import QuantLensError, QuantLensWarning
 from quantlens.march import get_march
 from quantlens.march.opset import Stage, op_def
-from quantlens.quantization.consistency import ConsistencyConfig, ConsistencyStrategy
+from quantlens.quantization.check import CHECK_FILE, check_qat_model
 from quantlens.quantization.decompositions import DECOMPOSITIONS
-from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
+from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, switch_fake_quants
 from quantlens.quantization.fuse import FusedGroup, UnfusedPattern, find_fusions
 from quantlens.quantization.module_swap import swap_modules
 from quantlens.quantization.observers import FixedScaleObserver
-from quantlens.quantization.op_rules import WEIGHT_CHANNEL_AXIS
 from quantlens.quantization.plan import OutputMode, SitePlan, build_plans
 from quantlens.quantization.qconfig import QConfig, QuantSpec
 from quantlens.quantization.qconfig_template import (
@@ -41,65 +41,16 @@ from quantlens.quantization.qconfig_template import (
     default_qat_qconfig_setter,
     resolve_qconfigs,
 )
-from quantlens.quantization.record import ModelRecord, call_model, inputs_to, model_device, record_model
 from quantlens.quantization.runtime import Runtime
-from quantlens.quantization.stubs import QuantStub
-from quantlens.quantization.tracer import OpSiteTracer, SiteHandler
+from quantlens.quantization.scale_groups import forward_scope
+from quantlens.quantization.scale_policy import install_scale_policy
+from quantlens.quantization.state import QuantState, is_prepared
+from quantlens.sites.op_rules import WEIGHT_CHANNEL_AXIS
+from quantlens.sites.record import ModelRecord, inputs_to, model_device, record_model
+from quantlens.sites.stubs import QuantStub
+from quantlens.sites.tracer import OpSiteTracer
 
-__all__ = ["prepare", "is_prepared", "use_runtime", "QuantState"]
-
-
-class QuantState(nn.Module):
-    """Everything ``prepare`` adds to a model: fake quants by key, site plans, and the prepare-time record."""
-
-    def __init__(self, record: ModelRecord, groups, unfused, plans, warnings, setter_name: str):
-        super().__init__()
-        self.fq = nn.ModuleDict()
-        #: site overrides (pre_export's lookup tables), keyed like fake quants
-        self.overrides = nn.ModuleDict()
-        self.record = record
-        self.groups: list[FusedGroup] = groups
-        self.unfused: list[UnfusedPattern] = unfused
-        self.plans: dict[str, SitePlan] = plans
-        self.warnings: list[str] = warnings
-        self.setter_name = setter_name
-        self.march = get_march().spec.name
-        self.fake_quant_state = FakeQuantState.QAT
-        #: the consistency level this model was prepared with (``ConsistencyStrategy``); every stage reads it here
-        self.consistency: ConsistencyConfig = ConsistencyStrategy.config()
-        #: runtimes that replace the plain one for the forwards of a :func:`use_runtime` block, innermost last
-        self.runtimes: list[SiteHandler] = []
-
-    def current_runtime(self) -> SiteHandler | None:
-        """The runtime the next forward uses in place of a plain one (:func:`use_runtime`), if any."""
-        runtimes = self.__dict__.get("runtimes")  # (absent on a state pickled before it existed)
-        return runtimes[-1] if runtimes else None
-
-    def last_sites(self, example: Any) -> list[str]:
-        """Op sites visited by one forward on ``example`` (no grad; observers are paused)."""
-        root = self._root()
-        runtime = Runtime(self)
-        paused = [m for m in root.modules() if isinstance(m, FakeQuantize) and m.observe_enabled]
-        for m in paused:
-            m.observe_enabled = False
-        try:
-            with torch.no_grad(), use_runtime(root, runtime):
-                call_model(root, example)
-        finally:
-            for m in paused:
-                m.observe_enabled = True
-        return runtime.visited
-
-    def _root(self) -> nn.Module:
-        root = self.__dict__.get("_root_ref")
-        if root is None:
-            raise QuantLensError("This QuantState is not attached to a prepared model.")
-        return root
-
-    def forward(self, *args):
-        """Identity. A prepared ``nn.Sequential`` calls every child in turn, this one (added last) included, so
-        it must pass the output through unchanged."""
-        return args[0] if len(args) == 1 else args
+__all__ = ["prepare"]
 
 
 class _QuantizedForward:
@@ -114,45 +65,12 @@ class _QuantizedForward:
         state.__dict__["_root_ref"] = model
         runtime = state.current_runtime() or Runtime(state)
         try:
-            from quantlens.quantization.scale_policy import forward_scope
-
             emulation = runtime.emulator.active() if runtime.emulator is not None else contextlib.nullcontext()
             tracer = OpSiteTracer(model, runtime, getattr(runtime, "qualnames", None))
             with tracer, forward_scope(state), emulation:  # grouped fake quants resolve through state
                 return type(model).forward(model, *args, **kwargs)
         finally:
             runtime.marks.clear()  # the marks belong to this forward only
-
-
-@contextlib.contextmanager
-def use_runtime(model: nn.Module, runtime: SiteHandler) -> Iterator[SiteHandler]:
-    """Run the prepared ``model``'s forwards inside this block with ``runtime`` (a :class:`SiteHandler` that
-    sees every op site: the profiler's probes, the non-finite watcher) in place of the plain fake-quant runtime.
-
-    This is the seam through which the layers above observe or replace what a prepared model does at its op
-    sites; blocks nest (the innermost runtime is used) and the runtime is removed when the block ends, also when
-    it raises."""
-    state = _state_of(model, "use_runtime")
-    state.runtimes.append(runtime)
-    try:
-        yield runtime
-    finally:
-        state.runtimes.remove(runtime)
-
-
-def _state_of(model: nn.Module, what: str) -> QuantState:
-    state = getattr(model, "_quantlens_state", None)
-    if not isinstance(state, QuantState):
-        raise QuantLensError(f"{what} expects a model returned by quantlens.quantization.prepare, got "
-                             f"{type(model).__name__}.")
-    if "runtimes" not in state.__dict__:  # a state pickled before the seam existed
-        state.__dict__["runtimes"] = []
-    return state
-
-
-def is_prepared(model: nn.Module) -> bool:
-    """Whether ``model`` was returned by :func:`prepare`."""
-    return isinstance(getattr(model, "_quantlens_state", None), QuantState)
 
 
 def prepare(
@@ -222,8 +140,6 @@ def prepare(
         # One console line; model_check_result.txt lists every op site with its source line.
         sites = list(refusals)
         shown = ", ".join(f"'{n}'" for n in sites[:5]) + (f" and {len(sites) - 5} more" if len(sites) > 5 else "")
-        from quantlens.quantization.check import CHECK_FILE  # (check imports this module)
-
         listed = (f"{os.path.join(os.fspath(check_result_dir), CHECK_FILE)} lists each with the stage and its source line"
                   if check_result_dir is not None else
                   f"{setting('check_result_dir', 'FOLDER')} writes {CHECK_FILE} listing each with the stage "
@@ -240,13 +156,11 @@ def prepare(
     _install_decompositions(state)
     prepared._quantlens_state = state
     state.__dict__["_root_ref"] = prepared
-    from quantlens.quantization.scale_policy import install_scale_policy
-
     install_scale_policy(prepared)  # consistency level 2: pow2 activation scales, shared add/sub/cat scales
     if device.type != "cpu":  # the fake quants and swapped-in modules are made on the CPU: join the model
         prepared.to(device)
     prepared.forward = _QuantizedForward(prepared)
-    set_fake_quantize(prepared, FakeQuantState.QAT)
+    switch_fake_quants(prepared, FakeQuantState.QAT)  # (uncalibrated: no lookup tables yet at any level)
     prepared.train(was_training)
     if check_result_dir is not None:
         _write_check_report(prepared, inputs_to(_copy_inputs(example_inputs), device), check_result_dir)
@@ -259,8 +173,6 @@ def _say_host_sites(plans: dict[str, SitePlan], check_result_dir: str | None) ->
     host = [p for p in plans.values() if p.host and p.host_reason != "after the DeQuantStub"]
     if not host:
         return
-    from quantlens.quantization.check import CHECK_FILE  # (check imports this module)
-
     ops = sorted({p.op_type for p in host})
     shown = ", ".join(ops[:6]) + (f" and {len(ops) - 6} more" if len(ops) > 6 else "")
     where = (os.path.join(os.fspath(check_result_dir), CHECK_FILE) if check_result_dir is not None else
@@ -305,8 +217,6 @@ def _copy_inputs(example: Any) -> Any:
 
 def _write_check_report(prepared: nn.Module, example: Any, directory: Any) -> None:
     """``model_check_result.txt``: a report, so a folder that cannot take it is a warning, never a failure."""
-    from quantlens._io import atomic_write_text
-    from quantlens.quantization.check import CHECK_FILE, check_qat_model
 
     result = check_qat_model(prepared, example, None)
     path = os.path.join(os.fspath(directory), CHECK_FILE)

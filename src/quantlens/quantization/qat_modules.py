@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantlens.quantization.fake_quantize import FakeQuantize, hold_weight, int32_bias, release_weight
-from quantlens.quantization.op_rules import computes_as
 from quantlens.quantization.qconfig import QuantSpec
+from quantlens.sites.op_rules import computes_as
 
 __all__ = [
     "QATConv1d",

@@ -22,9 +22,9 @@ from quantlens.errors import QuantLensError, QuantLensWarning
 from quantlens.march import QuantDType
 from quantlens.quantization.fuse import FusedGroup
 from quantlens.quantization.observers import MinMaxObserver
-from quantlens.quantization.op_rules import OpKind
 from quantlens.quantization.qconfig import QConfig, QuantSpec
-from quantlens.quantization.record import ModelRecord, OpSiteRecord
+from quantlens.sites.op_rules import OpKind
+from quantlens.sites.record import ModelRecord, OpSiteRecord
 
 __all__ = [
     "QconfigContext",

@@ -17,10 +17,10 @@ from quantlens.errors import QuantLensError
 from quantlens.march.opset import OPS
 from quantlens.quantization.emulation import EmuCall, IntegerEmulator
 from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, int32_bias
-from quantlens.quantization.op_rules import OpKind
 from quantlens.quantization.overrides import OverrideCall
 from quantlens.quantization.plan import OutputMode, SitePlan
-from quantlens.quantization.tracer import (
+from quantlens.sites.op_rules import OpKind
+from quantlens.sites.tracer import (
     OpSiteTracer,
     SiteCall,
     SiteHandler,
@@ -28,10 +28,10 @@ from quantlens.quantization.tracer import (
     is_float_tensor,
     is_inplace,
 )
-from quantlens.quantization.tracing_state import export_tracing
+from quantlens.sites.tracing_state import export_tracing
 
 if TYPE_CHECKING:
-    from quantlens.quantization.prepare import QuantState
+    from quantlens.quantization.state import QuantState
 
 __all__ = ["Runtime", "is_inplace", "tensor_leaves", "emulator_for", "GEMM_CHANNEL_DIM"]
 
@@ -67,7 +67,7 @@ class Runtime(SiteHandler):
         plan = self.plans.get(site.name)
         if plan is None:
             if site.rule.kind is OpKind.QUANTIZED:
-                from quantlens.quantization.tracer import user_source_location
+                from quantlens.sites.tracer import user_source_location
 
                 raise QuantLensError(
                     f"Op site '{site.name}' ({site.rule.op_type}, called at {user_source_location()}) was not seen "
@@ -81,7 +81,7 @@ class Runtime(SiteHandler):
         return plan
 
     def _mismatch(self, site: SiteCall, plan: SitePlan):
-        from quantlens.quantization.tracer import user_source_location
+        from quantlens.sites.tracer import user_source_location
 
         recorded = self.state.record.sites[site.name].source
         raise QuantLensError(

@@ -27,6 +27,7 @@ any, an :data:`quantlens.march.opset.OPS` row with ``table=True``, and a rule ro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Callable
 
 import torch
@@ -35,29 +36,35 @@ import torch.nn.functional as F
 from quantlens.errors import QuantLensError
 from quantlens.march.functions import TABLE_FUNCTIONS
 from quantlens.quantization.overrides import OverrideCall
-from quantlens.quantization.record import OpSiteRecord
-from quantlens.quantization.table_overrides import (
-    DivOverride,
-    ElementwiseOverride,
-    LayerNormOverride,
-    LogSoftmaxOverride,
-    SoftmaxOverride,
-    TableOverride,
-)
-from quantlens.quantization.table_overrides.calls import _arg, _float_leaves, _layer_norm_call, _softmax_call
-from quantlens.quantization.table_overrides.norms import (
-    NormalizeOverride,
-    RmsNormOverride,
-    VectorNormOverride,
+from quantlens.quantization.table_calls import (
+    arg,
+    float_leaves,
+    layer_norm_call,
     normalize_float,
     normalize_site,
     rms_norm_float,
     rms_norm_site,
+    softmax_call,
     vector_norm_float,
     vector_norm_params,
 )
+from quantlens.sites.record import OpSiteRecord
 
-__all__ = ["TableOpSpec", "TABLE_OP_SPECS", "table_op_spec"]
+__all__ = ["TableKind", "TableOpSpec", "TABLE_OP_SPECS", "table_op_spec"]
+
+
+class TableKind(str, Enum):
+    """Which site override computes a table op (each :mod:`.table_overrides` class names its kind, so this registry
+    needs none of them: the overrides read it)."""
+
+    ELEMENTWISE = "elementwise"
+    DIV = "div"
+    SOFTMAX = "softmax"
+    LOG_SOFTMAX = "log_softmax"
+    LAYER_NORM = "layer_norm"
+    RMS_NORM = "rms_norm"
+    NORMALIZE = "normalize"
+    VECTOR_NORM = "vector_norm"
 
 Params = dict[str, Any]
 #: (params, weight, bias) a site's tables are built for; params ``None``: this call is not a table op
@@ -73,9 +80,9 @@ class TableOpSpec:
     """One table op type. See the module docstring."""
 
     op_type: str
-    #: the :class:`~.table_overrides.TableOverride` subclass built for a site: ``cls(site, op_type, input_fqs,
-    #: output_fq, params)`` (``LayerNormOverride`` also takes ``weight, bias``)
-    override_cls: type[TableOverride]
+    #: the site override built for a site (the :mod:`.table_overrides` class of that kind): ``cls(site, op_type,
+    #: input_fqs, output_fq, params, weight, bias)``
+    kind: TableKind
     #: elementwise ops: the float op of the prepared model, ``torch_op(x, **params)``
     torch_op: Callable[..., torch.Tensor] | None = None
     #: elementwise ops: the real function the table samples, ``function(x, **params)`` in float64 (§13.4);
@@ -117,7 +124,7 @@ class TableOpSpec:
         params = self.params_from_call(call)
         if params is None:  # not a table op call (2 ** x): the user's call itself
             return call.func(*call.args, **call.kwargs)
-        return self.torch_op(_float_leaves(call)[0], **params)
+        return self.torch_op(float_leaves(call)[0], **params)
 
     def resolve(self, rec: OpSiteRecord, module: torch.nn.Module | None, call: OverrideCall | None) -> SiteParams:
         """The (params, weight, bias) site ``rec``'s tables are built for (``call``: the captured call, if any)."""
@@ -138,16 +145,16 @@ class TableOpSpec:
 
 def _gelu_params(call: OverrideCall) -> Params:
     module = call.module
-    return {"approximate": module.approximate if module is not None else _arg(call, 1, "approximate", "none")}
+    return {"approximate": module.approximate if module is not None else arg(call, 1, "approximate", "none")}
 
 
 def _softplus_params(call: OverrideCall) -> Params:
-    return {"beta": float(_arg(call, 1, "beta", 1.0)), "threshold": float(_arg(call, 2, "threshold", 20.0))}
+    return {"beta": float(arg(call, 1, "beta", 1.0)), "threshold": float(arg(call, 2, "threshold", 20.0))}
 
 
 def _elu_params(call: OverrideCall) -> Params:
     module = call.module
-    return {"alpha": float(module.alpha if module is not None else _arg(call, 1, "alpha", 1.0))}
+    return {"alpha": float(module.alpha if module is not None else arg(call, 1, "alpha", 1.0))}
 
 
 def _pow_params(call: OverrideCall) -> Params | None:
@@ -156,7 +163,7 @@ def _pow_params(call: OverrideCall) -> Params | None:
     if getattr(call.func, "__name__", "") == "__rpow__":
         return None
     base = call.args[0] if call.args else call.kwargs.get("input", call.kwargs.get("self"))
-    exponent = _arg(call, 1, "exponent", None)
+    exponent = arg(call, 1, "exponent", None)
     if not isinstance(base, torch.Tensor) or isinstance(exponent, bool) or not isinstance(exponent, (int, float)):
         return None
     return {"exponent": exponent}
@@ -177,7 +184,7 @@ def _softmax_site(rec: OpSiteRecord, module, call: OverrideCall | None) -> SiteP
     if module is not None and module.dim is not None and shape:
         length = shape[module.dim]
     elif call is not None:
-        dim = _arg(call, 1, "dim", None)
+        dim = arg(call, 1, "dim", None)
         if dim is not None and shape:
             length = shape[int(dim)]
     return {"length": int(length)}, None, None
@@ -193,7 +200,7 @@ def _layer_norm_site(rec: OpSiteRecord, module, call: OverrideCall | None) -> Si
             "normalized shape, weight, bias and eps are only known when it runs. Pass example inputs: "
             "pre_export(model, example_inputs=...), or use an nn.LayerNorm module."
         )
-    shape, weight, bias, eps = _layer_norm_call(call)
+    shape, weight, bias, eps = layer_norm_call(call)
     return {"normalized_shape": shape, "eps": eps}, weight, bias
 
 
@@ -205,18 +212,18 @@ def _div_float(call: OverrideCall, site: str) -> Any:
 
 
 def _softmax_float(call: OverrideCall, site: str) -> Any:
-    dim, dtype = _softmax_call(call, site)
-    return torch.softmax(_float_leaves(call)[0], dim, dtype=dtype)
+    dim, dtype = softmax_call(call, site)
+    return torch.softmax(float_leaves(call)[0], dim, dtype=dtype)
 
 
 def _log_softmax_float(call: OverrideCall, site: str) -> Any:
-    dim, dtype = _softmax_call(call, site)
-    return torch.log_softmax(_float_leaves(call)[0], dim, dtype=dtype)
+    dim, dtype = softmax_call(call, site)
+    return torch.log_softmax(float_leaves(call)[0], dim, dtype=dtype)
 
 
 def _layer_norm_float(call: OverrideCall, site: str) -> Any:
-    shape, w, b, eps = _layer_norm_call(call)
-    return F.layer_norm(_float_leaves(call)[0], shape, w, b, eps)
+    shape, w, b, eps = layer_norm_call(call)
+    return F.layer_norm(float_leaves(call)[0], shape, w, b, eps)
 
 
 # -- the registry ---------------------------------------------------------------------------------------------
@@ -224,7 +231,7 @@ def _layer_norm_float(call: OverrideCall, site: str) -> Any:
 
 def _elementwise(op_type: str, params=_no_params, needs_call_args=False, site_params=None) -> TableOpSpec:
     f = TABLE_FUNCTIONS[op_type]
-    return TableOpSpec(op_type, ElementwiseOverride, torch_op=f.torch_op, function=f.function,
+    return TableOpSpec(op_type, TableKind.ELEMENTWISE, torch_op=f.torch_op, function=f.function,
                        params_from_call=params, needs_call_args=needs_call_args, site_params=site_params,
                        int16=f.int16)
 
@@ -241,18 +248,18 @@ _SPECS = [
     # elementwise (§13.4): the float op and real function of march.functions.TABLE_FUNCTIONS, in its order
     *(_elementwise(op_type, **_ELEMENTWISE_CALLS.get(op_type, {})) for op_type in TABLE_FUNCTIONS),
     # the composite table ops (§13.5-§13.7; log_softmax: §13.6.1)
-    TableOpSpec("div", DivOverride, float_fn=_div_float, inputs=2, int16=""),
-    TableOpSpec("softmax", SoftmaxOverride, float_fn=_softmax_float, site_params=_softmax_site, int16=""),
-    TableOpSpec("log_softmax", LogSoftmaxOverride, float_fn=_log_softmax_float, site_params=_softmax_site,
+    TableOpSpec("div", TableKind.DIV, float_fn=_div_float, inputs=2, int16=""),
+    TableOpSpec("softmax", TableKind.SOFTMAX, float_fn=_softmax_float, site_params=_softmax_site, int16=""),
+    TableOpSpec("log_softmax", TableKind.LOG_SOFTMAX, float_fn=_log_softmax_float, site_params=_softmax_site,
                 int16=""),
-    TableOpSpec("layer_norm", LayerNormOverride, float_fn=_layer_norm_float, site_params=_layer_norm_site,
+    TableOpSpec("layer_norm", TableKind.LAYER_NORM, float_fn=_layer_norm_float, site_params=_layer_norm_site,
                 needs_call_args=True, int16=""),
     # the RMS norm, L2 normalization and L2 norm (§13.7.1, §13.7.2: table_overrides/norms.py)
-    TableOpSpec("rms_norm", RmsNormOverride, float_fn=rms_norm_float, site_params=rms_norm_site,
+    TableOpSpec("rms_norm", TableKind.RMS_NORM, float_fn=rms_norm_float, site_params=rms_norm_site,
                 needs_call_args=True, int16=""),
-    TableOpSpec("normalize", NormalizeOverride, float_fn=normalize_float, site_params=normalize_site,
+    TableOpSpec("normalize", TableKind.NORMALIZE, float_fn=normalize_float, site_params=normalize_site,
                 needs_call_args=True, int16=""),
-    *(TableOpSpec(name, VectorNormOverride, float_fn=vector_norm_float, params_from_call=vector_norm_params,
+    *(TableOpSpec(name, TableKind.VECTOR_NORM, float_fn=vector_norm_float, params_from_call=vector_norm_params,
                   needs_call_args=True, int16="") for name in ("linalg_vector_norm", "norm")),
 ]
 

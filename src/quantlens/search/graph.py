@@ -12,9 +12,9 @@ from typing import Any, Iterable, Sequence
 
 from torch import nn
 
-from quantlens.quantization.op_rules import OpKind
 from quantlens.quantization.plan import OutputMode
 from quantlens.search.promotion import Promotion, as_promotion
+from quantlens.sites.op_rules import OpKind
 
 __all__ = ["SearchGraph", "search_graph", "graph_candidates", "conflicts", "mixed_precision_candidates",
            "int16_conflicts", "int16x16_resolutions"]

@@ -9,8 +9,8 @@ from typing import Any, Callable, Sequence
 
 from torch import nn
 
-from quantlens.quantization.fake_quantize import calibrate
 from quantlens.quantization.prepare import prepare
+from quantlens.quantization.stages import calibrate
 from quantlens.search.evaluation import call_evaluate
 from quantlens.search.goal import Goal
 from quantlens.search.progress import Progress, selection_key

@@ -1,7 +1,7 @@
 """A small bundled model zoo for tests, the demo and the profiler.
 
 Each entry is a tiny eager PyTorch model (a forward takes a few ms on CPU) with its deployment boundaries
-marked by :class:`~quantlens.quantization.stubs.QuantStub` / :class:`~quantlens.quantization.stubs.DeQuantStub`,
+marked by :class:`~quantlens.sites.stubs.QuantStub` / :class:`~quantlens.sites.stubs.DeQuantStub`,
 and each exercises a different quantization feature (see ``docs/zoo.md``). Everything is deterministic:
 models are built under a fixed seed, example inputs and calibration batches come from seeded generators, and
 the digits CNN ships trained weights.

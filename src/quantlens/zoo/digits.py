@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from quantlens.errors import QuantLensError
-from quantlens.quantization.stubs import DeQuantStub, QuantStub
+from quantlens.sites.stubs import DeQuantStub, QuantStub
 
 __all__ = [
     "DigitsData",

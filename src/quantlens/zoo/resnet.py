@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quantlens.quantization.stubs import DeQuantStub, QuantStub
+from quantlens.sites.stubs import DeQuantStub, QuantStub
 
 __all__ = ["BasicBlock", "TinyResNet"]
 

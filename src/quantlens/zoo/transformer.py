@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from quantlens.quantization.stubs import DeQuantStub
+from quantlens.sites.stubs import DeQuantStub
 
 __all__ = ["MultiHeadSelfAttention", "TinyTransformerEncoder"]
 

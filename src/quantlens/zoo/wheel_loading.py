@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from quantlens.errors import QuantLensError
-from quantlens.quantization.stubs import DeQuantStub, QuantStub
+from quantlens.sites.stubs import DeQuantStub, QuantStub
 
 __all__ = ["Wrapped", "ThirdPartyModel", "package_dir", "bare_package", "module_from_file", "literal_constants",
            "functions_from_file"]

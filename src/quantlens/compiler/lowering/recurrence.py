@@ -1,4 +1,4 @@
-"""Lowering the folded time steps of a recurrent layer (``quantization/rnn_fold.py``).
+"""Lowering the folded time steps of a recurrent layer (``sites/rnn_fold.py``).
 
 ``torch.export`` traced iterations 0, 1 and 2 of the layer (their fx nodes tagged ``"<key>/<i>"``) and one
 ``quantlens::recurrent_steps`` placeholder for the rest. By the time the driver reaches the placeholder, the
@@ -31,7 +31,7 @@ from torch import fx
 from quantlens.compiler.ir import Node
 from quantlens.compiler.lowering.rules import LoweringContext, normalized, register_lowering, value_of
 from quantlens.errors import QuantLensError
-from quantlens.quantization.rnn_fold import STEP_META
+from quantlens.sites.rnn_fold import STEP_META
 
 __all__ = ["lower_recurrent_steps"]
 
@@ -112,7 +112,7 @@ def _mismatch(a: Node, b: Node, what: str) -> QuantLensError:
     return QuantLensError(
         f"export: two time steps of a recurrent layer lowered to different IR at op site '{a.site}' ({what}: "
         f"{a!r} vs {b!r}), so the remaining steps cannot be repeated from one traced step. Please report this; "
-        "meanwhile export inside quantlens.quantization.rnn_fold.unrolled_export(), which traces every step."
+        "meanwhile export inside quantlens.sites.rnn_fold.unrolled_export(), which traces every step."
     )
 
 

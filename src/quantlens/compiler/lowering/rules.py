@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -13,7 +12,7 @@ import quantlens.march.numerics  # noqa: F401  (registers torch.ops.quantlens.fa
 from quantlens._registry import make_registry
 from quantlens.compiler.ir import Graph, Node, ValueInfo
 from quantlens.errors import QuantLensError
-from quantlens.quantization.tracer import TORCH_DIR, is_within
+from quantlens.sites.source_location import MACHINERY_DIRS, TORCH_DIR, is_within
 
 __all__ = ["LOWERINGS", "TORCH_OPS", "LoweringContext", "register_lowering", "emit", "value_of", "normalized"]
 
@@ -53,9 +52,7 @@ def _site(node: fx.Node) -> str:
     return (node.meta.get("custom") or {}).get("op_site", "")
 
 
-# (this file is quantlens/compiler/lowering/rules.py: three levels up is the package)
-_MACHINERY = (TORCH_DIR, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                      "quantization"))
+_MACHINERY = (TORCH_DIR, *MACHINERY_DIRS)
 
 
 def _source(node: fx.Node) -> str:

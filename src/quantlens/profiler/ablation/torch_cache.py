@@ -15,10 +15,10 @@ from torch.utils import _pytree as pytree
 from quantlens.profiler.ablation.base import Budget, CacheUnusable, default_max_bytes
 from quantlens.profiler.index_ops import IndexOpMode
 from quantlens.profiler.torch_probe import Probe
-from quantlens.quantization.prepare import use_runtime
-from quantlens.quantization.record import call_model
 from quantlens.quantization.runtime import Runtime, emulator_for, tensor_leaves
-from quantlens.quantization.tracer import TensorMarks, is_float_tensor, module_qualnames
+from quantlens.quantization.state import use_runtime
+from quantlens.sites.record import call_model
+from quantlens.sites.tracer import TensorMarks, is_float_tensor, module_qualnames
 
 __all__ = ["TorchAblationCache", "CachedAblations"]
 

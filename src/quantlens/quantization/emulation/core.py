@@ -17,9 +17,10 @@ from quantlens.kernels import INT_KERNELS
 from quantlens.march import Qpp, QuantDType, rules
 from quantlens.march.numerics import quantize
 from quantlens.march.opset import Category, op_def
-from quantlens.quantization.tracer import TensorMarks
+from quantlens.sites.tracer import TensorMarks
 
-__all__ = ["IntegerEmulator", "Deferred", "EmuCall", "current_emulator", "EMULATED_OPS", "emulates", "codes_of"]
+__all__ = ["IntegerEmulator", "Deferred", "EmuCall", "current_emulator", "EMULATED_OPS", "emulates", "codes_of",
+           "straight_through"]
 
 
 _CURRENT: contextvars.ContextVar["IntegerEmulator | None"] = contextvars.ContextVar("quantlens_emulator",
@@ -137,7 +138,7 @@ class IntegerEmulator:
             codes = self.requantize_codes(codes_of(x, src), src, dst)
         else:
             return quantized
-        return _ste(quantized, _value(codes, dst, quantized))
+        return straight_through(quantized, _value(codes, dst, quantized))
 
     def resolve(self, output: torch.Tensor, fq, float_quantized: torch.Tensor | None,
                 call: EmuCall | None) -> torch.Tensor | None:
@@ -150,7 +151,7 @@ class IntegerEmulator:
             return None
         codes = pending.codes(fq)
         like = float_quantized if float_quantized is not None else output
-        return _ste(float_quantized, _value(codes, fq, like))
+        return straight_through(float_quantized, _value(codes, fq, like))
 
     def integer_rule(self, call: EmuCall) -> Deferred | None:
         handler = EMULATED_OPS.get(call.op_type)
@@ -223,7 +224,7 @@ class IntegerEmulator:
         value = (acc.to(torch.float32) * scale_b.to(torch.float32)).to(dtype)
         if factor != 1.0:
             value = value * factor
-        value = _ste(output, value)
+        value = straight_through(output, value)
         self.deferred.set(value, Deferred(compute))
         return value
 
@@ -278,7 +279,7 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
-def _ste(float_value: torch.Tensor | None, int_value: torch.Tensor) -> torch.Tensor:
+def straight_through(float_value: torch.Tensor | None, int_value: torch.Tensor) -> torch.Tensor:
     """The integer value with the float value's gradient (straight-through)."""
     if float_value is None or not (torch.is_grad_enabled() and float_value.requires_grad):
         return int_value

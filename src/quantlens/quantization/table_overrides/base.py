@@ -12,19 +12,8 @@ from quantlens.errors import QuantLensError
 from quantlens.quantization.fake_quantize import FakeQuantize
 from quantlens.quantization.overrides import OverrideCall, SiteOverride
 from quantlens.quantization.table_overrides.report import LutSiteInfo
-from quantlens.quantization.tracing_state import export_tracing
-
-
-def _exporting() -> bool:
-    return export_tracing()
-
-
-def _spec(op_type: str):
-    """The op's entry in the table-op registry (:mod:`quantlens.quantization.table_registry`, which imports this
-    package)."""
-    from quantlens.quantization.table_registry import table_op_spec
-
-    return table_op_spec(op_type)
+from quantlens.quantization.table_registry import table_op_spec
+from quantlens.sites.tracing_state import export_tracing
 
 
 class TableOverride(SiteOverride):
@@ -66,7 +55,7 @@ class TableOverride(SiteOverride):
 
     def _check(self, fqs: list[FakeQuantize], out_fq: FakeQuantize) -> None:
         """Eager only: the tables must match the fake quants' current scales and dtypes."""
-        if _exporting():
+        if export_tracing():
             return
         built = self.table_scales.tolist()
         now = [float(fq.scale) for fq in fqs] + [float(out_fq.scale)]
@@ -108,7 +97,7 @@ class TableOverride(SiteOverride):
     def _straight_through(self, call: OverrideCall) -> bool:
         """Whether this call is differentiated (QAT): grad mode on and an input (or a module parameter, e.g.
         layer_norm's gamma) requires grad; never while exporting."""
-        if not torch.is_grad_enabled() or _exporting():
+        if not torch.is_grad_enabled() or export_tracing():
             return False
         if any(isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves((call.args, call.kwargs))):
             return True
@@ -129,7 +118,7 @@ class TableOverride(SiteOverride):
             # QAT with the tables (level 3+): the observer follows the float op, as at a plain site (the table's
             # output saturates at the current range), and the table is then built for the scale it gives
             out_fq.observe(self.float_op(call))
-        if self.rebuild_on_change and not _exporting():
+        if self.rebuild_on_change and not export_tracing():
             self._refresh(call, fqs, out_fq)
         self._check(fqs, out_fq)
         straight_through = self._straight_through(call)
@@ -147,10 +136,10 @@ class TableOverride(SiteOverride):
         return out
 
     def float_op(self, call: OverrideCall) -> Any:
-        return _spec(self.op_type).float_op(call, self.site)
+        return table_op_spec(self.op_type).float_op(call, self.site)
 
     def observes_output(self) -> bool:
-        return self.rebuild_on_change and not _exporting()
+        return self.rebuild_on_change and not export_tracing()
 
     def int_op(self, call: OverrideCall, fqs: list[FakeQuantize], out_fq: FakeQuantize) -> Any:
         raise NotImplementedError

@@ -5,13 +5,16 @@ from __future__ import annotations
 import torch
 
 from quantlens.kernels import div_multiplier, int_div
+from quantlens.quantization.table_calls import float_leaves
 from quantlens.quantization.table_overrides.base import TableOverride
-from quantlens.quantization.table_overrides.calls import _float_leaves
+from quantlens.quantization.table_registry import TableKind
 
 
 class DivOverride(TableOverride):
     """``x / y`` with both operands quantized: ``x * (1 / y)`` by the mantissa reciprocal. Buffer ``params_q`` =
     [M, shift]."""
+
+    override_kind = TableKind.DIV
 
     kind = "div"
 
@@ -25,7 +28,7 @@ class DivOverride(TableOverride):
     def int_op(self, call, fqs, out_fq):
         if call.kwargs.get("rounding_mode") is not None:  # floor/trunc division is not a table op
             return torch.div(*call.args, **call.kwargs)
-        x, y = _float_leaves(call)[:2]
+        x, y = float_leaves(call)[:2]
         dx, dy, do = fqs[0].dtype, fqs[1].dtype, out_fq.dtype
         return torch.ops.quantlens.int_div(
             x, y, fqs[0].scale, fqs[1].scale, out_fq.scale, self.params_q,

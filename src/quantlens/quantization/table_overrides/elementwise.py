@@ -13,8 +13,9 @@ from quantlens.kernels import (
     reciprocal_multiplier,
 )
 from quantlens.march import QuantDType
-from quantlens.quantization.table_overrides.base import TableOverride, _spec
-from quantlens.quantization.table_overrides.calls import _float_leaves
+from quantlens.quantization.table_calls import float_leaves
+from quantlens.quantization.table_overrides.base import TableOverride
+from quantlens.quantization.table_registry import TableKind, table_op_spec
 
 
 class ElementwiseOverride(TableOverride):
@@ -22,13 +23,15 @@ class ElementwiseOverride(TableOverride):
     rsqrt, log, pow, erf, hardswish, hardsigmoid, elu): one table (or, for an int16 reciprocal, the mantissa rule). Buffers: ``entries`` (Table256), or ``bounds``/``shifts``/``entries``/``tails``
     (SegmentedTable), or ``params_q`` = [M, shift] (mantissa reciprocal)."""
 
+    override_kind = TableKind.ELEMENTWISE
+
     def __init__(self, site, op_type, input_fqs, output_fq, params, weight=None, bias=None):
         # weight/bias: affine parameters, which only layer_norm has (one constructor for every table op)
         super().__init__(site, op_type, input_fqs, output_fq, params)
         s_in, s_out = float(input_fqs[0].scale), float(output_fq.scale)
         in_dtype, out_dtype = input_fqs[0].dtype, output_fq.dtype
         self.frac_bits = 0
-        if in_dtype is QuantDType.qint16 and _spec(op_type).int16 == "mantissa_reciprocal":
+        if in_dtype is QuantDType.qint16 and table_op_spec(op_type).int16 == "mantissa_reciprocal":
             self.kind = "mantissa_reciprocal"
             self.register_buffer("params_q", torch.tensor(reciprocal_multiplier(s_in, s_out), dtype=torch.int64))
             return
@@ -45,14 +48,14 @@ class ElementwiseOverride(TableOverride):
             self.register_buffer("tails", table.tails.clone())
 
     def _call_params(self, call):
-        params = _spec(self.op_type).params_from_call(call)
+        params = table_op_spec(self.op_type).params_from_call(call)
         return (self.params if params is None else dict(params)), None, None
 
     def int_op(self, call, fqs, out_fq):
-        for name, value in (_spec(self.op_type).params_from_call(call) or {}).items():
+        for name, value in (table_op_spec(self.op_type).params_from_call(call) or {}).items():
             if self.params.get(name) != value:
                 raise self._param_mismatch(name, self.params.get(name), value)
-        x = _float_leaves(call)[0]
+        x = float_leaves(call)[0]
         in_dt, out_dt = fqs[0].dtype, out_fq.dtype
         if self.kind == "table256":
             return torch.ops.quantlens.lut(x, fqs[0].scale, out_fq.scale, self.entries, out_dt.qmin, out_dt.qmax)

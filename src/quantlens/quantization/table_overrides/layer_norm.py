@@ -9,15 +9,19 @@ import torch.nn.functional as F
 
 from quantlens.errors import QuantLensError
 from quantlens.kernels import int_layer_norm, layer_norm_constants
-from quantlens.quantization.table_overrides.base import TableOverride, _exporting
-from quantlens.quantization.table_overrides.calls import _float_leaves, _layer_norm_call
-from quantlens.quantization.table_overrides.report import _PROBE_ROWS, _probe_rows
+from quantlens.quantization.table_calls import float_leaves, layer_norm_call
+from quantlens.quantization.table_overrides.base import TableOverride
+from quantlens.quantization.table_overrides.report import PROBE_ROWS, probe_rows
+from quantlens.quantization.table_registry import TableKind
+from quantlens.sites.tracing_state import export_tracing
 
 
 class LayerNormOverride(TableOverride):
     """Integer layer_norm. Buffers: ``gain``/``bias`` (int64 per normalized element), ``params_q`` =
     [eps_term, shift, frac_bits], and ``weight_ref``/``bias_ref`` (the float gamma/beta the constants were
     built from, to detect later changes)."""
+
+    override_kind = TableKind.LAYER_NORM
 
     kind = "layer_norm"
 
@@ -35,7 +39,7 @@ class LayerNormOverride(TableOverride):
         self.register_buffer("bias_ref", ref(bias))
 
     def _call_params(self, call):
-        shape, w, b, eps = _layer_norm_call(call)
+        shape, w, b, eps = layer_norm_call(call)
         return {"normalized_shape": shape, "eps": eps}, w, b
 
     def _same_affine(self, weight, bias):
@@ -44,12 +48,12 @@ class LayerNormOverride(TableOverride):
             for now, ref in ((weight, self.weight_ref), (bias, self.bias_ref)))
 
     def int_op(self, call, fqs, out_fq):
-        shape, w, b, eps = _layer_norm_call(call)
+        shape, w, b, eps = layer_norm_call(call)
         if shape != tuple(self.params["normalized_shape"]):
             raise self._param_mismatch("normalized_shape", tuple(self.params["normalized_shape"]), shape)
         if eps != self.params["eps"]:
             raise self._param_mismatch("eps", self.params["eps"], eps)
-        if not _exporting():
+        if not export_tracing():
             for name, now, ref in (("weight", w, self.weight_ref), ("bias", b, self.bias_ref)):
                 same = (now is None and ref.numel() == 0) or (
                     now is not None and now.shape == ref.shape and torch.equal(now.detach().to(ref), ref))
@@ -58,7 +62,7 @@ class LayerNormOverride(TableOverride):
                         f"The layer_norm {name} of op site '{self.site}' changed after pre_export (its integer "
                         "constants were built from the old values). Run pre_export again on the updated model."
                     )
-        x = _float_leaves(call)[0]
+        x = float_leaves(call)[0]
         if tuple(x.shape[x.dim() - len(shape):]) != shape:
             raise QuantLensError(
                 f"Op site '{self.site}' (layer_norm) normalizes the trailing dims {shape}, but its input has shape "
@@ -81,7 +85,7 @@ class LayerNormOverride(TableOverride):
         s_in, s_out = self.table_scales.tolist()
         shape = tuple(self.params["normalized_shape"])
         n = int(math.prod(shape))
-        q = _probe_rows(self.input_dtypes[0], n).reshape(_PROBE_ROWS, *shape).to(self.table_scales.device)
+        q = probe_rows(self.input_dtypes[0], n).reshape(PROBE_ROWS, *shape).to(self.table_scales.device)
         y = self.integer(q).to(torch.float64)
         w = self.weight_ref.to(torch.float64) if self.weight_ref.numel() else None
         b = self.bias_ref.to(torch.float64) if self.bias_ref.numel() else None

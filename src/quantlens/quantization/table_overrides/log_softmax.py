@@ -7,8 +7,9 @@ import torch
 
 from quantlens.kernels import exp_bits, int_log_softmax
 from quantlens.march import rules
-from quantlens.quantization.table_overrides.calls import _float_leaves, _softmax_call
+from quantlens.quantization.table_calls import float_leaves, softmax_call
 from quantlens.quantization.table_overrides.softmax import SoftmaxOverride
+from quantlens.quantization.table_registry import TableKind
 
 __all__ = ["LogSoftmaxOverride"]
 
@@ -17,6 +18,8 @@ class LogSoftmaxOverride(SoftmaxOverride):
     """Integer log_softmax. Buffers: the softmax's exp table (``exp_entries``, and ``exp_bounds``/``exp_shifts``/
     ``exp_tails`` for an int16 input) and ``params_q`` = [M_x, M_l, T] (``quantlens.march.rules.log_softmax``)."""
 
+    override_kind = TableKind.LOG_SOFTMAX
+
     kind = "log_softmax"
 
     def _output_params(self, s_in: float, s_out: float) -> list[int]:
@@ -24,8 +27,8 @@ class LogSoftmaxOverride(SoftmaxOverride):
         return [p["multiplier"], p["ln_multiplier"], p["shift"]]
 
     def int_op(self, call, fqs, out_fq):
-        x = _float_leaves(call)[0]
-        dim, dtype = _softmax_call(call, self.site)
+        x = float_leaves(call)[0]
+        dim, dtype = softmax_call(call, self.site)
         di, do = fqs[0].dtype, out_fq.dtype
         y = torch.ops.quantlens.int_log_softmax(
             x, fqs[0].scale, out_fq.scale, self.exp_bounds, self.exp_shifts, self.exp_entries, self.exp_tails,

@@ -1,10 +1,9 @@
 """The table overrides of ``rms_norm`` and ``F.normalize`` (``int_rms_norm``, ``docs/march.md`` §13.7.1) and of the
-L2 vector norm (``int_vector_norm``, §13.7.2), with the call readers and float ops their registry entries use."""
+L2 vector norm (``int_vector_norm``, §13.7.2), their call readers and float ops are in :mod:`..table_calls`."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -12,91 +11,13 @@ import torch.nn.functional as F
 from quantlens.errors import QuantLensError
 from quantlens.kernels.norm_ops import int_rms_norm, int_vector_norm, normalize_constants, rms_norm_constants
 from quantlens.march import rules
-from quantlens.quantization.table_overrides.base import TableOverride, _exporting
-from quantlens.quantization.table_overrides.calls import _arg, _float_leaves
-from quantlens.quantization.table_overrides.report import _PROBE_ROWS, _probe_rows
+from quantlens.quantization.table_calls import arg, float_leaves, normalize_params, rms_norm_call, vector_norm_params
+from quantlens.quantization.table_overrides.base import TableOverride
+from quantlens.quantization.table_overrides.report import PROBE_ROWS, probe_rows
+from quantlens.quantization.table_registry import TableKind
+from quantlens.sites.tracing_state import export_tracing
 
-__all__ = ["RmsNormOverride", "NormalizeOverride", "VectorNormOverride", "rms_norm_call", "normalize_params",
-           "vector_norm_params", "rms_norm_site", "normalize_site", "rms_norm_float", "normalize_float",
-           "vector_norm_float"]
-
-#: ``F.rms_norm``'s ``eps=None`` is ``torch.finfo(x.dtype).eps``; the tables are built for float32 inputs
-_DEFAULT_RMS_EPS = float(torch.finfo(torch.float32).eps)
-
-
-# -- reading the calls -------------------------------------------------------------------------------------------
-def rms_norm_call(call) -> tuple[tuple[int, ...], Any, float]:
-    """(normalized_shape, weight, eps) of an rms_norm call (``nn.RMSNorm`` or ``F.rms_norm``)."""
-    m = call.module
-    if m is not None:
-        return tuple(m.normalized_shape), m.weight, _DEFAULT_RMS_EPS if m.eps is None else float(m.eps)
-    shape = _arg(call, 1, "normalized_shape", None)
-    shape = (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape or ())
-    eps = _arg(call, 3, "eps", None)
-    return shape, _arg(call, 2, "weight", None), _DEFAULT_RMS_EPS if eps is None else float(eps)
-
-
-def normalize_params(call) -> dict | None:
-    """``F.normalize(x, p, dim, eps)``: ``{"dim", "eps"}``, or None (not a table op) for ``p != 2``."""
-    p = _arg(call, 1, "p", 2.0)
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or float(p) != 2.0:
-        return None
-    return {"dim": int(_arg(call, 2, "dim", 1)), "eps": float(_arg(call, 3, "eps", 1e-12))}
-
-
-def vector_norm_params(call) -> dict | None:
-    """``torch.linalg.vector_norm(x, ord, dim, keepdim)`` / ``torch.norm(x, p, dim, keepdim)``: ``{"dim",
-    "keepdim"}`` (``dim`` a list, empty for every dim), or None (not a table op) for another order or a dtype."""
-    order = _arg(call, 1, "ord" if "ord" in call.kwargs else "p", 2 if call.op_type == "linalg_vector_norm" else "fro")
-    if call.kwargs.get("dtype") is not None or len(call.args) > 4:
-        return None
-    if order != "fro" and (isinstance(order, bool) or not isinstance(order, (int, float)) or float(order) != 2.0):
-        return None
-    dim = _arg(call, 2, "dim", None)
-    dims = [] if dim is None else [int(dim)] if isinstance(dim, int) else [int(d) for d in dim]
-    return {"dim": dims, "keepdim": bool(_arg(call, 3, "keepdim", False))}
-
-
-def rms_norm_site(rec, module, call):
-    if module is not None:
-        shape, weight, eps = rms_norm_call(_ModuleCall(module))
-        return {"normalized_shape": shape, "eps": eps}, weight, None
-    if call is None:
-        raise QuantLensError(
-            f"pre_export: op site '{rec.name}' calls rms_norm as a function (at {rec.source}); its normalized shape, "
-            "weight and eps are only known when it runs. Pass example inputs: pre_export(model, example_inputs=...), "
-            "or use an nn.RMSNorm module.")
-    shape, weight, eps = rms_norm_call(call)
-    return {"normalized_shape": shape, "eps": eps}, weight, None
-
-
-def normalize_site(rec, module, call):
-    params = normalize_params(call) if call is not None else {"dim": 1, "eps": 1e-12}
-    if params is None:
-        return None, None, None
-    shape = rec.inputs[0].shape
-    if not shape:
-        raise QuantLensError(f"pre_export: op site '{rec.name}' (normalize, at {rec.source}) has a 0-d input.")
-    return {**params, "length": int(shape[params["dim"]])}, None, None
-
-
-class _ModuleCall:
-    def __init__(self, module):
-        self.module, self.args, self.kwargs = module, (), {}
-
-
-def rms_norm_float(call, site: str) -> Any:
-    shape, weight, eps = rms_norm_call(call)
-    return F.rms_norm(_float_leaves(call)[0], shape, weight, eps)
-
-
-def normalize_float(call, site: str) -> Any:
-    return F.normalize(*call.args, **call.kwargs)
-
-
-def vector_norm_float(call, site: str) -> Any:
-    return call.func(*call.args, **call.kwargs)
-
+__all__ = ["RmsNormOverride", "NormalizeOverride", "VectorNormOverride"]
 
 # -- the overrides ----------------------------------------------------------------------------------------------
 class _NormTable(TableOverride):
@@ -119,7 +40,7 @@ class _NormTable(TableOverride):
     def _probe_error(self, shape: tuple[int, ...], exact_fn) -> tuple[float, str]:
         s_in, s_out = self.table_scales.tolist()
         n = int(math.prod(shape))
-        q = _probe_rows(self.input_dtypes[0], n).reshape(_PROBE_ROWS, *shape)
+        q = probe_rows(self.input_dtypes[0], n).reshape(PROBE_ROWS, *shape)
         y = self.integer(q, len(shape)).to(torch.float64)
         exact = exact_fn(q.to(torch.float64) * s_in) / s_out
         do = self.output_dtype
@@ -135,6 +56,8 @@ class _NormTable(TableOverride):
 
 class RmsNormOverride(_NormTable):
     """Integer ``rms_norm`` (§13.7.1); ``weight_ref`` keeps the float gamma the constants were built from."""
+
+    override_kind = TableKind.RMS_NORM
 
     kind = "rms_norm"
 
@@ -162,10 +85,10 @@ class RmsNormOverride(_NormTable):
             raise self._param_mismatch("normalized_shape", tuple(self.params["normalized_shape"]), shape)
         if eps != self.params["eps"]:
             raise self._param_mismatch("eps", self.params["eps"], eps)
-        if not _exporting() and not self._same_affine(w, None):
+        if not export_tracing() and not self._same_affine(w, None):
             raise QuantLensError(f"The rms_norm weight of op site '{self.site}' changed after pre_export (its integer "
                                  "constants were built from the old values). Run pre_export again on the updated model.")
-        return self._run(_float_leaves(call)[0], fqs, out_fq, self.normalized_ndim)
+        return self._run(float_leaves(call)[0], fqs, out_fq, self.normalized_ndim)
 
     def error_steps(self):
         shape = tuple(self.params["normalized_shape"])
@@ -175,6 +98,8 @@ class RmsNormOverride(_NormTable):
 
 class NormalizeOverride(_NormTable):
     """Integer ``F.normalize`` with p = 2 (§13.7.1): the RMS norm kernel over ``dim`` (moved last and back)."""
+
+    override_kind = TableKind.NORMALIZE
 
     kind = "normalize"
 
@@ -186,8 +111,8 @@ class NormalizeOverride(_NormTable):
     def _call_params(self, call):
         params = normalize_params(call)
         if params is None:
-            raise self._param_mismatch("p", 2, _arg(call, 1, "p", 2.0))
-        x = _float_leaves(call)[0]
+            raise self._param_mismatch("p", 2, arg(call, 1, "p", 2.0))
+        x = float_leaves(call)[0]
         return {**params, "length": int(x.shape[params["dim"]])}, None, None
 
     def int_op(self, call, fqs, out_fq):
@@ -195,7 +120,7 @@ class NormalizeOverride(_NormTable):
         for key in ("dim", "eps", "length"):
             if params[key] != self.params[key]:
                 raise self._param_mismatch(key, self.params[key], params[key])
-        x = _float_leaves(call)[0]
+        x = float_leaves(call)[0]
         dim = params["dim"] % x.dim()
         last = dim == x.dim() - 1
         y = self._run(x if last else x.movedim(dim, -1), fqs, out_fq, 1)
@@ -209,6 +134,8 @@ class NormalizeOverride(_NormTable):
 class VectorNormOverride(TableOverride):
     """Integer ``||x||_2`` (§13.7.2). Buffer ``params_q = [M, shift]``."""
 
+    override_kind = TableKind.VECTOR_NORM
+
     kind = "vector_norm"
 
     def __init__(self, site, op_type, input_fqs, output_fq, params, weight=None, bias=None):
@@ -219,7 +146,7 @@ class VectorNormOverride(TableOverride):
     def _call_params(self, call):
         params = vector_norm_params(call)
         if params is None:
-            raise self._param_mismatch("ord", 2, _arg(call, 1, "ord", None))
+            raise self._param_mismatch("ord", 2, arg(call, 1, "ord", None))
         return params, None, None
 
     def int_op(self, call, fqs, out_fq):
@@ -228,13 +155,13 @@ class VectorNormOverride(TableOverride):
             if params[key] != self.params[key]:
                 raise self._param_mismatch(key, self.params[key], params[key])
         di, do = fqs[0].dtype, out_fq.dtype
-        return torch.ops.quantlens.int_vector_norm(_float_leaves(call)[0], fqs[0].scale, out_fq.scale, self.params_q,
+        return torch.ops.quantlens.int_vector_norm(float_leaves(call)[0], fqs[0].scale, out_fq.scale, self.params_q,
                                                    list(params["dim"]), bool(params["keepdim"]), di.qmin, di.qmax,
                                                    do.qmin, do.qmax)
 
     def error_steps(self):
         s_in, s_out = self.table_scales.tolist()
-        q = _probe_rows(self.input_dtypes[0], 64)
+        q = probe_rows(self.input_dtypes[0], 64)
         m, shift = (int(v) for v in self.params_q.tolist())
         y = int_vector_norm(q, [-1], False, m, shift, self.output_dtype).to(torch.float64)
         exact = torch.linalg.vector_norm(q.to(torch.float64) * s_in, dim=-1) / s_out

@@ -9,7 +9,7 @@ import torch
 
 from quantlens.march import QuantDType
 
-_PROBE_ROWS = 256
+PROBE_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,10 @@ class LutSiteInfo:
     detail: str
 
 
-def _probe_rows(dtype: QuantDType, length: int) -> torch.Tensor:
+def probe_rows(dtype: QuantDType, length: int) -> torch.Tensor:
     """Seeded rows of input codes: each row has its own centre and spread (from 1 code to the full range)."""
     gen = torch.Generator().manual_seed(0)
-    spread = 2.0 ** (torch.rand(_PROBE_ROWS, 1, generator=gen, dtype=torch.float64) * (dtype.bits - 1))
-    centre = (torch.rand(_PROBE_ROWS, 1, generator=gen, dtype=torch.float64) - 0.5) * dtype.qmax
-    values = centre + spread * torch.randn(_PROBE_ROWS, length, generator=gen, dtype=torch.float64)
+    spread = 2.0 ** (torch.rand(PROBE_ROWS, 1, generator=gen, dtype=torch.float64) * (dtype.bits - 1))
+    centre = (torch.rand(PROBE_ROWS, 1, generator=gen, dtype=torch.float64) - 0.5) * dtype.qmax
+    values = centre + spread * torch.randn(PROBE_ROWS, length, generator=gen, dtype=torch.float64)
     return values.round().clamp(dtype.qmin, dtype.qmax).to(torch.int64)

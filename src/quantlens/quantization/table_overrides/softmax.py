@@ -13,14 +13,17 @@ from quantlens.kernels import (
     softmax_exp_table,
     softmax_multiplier,
 )
+from quantlens.quantization.table_calls import float_leaves, softmax_call
 from quantlens.quantization.table_overrides.base import TableOverride
-from quantlens.quantization.table_overrides.calls import _float_leaves, _softmax_call
-from quantlens.quantization.table_overrides.report import _probe_rows
+from quantlens.quantization.table_overrides.report import probe_rows
+from quantlens.quantization.table_registry import TableKind
 
 
 class SoftmaxOverride(TableOverride):
     """Integer softmax. Buffers: ``exp_entries`` (+ ``exp_bounds``/``exp_shifts``/``exp_tails`` for an int16
     input; empty for an int8 input) and ``params_q`` = [M, shift]."""
+
+    override_kind = TableKind.SOFTMAX
 
     kind = "softmax"
 
@@ -47,8 +50,8 @@ class SoftmaxOverride(TableOverride):
         return list(softmax_multiplier(s_out))
 
     def int_op(self, call, fqs, out_fq):
-        x = _float_leaves(call)[0]
-        dim, dtype = _softmax_call(call, self.site)
+        x = float_leaves(call)[0]
+        dim, dtype = softmax_call(call, self.site)
         di, do = fqs[0].dtype, out_fq.dtype
         y = torch.ops.quantlens.int_softmax(
             x, fqs[0].scale, out_fq.scale, self.exp_bounds, self.exp_shifts, self.exp_entries, self.exp_tails,
@@ -67,7 +70,7 @@ class SoftmaxOverride(TableOverride):
     def error_steps(self):
         s_in, s_out = self.table_scales.tolist()
         length = int(self.params.get("length", 16))
-        q = _probe_rows(self.input_dtypes[0], length).to(self.table_scales.device)
+        q = probe_rows(self.input_dtypes[0], length).to(self.table_scales.device)
         y = self.integer(q).to(torch.float64)
         do = self.output_dtype
         exact = (self._exact_op(q.to(torch.float64) * s_in) / s_out).clamp(do.qmin, do.qmax)

@@ -15,7 +15,7 @@ linear by ``s_j`` is exact. ``s_j = a_j**alpha / w_j**(1 - alpha)`` with ``a_j``
 output reaches on the calibration data and ``w_j`` the largest ``|W[:, j]|`` over the consumers moves the
 activation outliers into the weights (per-channel quantized, where they cost little).
 
-A pair is found from the model's data flow (``quantization.record``): the producer's output must go only to the
+A pair is found from the model's data flow (``sites.record``): the producer's output must go only to the
 activation (or the consumers), and the activation's only to the consumers; anything else (a residual add reading
 the same tensor, a second use) makes the transform inexact and the pair is not taken.
 """
@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from quantlens.errors import QuantLensError
-from quantlens.quantization.record import ModelRecord, record_model
 from quantlens.search.remedies.watch import watch_modules
+from quantlens.sites.record import ModelRecord, record_model
 
 __all__ = ["EqualizationPair", "find_cle_pairs", "find_smoothing_pairs", "cross_layer_equalization",
            "smooth_activations", "activation_absmax"]

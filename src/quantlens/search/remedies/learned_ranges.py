@@ -39,8 +39,8 @@ from quantlens.quantization.qconfig_template import (
     default_calibration_qconfig_setter,
     resolve_qconfigs,
 )
-from quantlens.quantization.record import call_model
 from quantlens.search.remedies.observers import ObserverQconfigSetter
+from quantlens.sites.record import call_model
 
 __all__ = ["learn_ranges", "FixedRangeQconfigSetter", "int8_range_observer"]
 

@@ -31,8 +31,8 @@ from torch.nn.utils import parametrize
 from quantlens.errors import QuantLensError
 from quantlens.quantization import FakeQuantState, calibrate, prepare, set_fake_quantize
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
-from quantlens.quantization.record import call_model
 from quantlens.search.remedies.learned_ranges import cosine_loss, output_tensors
+from quantlens.sites.record import call_model
 
 __all__ = ["learn_rounding", "has_roundable_layers"]
 

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from quantlens.quantization.record import call_model
+from quantlens.sites.record import call_model
 
 __all__ = ["watch_modules"]
 

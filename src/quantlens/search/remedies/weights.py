@@ -66,7 +66,7 @@ def per_tensor_weight_sites(model: nn.Module, example: Any, setter: Any) -> list
     """The op sites whose weights ``setter`` quantizes per tensor on ``model`` (where the remedy applies);
     ``model`` is only run, not changed."""
     from quantlens.quantization.fuse import find_fusions
-    from quantlens.quantization.record import record_model
+    from quantlens.sites.record import record_model
 
     record = record_model(model, [example])
     groups, _ = find_fusions(record, model)

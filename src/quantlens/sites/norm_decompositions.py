@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from quantlens.errors import QuantLensError
-from quantlens.quantization.source_location import ForwardTracer, user_source_location
+from quantlens.sites.source_location import ForwardTracer, user_source_location
 
 __all__ = ["NORM_DECOMPOSED_FUNCTIONS", "group_norm", "instance_norm", "glu"]
 
@@ -102,7 +102,7 @@ def glu(tracer: ForwardTracer, input: torch.Tensor, dim: int = -1) -> torch.Tens
 
 
 #: canonical op name -> decomposition ``fn(tracer, *args, **kwargs)`` (merged into the tracer's
-#: ``quantlens.quantization.rnn.DECOMPOSED_FUNCTIONS``); their op types are ``COMPOSITE`` in the op set.
+#: ``quantlens.sites.rnn.DECOMPOSED_FUNCTIONS``); their op types are ``COMPOSITE`` in the op set.
 NORM_DECOMPOSED_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "group_norm": group_norm,
     "instance_norm": instance_norm,

@@ -40,10 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from quantlens.errors import QuantLensError
-from quantlens.quantization.gemm_decompositions import GEMM_DECOMPOSED_FUNCTIONS
-from quantlens.quantization.norm_decompositions import NORM_DECOMPOSED_FUNCTIONS
-from quantlens.quantization.rnn_fold import folds, run_folded
-from quantlens.quantization.source_location import ForwardTracer
+from quantlens.sites.gemm_decompositions import GEMM_DECOMPOSED_FUNCTIONS
+from quantlens.sites.norm_decompositions import NORM_DECOMPOSED_FUNCTIONS
+from quantlens.sites.rnn_fold import folds, run_folded
+from quantlens.sites.source_location import ForwardTracer
 
 __all__ = ["DECOMPOSED_FUNCTIONS", "lstm_cell", "gru_cell", "lstm", "gru"]
 

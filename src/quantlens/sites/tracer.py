@@ -5,7 +5,7 @@ tensor methods) plus global module forward hooks (for module calls). It assigns 
 tensor an **op site name** and hands the call to a *handler*; handlers record (``prepare``), quantize (the
 prepared model) or dump tensors (the profiler). The name rule (also in ``docs/architecture.md``):
 
-* a module listed in :mod:`quantlens.quantization.op_rules` (conv, linear, layernorm, QuantStub ...) is one
+* a module listed in :mod:`quantlens.sites.op_rules` (conv, linear, layernorm, QuantStub ...) is one
   op site named by its qualified name, e.g. ``backbone.conv1``; its k-th call (k >= 1) in the same forward is
   ``backbone.conv1@k`` (a shared module);
 * any other op is ``<enclosing module>.<op>_<k>``, e.g. ``backbone.layer1.0.add_0``, where ``<op>`` is the
@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 from torch.utils import _pytree as pytree
 
 from quantlens.march.semantics import MARCH_FUNCTIONS
-from quantlens.quantization.op_rules import (
+from quantlens.sites.op_rules import (
     OpKind,
     OpRule,
     canonical_op_name,
@@ -40,9 +40,9 @@ from quantlens.quantization.op_rules import (
     is_recurrent_module,
     module_rule,
 )
-from quantlens.quantization.rnn import DECOMPOSED_FUNCTIONS
-from quantlens.quantization.source_location import TORCH_DIR, is_within, user_source_location
-from quantlens.quantization.tracing_state import enter_traced_forward, leave_traced_forward
+from quantlens.sites.rnn import DECOMPOSED_FUNCTIONS
+from quantlens.sites.source_location import TORCH_DIR, is_within, user_source_location
+from quantlens.sites.tracing_state import enter_traced_forward, leave_traced_forward
 
 __all__ = ["SiteCall", "SiteHandler", "OpSiteTracer", "module_qualnames", "float_tensor_leaves", "user_source_location", "is_within",
            "TORCH_DIR", "TensorMarks"]

@@ -8,12 +8,14 @@ import sys
 
 import torch
 
-__all__ = ["user_source_location", "is_within", "TORCH_DIR", "ForwardTracer"]
+__all__ = ["user_source_location", "is_within", "TORCH_DIR", "MACHINERY_DIRS", "ForwardTracer"]
 
 
 _QUANTLENS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-_SKIP_DIRS = (os.path.join(_QUANTLENS_DIR, "quantization"), os.path.join(_QUANTLENS_DIR, "profiler"), TORCH_DIR)
+#: quantlens' own machinery that runs inside a traced forward: the op-site capture and the quantization stage
+MACHINERY_DIRS = (os.path.join(_QUANTLENS_DIR, "sites"), os.path.join(_QUANTLENS_DIR, "quantization"))
+_SKIP_DIRS = (*MACHINERY_DIRS, os.path.join(_QUANTLENS_DIR, "profiler"), TORCH_DIR)
 
 
 def is_within(filename: str, dirs: tuple[str, ...] | str) -> bool:

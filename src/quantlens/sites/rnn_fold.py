@@ -29,7 +29,7 @@ import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import is_fake
 
 from quantlens.errors import QuantLensError
-from quantlens.quantization.source_location import ForwardTracer
+from quantlens.sites.source_location import ForwardTracer
 
 __all__ = ["STEP_META", "TRACED_STEPS", "folds", "run_folded", "unrolled_export", "recurrent_steps"]
 
@@ -63,7 +63,7 @@ def recurrent_steps(state_in: list[torch.Tensor], state_mid: list[torch.Tensor],
     raise QuantLensError(
         "torch.ops.quantlens.recurrent_steps is a placeholder that quantlens.compiler.export puts in a traced "
         "graph for the folded time steps of an LSTM/GRU; only export's lowering expands it. Export the prepared "
-        "model with quantlens.compiler.export, or trace it inside quantlens.quantization.rnn_fold.unrolled_export()."
+        "model with quantlens.compiler.export, or trace it inside quantlens.sites.rnn_fold.unrolled_export()."
     )
 
 

@@ -17,8 +17,8 @@ from torch.utils import _pytree as pytree
 
 from quantlens.errors import QuantLensError
 from quantlens.march.opset import op_def
-from quantlens.quantization.op_rules import OpKind
-from quantlens.quantization.tracer import (
+from quantlens.sites.op_rules import OpKind
+from quantlens.sites.tracer import (
     OpSiteTracer,
     SiteCall,
     SiteHandler,
@@ -28,7 +28,7 @@ from quantlens.quantization.tracer import (
     user_source_location,
 )
 
-__all__ = ["SiteInput", "OpSiteRecord", "ModelRecord", "record_model", "get_op_sites", "call_model", "model_device",
+__all__ = ["SiteInput", "OpSiteRecord", "ModelRecord", "record_model", "call_model", "model_device",
            "inputs_to"]
 
 
@@ -303,17 +303,3 @@ def _mark_made_inside(record: ModelRecord) -> None:
                 changed = True
     for site in record.sites.values():
         site.made_inside = site.name not in dependent and not site.after_dequant
-
-
-def get_op_sites(model: nn.Module, example_inputs: Any) -> list[str]:
-    """Op site names of ``model`` (float or prepared) in execution order, for one example input."""
-    from quantlens.quantization.prepare import is_prepared
-
-    if is_prepared(model):
-        return list(model._quantlens_state.last_sites(example_inputs))
-    was_training = model.training
-    model.eval()
-    try:
-        return list(record_model(model, [example_inputs]).sites)
-    finally:
-        model.train(was_training)

@@ -24,5 +24,5 @@ def baddbmm(tracer, input: torch.Tensor, batch1: torch.Tensor, batch2: torch.Ten
 
 
 #: canonical op name -> decomposition ``fn(tracer, *args, **kwargs)`` (merged into the tracer's
-#: ``quantlens.quantization.rnn.DECOMPOSED_FUNCTIONS``); their op types are ``COMPOSITE`` in the op set.
+#: ``quantlens.sites.rnn.DECOMPOSED_FUNCTIONS``); their op types are ``COMPOSITE`` in the op set.
 GEMM_DECOMPOSED_FUNCTIONS: dict[str, Callable[..., Any]] = {"baddbmm": baddbmm}

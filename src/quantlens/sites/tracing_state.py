@@ -1,7 +1,7 @@
 """Whether torch.export is really tracing.
 
 Every traced forward of a prepared model answers ``torch.compiler.is_compiling()`` / ``is_exporting()`` with True,
-so libraries take the branch export takes (see :class:`~quantlens.quantization.tracer.OpSiteTracer`). quantlens'
+so libraries take the branch export takes (see :class:`~quantlens.sites.tracer.OpSiteTracer`). quantlens'
 own code must still tell a real export from such a forward (a table checks its scales eagerly, not while traced):
 the tracer keeps the real answers here.
 """

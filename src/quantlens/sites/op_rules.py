@@ -25,7 +25,7 @@ from typing import Callable
 from torch import nn
 
 from quantlens.march.opset import OPS, Category, OpDef
-from quantlens.quantization.stubs import DeQuantStub, QuantStub
+from quantlens.sites.stubs import DeQuantStub, QuantStub
 
 __all__ = [
     "OpKind",
