@@ -178,10 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from quantlens.cli import _quiet_torch
+    from quantlens.cli import quiet_torch
     from quantlens.cli.pipeline import print_losses
 
-    _quiet_torch()
+    quiet_torch()
     parser = argparse.ArgumentParser(prog="quantlens-demo", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[2:]))

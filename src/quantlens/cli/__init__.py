@@ -19,7 +19,7 @@ from quantlens.cli.exits import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, UsageError
 __all__ = ["main", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_USAGE", "UsageError", "warning_origin"]
 
 
-def _quiet_torch() -> None:
+def quiet_torch() -> None:
     # torch.export deep-copies pytree specs, which trips torch's own deprecation shim (not ours to fix here)
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*", category=FutureWarning)
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     # Piped or redirected (not a terminal), an error is written unwrapped: rich would otherwise fold it at 80
     # columns, splitting the paths and the suggested commands that users copy from it.
     err = Console(stderr=True, highlight=False, soft_wrap=not sys.stderr.isatty())
-    _quiet_torch()
+    quiet_torch()
     with warnings.catch_warnings(), speaking_to("config"):  # advice names what a CONFIG user changes
         if not debug:  # a warning is one line in words, not Python's "file:line: UserWarning" and a source line
             warnings.showwarning = lambda message, category, filename, lineno, *rest: err.print(

@@ -22,7 +22,7 @@ __all__ = ["add_parser", "run", "kinds_for", "index_title", "SUMMARY_EXTRAS"]
 SUMMARY_EXTRAS = ("config", "title", "failed_stage", "stage_metrics")
 
 #: the last stage each analysis type needs
-_UPTO = {"fake_quant": "calibration", "pre_export": "pre_export", "export": "qat_ir", "convert": "quantized_ir",
+UPTO = {"fake_quant": "calibration", "pre_export": "pre_export", "export": "qat_ir", "convert": "quantized_ir",
          "onnxruntime": "onnx"}
 
 
@@ -86,8 +86,8 @@ def analyze_config(cfg, kinds: list[str], out_dir: Path, *, sensitivity: bool = 
     from quantlens import set_march
     from quantlens.cli.pipeline import analyze_pairs, build_stages, print_losses, write_index, write_summary
 
-    order = list(_UPTO.values())
-    upto = max((_UPTO[k] for k in kinds), key=order.index)
+    order = list(UPTO.values())
+    upto = max((UPTO[k] for k in kinds), key=order.index)
     if cfg.march is not None:
         set_march(cfg.march)
     out_dir.mkdir(parents=True, exist_ok=True)

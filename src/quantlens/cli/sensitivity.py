@@ -61,7 +61,7 @@ def run(args) -> int:
         if args.quantized:
             raise UsageError("a second file is only taken after a qat IR (.qlir).")
         from quantlens import set_march
-        from quantlens.cli.analyze import _UPTO
+        from quantlens.cli.analyze import UPTO
         from quantlens.cli.config import load_config
         from quantlens.cli.pipeline import PAIRS, build_stages
 
@@ -73,7 +73,7 @@ def run(args) -> int:
         with out.status("building the stages"):
             stages = build_stages(cfg.float_model(), example, cfg.calibration_data, cfg.calibration_qconfig_setter,
                                   qat_qconfig_setter=cfg.qat_qconfig_setter, train_qat=cfg.train_qat,
-                                  upto=_UPTO[args.stage], out_dir=out_dir, dynamic_batch=cfg.dynamic_batch,
+                                  upto=UPTO[args.stage], out_dir=out_dir, dynamic_batch=cfg.dynamic_batch,
                                   allow_no_stubs=cfg.allow_no_stubs)
         base, analy = (getattr(stages, n) for n in PAIRS[args.stage])
         qa = QuantAnalysis(base, analy, args.stage, out_dir=out_dir, post_process=cfg.post_process)

@@ -16,7 +16,7 @@ from quantlens.march.spec import QuantDType
 __all__ = ["fake_quant", "fake_quant_range"]
 
 
-def _broadcast_scale(scale: torch.Tensor, x: torch.Tensor, axis: int) -> torch.Tensor:
+def broadcast_scale(scale: torch.Tensor, x: torch.Tensor, axis: int) -> torch.Tensor:
     if axis < 0 or scale.numel() == 1:
         return scale.reshape(())
     shape = [1] * x.dim()
@@ -25,7 +25,7 @@ def _broadcast_scale(scale: torch.Tensor, x: torch.Tensor, axis: int) -> torch.T
 
 
 def _fake_quant_math(x: torch.Tensor, scale: torch.Tensor, qmin: int, qmax: int, axis: int) -> torch.Tensor:
-    s = _broadcast_scale(scale.to(torch.float32), x, axis)
+    s = broadcast_scale(scale.to(torch.float32), x, axis)
     # One fresh tensor, then in place: the same arithmetic as quantize() followed by dequantize().
     q = torch.div(x.to(torch.float32), s)
     q.round_().clamp_(qmin, qmax).mul_(s)
@@ -51,7 +51,7 @@ def _fake_quant_setup(ctx, inputs, output):
 def _fake_quant_backward(ctx, grad):
     # Straight-through estimator, clipped: the gradient passes where x lies inside the representable range.
     x, scale = ctx.saved_tensors
-    s = _broadcast_scale(scale.to(torch.float32), x, ctx.axis)
+    s = broadcast_scale(scale.to(torch.float32), x, ctx.axis)
     inside = (x >= ctx.qmin * s) & (x <= ctx.qmax * s)
     return grad * inside.to(grad.dtype), None, None, None, None
 

@@ -22,7 +22,7 @@ import threading
 import torch
 
 from quantlens.errors import QuantLensError
-from quantlens.march.fake_quant import _broadcast_scale, fake_quant, fake_quant_range
+from quantlens.march.fake_quant import broadcast_scale, fake_quant, fake_quant_range
 from quantlens.march.spec import Qpp, QuantDType, get_march
 
 __all__ = [
@@ -50,13 +50,13 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: QuantDType, axis: int 
              storage: torch.dtype = torch.int64) -> torch.Tensor:
     """Real values to integers in the dtype's range, held in ``storage`` (int64 by default; the simulator asks for
     int8/int16: the same values, without an int64 intermediate)."""
-    s = _broadcast_scale(scale.to(torch.float32), x, -1 if axis is None else axis)
+    s = broadcast_scale(scale.to(torch.float32), x, -1 if axis is None else axis)
     return torch.div(x.to(torch.float32), s).round_().clamp_(dtype.qmin, dtype.qmax).to(storage)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, axis: int | None = None) -> torch.Tensor:
     """Integers back to float32 reals."""
-    s = _broadcast_scale(scale.to(torch.float32), q, -1 if axis is None else axis)
+    s = broadcast_scale(scale.to(torch.float32), q, -1 if axis is None else axis)
     return q.to(torch.float32) * s
 
 

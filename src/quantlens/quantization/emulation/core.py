@@ -69,17 +69,19 @@ class EmuCall:
         return self.args[position] if position < len(self.args) else default
 
 
-def _kernel(op: str, attrs: dict, inputs: list, site: str = "") -> torch.Tensor:
+def run_kernel(op: str, attrs: dict, inputs: list, site: str = "") -> torch.Tensor:
+    """The march's integer kernel of IR op ``op`` on integer ``inputs`` (the one the quantized IR runs), in int64."""
     return INT_KERNELS[op](inputs, attrs, site).to(torch.int64)
 
 
-def _s64(fq) -> torch.Tensor:
+def codes_scale(fq) -> torch.Tensor:
+    """A fake quant's scale in float64, the dtype the emulation holds integer codes in."""
     return fq.scale.detach().to(torch.float64)
 
 
 def codes_of(x: torch.Tensor, fq) -> torch.Tensor:
     """The integers of a tensor on ``fq``'s grid (``x = fl32(q · s)``, so ``x / s`` is within 2**-24 of q)."""
-    s = _s64(fq)
+    s = codes_scale(fq)
     if s.numel() > 1 and fq.ch_axis is not None:
         shape = [1] * x.dim()
         shape[fq.ch_axis] = -1
@@ -126,7 +128,7 @@ class IntegerEmulator:
         if _same_grid(src, dst):
             return q
         attrs = {**rules.move(src.scale, dst.scale, dst.dtype, self.qpp), "axis": None}
-        return _kernel("requantize", attrs, [q])
+        return run_kernel("requantize", attrs, [q])
 
     def to_grid(self, x: torch.Tensor, src, dst, quantized: torch.Tensor) -> torch.Tensor:
         """An input fake quant ``dst`` applied to ``x``: ``quantized`` is ``dst(x)`` (the float result, which
@@ -158,7 +160,7 @@ class IntegerEmulator:
         if handler is None:
             op = op_def(call.op_type)
             if op is not None and op.category is Category.MOVEMENT:
-                handler = _grid_op
+                handler = grid_op
         return handler(self, call) if handler is not None else None
 
     def defer(self, output: Any, pending: Deferred) -> None:
@@ -186,7 +188,7 @@ class IntegerEmulator:
         """conv / linear / matmul: the accumulator (exact, or the float32 result rounded to integers), then a
         value deferred to the output grid. Returns the float value of the int32 accumulator (what the quantized
         IR's high-precision output dequantizes to), carrying the float op's gradient (``float_op()``)."""
-        s_x, s_w = _s64(x_fq), _s64(w_fq)
+        s_x, s_w = codes_scale(x_fq), codes_scale(w_fq)
         acc_scale = s_x * s_w  # exact product of float32 scales, as convert computes it
         output = None
         if self.exact:
@@ -218,7 +220,7 @@ class IntegerEmulator:
             # convert folds a positive scalar multiply after the GEMM (attention's 1/sqrt(d)) into the multiplier
             attrs = rules.gemm(x_fq.scale, w_fq.scale, fq.scale, fq.dtype, qpp, factor)
             attrs["axis"] = channel_dim if len(attrs["multiplier"]) > 1 else None
-            return _kernel("requantize", attrs, [acc.to(torch.int64)])
+            return run_kernel("requantize", attrs, [acc.to(torch.int64)])
 
         dtype = output.dtype if output is not None else call.leaves[0].dtype if call.leaves else torch.float32
         value = (acc.to(torch.float32) * scale_b.to(torch.float32)).to(dtype)
@@ -305,7 +307,7 @@ def _apply_on(call: EmuCall, pos: int, index: int | None) -> Callable[[torch.Ten
 EMULATED_OPS, emulates = make_registry("emulation rule for op type")
 
 
-def _input(call: EmuCall, position: int, name: str):
+def site_input(call: EmuCall, position: int, name: str):
     """``(codes, fake quant)`` of a quantized tensor argument, a Python/constant scalar as ``(float, None)``,
     or ``None`` when the argument is neither (a float tensor left unquantized)."""
     value = call.arg(position, name)
@@ -323,7 +325,7 @@ def _input(call: EmuCall, position: int, name: str):
 
 
 def _single(call: EmuCall):
-    x = _input(call, 0, "input")
+    x = site_input(call, 0, "input")
     return x if x is not None and x[1] is not None else None
 
 
@@ -338,7 +340,7 @@ def on_one_input(rule: Callable) -> Callable:
     return wrapped
 
 
-def _grid_op(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
+def grid_op(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
     """A movement op (its float result lies on its input's grid) that ends in a fake quant of another grid:
     the integers move, then one requantize (convert: the passthrough op, then a ``requantize`` node)."""
     positions = [p for p in call.grids if isinstance(call.leaves[p], torch.Tensor)]

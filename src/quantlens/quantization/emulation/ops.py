@@ -14,13 +14,13 @@ from quantlens.quantization.emulation.core import (
     Deferred,
     EmuCall,
     IntegerEmulator,
-    _grid_op,
-    _input,
-    _kernel,
-    _s64,
     codes_of,
+    codes_scale,
     emulates,
+    grid_op,
     on_one_input,
+    run_kernel,
+    site_input,
 )
 
 
@@ -28,7 +28,7 @@ from quantlens.quantization.emulation.core import (
 def _add(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
     if call.kwargs.get("alpha", 1) != 1 or len(call.args) + len(call.kwargs) < 2:
         return None
-    a, b = _input(call, 0, "input"), _input(call, 1, "other")
+    a, b = site_input(call, 0, "input"), site_input(call, 1, "other")
     if a is None or b is None or (a[1] is None and b[1] is None):
         return None
     if call.op_type == "rsub":  # rsub(x, y) = y - x
@@ -39,7 +39,7 @@ def _add(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
     if a[1] is not None and b[1] is not None:
         def compute(fq):
             attrs = rules.add([a[1].scale, b[1].scale], fq.scale, fq.dtype, qpp)
-            return _kernel(op, attrs, [a[0], b[0]], call.site)
+            return run_kernel(op, attrs, [a[0], b[0]], call.site)
         return Deferred(compute)
     # x ± k / k ± x: convert's add_const (the constant enters in the sum's fractional units)
     if a[1] is None:
@@ -49,7 +49,7 @@ def _add(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
 
     def compute_const(fq):
         attrs = rules.add_constant(x[1].scale, k, fq.scale, fq.dtype, qpp, negate)
-        return _kernel("add_const", attrs, [x[0]], call.site)
+        return run_kernel("add_const", attrs, [x[0]], call.site)
     return Deferred(compute_const)
 
 
@@ -73,13 +73,13 @@ def _cat(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
 
     def compute(fq):
         attrs = rules.cat([p[1].scale for p in parts], fq.scale, fq.dtype, qpp, dim)
-        return _kernel("cat", attrs, [p[0] for p in parts], call.site)
+        return run_kernel("cat", attrs, [p[0] for p in parts], call.site)
     return Deferred(compute)
 
 
 @emulates("mul", "div")
 def _mul(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
-    a, b = _input(call, 0, "input"), _input(call, 1, "other")
+    a, b = site_input(call, 0, "input"), site_input(call, 1, "other")
     if a is None or b is None or a[1] is None:
         if call.op_type == "mul" and a is not None and b is not None and a[1] is None and b[1] is not None:
             a, b = b, a  # k * x
@@ -93,13 +93,13 @@ def _mul(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
 
         def compute_scale(fq):
             attrs = rules.scale_by_constant(real, a[1].scale, fq.scale, fq.dtype, qpp)
-            return _kernel("scale", attrs, [a[0]], call.site)
+            return run_kernel("scale", attrs, [a[0]], call.site)
         return Deferred(compute_scale)
     if call.op_type == "div":
         return None  # x / y of two tensors is a table op (§13.5)
 
     def compute(fq):
-        return _kernel("mul", rules.mul(a[1].scale, b[1].scale, fq.scale, fq.dtype, qpp), [a[0], b[0]], call.site)
+        return run_kernel("mul", rules.mul(a[1].scale, b[1].scale, fq.scale, fq.dtype, qpp), [a[0], b[0]], call.site)
     return Deferred(compute)
 
 
@@ -119,7 +119,7 @@ def _reduce(emu: IntegerEmulator, call: EmuCall, q: torch.Tensor, x_fq) -> Defer
 
     def compute(fq):
         attrs = {"dim": dims, "keepdim": keepdim, **rules.average(x_fq.scale, divisor, fq.scale, fq.dtype, qpp)}
-        return _kernel("sum_int", attrs, [q], call.site)
+        return run_kernel("sum_int", attrs, [q], call.site)
     return Deferred(compute)
 
 
@@ -132,7 +132,7 @@ def _cumsum(emu: IntegerEmulator, call: EmuCall, q: torch.Tensor, x_fq) -> Defer
     qpp = emu.qpp
 
     def compute(fq):
-        return _kernel("cumsum_int", {"dim": int(dim), **rules.average(x_fq.scale, 1, fq.scale, fq.dtype, qpp)},
+        return run_kernel("cumsum_int", {"dim": int(dim), **rules.average(x_fq.scale, 1, fq.scale, fq.dtype, qpp)},
                        [q], call.site)
     return Deferred(compute)
 
@@ -184,7 +184,7 @@ def _avg_pool(emu: IntegerEmulator, call: EmuCall, q: torch.Tensor, x_fq) -> Def
 
     def compute(fq):
         attrs = {**pool_attrs, **rules.average(x_fq.scale, count, fq.scale, fq.dtype, qpp)}
-        return _kernel(op, attrs, [q], call.site)
+        return run_kernel(op, attrs, [q], call.site)
     return Deferred(compute)
 
 
@@ -204,7 +204,7 @@ def _clamp(emu: IntegerEmulator, call: EmuCall, q: torch.Tensor, x_fq) -> Deferr
     qpp = emu.qpp
 
     def compute(fq):
-        return _kernel("clamp", rules.clamp(lo, hi, x_fq.scale, fq.scale, fq.dtype, qpp), [q], call.site)
+        return run_kernel("clamp", rules.clamp(lo, hi, x_fq.scale, fq.scale, fq.dtype, qpp), [q], call.site)
     return Deferred(compute)
 
 
@@ -212,7 +212,7 @@ def _clamp(emu: IntegerEmulator, call: EmuCall, q: torch.Tensor, x_fq) -> Deferr
 @on_one_input
 def _sign(emu: IntegerEmulator, call: EmuCall, q: torch.Tensor, x_fq) -> Deferred | None:
     qpp = emu.qpp
-    return Deferred(lambda fq: _kernel(f"{call.op_type}_int", rules.sign_op(x_fq.scale, fq.scale, fq.dtype, qpp),
+    return Deferred(lambda fq: run_kernel(f"{call.op_type}_int", rules.sign_op(x_fq.scale, fq.scale, fq.dtype, qpp),
                                        [q], call.site))
 
 
@@ -222,7 +222,7 @@ def _interpolate(emu: IntegerEmulator, call: EmuCall, q: torch.Tensor, x_fq) -> 
     m = call.module
     mode = m.mode if m is not None else call.arg(3, "mode", "nearest")
     if mode == "nearest":
-        return _grid_op(emu, call)
+        return grid_op(emu, call)
     if mode != "bilinear" or q.dim() != 4:
         return None
     align = bool(m.align_corners if m is not None else call.arg(4, "align_corners", False))
@@ -235,7 +235,7 @@ def _interpolate(emu: IntegerEmulator, call: EmuCall, q: torch.Tensor, x_fq) -> 
 
     def compute(fq):
         attrs = rules.bilinear(x_fq.scale, fq.scale, fq.dtype, qpp)
-        return _kernel("bilinear_int", attrs, [q, a_h, a_w], call.site)
+        return run_kernel("bilinear_int", attrs, [q, a_h, a_w], call.site)
     return Deferred(compute)
 
 
@@ -265,7 +265,7 @@ def _batch_norm(emu: IntegerEmulator, call: EmuCall, q: torch.Tensor, x_fq) -> D
 
     def compute(fq):
         w_q, bias_q, attrs = rules.channel_affine(a, b, x_fq.scale, fq.scale, fq.dtype, qpp)
-        return _kernel("channel_affine", attrs, [q, w_q, bias_q], call.site)
+        return run_kernel("channel_affine", attrs, [q, w_q, bias_q], call.site)
     return Deferred(compute)
 
 
@@ -282,11 +282,11 @@ def _prelu(emu: IntegerEmulator, call: EmuCall, q: torch.Tensor, x_fq) -> Deferr
         if w_fq is None:
             alpha = w.detach().to(torch.float64).reshape(-1)
         else:  # the integer model uses exactly the weight's grid value
-            alpha = (codes_of(w, w_fq).to(torch.float64) * _s64(w_fq)).reshape(-1)
+            alpha = (codes_of(w, w_fq).to(torch.float64) * codes_scale(w_fq)).reshape(-1)
     qpp = emu.qpp
 
     def compute(fq):
-        return _kernel("prelu_int", rules.prelu(alpha, x_fq.scale, fq.scale, fq.dtype, qpp), [q], call.site)
+        return run_kernel("prelu_int", rules.prelu(alpha, x_fq.scale, fq.scale, fq.dtype, qpp), [q], call.site)
     return Deferred(compute)
 
 
@@ -308,7 +308,7 @@ def _masked_fill(emu: IntegerEmulator, call: EmuCall, q: torch.Tensor, x_fq) -> 
 def _where(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
     """§11 select: each value operand moved to the output grid (a scalar: its code there), then picked."""
     cond = call.arg(0, "condition")
-    operands = [_input(call, 1, "input"), _input(call, 2, "other")]
+    operands = [site_input(call, 1, "input"), site_input(call, 2, "other")]
     if not isinstance(cond, torch.Tensor) or any(o is None for o in operands) or all(o[1] is None for o in operands):
         return None
     if any(src is not None and src.scale.numel() != 1 for _, src in operands):
@@ -324,6 +324,6 @@ def _where(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
                 codes.append(value)
             else:
                 attrs = {**rules.move(src.scale, fq.scale, fq.dtype, qpp), "axis": None}
-                codes.append(_kernel("requantize", attrs, [value], call.site))
+                codes.append(run_kernel("requantize", attrs, [value], call.site))
         return torch.where(cond, *codes)
     return Deferred(compute)

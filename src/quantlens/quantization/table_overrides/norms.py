@@ -8,50 +8,31 @@ import math
 import torch
 import torch.nn.functional as F
 
-from quantlens.errors import QuantLensError
 from quantlens.kernels.norm_ops import int_rms_norm, int_vector_norm, normalize_constants, rms_norm_constants
 from quantlens.march import rules
 from quantlens.quantization.table_calls import arg, float_leaves, normalize_params, rms_norm_call, vector_norm_params
 from quantlens.quantization.table_overrides.base import TableOverride
-from quantlens.quantization.table_overrides.report import PROBE_ROWS, probe_rows
+from quantlens.quantization.table_overrides.gain_table import GainTable
+from quantlens.quantization.table_overrides.report import probe_rows
 from quantlens.quantization.table_registry import TableKind
 from quantlens.sites.tracing_state import export_tracing
 
 __all__ = ["RmsNormOverride", "NormalizeOverride", "VectorNormOverride"]
 
 # -- the overrides ----------------------------------------------------------------------------------------------
-class _NormTable(TableOverride):
-    """Buffers ``gain``/``bias`` (int64 per element), ``params_q = [eps_term, shift, frac_bits]``."""
+class _NormTable(GainTable):
+    """The RMS norm kernel's overrides (no mean)."""
 
-    def _store(self, c) -> None:
-        self.register_buffer("gain", c.gain)
-        self.register_buffer("bias", c.bias)
-        self.register_buffer("params_q", torch.tensor([c.eps_term, c.shift, c.frac_bits], dtype=torch.int64))
-
-    def _run(self, x: torch.Tensor, fqs, out_fq, normalized_ndim: int) -> torch.Tensor:
-        di, do = fqs[0].dtype, out_fq.dtype
-        return torch.ops.quantlens.int_rms_norm(x, fqs[0].scale, out_fq.scale, self.gain, self.bias, self.params_q,
-                                                normalized_ndim, di.qmin, di.qmax, do.qmin, do.qmax)
+    describe_suffix = ", no mean"
 
     def integer(self, q: torch.Tensor, normalized_ndim: int = 1) -> torch.Tensor:
         eps_term, shift, frac = (int(v) for v in self.params_q.tolist())
         return int_rms_norm(q, normalized_ndim, self.gain, self.bias, eps_term, frac, shift, self.output_dtype)
 
-    def _probe_error(self, shape: tuple[int, ...], exact_fn) -> tuple[float, str]:
-        s_in, s_out = self.table_scales.tolist()
-        n = int(math.prod(shape))
-        q = probe_rows(self.input_dtypes[0], n).reshape(PROBE_ROWS, *shape)
-        y = self.integer(q, len(shape)).to(torch.float64)
-        exact = exact_fn(q.to(torch.float64) * s_in) / s_out
-        do = self.output_dtype
-        return float((y - exact.clamp(do.qmin, do.qmax)).abs().max()), "probe"
-
-    def entry_count(self):
-        return int(self.gain.numel() + self.bias.numel())
-
-    def describe(self):
-        eps_term, shift, frac = self.params_q.tolist()
-        return f"N={self.gain.numel()}, P={frac}, eps_term={eps_term}, shift={shift}, mantissa rsqrt, no mean"
+    def _run(self, x: torch.Tensor, fqs, out_fq, normalized_ndim: int) -> torch.Tensor:
+        di, do = fqs[0].dtype, out_fq.dtype
+        return torch.ops.quantlens.int_rms_norm(x, fqs[0].scale, out_fq.scale, self.gain, self.bias, self.params_q,
+                                                normalized_ndim, di.qmin, di.qmax, do.qmin, do.qmax)
 
 
 class RmsNormOverride(_NormTable):
@@ -65,19 +46,12 @@ class RmsNormOverride(_NormTable):
         super().__init__(site, op_type, input_fqs, output_fq, params)
         n = int(math.prod(params["normalized_shape"]))
         self._store(rms_norm_constants(float(input_fqs[0].scale), float(output_fq.scale), input_fqs[0].dtype, n,
-                                       weight, float(params["eps"])))
+                                       weight, float(params["eps"])), weight=weight)
         self.normalized_ndim = len(params["normalized_shape"])
-        self.register_buffer("weight_ref", torch.empty(0) if weight is None else
-                             weight.detach().to(torch.float32).clone())
 
     def _call_params(self, call):
         shape, w, eps = rms_norm_call(call)
         return {"normalized_shape": shape, "eps": eps}, w, None
-
-    def _same_affine(self, weight, bias):
-        ref = self.weight_ref
-        return (weight is None and ref.numel() == 0) or (
-            weight is not None and weight.shape == ref.shape and torch.equal(weight.detach().to(ref), ref))
 
     def int_op(self, call, fqs, out_fq):
         shape, w, eps = rms_norm_call(call)
@@ -85,14 +59,13 @@ class RmsNormOverride(_NormTable):
             raise self._param_mismatch("normalized_shape", tuple(self.params["normalized_shape"]), shape)
         if eps != self.params["eps"]:
             raise self._param_mismatch("eps", self.params["eps"], eps)
-        if not export_tracing() and not self._same_affine(w, None):
-            raise QuantLensError(f"The rms_norm weight of op site '{self.site}' changed after pre_export (its integer "
-                                 "constants were built from the old values). Run pre_export again on the updated model.")
+        if not export_tracing():
+            self._check_affine(w, None)
         return self._run(float_leaves(call)[0], fqs, out_fq, self.normalized_ndim)
 
     def error_steps(self):
         shape = tuple(self.params["normalized_shape"])
-        w = self.weight_ref.to(torch.float64) if self.weight_ref.numel() else None
+        w, _ = self._affine_refs()
         return self._probe_error(shape, lambda x: F.rms_norm(x, shape, w, float(self.params["eps"])))
 
 
