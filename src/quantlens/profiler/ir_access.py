@@ -20,17 +20,13 @@ counted from the end (a first step folded into constants has no node in the quan
 same-input source (as the baseline), an IR also reports the earlier occurrences that a program reads (with all
 later ones of their site, so that counting from the end still pairs them); a torch model reports every call.
 
-**Mixing stages (sensitivity).** :class:`SiteOverride` lets another model's run take this IR's value for one op
-site: the reference model (the torch model for ``export``, the qat IR for ``convert``) runs, and at the chosen
-site its value is replaced by this IR's program run on the reference's own values there. A site that runs several
-times is not mixed (its program is its last occurrence's, and a torch reference does not say which call is last).
+**Mixing stages (sensitivity)**: :mod:`.ir_mixing`.
 """
 
 from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,6 +43,7 @@ from quantlens.march.opset import IR_OPS, Category, ops_in
 from quantlens.profiler.ablation.ir_cache import IRAblationCache, IRCachedAblations
 from quantlens.profiler.ablation.torch_cache import CachedAblations
 from quantlens.profiler.ir_counts import count_node, nonfinite_count
+from quantlens.profiler.ir_mixing import SiteOverride
 from quantlens.profiler.ir_module import as_ir_module, call_ir
 from quantlens.profiler.ir_programs import INPUT as _INPUT
 from quantlens.profiler.ir_programs import Program, SitePrograms, Source, attribute_sites
@@ -63,7 +60,7 @@ from quantlens.profiler.model_access import (
 from quantlens.profiler.same_input_feed import baseline_output, float_heads, is_index_value
 from quantlens.sites.record import inputs_to
 
-__all__ = ["IRModelAccess", "SiteOverride"]
+__all__ = ["IRModelAccess", "SiteOverride"]  # (SiteOverride: from .ir_mixing)
 
 #: the IR's nodes that only move or round values: a site's displayed op type is its last other node
 _PLUMBING = ops_in(Category.QUANTIZER, Category.BOUNDARY)  # fake_quant, requantize, quantize, dequantize
@@ -207,7 +204,7 @@ class IRModelAccess(ModelAccess):
         if override is not None and override._inputs is None:
             override.set_inputs(feeds)
         if sink is None and indices is None and override is None:
-            return self._unflatten(self.module.run(feeds))
+            return self.unflatten(self.module.run(feeds))
         live: dict[str, torch.Tensor] = {}
         wanted = self._live_values(same_input) if same_input is not None else set()
         # a baseline: the earlier occurrences that a same-input run reads
@@ -235,26 +232,33 @@ class IRModelAccess(ModelAccess):
             count[0] += 1
 
         def substitute(node: Node, inputs: list, outs: list):
-            i = self._index[id(node)]
-            site = self.attributed[i]
-            if not site or self.last.get(site) != i:
-                return None
-            new = None
-            if indices is not None and site in indices:
-                given = iter(indices[site])
-                new = [next(given, o) if not o.is_floating_point() else o for o in outs]
-            if override is not None:
-                values = [self.to_float(n, o) for n, o in zip(node.outputs, new or outs)]
-                replaced = override.on_site_value(site, values)
-                if replaced is not None:
-                    new = [self.from_float(n, v) for n, v in zip(node.outputs, replaced)]
-            return new
+            return self.substituted(node, outs, indices, override)
 
         hooks = RunHooks(observer=observer, substitute=substitute)
-        return self._unflatten(self.module.run(feeds, hooks=hooks))
+        return self.unflatten(self.module.run(feeds, hooks=hooks))
+
+    def substituted(self, node: Node, outs: list, indices: dict | None, override) -> list | None:
+        """The outputs a node gives in place of ``outs`` when it is the last node of its op site: that site's
+        integer outputs from ``indices`` (the other model's index tensors), then ``override``'s values for the
+        site (``on_site_value``, in float, put back on the node's grid); ``None`` to keep ``outs``."""
+        i = self._index[id(node)]
+        site = self.attributed[i]
+        if not site or self.last.get(site) != i:
+            return None
+        new = None
+        if indices is not None and site in indices:
+            given = iter(indices[site])
+            new = [next(given, o) if not o.is_floating_point() else o for o in outs]
+        if override is not None:
+            values = [self.to_float(n, o) for n, o in zip(node.outputs, new or outs)]
+            replaced = override.on_site_value(site, values)
+            if replaced is not None:
+                new = [self.from_float(n, v) for n, v in zip(node.outputs, replaced)]
+        return new
 
 
-    def _unflatten(self, flat: list) -> Any:
+    def unflatten(self, flat: list) -> Any:
+        """The model's output structure from the IR's flat outputs, in float."""
         outs = [self.to_float(name, value) for name, value in zip(self.module.graph.outputs, flat)]
         return pytree.tree_unflatten(outs, load_spec(self.module.output_spec))
 
@@ -411,86 +415,6 @@ def _site_outputs(source: SameInputSource, where: Source) -> list[torch.Tensor] 
     if where.occurrence == -1:
         return getter(where.site)
     return getter(where.site, occurrence=where.occurrence) if hasattr(source, "occurrence_count") else None
-
-
-@dataclass
-class SiteOverride:
-    """Hands the chosen sites of a reference run this IR's value: the reference calls
-    :meth:`on_site_value` with every site's value as it completes; the values the chosen sites' programs take
-    are remembered, and at a chosen site its value is replaced by the program run on them."""
-
-    ir: IRModelAccess
-    sites: set[str]
-    _needed: dict[str, set] = field(default_factory=dict)
-    _seen: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-
-    def __post_init__(self):
-        self._programs = {s: self.ir.program(s) for s in self.sites if s in self.ir.last}
-        self._needed = {w.site for p in self._programs.values() for w in p.externals.values()
-                        if w is not None and w.site != _INPUT}
-        self._inputs: dict[str, torch.Tensor] | None = None
-
-    def on_site_value(self, site: str, values: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        if site in self._needed:
-            self._seen[site] = values
-        prog = self._programs.get(site)
-        if prog is None:
-            return None
-        if len(self.ir.ends[site]) > 1:
-            # its program is its last occurrence's, and a reference run does not say which of its calls is the last
-            return None
-        feeds = {}
-        for name, where in prog.externals.items():
-            if where is None:  # no site made it: a value computed from the IR's inputs alone (a mask) is recomputed
-                value = self._unsited(name)
-                if value is None:
-                    return None  # another site's intermediate: cannot be mixed, keep the reference's value
-                feeds[name] = value
-                continue
-            if where.occurrence != -1:
-                return None
-            if where[0] == _INPUT:
-                if self._inputs is None or name not in self._inputs:
-                    return None
-                feeds[name] = self._inputs[name]
-            elif where[0] not in self._seen or where[1] >= len(self._seen[where[0]]):
-                return None
-            else:
-                feeds[name] = self.ir.from_float(name, self._seen[where[0]][where[1]])
-        out, _ = self.ir.run_program(prog, feeds)
-        if len(out) != len(values):
-            return None
-        self._seen[site] = out
-        return out
-
-    def set_inputs(self, feeds: dict[str, torch.Tensor]) -> None:
-        self._inputs = feeds
-        self._unsited_values: dict[str, torch.Tensor | None] = {}
-
-    def _unsited(self, name: str) -> torch.Tensor | None:
-        """A value no op site produced, recomputed from this run's IR inputs when every node it takes is
-        attributed to no site either (the attention mask's cast/index/expand); None otherwise."""
-        if self._inputs is None:
-            return None
-        cache = self.__dict__.setdefault("_unsited_values", {})
-        if name not in cache:
-            ir, graph = self.ir, self.ir.module.graph
-            needed, stack, seen = set(), [name], set()
-            while stack:
-                value = stack.pop()
-                if value in seen or value in graph.constants or value in self._inputs:
-                    continue
-                seen.add(value)
-                i = ir.producer.get(value)
-                if i is None or ir.attributed[i]:
-                    cache[name] = None
-                    break
-                needed.add(i)
-                stack.extend(v for v in ir.nodes[i].inputs if v)
-            else:
-                env = run_nodes(ir.module, [ir.nodes[i] for i in sorted(needed)], dict(self._inputs))
-                cache[name] = env.get(name)
-        return cache[name]
 
 
 def _fits(shape, static) -> bool:

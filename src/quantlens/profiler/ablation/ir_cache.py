@@ -124,19 +124,9 @@ class IRAblationCache:
             i = index[id(node)]
             return cached.get(i) if i not in dirty else None
 
-        def substitute(node, inputs, outs):  # as IRModelAccess.run does it
+        def substitute(node, inputs, outs):  # as IRModelAccess.run does it, recording what the nodes give
             i = index[id(node)]
-            site = access.attributed[i]
-            new = None
-            if site and access.last.get(site) == i:
-                if indices is not None and site in indices:
-                    given = iter(indices[site])
-                    new = [next(given, o) if not o.is_floating_point() else o for o in outs]
-                if override is not None:
-                    values = [access.to_float(n, o) for n, o in zip(node.outputs, new or outs)]
-                    replaced = override.on_site_value(site, values)
-                    if replaced is not None:
-                        new = [access.from_float(n, v) for n, v in zip(node.outputs, replaced)]
+            new = access.substituted(node, outs, indices, override)
             if recording:
                 final = list(new or outs)
                 tensors = [t for t in final if isinstance(t, torch.Tensor)]
@@ -145,4 +135,4 @@ class IRAblationCache:
             return new
 
         hooks = RunHooks(override=kernel, substitute=substitute)
-        return access._unflatten(access.module.run(self.feeds, hooks=hooks))
+        return access.unflatten(access.module.run(self.feeds, hooks=hooks))
