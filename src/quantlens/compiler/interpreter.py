@@ -1,9 +1,11 @@
-"""The IR interpreter: run nodes in order with a kernel registry chosen by the module kind.
+"""The IR interpreter: run nodes in order with the kernel table of the module's kind.
 
-* qat IR kernels (``QAT_KERNELS`` + the generic rule) call the torch op that defines the IR op's float
-  semantics, so the qat IR computes exactly what the exported model computed;
+* qat IR kernels (``kernels_qat``: ``QAT_KERNELS`` + the op meanings of ``op_meanings``) compute the float
+  semantics of each op, so the qat IR computes exactly what the exported model computed;
 * quantized IR kernels are the integer kernels of ``quantlens.kernels.integer`` (integer arithmetic of
-  ``docs/march.md``), adapted to IR nodes by ``kernels_int.py``.
+  ``docs/march.md``), adapted to IR nodes by ``kernels_int``.
+
+The interpreter reads the graph data only (:class:`~quantlens.compiler.graph.RunnableIR`); ``Module.run`` calls it.
 """
 
 from __future__ import annotations
@@ -13,99 +15,15 @@ from typing import Any, Callable
 
 import torch
 
-from quantlens._registry import make_registry
-from quantlens.compiler.host_ops import call_host_aten
-from quantlens.compiler.ir import Graph, Module, Node
-from quantlens.compiler.lowering import TORCH_OPS
+from quantlens.compiler.graph import Graph, Node, RunnableIR
+from quantlens.compiler.kernels_int import int_dispatch
+from quantlens.compiler.kernels_qat import QAT_KERNELS, call_torch_op, qat_dispatch, qat_kernel
 from quantlens.errors import QuantLensError
-from quantlens.kernels import TABLE_OP_IO, table_torch_op
-from quantlens.kernels.integer import call_op
-from quantlens.march.numerics import fake_quant_range
 from quantlens.march.opset import IR_OPS
-from quantlens.march.semantics import select_by_attrs
 
-__all__ = ["run_graph", "run_nodes", "RunHooks", "QAT_KERNELS", "qat_kernel", "call_torch_op", "check_ops"]
-
-#: qat IR op -> its kernel (``Node, inputs -> outputs``)
-QAT_KERNELS, qat_kernel = make_registry("qat IR kernel for op")
-
-
-def call_torch_op(torch_op, node: Node, inputs: list) -> Any:
-    """Call an aten/custom op with the node's inputs (tensor schema args, in order) and attrs (the rest)."""
-    return call_op(torch_op, node.attrs, inputs)
-
-
-@qat_kernel("topk", "sort")
-def _ordered(node: Node, inputs: list):
-    return list(select_by_attrs(node.op, inputs[0], node.attrs))  # the march's tie order (docs/march.md §11.1)
-
-
-@qat_kernel("host_aten")
-def _host_aten(node: Node, inputs: list):
-    return call_host_aten(node.attrs, inputs, node.site)
-
-
-@qat_kernel("fake_quant")
-def _fake_quant(node: Node, inputs: list):
-    # numerics' function rather than the custom op: the same bits, without the op's dispatch in eager runs
-    a = node.attrs
-    return fake_quant_range(inputs[0], inputs[1], a["qmin"], a["qmax"], a.get("axis", -1))
-
-
-@qat_kernel("split")
-def _split(node: Node, inputs: list):
-    return list(torch.split(inputs[0], node.attrs["sizes"], dim=node.attrs["dim"]))
-
-
-@qat_kernel("slice")
-def _slice(node: Node, inputs: list):
-    a = node.attrs
-    index = [slice(None)] * inputs[0].dim()
-    index[a["dim"]] = slice(a["start"], a["end"], a["step"])
-    return inputs[0][tuple(index)]
-
-
-@qat_kernel("select")
-def _select(node: Node, inputs: list):
-    return inputs[0].select(node.attrs["dim"], node.attrs["index"])
-
-
-@qat_kernel("index")
-def _index(node: Node, inputs: list):
-    return torch.ops.aten.index.Tensor(inputs[0], list(inputs[1:]))
-
-
-@qat_kernel("embedding")
-def _embedding(node: Node, inputs: list):
-    """A table lookup; ids outside the table are refused by name (torch's own error is an IndexError that names
-    neither the op site nor the input)."""
-    table, ids = inputs[0], inputs[1]
-    if ids.numel():
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= table.shape[0]:
-            bad = high if high >= table.shape[0] else low
-            raise QuantLensError(
-                f"op site '{node.site}' (embedding): id {bad} is outside the table of {table.shape[0]} rows; its "
-                f"ids must lie in [0, {table.shape[0]}). Check the model input that feeds it (token ids from "
-                "another tokenizer or vocabulary, or a mask passed in its place).")
-    return torch.nn.functional.embedding(ids, table)
-
-
-@qat_kernel("cast")
-def _cast(node: Node, inputs: list):
-    return inputs[0].to(getattr(torch, node.attrs["dtype"]))
-
-
-def qat_dispatch(node: Node, inputs: list) -> Any:
-    kernel = QAT_KERNELS.get(node.op)
-    if kernel is not None:
-        return kernel(node, inputs)
-    torch_op = TORCH_OPS.get(node.op)
-    if torch_op is None and node.op in TABLE_OP_IO:  # pre_export's table ops: their custom op, always registered
-        torch_op = table_torch_op(node.op)
-    if torch_op is None:
-        raise QuantLensError(f"qat IR: no kernel for op '{node.op}' (op site '{node.site}').")
-    return call_torch_op(torch_op, node, inputs)
+# (the qat kernel table is re-exported: the interpreter is where users have looked it up)
+__all__ = ["run_graph", "run_nodes", "RunHooks", "QAT_KERNELS", "qat_kernel", "qat_dispatch", "call_torch_op",
+           "check_ops", "dispatch_for"]
 
 
 @dataclass
@@ -124,16 +42,12 @@ class RunHooks:
     substitute: Callable | None = None
 
 
-def dispatch_for(module: Module) -> Callable[[Node, list], Any]:
+def dispatch_for(module: RunnableIR) -> Callable[[Node, list], Any]:
     """The kernel registry of the module's IR kind."""
-    if module.kind == "qat":
-        return qat_dispatch
-    from quantlens.compiler.kernels_int import int_dispatch
-
-    return int_dispatch
+    return qat_dispatch if module.kind == "qat" else int_dispatch
 
 
-def check_ops(module: Module) -> None:
+def check_ops(module: RunnableIR) -> None:
     """Every node's op must be an op of the module's IR kind in the op set (docs/ops.md)."""
     allowed = ("qat", "both") if module.kind == "qat" else ("quantized", "both")
     for node in module.graph.nodes:
@@ -156,7 +70,7 @@ def _outputs(node: Node, result: Any) -> list:
     return outs
 
 
-def run_nodes(module: Module, nodes: list[Node], env: dict[str, Any]) -> dict[str, Any]:
+def run_nodes(module: RunnableIR, nodes: list[Node], env: dict[str, Any]) -> dict[str, Any]:
     """Evaluate ``nodes`` (a part of the module's graph, in order) on the values in ``env``, which is updated
     with their outputs and returned. Every input must be in ``env`` or a constant."""
     dispatch = dispatch_for(module)
@@ -169,7 +83,7 @@ def run_nodes(module: Module, nodes: list[Node], env: dict[str, Any]) -> dict[st
     return env
 
 
-def run_graph(module: Module, feeds: dict[str, torch.Tensor], observer: Callable | None = None,
+def run_graph(module: RunnableIR, feeds: dict[str, torch.Tensor], observer: Callable | None = None,
               hooks: RunHooks | None = None) -> list:
     graph: Graph = module.graph
     hooks = hooks or RunHooks(observer=observer)
@@ -199,7 +113,7 @@ def run_graph(module: Module, feeds: dict[str, torch.Tensor], observer: Callable
     return [env[name] for name in graph.outputs]
 
 
-def _graph_signature(module: Module) -> tuple:
+def _graph_signature(module: RunnableIR) -> tuple:
     """What a run plan depends on: the kind, the graph object, each node (identity, op, host flag, inputs and
     outputs), the graph outputs and the constants' names. Any edit of those makes a new plan."""
     graph = module.graph
@@ -208,7 +122,7 @@ def _graph_signature(module: Module) -> tuple:
             tuple(graph.outputs), tuple(graph.constants))
 
 
-def _run_plan(module: Module) -> tuple[Callable, list[list[str]]]:
+def _run_plan(module: RunnableIR) -> tuple[Callable, list[list[str]]]:
     """The module's run plan, cached on it: the op check done, its dispatch, and per node the values to free after
     it (their last use: memory stays bounded by the live set, not the whole network)."""
     signature = _graph_signature(module)
@@ -227,16 +141,3 @@ def _run_plan(module: Module) -> tuple[Callable, list[list[str]]]:
     dispatch = dispatch_for(module)
     module.__dict__["_run_plan_cache"] = (signature, dispatch, free_after)
     return dispatch, free_after
-
-
-@qat_kernel("pad")
-def _pad(node: Node, inputs: list):
-    a = node.attrs
-    return torch.nn.functional.pad(inputs[0], a["pad"], mode=a["mode"],
-                                   value=a["value"] if a["mode"] == "constant" else None)
-
-
-@qat_kernel("batch_norm")
-def _batch_norm(node: Node, inputs: list):
-    x, weight, bias, mean, var = inputs
-    return torch.nn.functional.batch_norm(x, mean, var, weight, bias, False, 0.0, node.attrs["eps"])

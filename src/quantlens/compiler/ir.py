@@ -1,20 +1,13 @@
-"""The quantlens IR: a flat list of nodes over named values, plus constants.
+"""The runnable quantlens IR model: :class:`Module`, a :class:`~quantlens.compiler.graph.Graph` with its kind,
+its input contract (the exported input pytree, checked at every call) and its output structure.
 
-One data model serves both IR kinds:
-
-* the **qat IR** (``kind="qat"``): float ops and ``fake_quant`` nodes, the semantics of the prepared model;
-* the **quantized IR** (``kind="quantized"``): integer ops only, ``quantize``/``dequantize`` at the boundary.
-
-A node is ``(op, inputs, outputs, attrs, site)``: ``inputs``/``outputs`` name values, ``attrs`` hold
-JSON-serialisable parameters, and ``site`` is the op site name of the torch op it came from (see
-``docs/architecture.md``), so the profiler can match IR nodes with torch op sites. Op semantics are listed in
-``docs/ir.md``; kernels live in registries (``kernels_qat``, ``kernels_int``), never in if-chains.
+The data model (nodes, values, constants) lives in :mod:`quantlens.compiler.graph`; its names are re-exported here,
+where users have always imported them. ``Module.run`` calls the interpreter, which reads the graph only.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -22,69 +15,12 @@ from torch.utils import _pytree as pytree
 
 from quantlens._advice import setting
 from quantlens._finite import all_finite
+from quantlens.compiler.graph import IR_VERSION, Graph, InputLeaf, KernelFn, Node, ValueInfo
+from quantlens.compiler.interpreter import run_graph
 from quantlens.compiler.output_containers import load_spec
 from quantlens.errors import QuantLensError
 
-__all__ = ["IR_VERSION", "Node", "ValueInfo", "Graph", "Module", "InputLeaf"]
-
-IR_VERSION = 1
-
-
-@dataclass
-class Node:
-    op: str
-    inputs: list[str]
-    outputs: list[str]
-    attrs: dict[str, Any] = field(default_factory=dict)
-    site: str = ""
-
-    def __repr__(self) -> str:
-        ins = ", ".join(self.inputs)
-        outs = ", ".join(self.outputs)
-        return f"{outs} = {self.op}({ins}) {self.attrs if self.attrs else ''} @{self.site}"
-
-
-@dataclass
-class ValueInfo:
-    """Static type of a value: shape, storage dtype (torch dtype name) and, in the quantized IR, its scale."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    qdtype: str | None = None  # "qint8" / "qint16" / "qint32" for integer values of the quantized IR
-    scale: str | None = None  # name of the scale constant (per-tensor or per-channel)
-    axis: int | None = None
-
-
-@dataclass
-class InputLeaf:
-    """One leaf of the model's input pytree: a tensor graph input, or a non-tensor value fixed at export."""
-
-    kind: str  # "tensor" or "const"
-    name: str | None = None  # graph input name for tensors
-    value: Any = None  # the specialised value for consts
-
-
-@dataclass
-class Graph:
-    nodes: list[Node]
-    inputs: list[str]
-    outputs: list[str]
-    constants: dict[str, torch.Tensor]
-    values: dict[str, ValueInfo]
-
-    def producers(self) -> dict[str, Node]:
-        return {out: node for node in self.nodes for out in node.outputs}
-
-    def consumers(self) -> dict[str, list[Node]]:
-        result: dict[str, list[Node]] = {}
-        for node in self.nodes:
-            for name in node.inputs:
-                if name:
-                    result.setdefault(name, []).append(node)
-        return result
-
-
-KernelFn = Callable[[Node, list, "Graph"], Any]
+__all__ = ["IR_VERSION", "Node", "ValueInfo", "Graph", "Module", "InputLeaf", "KernelFn"]
 
 
 class Module:
@@ -263,7 +199,6 @@ class Module:
         NaN/Inf in float inputs; ``None`` (default) checks unless the run is instrumented (``observer`` or
         ``hooks``: the profiler's runs, which diagnose non-finite inputs)."""
         from quantlens._threads import loop_threads
-        from quantlens.compiler.interpreter import run_graph
 
         if check_finite is None:
             check_finite = observer is None and hooks is None

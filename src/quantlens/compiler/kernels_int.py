@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from quantlens.compiler.interpreter import QAT_KERNELS, call_torch_op, qat_dispatch
-from quantlens.compiler.ir import Node
-from quantlens.compiler.lowering import TORCH_OPS
+from quantlens.compiler.graph import Node
+from quantlens.compiler.kernels_qat import QAT_KERNELS, call_torch_op, qat_dispatch
+from quantlens.compiler.op_meanings import TORCH_OPS
 from quantlens.errors import QuantLensError
 from quantlens.kernels.integer import INT_KERNELS as _KERNELS
 from quantlens.kernels.integer import REFERENCE_TABLE_KERNELS, storage_dtype
@@ -50,6 +50,8 @@ _MOVEMENT = ops_in(shared_kernel=True)
 
 
 def int_dispatch(node: Node, inputs: list) -> Any:
+    """Run one quantized IR node: a host node by its qat kernel, any other by its integer kernel (data movement:
+    the qat kernel, which moves integers as it moves floats)."""
     if node.attrs.get("host"):  # float post-processing after the boundary
         return qat_dispatch(node, inputs)
     kernel = INT_KERNELS.get(node.op)

@@ -6,8 +6,9 @@ normalised (``view``/``flatten``/``squeeze``/``unsqueeze`` -> ``reshape``, ``tra
 scalars become constants, and every subgraph that depends only on constants (BatchNorm folding, position ids)
 is folded at export. An aten op with no rule is an error naming the op, its op site and the user's source line.
 
-The rules live in one registry (:mod:`.rules`: ``LOWERINGS``, with ``TORCH_OPS`` the float torch op of each IR
-op), filled by :mod:`.compute` and :mod:`.movement`; this module is the driver.
+The rules live in one registry (:mod:`.rules`: ``LOWERINGS``), filled by :mod:`.compute`, :mod:`.movement`,
+:mod:`.forms`, :mod:`.recurrence` and this module, the driver. What each IR op means in float is not theirs to say:
+they read the static table of :mod:`quantlens.compiler.op_meanings` (``TORCH_OPS``, re-exported here).
 """
 
 from __future__ import annotations
@@ -20,13 +21,12 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 import quantlens.march.numerics  # noqa: F401  (registers torch.ops.quantlens.fake_quant)
+from quantlens.compiler.graph import Graph, Node, ValueInfo
 from quantlens.compiler.host_ops import encode_call
-from quantlens.compiler.ir import Graph, Node, ValueInfo
 from quantlens.compiler.lowering import compute, forms, recurrence  # noqa: F401 (fill LOWERINGS)
 from quantlens.compiler.lowering.movement import _quantlens_custom, _static_dim
 from quantlens.compiler.lowering.rules import (
     LOWERINGS,
-    TORCH_OPS,
     LoweringContext,
     _generic,
     _info,
@@ -39,6 +39,7 @@ from quantlens.compiler.lowering.rules import (
     register_lowering,
     value_of,
 )
+from quantlens.compiler.op_meanings import TORCH_OPS
 from quantlens.errors import QuantLensError
 from quantlens.march.opset import IR_OPS, Category
 
@@ -415,9 +416,9 @@ def _batch_norm(ctx, node):
 
 
 register_lowering([aten.batch_norm.default, aten._native_batch_norm_legit_no_training.default], _batch_norm)
-register_lowering(aten.prelu.default, _generic("prelu", aten.prelu.default, ("self", "weight")))
-register_lowering(aten._prelu_kernel.default, _generic("prelu", aten.prelu.default, ("self", "weight")))
-register_lowering(aten.leaky_relu.default, _generic("leaky_relu", aten.leaky_relu.default, ("self",), ("negative_slope",)))
+register_lowering(aten.prelu.default, _generic("prelu", ("self", "weight")))
+register_lowering(aten._prelu_kernel.default, _generic("prelu", ("self", "weight")))
+register_lowering(aten.leaky_relu.default, _generic("leaky_relu", ("self",), ("negative_slope",)))
 
 
 def _relu6(ctx, node):
@@ -425,7 +426,7 @@ def _relu6(ctx, node):
 
 
 register_lowering(aten.relu6.default, _relu6)
-register_lowering([aten.fill.Scalar], _generic("fill", aten.fill.Scalar, ("self",), ("value",)))
+register_lowering([aten.fill.Scalar], _generic("fill", ("self",), ("value",)))
 
 
 def _fill_tensor(ctx, node):
@@ -439,8 +440,8 @@ def _fill_tensor(ctx, node):
 register_lowering(aten.fill.Tensor, _fill_tensor)
 
 
-def _scatter(op: str, torch_op, attrs: tuple[str, ...]):
-    generic = _generic(op, torch_op, ("self", "src"), attrs)
+def _scatter(op: str, attrs: tuple[str, ...]):
+    generic = _generic(op, ("self", "src"), attrs)
 
     def rule(ctx, node):
         shape = _info(node.args[0]).shape
@@ -458,9 +459,9 @@ def _scatter(op: str, torch_op, attrs: tuple[str, ...]):
     return rule
 
 
-register_lowering(aten.select_scatter.default, _scatter("select_scatter", aten.select_scatter.default, ("dim", "index")))
+register_lowering(aten.select_scatter.default, _scatter("select_scatter", ("dim", "index")))
 register_lowering(aten.slice_scatter.default,
-          _scatter("slice_scatter", aten.slice_scatter.default, ("dim", "start", "end", "step")))
+          _scatter("slice_scatter", ("dim", "start", "end", "step")))
 
 
 def _copy(ctx, node):

@@ -7,9 +7,8 @@ import operator
 import torch
 
 import quantlens.march.numerics  # noqa: F401  (registers torch.ops.quantlens.fake_quant)
-from quantlens.compiler.ir import Node, ValueInfo
+from quantlens.compiler.graph import Node, ValueInfo
 from quantlens.compiler.lowering.rules import (
-    TORCH_OPS,
     _generic,
     _info,
     _shape,
@@ -25,23 +24,23 @@ from quantlens.compiler.lowering.rules import (
 from quantlens.errors import QuantLensError
 
 # -- GEMM and friends --------------------------------------------------------------------------------------
-register_lowering(aten.conv2d.default, _generic("conv2d", aten.conv2d.default, ("input", "weight", "bias"),
+register_lowering(aten.conv2d.default, _generic("conv2d", ("input", "weight", "bias"),
                                          ("stride", "padding", "dilation", "groups")))
-register_lowering(aten.conv1d.default, _generic("conv1d", aten.conv1d.default, ("input", "weight", "bias"),
+register_lowering(aten.conv1d.default, _generic("conv1d", ("input", "weight", "bias"),
                                          ("stride", "padding", "dilation", "groups")))
 register_lowering(aten.conv_transpose1d.default,
-          _generic("conv_transpose1d", aten.conv_transpose1d.default, ("input", "weight", "bias"),
+          _generic("conv_transpose1d", ("input", "weight", "bias"),
                    ("stride", "padding", "output_padding", "groups", "dilation")))
 register_lowering(aten.conv_transpose2d.input,
-          _generic("conv_transpose2d", aten.conv_transpose2d.input, ("input", "weight", "bias"),
+          _generic("conv_transpose2d", ("input", "weight", "bias"),
                    ("stride", "padding", "output_padding", "groups", "dilation")))
-register_lowering(aten.linear.default, _generic("linear", aten.linear.default, ("input", "weight", "bias")))
-register_lowering(aten.matmul.default, _generic("matmul", aten.matmul.default, ("self", "other")))
-register_lowering([aten.bmm.default, aten.mm.default], _generic("matmul", aten.matmul.default, ("self", "mat2")))
+register_lowering(aten.linear.default, _generic("linear", ("input", "weight", "bias")))
+register_lowering(aten.matmul.default, _generic("matmul", ("self", "other")))
+register_lowering([aten.bmm.default, aten.mm.default], _generic("matmul", ("self", "mat2")))
 register_lowering(aten.scaled_dot_product_attention.default,
-          _generic("sdpa", aten.scaled_dot_product_attention.default, ("query", "key", "value", "attn_mask"),
+          _generic("sdpa", ("query", "key", "value", "attn_mask"),
                    ("dropout_p", "is_causal", "scale")))
-register_lowering(aten.embedding.default, _generic("embedding", aten.embedding.default, ("weight", "indices")))
+register_lowering(aten.embedding.default, _generic("embedding", ("weight", "indices")))
 
 # -- elementwise -------------------------------------------------------------------------------------------
 for _name in ("add", "sub", "mul", "div"):
@@ -64,7 +63,6 @@ for _name in ("add", "sub", "mul", "div"):
                                  f"(op site '{_site(node)}', {_source(node)}).")
         emit(ctx, node, _op, [a, b], {})
 
-    TORCH_OPS[_name] = _tensor_overload
     register_lowering([getattr(aten, _name).Tensor, getattr(aten, _name).Scalar], _binary)
 
 
@@ -94,19 +92,19 @@ for _name, _overload in (
     ("rsqrt", aten.rsqrt.default), ("sqrt", aten.sqrt.default), ("neg", aten.neg.default),
     ("abs", aten.abs.default), ("erf", aten.erf.default), ("log", aten.log.default),
 ):
-    register_lowering(_overload, _generic(_name, _overload, ("self",)))
-register_lowering(aten.relu_.default, _generic("relu", aten.relu.default, ("self",)))
-register_lowering(aten.gelu.default, _generic("gelu", aten.gelu.default, ("self",), ("approximate",)))
-register_lowering(aten.softplus.default, _generic("softplus", aten.softplus.default, ("self",), ("beta", "threshold")))
-register_lowering([aten.clamp.default], _generic("clamp", aten.clamp.default, ("self",), ("min", "max")))
-register_lowering(aten.hardtanh.default, _generic("hardtanh", aten.hardtanh.default, ("self",), ("min_val", "max_val")))
-register_lowering(aten.pow.Tensor_Scalar, _generic("pow", aten.pow.Tensor_Scalar, ("self",), ("exponent",)))
+    register_lowering(_overload, _generic(_name, ("self",)))
+register_lowering(aten.relu_.default, _generic("relu", ("self",)))
+register_lowering(aten.gelu.default, _generic("gelu", ("self",), ("approximate",)))
+register_lowering(aten.softplus.default, _generic("softplus", ("self",), ("beta", "threshold")))
+register_lowering([aten.clamp.default], _generic("clamp", ("self",), ("min", "max")))
+register_lowering(aten.hardtanh.default, _generic("hardtanh", ("self",), ("min_val", "max_val")))
+register_lowering(aten.pow.Tensor_Scalar, _generic("pow", ("self",), ("exponent",)))
 # float table ops (docs/march.md §13.4): in the qat IR only where pre_export left them float
-register_lowering(aten.hardswish.default, _generic("hardswish", aten.hardswish.default, ("self",)))
-register_lowering(aten.hardsigmoid.default, _generic("hardsigmoid", aten.hardsigmoid.default, ("self",)))
-register_lowering(aten.elu.default, _generic("elu", aten.elu.default, ("self",), ("alpha", "scale", "input_scale")))
-register_lowering(aten.where.self, _generic("where", aten.where.self, ("condition", "self", "other")))
-register_lowering([aten.masked_fill.Scalar], _generic("masked_fill", aten.masked_fill.Scalar, ("self", "mask"), ("value",)))
+register_lowering(aten.hardswish.default, _generic("hardswish", ("self",)))
+register_lowering(aten.hardsigmoid.default, _generic("hardsigmoid", ("self",)))
+register_lowering(aten.elu.default, _generic("elu", ("self",), ("alpha", "scale", "input_scale")))
+register_lowering(aten.where.self, _generic("where", ("condition", "self", "other")))
+register_lowering([aten.masked_fill.Scalar], _generic("masked_fill", ("self", "mask"), ("value",)))
 
 
 def _masked_fill_tensor(ctx, node):
@@ -123,45 +121,45 @@ def _masked_fill_tensor(ctx, node):
 register_lowering([aten.masked_fill.Tensor], _masked_fill_tensor)
 
 # -- normalisation, softmax ----------------------------------------------------------------------------------
-register_lowering(aten.layer_norm.default, _generic("layer_norm", aten.layer_norm.default, ("input", "weight", "bias"),
+register_lowering(aten.layer_norm.default, _generic("layer_norm", ("input", "weight", "bias"),
                                              ("normalized_shape", "eps")))
-register_lowering(aten.softmax.int, _generic("softmax", aten.softmax.int, ("self",), ("dim",)))
-register_lowering(aten._softmax.default, _generic("softmax", aten.softmax.int, ("self",), ("dim",)))
-register_lowering(aten.log_softmax.int, _generic("log_softmax", aten.log_softmax.int, ("self",), ("dim",)))
+register_lowering(aten.softmax.int, _generic("softmax", ("self",), ("dim",)))
+register_lowering(aten._softmax.default, _generic("softmax", ("self",), ("dim",)))
+register_lowering(aten.log_softmax.int, _generic("log_softmax", ("self",), ("dim",)))
 
 # -- reductions and pooling ------------------------------------------------------------------------------------
-register_lowering(aten.mean.dim, _generic("mean", aten.mean.dim, ("self",), ("dim", "keepdim")))
-register_lowering(aten.sum.dim_IntList, _generic("sum", aten.sum.dim_IntList, ("self",), ("dim", "keepdim")))
+register_lowering(aten.mean.dim, _generic("mean", ("self",), ("dim", "keepdim")))
+register_lowering(aten.sum.dim_IntList, _generic("sum", ("self",), ("dim", "keepdim")))
 for _name in ("mean", "sum"):
     register_lowering(getattr(aten, _name).default,
               lambda ctx, node, _op=_name: emit(ctx, node, _op, [value_of(ctx, node.args[0])],
                                                  {"dim": None, "keepdim": False}))
-register_lowering(aten.cumsum.default, _generic("cumsum", aten.cumsum.default, ("self",), ("dim",)))
-register_lowering(aten.amax.default, _generic("amax", aten.amax.default, ("self",), ("dim", "keepdim")))
-register_lowering(aten.max.dim, _generic("max_dim", aten.max.dim, ("self",), ("dim", "keepdim"), n_out=2))
-register_lowering(aten.argmax.default, _generic("argmax", aten.argmax.default, ("self",), ("dim", "keepdim")))
-register_lowering(aten.topk.default, _generic("topk", aten.topk.default, ("self",), ("k", "dim", "largest", "sorted"), 2))
-register_lowering(aten.sort.default, _generic("sort", aten.sort.default, ("self",), ("dim", "descending"), 2))
+register_lowering(aten.cumsum.default, _generic("cumsum", ("self",), ("dim",)))
+register_lowering(aten.amax.default, _generic("amax", ("self",), ("dim", "keepdim")))
+register_lowering(aten.max.dim, _generic("max_dim", ("self",), ("dim", "keepdim"), n_out=2))
+register_lowering(aten.argmax.default, _generic("argmax", ("self",), ("dim", "keepdim")))
+register_lowering(aten.topk.default, _generic("topk", ("self",), ("k", "dim", "largest", "sorted"), 2))
+register_lowering(aten.sort.default, _generic("sort", ("self",), ("dim", "descending"), 2))
 # (the prepared model's topk is a stable sort and a narrow: the march's tie order, docs/march.md §11.1)
-register_lowering(aten.sort.stable, _generic("sort", aten.sort.default, ("self",), ("dim", "descending"), 2))
-register_lowering(aten.max_pool2d.default, _generic("max_pool2d", aten.max_pool2d.default, ("self",),
+register_lowering(aten.sort.stable, _generic("sort", ("self",), ("dim", "descending"), 2))
+register_lowering(aten.max_pool2d.default, _generic("max_pool2d", ("self",),
                                              ("kernel_size", "stride", "padding", "dilation", "ceil_mode")))
-register_lowering(aten.avg_pool2d.default, _generic("avg_pool2d", aten.avg_pool2d.default, ("self",),
+register_lowering(aten.avg_pool2d.default, _generic("avg_pool2d", ("self",),
                                              ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
                                               "divisor_override")))
-register_lowering(aten.adaptive_avg_pool2d.default, _generic("adaptive_avg_pool2d", aten.adaptive_avg_pool2d.default,
+register_lowering(aten.adaptive_avg_pool2d.default, _generic("adaptive_avg_pool2d",
                                                       ("self",), ("output_size",)))
-register_lowering(aten.adaptive_avg_pool1d.default, _generic("adaptive_avg_pool1d", aten.adaptive_avg_pool1d.default,
+register_lowering(aten.adaptive_avg_pool1d.default, _generic("adaptive_avg_pool1d",
                                                       ("self",), ("output_size",)))
-register_lowering(aten.upsample_nearest2d.vec, _generic("upsample_nearest2d", aten.upsample_nearest2d.vec, ("input",),
+register_lowering(aten.upsample_nearest2d.vec, _generic("upsample_nearest2d", ("input",),
                                                  ("output_size", "scale_factors")))
-register_lowering(aten.upsample_bilinear2d.vec, _generic("upsample_bilinear2d", aten.upsample_bilinear2d.vec, ("input",),
+register_lowering(aten.upsample_bilinear2d.vec, _generic("upsample_bilinear2d", ("input",),
                                                   ("output_size", "align_corners", "scale_factors")))
-register_lowering(aten.max_pool1d.default, _generic("max_pool1d", aten.max_pool1d.default, ("self",),
+register_lowering(aten.max_pool1d.default, _generic("max_pool1d", ("self",),
                                              ("kernel_size", "stride", "padding", "dilation", "ceil_mode")))
-register_lowering(aten.avg_pool1d.default, _generic("avg_pool1d", aten.avg_pool1d.default, ("self",),
+register_lowering(aten.avg_pool1d.default, _generic("avg_pool1d", ("self",),
                                              ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad")))
-register_lowering(aten.upsample_nearest1d.vec, _generic("upsample_nearest1d", aten.upsample_nearest1d.vec, ("input",),
+register_lowering(aten.upsample_nearest1d.vec, _generic("upsample_nearest1d", ("input",),
                                                  ("output_size", "scale_factors")))
 
 

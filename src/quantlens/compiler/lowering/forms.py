@@ -6,10 +6,9 @@ from __future__ import annotations
 from torch import fx
 
 from quantlens._advice import setting
-from quantlens.compiler.ir import Node, ValueInfo
+from quantlens.compiler.graph import Node, ValueInfo
 from quantlens.compiler.lowering.movement import batch_rows
 from quantlens.compiler.lowering.rules import (
-    TORCH_OPS,
     _info,
     _site,
     _source,
@@ -59,7 +58,6 @@ def _addmm(ctx, node):
 
 
 register_lowering(aten.addmm.default, _addmm)
-TORCH_OPS.setdefault("linear", aten.linear.default)
 
 
 def _repeat(ctx, node):

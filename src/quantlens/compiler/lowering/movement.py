@@ -10,9 +10,8 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 import quantlens.march.numerics  # noqa: F401  (registers torch.ops.quantlens.fake_quant)
 from quantlens._advice import setting
-from quantlens.compiler.ir import Node, ValueInfo
+from quantlens.compiler.graph import Node, ValueInfo
 from quantlens.compiler.lowering.rules import (
-    TORCH_OPS,
     _dim,
     _generic,
     _info,
@@ -174,13 +173,13 @@ register_lowering(aten.slice.Tensor, _slice)
 register_lowering(aten.select.int, _select)
 register_lowering(aten.expand.default, lambda ctx, node: emit(ctx, node, "expand", [value_of(ctx, node.args[0])],
                                                         {"shape": list(_info(node).shape)}))
-register_lowering(aten.gather.default, _generic("gather", aten.gather.default, ("self", "index"), ("dim",)))
-register_lowering(aten.index_select.default, _generic("index_select", aten.index_select.default, ("self", "index"),
+register_lowering(aten.gather.default, _generic("gather", ("self", "index"), ("dim",)))
+register_lowering(aten.index_select.default, _generic("index_select", ("self", "index"),
                                                ("dim",)))
 register_lowering(operator.getitem, _getitem)
-register_lowering(aten.pixel_shuffle.default, _generic("pixel_shuffle", aten.pixel_shuffle.default, ("self",),
+register_lowering(aten.pixel_shuffle.default, _generic("pixel_shuffle", ("self",),
                                                ("upscale_factor",)))
-register_lowering(aten.pixel_unshuffle.default, _generic("pixel_unshuffle", aten.pixel_unshuffle.default, ("self",),
+register_lowering(aten.pixel_unshuffle.default, _generic("pixel_unshuffle", ("self",),
                                                  ("downscale_factor",)))
 
 
@@ -190,7 +189,6 @@ def _flip(ctx, node):
 
 
 register_lowering(aten.flip.default, _flip)
-TORCH_OPS["flip"] = aten.flip.default
 
 
 def _index(ctx, node):
@@ -201,14 +199,12 @@ def _index(ctx, node):
 
 
 register_lowering(aten.index.Tensor, _index)
-TORCH_OPS.update({"reshape": aten.reshape.default, "permute": aten.permute.default, "cat": aten.cat.default,
-                  "expand": aten.expand.default})
 for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
     register_lowering([getattr(aten, _name).Tensor, getattr(aten, _name).Scalar],
-              _generic(_name, getattr(aten, _name).Tensor, ("self", "other")))
-def _bool_only(op: str, torch_op, args: tuple[str, ...]):
+              _generic(_name, ("self", "other")))
+def _bool_only(op: str, args: tuple[str, ...]):
     """Bitwise ops are logical ops on bool tensors (masks); on integers they have no IR op."""
-    generic = _generic(op, torch_op, args)
+    generic = _generic(op, args)
 
     def rule(ctx, node):
         if _info(node).dtype != "bool":
@@ -222,11 +218,11 @@ def _bool_only(op: str, torch_op, args: tuple[str, ...]):
 
 
 register_lowering([aten.logical_not.default, aten.bitwise_not.default],
-          _bool_only("logical_not", aten.logical_not.default, ("self",)))
+          _bool_only("logical_not", ("self",)))
 register_lowering([aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default],
-          _bool_only("logical_and", aten.logical_and.default, ("self", "other")))
+          _bool_only("logical_and", ("self", "other")))
 register_lowering([aten.__or__.Tensor, aten.bitwise_or.Tensor, aten.logical_or.default],
-          _bool_only("logical_or", aten.logical_or.default, ("self", "other")))
+          _bool_only("logical_or", ("self", "other")))
 
 
 def _fake_quant(ctx, node):
@@ -235,7 +231,6 @@ def _fake_quant(ctx, node):
 
 
 register_lowering(torch.ops.quantlens.fake_quant.default, _fake_quant)
-TORCH_OPS["fake_quant"] = torch.ops.quantlens.fake_quant.default
 
 
 def _quantlens_custom(ctx, node):
@@ -249,8 +244,7 @@ def _quantlens_custom(ctx, node):
             inputs.append("" if value is None else value)
         else:
             attrs[arg.name] = _jsonable(value)
-    op = schema.name.split("::", 1)[1]
-    TORCH_OPS.setdefault(op, node.target)
+    op = schema.name.split("::", 1)[1]  # (its meaning is that custom op: op_meanings.torch_op_of finds it)
     emit(ctx, node, op, inputs, attrs)
 
 

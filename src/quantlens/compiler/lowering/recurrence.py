@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from quantlens.compiler.ir import Node
+from quantlens.compiler.graph import Node
 from quantlens.compiler.lowering.rules import LoweringContext, normalized, register_lowering, value_of
 from quantlens.errors import QuantLensError
 from quantlens.sites.rnn_fold import STEP_META

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import fx
 
 import quantlens.march.numerics  # noqa: F401  (registers torch.ops.quantlens.fake_quant)
 from quantlens._registry import make_registry
-from quantlens.compiler.ir import Graph, Node, ValueInfo
+from quantlens.compiler.graph import Graph, Node, ValueInfo
+from quantlens.compiler.op_meanings import TORCH_OPS
 from quantlens.errors import QuantLensError
 from quantlens.sites.source_location import MACHINERY_DIRS, TORCH_DIR, is_within
 
-__all__ = ["LOWERINGS", "TORCH_OPS", "LoweringContext", "register_lowering", "emit", "value_of", "normalized"]
+__all__ = ["LOWERINGS", "LoweringContext", "register_lowering", "emit", "value_of", "normalized"]
 
 aten = torch.ops.aten
 
@@ -42,8 +43,6 @@ class LoweringContext:
         return isinstance(name, str) and name in self.graph.constants
 
 
-# IR op name -> the torch op whose float semantics it has (the qat kernels call it).
-TORCH_OPS: dict[str, Callable] = {}
 #: aten overload -> its lowering rule (``LoweringContext, fx.Node -> None``)
 LOWERINGS, _lowering = make_registry("lowering rule for aten op")
 
@@ -149,8 +148,13 @@ def _operand_dtype(ctx: LoweringContext, names: list, node: fx.Node) -> str:
     return "float32"
 
 
-def _generic(op: str, torch_op, tensor_args: tuple[str, ...], attr_args: tuple[str, ...] = (), n_out: int = 1):
-    """Rule: tensor schema args -> inputs ("" for None), listed attr args -> attrs."""
+def _generic(op: str, tensor_args: tuple[str, ...], attr_args: tuple[str, ...] = (), n_out: int = 1):
+    """Rule: tensor schema args -> inputs ("" for None), listed attr args -> attrs. ``op``'s float meaning must be
+    declared in :mod:`quantlens.compiler.op_meanings` (the qat kernel calls that torch op): a rule reads it, it never
+    adds one."""
+    if op not in TORCH_OPS:
+        raise QuantLensError(f"lowering rule for IR op {op!r}: the op has no float meaning in "
+                             "quantlens.compiler.op_meanings.TORCH_OPS; declare its torch op there.")
 
     def rule(ctx: LoweringContext, node: fx.Node) -> None:
         bound = normalized(node)
@@ -164,7 +168,6 @@ def _generic(op: str, torch_op, tensor_args: tuple[str, ...], attr_args: tuple[s
         if isinstance(bound.get("dtype"), torch.dtype) and "dtype" not in attr_args and n_out == 1:
             _cast_result(ctx, node, bound["dtype"])  # cumsum(..., dtype=torch.int32): the IR op keeps its input's
 
-    TORCH_OPS.setdefault(op, torch_op)
     return rule
 
 
