@@ -1,0 +1,116 @@
+"""onnxruntime's CPU int8 kernels on integer codes: what each fused kernel computes, with the parameters of
+:mod:`quantlens.march.ort_cpu` (``docs/march_ort.md``).
+
+Codes are integer tensors holding the runtime's values (uint8 activations on x86, int8 weights, int32 biases);
+zero points are Python ints (per tensor) or integer tensors (per channel). Every function returns the output
+codes as int32. The accumulators are exact: a float64 sum of products of 8-bit codes is exact far beyond any
+reduction these kernels see (2**53 / 2**16).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from quantlens.march.ort_cpu import KernelVariant, fma32
+
+__all__ = [
+    "quantize_linear", "dequantize_linear", "requantize", "matmul_accumulate", "conv_accumulate",
+    "qlinear_add", "qlinear_mul", "global_average_accumulate", "lookup", "INT16_MIN", "INT16_MAX",
+]
+
+INT16_MIN, INT16_MAX = -(1 << 15), (1 << 15) - 1
+
+
+def quantize_linear(x: torch.Tensor, scale, zero_point, qmin: int, qmax: int) -> torch.Tensor:
+    """QuantizeLinear: ``sat(RNE(fl(x / s)) + z)`` (a true float32 division; ``x * (1 / s)`` rounds otherwise)."""
+    v = x.to(torch.float32) / torch.as_tensor(scale, dtype=torch.float32)
+    z = torch.as_tensor(zero_point, dtype=torch.float32)
+    return (torch.round(torch.minimum(torch.maximum(v, qmin - z), qmax - z)) + z).to(torch.int32)
+
+
+def dequantize_linear(q: torch.Tensor, scale, zero_point) -> torch.Tensor:
+    """DequantizeLinear: ``fl(float(q - z) * s)``."""
+    diff = q.to(torch.int32) - torch.as_tensor(zero_point, dtype=torch.int32)
+    return diff.to(torch.float32) * torch.as_tensor(scale, dtype=torch.float32)
+
+
+def requantize(acc: torch.Tensor, multiplier, zero_point: int, qmin: int, qmax: int) -> torch.Tensor:
+    """The requantize every GEMM-like kernel ends in: ``sat(RNE(fl(float32(acc) * m)) + z)``, ``m`` float32 per
+    tensor or broadcast per channel (``acc`` int32; its conversion to float32 rounds above 2**24)."""
+    v = acc.to(torch.int32).to(torch.float32) * torch.as_tensor(multiplier, dtype=torch.float32)
+    return (torch.round(v.clamp(qmin - zero_point, qmax - zero_point)) + zero_point).to(torch.int32)
+
+
+def _pair_saturated_dot(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``sum_j sat16(a[2j] * w[2j] + a[2j+1] * w[2j+1])`` over the last axis of ``a`` [M, K] and first of
+    ``w`` [K, N]: the u8 x s8 dot product of ``vpmaddubsw`` on the raw codes (an odd K pads with a zero)."""
+    k = a.shape[-1]
+    if k % 2:
+        a, w = F.pad(a, (0, 1)), F.pad(w, (0, 0, 0, 1))
+    a64, w64 = a.to(torch.int64), w.to(torch.int64)
+    pairs = a64[:, 0::2, None] * w64[None, 0::2, :] + a64[:, 1::2, None] * w64[None, 1::2, :]
+    return pairs.clamp(INT16_MIN, INT16_MAX).sum(1)
+
+
+def matmul_accumulate(a: torch.Tensor, z_a: int, w: torch.Tensor, z_w, variant: KernelVariant = KernelVariant.VNNI,
+                      ) -> torch.Tensor:
+    """``sum_k (a[m,k] - z_a)(w[k,n] - z_w)`` in int32, ``a`` [M, K] uint8 codes, ``w`` [K, N] int8 codes,
+    ``z_w`` per tensor or per column ``[N]``.
+
+    ``VNNI`` sums exactly. ``AVX2`` computes the raw codes' dot product with each two adjacent products summed
+    and saturated to int16 (``_pair_saturated_dot``), then subtracts the zero-point terms exactly from the row and
+    column sums: ``dot - z_w * sum_k a - z_a * sum_k w + K * z_a * z_w``."""
+    z_w = torch.as_tensor(z_w, dtype=torch.int64)
+    a64, w64 = a.to(torch.int64), w.to(torch.int64)
+    if variant is KernelVariant.AVX2:
+        k = a.shape[-1]
+        dot = _pair_saturated_dot(a64, w64)
+        acc = dot - z_w * a64.sum(-1, keepdim=True) - z_a * w64.sum(0) + k * z_a * z_w
+    else:
+        acc = ((a64 - z_a).to(torch.float64) @ (w64 - z_w).to(torch.float64)).round().to(torch.int64)
+    return acc.to(torch.int32)
+
+
+def conv_accumulate(x: torch.Tensor, z_x: int, w: torch.Tensor, z_w, bias: torch.Tensor | None, stride, padding,
+                    dilation, groups: int) -> torch.Tensor:
+    """QLinearConv's int32 accumulator (NCHW): ``sum (x - z_x)(w - z_w) + bias``, padding contributing zero (the
+    runtime pads with ``z_x``). ``z_w`` per tensor or per output channel (onnxruntime requires them equal)."""
+    z_w = torch.as_tensor(z_w, dtype=torch.float64)
+    wf = w.to(torch.float64) - (z_w.reshape(-1, *([1] * (w.dim() - 1))) if z_w.dim() else z_w)
+    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[w.dim() - 2]
+    acc = conv((x.to(torch.float64) - z_x), wf, None, stride, padding, dilation, groups).round().to(torch.int64)
+    if bias is not None:
+        acc = acc + bias.to(torch.int64).reshape(1, -1, *([1] * (acc.dim() - 2)))
+    return acc.to(torch.int32)
+
+
+def qlinear_add(a: torch.Tensor, b: torch.Tensor, r_a, r_b, f, qmin: int, qmax: int) -> torch.Tensor:
+    """QLinearAdd on codes: ``sat(RNE(fma(a, r_a, fma(b, r_b, f))))`` (constants from
+    :func:`quantlens.march.ort_cpu.add_constants`; broadcast as ONNX does)."""
+    a, b = torch.broadcast_tensors(a.to(torch.float32), b.to(torch.float32))
+    t = fma32(b, torch.as_tensor(r_b, dtype=torch.float32).expand_as(b), torch.as_tensor(f).expand_as(b))
+    t = fma32(a, torch.as_tensor(r_a, dtype=torch.float32).expand_as(a), t)
+    return torch.round(t.clamp(qmin, qmax)).to(torch.int32)
+
+
+def qlinear_mul(a: torch.Tensor, z_a: int, b: torch.Tensor, z_b: int, r, z_c: int, qmin: int, qmax: int) -> torch.Tensor:
+    """QLinearMul on codes: ``sat(RNE(fl(fl(p * r) + z_c)))``, ``p = (a - z_a)(b - z_b)`` exact."""
+    p = (a.to(torch.int32) - z_a) * (b.to(torch.int32) - z_b)
+    v = p.to(torch.float32) * torch.as_tensor(r, dtype=torch.float32) + float(z_c)
+    return torch.round(v.clamp(qmin, qmax)).to(torch.int32)
+
+
+def global_average_accumulate(x: torch.Tensor, z_x: int) -> torch.Tensor:
+    """QLinearGlobalAveragePool's int32 sum over the spatial dims (NCHW), ``sum(x) - z_x * N``; the requantize
+    (:func:`requantize`, multiplier :func:`quantlens.march.ort_cpu.global_average_multiplier`) follows."""
+    dims = tuple(range(2, x.dim()))
+    n = 1
+    for d in dims:
+        n *= x.shape[d]
+    return (x.to(torch.int64).sum(dims, keepdim=True) - z_x * n).to(torch.int32)
+
+
+def lookup(x: torch.Tensor, table: torch.Tensor, qmin: int) -> torch.Tensor:
+    """A QLinear lookup op (Sigmoid, LeakyRelu): ``table[x - qmin]``."""
+    return table[(x.to(torch.int64) - qmin)]
