@@ -35,3 +35,19 @@ def small_conv_analysis(tmp_path):
         return calib, x, qa
 
     return run
+
+
+@pytest.fixture
+def few_learning_epochs(monkeypatch):
+    """The search's learned remedies (``learned_ranges``, ``learned_rounding``) train 2 epochs instead of 32 / 40.
+
+    For tests that run ``quantlens fix`` or ``search_remedies`` end to end and assert what the search does (it runs
+    to its end, writes its files, names its metric, replays), not how good a learned remedy gets: the same code
+    path, a fraction of the time (their epochs were 40 of the 51 s of ``fix`` on the CNN + GRU newcomer). What
+    the learned remedies reach is held by their own tests in tests/test_remedies_catalog.py."""
+    import functools
+
+    from quantlens.search.remedies import catalog
+
+    monkeypatch.setattr(catalog, "learn_ranges", functools.partial(catalog.learn_ranges, epochs=2))
+    monkeypatch.setattr(catalog, "learn_rounding", functools.partial(catalog.learn_rounding, epochs=2))

@@ -25,7 +25,7 @@ def _reports(folder: Path) -> list[Path]:
 
 
 @pytest.mark.parametrize("name", ["cnn_gru", "deberta"])
-def test_a_newcomers_model_through_analyze_report_and_fix(name, tmp_path):
+def test_a_newcomers_model_through_analyze_report_and_fix(name, tmp_path, few_learning_epochs):
     config = NEWCOMERS / f"{name}.py"
     out = tmp_path / "out"
     run = ql("analyze", config, "--stage", "all", "--out", out, "--no-sensitivity")

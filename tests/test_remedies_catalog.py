@@ -142,7 +142,7 @@ def test_saved_weights_come_back_with_the_bias_bias_correction_added(tmp_path):
         load_remedies(other, tmp_path)
 
 
-def test_quantlens_fix_on_the_template(tmp_path):
+def test_quantlens_fix_on_the_template(tmp_path, few_learning_epochs):
     from quantlens.cli import main
 
     cfg = tmp_path / "cfg.py"
