@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 
 from quantlens.compiler import Module, save
 from quantlens.compiler.ir import Graph, InputLeaf, Node, ValueInfo
-from quantlens.compiler.serialize import CHECKSUM_KEY, METADATA_KEY, _file_checksum
+from quantlens.compiler.serialize import CHECKSUM_KEY, METADATA_KEY, file_checksum
 
 
 def save_base(constants: dict[str, torch.Tensor], path: Path) -> Path:
@@ -44,5 +44,5 @@ def craft(base: Path, path: Path, kind: str, nodes: list[tuple],
     kept = [v for v in header["values"] if v["name"] != "y"]
     header["values"] = values(kept) if values is not None else kept
     text = json.dumps(header)
-    save_file(tensors, str(path), metadata={METADATA_KEY: text, CHECKSUM_KEY: _file_checksum(text, tensors)})
+    save_file(tensors, str(path), metadata={METADATA_KEY: text, CHECKSUM_KEY: file_checksum(text, tensors)})
     return path

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from quantlens.compiler import convert, export, load, save
-from quantlens.compiler.serialize import CHECKSUM_KEY, METADATA_KEY, _file_checksum
+from quantlens.compiler.serialize import CHECKSUM_KEY, METADATA_KEY, file_checksum
 from quantlens.errors import QuantLensError, QuantLensWarning
 from quantlens.profiler import QuantAnalysis
 from quantlens.quantization import DeQuantStub, QuantStub, calibrate, pre_export, prepare
@@ -66,7 +66,7 @@ def test_load_refuses_a_source_digest_that_is_not_one(irs, tmp_path):
         tensors = {k: handle.get_tensor(k) for k in handle.keys()}
     header["meta"]["source_ir_digest"] = "not a digest"
     text = json.dumps(header)
-    save_file(tensors, str(path), metadata={METADATA_KEY: text, CHECKSUM_KEY: _file_checksum(text, tensors)})
+    save_file(tensors, str(path), metadata={METADATA_KEY: text, CHECKSUM_KEY: file_checksum(text, tensors)})
     with pytest.raises(QuantLensError, match="source_ir_digest.*64 lower-case hex"):
         load(path)
 

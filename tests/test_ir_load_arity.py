@@ -12,7 +12,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from quantlens.compiler import convert, export, load, save
-from quantlens.compiler.serialize.arity import _schema_shape, _torch_op, signature
+from quantlens.compiler.op_meanings import torch_op_of
+from quantlens.compiler.serialize.arity import _schema_shape, signature
 from quantlens.errors import QuantLensError
 from quantlens.kernels.integer import MOVEMENT_OPS
 from quantlens.march.opset import IR_OPS
@@ -118,7 +119,7 @@ def test_every_ir_op_has_one_source_for_its_arity():
     their own (no torch op) declare ``inputs``; ``outputs`` is declared only with them. An integer kernel that
     calls a torch op of its own (``MOVEMENT_OPS``) takes the inputs the qat op's schema gives."""
     for name, op in IR_OPS.items():
-        assert (op.inputs is not None) != (_torch_op(name) is not None), name
+        assert (op.inputs is not None) != (torch_op_of(name) is not None), name
         assert op.outputs is None or op.inputs is not None, name
         signature(name)  # every op has one (a LookupError otherwise)
     for name, torch_op in MOVEMENT_OPS.items():
@@ -164,7 +165,7 @@ def test_an_ir_missing_any_attr_is_refused_at_load_or_computes_the_same(kind, tm
 
     from quantlens import zoo
     from quantlens.compiler import convert, export, save
-    from quantlens.compiler.serialize import CHECKSUM_KEY, METADATA_KEY, _file_checksum
+    from quantlens.compiler.serialize import CHECKSUM_KEY, METADATA_KEY, file_checksum
     from quantlens.quantization import calibrate, pre_export, prepare
     from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 
@@ -188,7 +189,7 @@ def test_an_ir_missing_any_attr_is_refused_at_load_or_computes_the_same(kind, tm
             del broken["nodes"][i]["attrs"][key]
             text = json.dumps(broken)
             case = tmp_path / "case.qlir"
-            save_file(tensors, str(case), metadata={METADATA_KEY: text, CHECKSUM_KEY: _file_checksum(text, tensors)})
+            save_file(tensors, str(case), metadata={METADATA_KEY: text, CHECKSUM_KEY: file_checksum(text, tensors)})
             try:
                 loaded = load(case)
             except QuantLensError as exc:

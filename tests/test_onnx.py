@@ -523,17 +523,17 @@ def test_table_ops_run_in_onnxruntime_bit_for_bit(setter_name, tmp_path):
 
 
 def test_onnx_table_helpers_round_like_the_kernels_at_ties_and_bounds():
-    """The integer helpers of ``compiler.onnx.tables`` against ``kernels._int`` on the values where rounding
+    """The integer helpers of ``compiler.onnx.tables`` against ``kernels.int_rounding`` on the values where rounding
     rules differ: exact halves (odd and even floors, both signs), divisor 1, large magnitudes; bit lengths at
     every power of two and one below; the mantissa tables at their segment bounds."""
     from quantlens.compiler.ir import Graph, Module
     from quantlens.compiler.onnx.builder import Builder
-    from quantlens.compiler.onnx.tables import _F64
-    from quantlens.kernels._int import bit_length, div_round_half_even
+    from quantlens.compiler.onnx.tables import F64
+    from quantlens.kernels.int_rounding import bit_length, div_round_half_even
     from quantlens.kernels.tables import recip_mantissa_table, rsqrt_mantissa_table
 
     b = Builder(Module("qat", Graph(nodes=[], inputs=[], outputs=[], constants={}, values={}), [], "", ""), 21)
-    f = _F64(b, Node("t", [], ["t"], {}, "t"))
+    f = F64(b, Node("t", [], ["t"], {}, "t"))
     nums = [7, 5, 6, -5, -7, -6, 3, -3, 1, 0, -1, 2**61 - 1, -(2**61) + 3, 2**40 + 2**39, -(2**40 + 2**39), 12, 13]
     dens = [2, 2, 4, 2, 2, 4, 1, 1, 2, 3, 3, 2**20, 2**20, 2**40, 2**40, 8, 3]
     a = b.init(torch.tensor(nums, dtype=torch.int64), "a")

@@ -290,10 +290,10 @@ def _rewrite_header(src, dst, **changes):
         tensors = {k: handle.get_tensor(k) for k in handle.keys()}
     header.update(changes)
     text = json.dumps(header)
-    from quantlens.compiler.serialize import CHECKSUM_KEY, _file_checksum
+    from quantlens.compiler.serialize import CHECKSUM_KEY, file_checksum
 
     # resealed: the checksum matches, so load's header validation (not the checksum) must refuse the change
-    save_file(tensors, str(dst), metadata={METADATA_KEY: text, CHECKSUM_KEY: _file_checksum(text, tensors)})
+    save_file(tensors, str(dst), metadata={METADATA_KEY: text, CHECKSUM_KEY: file_checksum(text, tensors)})
     return dst
 
 

@@ -25,7 +25,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from quantlens.compiler import convert, export, load, save
-from quantlens.compiler.serialize import CHECKSUM_KEY, FORMAT_VERSION, METADATA_KEY, _file_checksum
+from quantlens.compiler.serialize import CHECKSUM_KEY, FORMAT_VERSION, METADATA_KEY, file_checksum
 from quantlens.errors import QuantLensError
 from quantlens.march.opset import IR_OPS
 from quantlens.quantization import calibrate, pre_export, prepare
@@ -87,7 +87,7 @@ def _with_header(data: bytes, header: dict | str, reseal: bool, tensors: dict | 
     text = header if isinstance(header, str) else json.dumps(header, ensure_ascii=False, separators=(",", ":"))
     outer["__metadata__"][METADATA_KEY] = text
     if reseal:
-        outer["__metadata__"][CHECKSUM_KEY] = _file_checksum(text, tensors)
+        outer["__metadata__"][CHECKSUM_KEY] = file_checksum(text, tensors)
     return _join(outer, body)
 
 

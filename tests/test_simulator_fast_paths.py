@@ -300,7 +300,7 @@ def test_zoo_quantized_ir_equals_the_level_4_model_and_the_reference_table_path(
 
 # -- int_softmax / int_layer_norm float64 paths (issue #11 item 4) -------------------------------------------
 def test_mantissa_lookup_matches_the_segmented_lookup():
-    from quantlens.kernels.int_ops import _mantissa_lookup
+    from quantlens.kernels.int_ops import mantissa_lookup
     from quantlens.kernels.tables import recip_mantissa_table, rsqrt_mantissa_table
 
     for table in (recip_mantissa_table(), rsqrt_mantissa_table()):
@@ -309,7 +309,7 @@ def test_mantissa_lookup_matches_the_segmented_lookup():
         m = torch.tensor(sorted({min(max(e + d, lo), hi) for e in edges for d in range(-3, 4)}
                                 | {lo + (j << 12) for j in range(0, (hi - lo) >> 12)}), dtype=torch.int64)
         m = torch.cat([m, torch.randint(lo, hi + 1, (20000,), generator=torch.Generator().manual_seed(3))])
-        assert torch.equal(_mantissa_lookup(table, m), table.lookup(m))
+        assert torch.equal(mantissa_lookup(table, m), table.lookup(m))
 
 
 @pytest.mark.parametrize("shift", [1, 31, 53, 62])

@@ -56,7 +56,9 @@ def encode_call(node: fx.Node, value_of) -> tuple[list[str], dict[str, Any]]:
     return inputs, {"target": name, "args": args, "kwargs": kwargs}
 
 
-def _overload(target: str, site: str):
+def aten_overload(target: str, site: str):
+    """The operator overload a host node's ``target`` (``"aten::add.Tensor"``) names, registered in this process;
+    refused, naming the op site, when it is none."""
     namespace, _, rest = target.partition("::")
     name, _, overload = rest.partition(".")
     op = None
@@ -85,7 +87,7 @@ def call_host_aten(attrs: dict, inputs: list, site: str) -> Any:
             return [dec(x) for x in a]
         return a
 
-    op = _overload(attrs["target"], site)
+    op = aten_overload(attrs["target"], site)
     return op(*[dec(a) for a in attrs["args"]], **{k: dec(v) for k, v in attrs["kwargs"].items()})
 
 
@@ -100,7 +102,7 @@ def node_draws_random(node) -> bool:
     if node.op != "host_aten":
         return False
     try:
-        op = _overload(node.attrs.get("target", ""), node.site)
+        op = aten_overload(node.attrs.get("target", ""), node.site)
     except QuantLensError:
         return False
     return torch.Tag.nondeterministic_seeded in op.tags

@@ -48,10 +48,10 @@ def is_digest(value: Any) -> bool:
 def _canonical(value: Any, where: str) -> Any:
     """A value as the IR file encodes it (strict JSON); a value the file cannot hold is taken by its repr (the
     digest never fails, ``save`` says what it cannot write)."""
-    from quantlens.compiler.serialize.codec import _encode
+    from quantlens.compiler.serialize.codec import encode_value
 
     try:
-        return _encode(value, where)
+        return encode_value(value, where)
     except QuantLensError:
         return {"$repr": repr(value)}
 

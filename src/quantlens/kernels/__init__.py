@@ -17,7 +17,6 @@ This package imports nothing above it: only :mod:`quantlens.march`, the base mod
 """
 
 from quantlens.kernels import ops as _ops  # noqa: F401  (registers the custom ops)
-from quantlens.kernels._int import bit_length, div_round_half_even, rshift_rhe_var
 from quantlens.kernels.int_ops import (
     LayerNormConstants,
     div_multiplier,
@@ -35,6 +34,7 @@ from quantlens.kernels.int_ops import (
     softmax_exp_table,
     softmax_multiplier,
 )
+from quantlens.kernels.int_rounding import bit_length, div_round_half_even, rshift_rhe_var
 from quantlens.kernels.integer import INT_KERNELS, storage_dtype
 from quantlens.kernels.log_softmax_ops import int_log_softmax
 from quantlens.kernels.ops import TABLE_OP_IO, TableOpIO, dtype_from_range, table_torch_op

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from quantlens.errors import QuantLensError
-from quantlens.kernels._int import bit_length, div_round_half_even, rshift_rhe_var
+from quantlens.kernels.int_rounding import bit_length, div_round_half_even, rshift_rhe_var
 from quantlens.kernels.tables import (
     SegmentedTable,
     Table256,
@@ -66,9 +66,9 @@ LN_NORM_BITS = 23
 #: layer_norm: at most this many fractional bits in the centred values.
 LN_MAX_FRAC_BITS = 8
 
-_RECIP_BITS = 46  # R(m) ~ 2**46 / m, m a 24-bit mantissa
-_RSQRT_BITS = 34  # S(m) ~ 2**34 / sqrt(m)
-_MANT = 24  # mantissa bits
+RECIP_BITS = 46  # R(m) ~ 2**46 / m, m a 24-bit mantissa
+RSQRT_BITS = 34  # S(m) ~ 2**34 / sqrt(m)
+MANTISSA_BITS = 24  # mantissa bits
 
 
 def _shift_left_or_right(v: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -86,7 +86,7 @@ def _pow2(n: torch.Tensor) -> torch.Tensor:
 _MANTISSA_PLANS: dict[int, tuple] = {}
 
 
-def _mantissa_lookup(table: SegmentedTable, m: torch.Tensor) -> torch.Tensor:
+def mantissa_lookup(table: SegmentedTable, m: torch.Tensor) -> torch.Tensor:
     """``table.lookup(m)`` for the one- or two-segment mantissa tables (no tails, no fractional bits), in fewer
     passes, same result: each segment's offset is scaled to the largest step ``2**P`` (``o << (P - p)``), so
     ``j`` and ``r * 2**(P - p)`` come from one shift and mask, and ``rhe(acc * 2**(P - p), P) = rhe(acc, p)``;
@@ -181,10 +181,10 @@ def softmax_multiplier(s_out: float) -> tuple[int, int]:
     return quantize_multiplier(2.0**-SOFTMAX_PROB_BITS / float(s_out), Qpp.HIGH_PRECISION)
 
 
-def _normalize(v: torch.Tensor, k: torch.Tensor, low: int) -> tuple[torch.Tensor, torch.Tensor]:
+def normalize_mantissa(v: torch.Tensor, k: torch.Tensor, low: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``m = v * 2**-k`` (rounded), and a rounding up to ``2**24`` renormalized to ``low`` with ``k + step``."""
     mant = _shift_left_or_right(v, k)
-    over = mant == (1 << _MANT)
+    over = mant == (1 << MANTISSA_BITS)
     mant = torch.where(over, torch.full_like(mant, low), mant)
     return mant, over
 
@@ -231,10 +231,10 @@ def sum_mantissa(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # bitlen(S) is frexp's exponent b (S = f * 2**b, f in [0.5, 1)); m = rhe(S * 2**-k) with k = b - 24 is
     # rhe(f * 2**24) (a power-of-two scaling, exact; a left shift when k <= 0).
     frac, b = torch.frexp(s)
-    mant = torch.round(frac * float(1 << _MANT)).to(torch.int64)
-    k = b.to(torch.int64) - _MANT
-    over = mant == (1 << _MANT)
-    return torch.where(over, 1 << (_MANT - 1), mant), k + over.to(torch.int64)
+    mant = torch.round(frac * float(1 << MANTISSA_BITS)).to(torch.int64)
+    k = b.to(torch.int64) - MANTISSA_BITS
+    over = mant == (1 << MANTISSA_BITS)
+    return torch.where(over, 1 << (MANTISSA_BITS - 1), mant), k + over.to(torch.int64)
 
 
 def int_softmax(
@@ -250,11 +250,11 @@ def int_softmax(
     """
     _, _, e, s, _ = exp_row_sums(q, dim, exp_table)
     mant, k = sum_mantissa(s)
-    r = _mantissa_lookup(recip_mantissa_table(), mant)
+    r = mantissa_lookup(recip_mantissa_table(), mant)
     # t = rhe(e * r, k + 15), exact in float64: e <= 2**23 and r <= 2**23 (the table's range), so e * r < 2**46
     # and e * (r * 2**-(k + 15)) is that integer times a power of two (k + 15 >= 7: S >= E(0) = 2**X >= 2**15);
     # torch.round is half to even.
-    scale = r.to(torch.float64) * _pow2(-(k + (_RECIP_BITS - SOFTMAX_PROB_BITS)))
+    scale = r.to(torch.float64) * _pow2(-(k + (RECIP_BITS - SOFTMAX_PROB_BITS)))
     t = e.mul_(scale).round_().to(torch.int64)
     return _softmax_requantize(t, int(multiplier), int(shift), out_dtype)
 
@@ -369,26 +369,26 @@ def int_layer_norm(
         v = torch.linalg.vecdot(c, c).unsqueeze(-1).add_(int(eps_term)).clamp_(min=1)
         # bitlen(V) is frexp's exponent b; V * 2**-2k is a power-of-two scaling (exact), torch.round half to even.
         frac, b = torch.frexp(v)
-        k = torch.div(b.to(torch.int64) - (_MANT - 1), 2, rounding_mode="floor")
+        k = torch.div(b.to(torch.int64) - (MANTISSA_BITS - 1), 2, rounding_mode="floor")
         mant = torch.round(v * _pow2(-2 * k)).to(torch.int64)
-        over = mant == (1 << _MANT)
-        mant = torch.where(over, 1 << (_MANT - 2), mant)
+        over = mant == (1 << MANTISSA_BITS)
+        mant = torch.where(over, 1 << (MANTISSA_BITS - 2), mant)
     else:
         q64 = q.to(torch.int64)
         x = q64.reshape(*shape[:lead], n)
         mu = div_round_half_even(x.sum(dim=-1, keepdim=True) * (1 << p), n) if center else 0
         c = x * (1 << p) - mu
         v = ((c * c).sum(dim=-1, keepdim=True) + int(eps_term)).clamp(min=1)
-        k = torch.div(bit_length(v) - (_MANT - 1), 2, rounding_mode="floor")
-        mant, over = _normalize(v, 2 * k, 1 << (_MANT - 2))
+        k = torch.div(bit_length(v) - (MANTISSA_BITS - 1), 2, rounding_mode="floor")
+        mant, over = normalize_mantissa(v, 2 * k, 1 << (MANTISSA_BITS - 2))
         k = k + over.to(torch.int64)
-        u = rshift_rhe_var(c * rsqrt_mantissa_table().lookup(mant), k + (_RSQRT_BITS - LN_NORM_BITS))
+        u = rshift_rhe_var(c * rsqrt_mantissa_table().lookup(mant), k + (RSQRT_BITS - LN_NORM_BITS))
         return _layer_norm_output(u, gain, bias, shift, out_dtype).reshape(shape)
     k = k + over.to(torch.int64)
-    r = _mantissa_lookup(rsqrt_mantissa_table(), mant)
+    r = mantissa_lookup(rsqrt_mantissa_table(), mant)
     # u = rhe(c * r, 11 + k), exact in float64: |c| <= 2**(bits + P) <= 2**24 and r <= 2**23, so |c * r| < 2**47,
     # and c * (r * 2**-(11 + k)) is that integer times a power of two (11 + k >= 0: V >= 1).
-    scale = r.to(torch.float64) * _pow2(-(k + (_RSQRT_BITS - LN_NORM_BITS)))
+    scale = r.to(torch.float64) * _pow2(-(k + (RSQRT_BITS - LN_NORM_BITS)))
     u = c.mul_(scale).round_().to(torch.int64)
     return _layer_norm_output(u, gain, bias, shift, out_dtype).reshape(shape)
 
@@ -448,7 +448,7 @@ def recip_mantissa(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = bit_length(a)
     if a.numel() and int(n.max()) > 16:
         raise QuantLensError("recip_mantissa: |v| must be at most 2**15 (an int8 or int16 code).")
-    mant = torch.bitwise_left_shift(a, _MANT - n)
+    mant = torch.bitwise_left_shift(a, MANTISSA_BITS - n)
     return recip_mantissa_table().lookup(mant), n
 
 

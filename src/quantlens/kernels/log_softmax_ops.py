@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from quantlens.kernels._int import rshift_rhe_var
-from quantlens.kernels.int_ops import _MANT, _mantissa_lookup, exp_bits, exp_row_sums, sum_mantissa
+from quantlens.kernels.int_ops import MANTISSA_BITS, exp_bits, exp_row_sums, mantissa_lookup, sum_mantissa
+from quantlens.kernels.int_rounding import rshift_rhe_var
 from quantlens.kernels.tables import SegmentedTable, Table256, ln_mantissa_table
 from quantlens.march import QuantDType
 
@@ -32,7 +32,7 @@ def log_sum_exp(s: torch.Tensor, x_bits: int) -> torch.Tensor:
     """``L ~ ln(S · 2**-X) · 2**24`` (int64) of exp sums ``S`` (float64 integers in ``[2**X, 2**40)``):
     ``LN(m) + (k + 23 - X) · LN2`` with ``(m, k) = sum_mantissa(S)``; ``0 <= L < 2**29``."""
     mant, k = sum_mantissa(s)
-    return _mantissa_lookup(ln_mantissa_table(), mant) + (k + (_MANT - 1 - x_bits)) * LN2_FIXED
+    return mantissa_lookup(ln_mantissa_table(), mant) + (k + (MANTISSA_BITS - 1 - x_bits)) * LN2_FIXED
 
 
 def int_log_softmax(

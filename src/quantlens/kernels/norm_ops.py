@@ -18,15 +18,15 @@ import math
 import torch
 
 from quantlens.errors import QuantLensError
-from quantlens.kernels._int import bit_length, rshift_rhe_var
 from quantlens.kernels.int_ops import (
-    _MANT,
+    MANTISSA_BITS,
     LayerNormConstants,
-    _mantissa_lookup,
-    _normalize,
     int_layer_norm,
     layer_norm_constants,
+    mantissa_lookup,
+    normalize_mantissa,
 )
+from quantlens.kernels.int_rounding import bit_length, rshift_rhe_var
 from quantlens.kernels.tables import rsqrt_mantissa_table
 from quantlens.march import QuantDType
 
@@ -34,7 +34,7 @@ __all__ = ["rms_norm_constants", "normalize_constants", "int_rms_norm", "int_vec
 
 #: int_vector_norm: ``t ~ sqrt(m) · 2**VECTOR_NORM_ROOT_BITS``, the square root of the sum's mantissa
 VECTOR_NORM_ROOT_BITS = 11
-_RSQRT_TO_ROOT = 23  # m · S(m) ~ sqrt(m) · 2**34; rhe by 2**23 leaves sqrt(m) · 2**11
+RSQRT_TO_ROOT = 23  # m · S(m) ~ sqrt(m) · 2**34; rhe by 2**23 leaves sqrt(m) · 2**11
 
 
 def rms_norm_constants(s_in: float, s_out: float, in_dtype: QuantDType, num_elements: int,
@@ -71,11 +71,11 @@ def int_vector_norm(q: torch.Tensor, dims: list[int] | None, keepdim: bool, mult
                              "take the norm over fewer elements.")
     s = (x * x).sum(dim=dims, keepdim=bool(keepdim)) if x.dim() else x * x
     v = s.clamp(min=1)
-    k = torch.div(bit_length(v) - (_MANT - 1), 2, rounding_mode="floor")
-    mant, over = _normalize(v, 2 * k, 1 << (_MANT - 2))
+    k = torch.div(bit_length(v) - (MANTISSA_BITS - 1), 2, rounding_mode="floor")
+    mant, over = normalize_mantissa(v, 2 * k, 1 << (MANTISSA_BITS - 2))
     k = k + over.to(torch.int64)
-    r = _mantissa_lookup(rsqrt_mantissa_table(), mant)
-    t = rshift_rhe_var(mant * r, _RSQRT_TO_ROOT)  # < 2**24: mant < 2**24, r <= 2**23 + small
+    r = mantissa_lookup(rsqrt_mantissa_table(), mant)
+    t = rshift_rhe_var(mant * r, RSQRT_TO_ROOT)  # < 2**24: mant < 2**24, r <= 2**23 + small
     total = int(shift) + VECTOR_NORM_ROOT_BITS - k
     y = rshift_rhe_var(t * int(multiplier), total.clamp(min=0))  # t * M < 2**55
     y = torch.where(total < 0, torch.full_like(y, out_dtype.qmax), y)

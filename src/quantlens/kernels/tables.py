@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from quantlens.errors import QuantLensError
-from quantlens.kernels._int import rshift_rhe_var
+from quantlens.kernels.int_rounding import rshift_rhe_var
 from quantlens.march.rules import LN_FRAC_BITS
 
 __all__ = [

@@ -261,7 +261,7 @@ class OnnxModelAccess(ModelAccess):
         if extra in self._sessions:
             return self._sessions[extra]
         onnx, ort = _imports()
-        from quantlens.compiler.onnx.builder import _onnx_dtype
+        from quantlens.compiler.onnx.builder import onnx_dtype
 
         proto = self.proto
         if extra:
@@ -273,7 +273,7 @@ class OnnxModelAccess(ModelAccess):
                 if info is None or info.dtype in ("", "unknown"):
                     raise QuantLensError(f"OnnxModelAccess: the qat IR has no dtype for value '{name}'; export the "
                                          "model again.")
-                proto.graph.output.append(onnx.helper.make_tensor_value_info(name, _onnx_dtype(info.dtype), None))
+                proto.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx_dtype(info.dtype), None))
         options = ort.SessionOptions()
         options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, ORT_LEVELS[self.optimization])
         options.log_severity_level = 3

@@ -14,8 +14,8 @@ parameters come from the spec's rules (``quantlens.march.rules``), which the fak
 from __future__ import annotations
 
 from quantlens.compiler.convert import arithmetic, gemm, movement, pools, tables  # noqa: F401 (fill CONVERTERS)
-from quantlens.compiler.convert.movement import _passthrough
-from quantlens.compiler.convert.state import CONVERTERS, PASSTHROUGH_OPS, _Converter, converter, qpp_of
+from quantlens.compiler.convert.movement import passthrough
+from quantlens.compiler.convert.state import CONVERTERS, PASSTHROUGH_OPS, Converter, converter, qpp_of
 from quantlens.compiler.ir import Module
 from quantlens.compiler.provenance import SOURCE_DIGEST_KEY, ir_digest
 from quantlens.errors import QuantLensError
@@ -33,11 +33,11 @@ def convert(qat_ir: Module) -> Module:
             "convert expects the qat IR returned by quantlens.compiler.export (kind 'qat'), got "
             f"{getattr(qat_ir, 'kind', type(qat_ir).__name__)!r}."
         )
-    state = _Converter(qat_ir)
+    state = Converter(qat_ir)
     graph = state.run()
     return Module("quantized", graph, list(qat_ir.input_leaves), qat_ir.input_spec, qat_ir.output_spec,
                   meta={**qat_ir.meta, "qpp": state.qpp.value, SOURCE_DIGEST_KEY: ir_digest(qat_ir)})
 
 
 for _op in sorted(PASSTHROUGH_OPS - CONVERTERS.keys()):  # pad, fill, the scatters have their own converters
-    converter(_op)(_passthrough)
+    converter(_op)(passthrough)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 from quantlens.compiler.convert.state import (
-    _Converter,
-    _per_tensor,
-    _required_grid,
-    _scalar,
+    Converter,
     converter,
+    require_per_tensor,
+    required_grid,
+    scalar_constant,
 )
 from quantlens.compiler.ir import Node
 from quantlens.errors import QuantLensError
@@ -19,14 +19,14 @@ from quantlens.march import QuantDType, rules
 
 @converter("add", "sub", "cat")
 def _rescaled(c, node):
-    if node.op in ("add", "sub") and any(_scalar(c, v) is not None for v in node.inputs):
+    if node.op in ("add", "sub") and any(scalar_constant(c, v) is not None for v in node.inputs):
         return _add_constant(c, node)
     if node.op in ("add", "sub") and any(c.is_const(v) and v not in c.q for v in node.inputs):
         return _add_constant_tensor(c, node)
     # an empty constant (torch.zeros(1, 0) padding a cat to a multiple) adds nothing and has no grid
     values = [v for v in node.inputs if not (c.is_const(v) and c.src.constants[v].numel() == 0)]
     infos = [c.int_input(node, v) for v in values]
-    qdtype, out_scale = _required_grid(c, node)
+    qdtype, out_scale = required_grid(c, node)
     scales = [i.scale for i in infos]
     if node.op == "cat":  # each input is requantized alone (§10): no sum, no F
         attrs = rules.cat(scales, out_scale, qdtype, c.qpp, node.attrs["dim"])
@@ -35,11 +35,11 @@ def _rescaled(c, node):
     c.emit(node, node.op, [i.name for i in infos], attrs, qdtype, out_scale)
 
 
-def _add_constant_tensor(c: _Converter, node: Node) -> None:
+def _add_constant_tensor(c: Converter, node: Node) -> None:
     """``x ± K`` for a float constant tensor ``K``: ``K`` enters as int32 codes on the sum's fractional grid
     (``rules.constant_addend_codes``), then the add rule of two inputs."""
     a, b = node.inputs
-    qdtype, out_scale = _required_grid(c, node)
+    qdtype, out_scale = required_grid(c, node)
     k_first = c.is_const(a) and a not in c.q
     x = c.int_input(node, b if k_first else a)
     k = c.src.constants[a if k_first else b]
@@ -50,15 +50,15 @@ def _add_constant_tensor(c: _Converter, node: Node) -> None:
     c.emit(node, node.op, inputs, rules.add(scales, out_scale, qdtype, c.qpp), qdtype, out_scale)
 
 
-def _add_constant(c: _Converter, node: Node) -> None:
+def _add_constant(c: Converter, node: Node) -> None:
     """``x ± k`` for a scalar constant ``k``: x is rescaled as in §10 and ``k`` enters as ``rhe(k · 2**F / s_out)``
     (in the F extra fractional bits), so the result is rounded once."""
     a, b = node.inputs
-    qdtype, out_scale = _required_grid(c, node)
-    if _scalar(c, a) is not None:  # k - x  or  k + x
-        k, x, sign_x = _scalar(c, a), c.int_input(node, b), -1 if node.op == "sub" else 1
+    qdtype, out_scale = required_grid(c, node)
+    if scalar_constant(c, a) is not None:  # k - x  or  k + x
+        k, x, sign_x = scalar_constant(c, a), c.int_input(node, b), -1 if node.op == "sub" else 1
     else:
-        k, x, sign_x = _scalar(c, b) * (-1 if node.op == "sub" else 1), c.int_input(node, a), 1
+        k, x, sign_x = scalar_constant(c, b) * (-1 if node.op == "sub" else 1), c.int_input(node, a), 1
     attrs = rules.add_constant(x.scale, k, out_scale, qdtype, c.qpp, negate=sign_x < 0)
     c.emit(node, "add_const", [x.name], attrs, qdtype, out_scale)
 
@@ -69,8 +69,8 @@ def _mul(c, node):
     if node.outputs[0] in c.folded:  # already part of the GEMM's multiplier
         c.q[node.outputs[0]] = c.q[a]
         return
-    qdtype, out_scale = _required_grid(c, node)
-    k = _scalar(c, b)
+    qdtype, out_scale = required_grid(c, node)
+    k = scalar_constant(c, b)
     if k is not None:
         real = 1.0 / k if node.op == "div" else k
         if real == 0:
@@ -91,7 +91,7 @@ def _mul(c, node):
 @converter("mean", "sum")
 def _reduce(c, node):
     x = c.int_input(node, node.inputs[0])
-    qdtype, out_scale = _required_grid(c, node)
+    qdtype, out_scale = required_grid(c, node)
     shape = c.src.values[node.inputs[0]].shape
     dims = node.attrs["dim"] if node.attrs.get("dim") is not None else list(range(len(shape)))
     count = 1
@@ -108,8 +108,8 @@ def _cumsum(c, node):
     """§10.2 running sums: the exact integer running sum of the codes along ``dim``, each requantized by
     ``s_x / s_out`` (the sum rule)."""
     x = c.int_input(node, node.inputs[0])
-    _per_tensor(c, node, x, "cumsum")
-    qdtype, out_scale = _required_grid(c, node)
+    require_per_tensor(c, node, x, "cumsum")
+    qdtype, out_scale = required_grid(c, node)
     attrs = {"dim": int(node.attrs["dim"]), **rules.average(x.scale, 1, out_scale, qdtype, c.qpp)}
     c.emit(node, "cumsum_int", [x.name], attrs, qdtype, out_scale)
 
@@ -117,7 +117,7 @@ def _cumsum(c, node):
 @converter("clamp", "hardtanh")
 def _clamp(c, node):
     x = c.int_input(node, node.inputs[0])
-    qdtype, out_scale = _required_grid(c, node)
+    qdtype, out_scale = required_grid(c, node)
     lo_val = node.attrs.get("min", node.attrs.get("min_val"))
     hi_val = node.attrs.get("max", node.attrs.get("max_val"))
     c.emit(node, "clamp", [x.name], rules.clamp(lo_val, hi_val, x.scale, out_scale, qdtype, c.qpp), qdtype,
@@ -128,7 +128,7 @@ def _clamp(c, node):
 def _sign_op(c, node):
     """|q| and -q are exact on integers; the result is rescaled to the op's output grid."""
     x = c.int_input(node, node.inputs[0])
-    qdtype, out_scale = _required_grid(c, node)
+    qdtype, out_scale = required_grid(c, node)
     c.emit(node, f"{node.op}_int", [x.name], rules.sign_op(x.scale, out_scale, qdtype, c.qpp), qdtype, out_scale)
 
 
@@ -138,8 +138,8 @@ def _batch_norm(c, node):
     GEMM (§10.2): int8 weights ``±127`` at ``s_w = |a|/127``, an int32 bias at ``s_x·s_w``, exact accumulation,
     one per-channel requantize to the output grid."""
     x = c.int_input(node, node.inputs[0])
-    _per_tensor(c, node, x, "batch_norm")
-    qdtype, out_scale = _required_grid(c, node)
+    require_per_tensor(c, node, x, "batch_norm")
+    qdtype, out_scale = required_grid(c, node)
     consts = []
     for name in node.inputs[1:]:
         if name and not c.is_const(name):
@@ -161,8 +161,8 @@ def _prelu(c, node):
     """``x >= 0 ? x : α·x`` (§10.3): the same integers, requantized by ``s_x/s_out`` where ``q >= 0`` and by
     ``|α|·s_x/s_out`` (sign folded into the integers) where ``q < 0``; ``α`` per channel for prelu."""
     x = c.int_input(node, node.inputs[0])
-    _per_tensor(c, node, x, node.op)
-    qdtype, out_scale = _required_grid(c, node)
+    require_per_tensor(c, node, x, node.op)
+    qdtype, out_scale = required_grid(c, node)
     if node.op == "leaky_relu":
         alpha = torch.tensor([float(node.attrs["negative_slope"])], dtype=torch.float64)
     elif node.inputs[1] in c.q:  # a fake-quantized weight: the integer model uses exactly its grid value

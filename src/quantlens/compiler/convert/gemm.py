@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from quantlens.compiler.convert.state import (
+    Converter,
     QInfo,
-    _Converter,
-    _fq_dtype,
     converter,
+    fq_dtype,
 )
 from quantlens.compiler.ir import Node
 from quantlens.compiler.kernels_int import storage_dtype
@@ -18,9 +18,9 @@ from quantlens.march.numerics import quantize
 
 
 @converter("fake_quant")
-def _fake_quant(c: _Converter, node: Node) -> None:
+def _fake_quant(c: Converter, node: Node) -> None:
     x, scale_name = node.inputs
-    qdtype = _fq_dtype(node.attrs["qmin"])
+    qdtype = fq_dtype(node.attrs["qmin"])
     scale = c.src.constants[scale_name].to(torch.float32)
     axis = node.attrs["axis"] if node.attrs["axis"] >= 0 else None
     out = node.outputs[0]
@@ -50,7 +50,7 @@ def _fake_quant(c: _Converter, node: Node) -> None:
     )
 
 
-def _gemm(c: _Converter, node: Node, channel_axis: int | None) -> None:
+def _gemm(c: Converter, node: Node, channel_axis: int | None) -> None:
     x = c.int_input(node, node.inputs[0])
     w = c.int_input(node, node.inputs[1])
     bias = node.inputs[2] if len(node.inputs) > 2 else ""

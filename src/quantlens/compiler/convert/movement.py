@@ -5,16 +5,16 @@ from __future__ import annotations
 import torch
 
 from quantlens.compiler.convert.state import (
-    _DIM_PRESERVING,
-    _INDEX_OUTPUTS,
+    DIM_PRESERVING,
+    INDEX_OUTPUTS,
+    Converter,
     QInfo,
-    _Converter,
-    _float_movement,
-    _index_input,
-    _on_grid,
-    _per_tensor,
-    _required_grid,
     converter,
+    float_movement,
+    index_input,
+    on_grid,
+    require_per_tensor,
+    required_grid,
 )
 from quantlens.compiler.ir import Node, ValueInfo
 from quantlens.compiler.kernels_int import storage_dtype
@@ -30,7 +30,7 @@ def _bilinear(c, node):
     """Bilinear resize as two integer interpolation matrices (weights in 2**-8 fixed point, ``docs/march.md``
     §11): ``acc = A_h · q · A_wᵀ`` exactly, then one requantize by ``s_in · 2**-16 / s_out``."""
     x = c.int_input(node, node.inputs[0])
-    qdtype, out_scale = _required_grid(c, node)
+    qdtype, out_scale = required_grid(c, node)
     in_h, in_w = c.src.values[node.inputs[0]].shape[-2:]
     out_h, out_w = c.src.values[node.outputs[0]].shape[-2:]
     align = bool(node.attrs.get("align_corners"))
@@ -40,19 +40,19 @@ def _bilinear(c, node):
            out_scale)
 
 
-def _passthrough(c, node):
+def passthrough(c, node):
     """A movement op: the integers move, the grid stays (registered, at the end of this module, for every movement
     op without a converter of its own)."""
     x = c.q.get(node.inputs[0])
     if x is None:
         if node.inputs[0] in c.float_values or c.is_const(node.inputs[0]):
-            return _float_movement(c, node)
+            return float_movement(c, node)
         x = c.int_input(node, node.inputs[0])
-    axis = x.axis if x.axis is None or node.op in _DIM_PRESERVING else _moved_axis(c, node, x.axis)
-    extra = [c.q[v].name if v in c.q else _index_input(c, node, v) for v in node.inputs[1:]]
+    axis = x.axis if x.axis is None or node.op in DIM_PRESERVING else _moved_axis(c, node, x.axis)
+    extra = [c.q[v].name if v in c.q else index_input(c, node, v) for v in node.inputs[1:]]
     outs = [c.fresh(o) for o in node.outputs]
     c.out.nodes.append(Node(node.op, [x.name] + extra, outs, dict(node.attrs), node.site))
-    value_outputs = node.outputs if node.op not in _INDEX_OUTPUTS else node.outputs[:1]
+    value_outputs = node.outputs if node.op not in INDEX_OUTPUTS else node.outputs[:1]
     for src_out, name in zip(node.outputs, outs):
         info = c.src.values.get(src_out, ValueInfo((), "unknown"))
         if src_out in value_outputs:
@@ -64,7 +64,7 @@ def _passthrough(c, node):
             c.float_values[src_out] = name
 
 
-def _moved_axis(c: _Converter, node: Node, axis: int) -> int:
+def _moved_axis(c: Converter, node: Node, axis: int) -> int:
     """Where the channel axis of a per-channel (int32 high-precision) value lands after a movement op."""
     in_shape = list(c.src.values[node.inputs[0]].shape)
     axis %= len(in_shape)
@@ -91,7 +91,7 @@ def _moved_axis(c: _Converter, node: Node, axis: int) -> int:
 @converter("masked_fill")
 def _masked_fill(c, node):
     x = c.int_input(node, node.inputs[0])
-    mask = _index_input(c, node, node.inputs[1])
+    mask = index_input(c, node, node.inputs[1])
     value = node.attrs.get("value")
     if value is None:
         value = float(c.src.constants[node.inputs[2]])
@@ -116,7 +116,7 @@ def _masked_fill(c, node):
 @converter("embedding")
 def _embedding(c, node):
     table = c.int_input(node, node.inputs[0])
-    ids = _index_input(c, node, node.inputs[1])
+    ids = index_input(c, node, node.inputs[1])
     c.emit(node, "embedding", [table.name, ids], {}, table.qdtype, table.scale)
 
 
@@ -159,7 +159,7 @@ def _non_numeric(c, node):
         # computes it on the dequantized values, which is what the qat IR computes on its fake-quantized ones
         c.host_op(node)
         return
-    ins = [c.q[v].name if v in c.q else _index_input(c, node, v) for v in node.inputs]
+    ins = [c.q[v].name if v in c.q else index_input(c, node, v) for v in node.inputs]
     name = c.fresh(node.outputs[0])
     c.out.nodes.append(Node(node.op, ins, [name], dict(node.attrs), node.site))
     c.out.values[name] = c.src.values.get(node.outputs[0], ValueInfo((), "unknown"))
@@ -172,8 +172,8 @@ def _pad(c, node):
     x = c.int_input(node, node.inputs[0])
     attrs = dict(node.attrs)
     if node.op == "fill" or attrs.get("mode") == "constant":
-        _per_tensor(c, node, x, node.op)
-        attrs["value"] = _on_grid(attrs["value"], x)
+        require_per_tensor(c, node, x, node.op)
+        attrs["value"] = on_grid(attrs["value"], x)
     name = c.fresh(node.outputs[0])
     c.out.nodes.append(Node(f"{node.op}_int", [x.name], [name], attrs, node.site))
     c.out.values[name] = ValueInfo(c.src.values[node.outputs[0]].shape, c.out.values[x.name].dtype, x.qdtype.value)
@@ -191,7 +191,7 @@ def _scatter(c, node):
     x, src = c.int_input(node, node.inputs[0]), c.int_input(node, node.inputs[1])
     source = src.name
     if not src.same_grid(x.qdtype, x.scale):
-        _per_tensor(c, node, x, node.op)
+        require_per_tensor(c, node, x, node.op)
         source = _operand_on_grid(c, node, node.inputs[1], x.qdtype, x.scale)
     name = c.fresh(node.outputs[0])
     c.out.nodes.append(Node(node.op, [x.name, source], [name], dict(node.attrs), node.site))
@@ -211,7 +211,7 @@ def _operand_on_grid(c, node, value: str, qdtype, scale) -> str:
         return c.const(codes, f"{node.outputs[0]}_codes")
     if value in c.q:
         info = c.q[value]
-        _per_tensor(c, node, info, f"'{node.op}'")
+        require_per_tensor(c, node, info, f"'{node.op}'")
         if info.same_grid(qdtype, scale):
             return info.name
         name = c.fresh(f"{value}_to_{node.outputs[0]}")
@@ -243,7 +243,7 @@ def _fake_quantized_constant(c, value: str) -> torch.Tensor | None:
 def _where(c, node):
     """§11 select: ``where(cond, a, b)`` picks codes of ``a`` and ``b`` moved to the output grid; exact, since a
     fake quant after the select equals the select of the fake-quantized operands."""
-    qdtype, scale = _required_grid(c, node)
-    cond = _index_input(c, node, node.inputs[0])
+    qdtype, scale = required_grid(c, node)
+    cond = index_input(c, node, node.inputs[0])
     operands = [_operand_on_grid(c, node, v, qdtype, scale) for v in node.inputs[1:]]
     c.emit(node, "where", [cond, *operands], {}, qdtype, scale)

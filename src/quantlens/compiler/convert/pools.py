@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from quantlens.compiler.convert.state import (
-    _required_grid,
     converter,
+    required_grid,
 )
 from quantlens.errors import QuantLensError
 from quantlens.march import rules
@@ -50,7 +50,7 @@ def _pool_attrs(c, node) -> tuple[dict, int | torch.Tensor]:
 @converter("avg_pool2d", "adaptive_avg_pool2d")
 def _avg_pool(c, node):
     x = c.int_input(node, node.inputs[0])
-    qdtype, out_scale = _required_grid(c, node)
+    qdtype, out_scale = required_grid(c, node)
     attrs, count = _pool_attrs(c, node)
     if isinstance(count, torch.Tensor):  # windows of different counts (border, ceil_mode): a divisor per window
         attrs.update(rules.average_by_window(x.scale, count.reshape(-1).tolist(), out_scale, qdtype, c.qpp))
@@ -91,7 +91,7 @@ def _pool1d_attrs(c, node) -> dict:
 def _avg_pool1d(c, node):
     """§10: the exact integer sum of each window, then one requantize by ``s_in / (k · s_out)``."""
     x = c.int_input(node, node.inputs[0])
-    qdtype, out_scale = _required_grid(c, node)
+    qdtype, out_scale = required_grid(c, node)
     attrs = _pool1d_attrs(c, node)
     attrs.update(rules.average(x.scale, attrs["kernel_size"][0], out_scale, qdtype, c.qpp))
     c.emit(node, "avg_pool1d_int", [x.name], attrs, qdtype, out_scale)

@@ -19,11 +19,11 @@ PASSTHROUGH_OPS = set(ops_in(Category.MOVEMENT, level="qat"))
 
 
 #: passthrough ops that keep every dimension in place (a per-channel int32 value may pass them).
-_DIM_PRESERVING = set(ops_in(Category.MOVEMENT, keeps_dims=True))
+DIM_PRESERVING = set(ops_in(Category.MOVEMENT, keeps_dims=True))
 
 
 #: ops whose outputs after the first are indices (topk, sort, max_dim).
-_INDEX_OUTPUTS = set(ops_in(index_outputs=True))
+INDEX_OUTPUTS = set(ops_in(index_outputs=True))
 #: the categories whose operands are numbers on a grid (an integer tensor there is a value without a scale)
 _ARITHMETIC = frozenset({Category.GEMM, Category.ELEMENTWISE, Category.REDUCTION, Category.TABLE})
 
@@ -49,11 +49,15 @@ def qpp_of(module: Module) -> Qpp:
     return Qpp.HIGH_PRECISION if module.meta.get("high_precision_qpp", False) else Qpp.DEFAULT
 
 
-def _fq_dtype(qmin: int) -> QuantDType:
+def fq_dtype(qmin: int) -> QuantDType:
+    """The integer type of a fake quant's ``qmin`` (int8, int16 or int32)."""
     return {-128: QuantDType.qint8, -32768: QuantDType.qint16, -(2**31): QuantDType.qint32}[qmin]
 
 
-class _Converter:
+class Converter:
+    """One conversion of a qat IR into the quantized IR: the source graph, the graph being built and the grid
+    (scale, integer type) of every converted value; the converters of ``CONVERTERS`` write into it."""
+
     def __init__(self, qat: Module):
         self.src = qat.graph
         #: the requantize precision profile of every multiplier this conversion derives (§8)
@@ -132,19 +136,19 @@ class _Converter:
                 return None
             user = users[0]
             if user.op == "fake_quant" and user.inputs[0] == value:
-                grid = _fq_dtype(user.attrs["qmin"]), self.src.constants[user.inputs[1]].to(torch.float32)
+                grid = fq_dtype(user.attrs["qmin"]), self.src.constants[user.inputs[1]].to(torch.float32)
                 self.grid_sites[node.outputs[0]] = user.site
                 if not fold_scalars:
                     return grid
                 self.folded.update(folded)
                 return (*grid, factor)
-            k = _scalar(self, user.inputs[1]) if user.op in ("mul", "div") and len(user.inputs) == 2 else None
+            k = scalar_constant(self, user.inputs[1]) if user.op in ("mul", "div") and len(user.inputs) == 2 else None
             if fold_scalars and k is not None and k > 0 and user.inputs[0] == value:
                 factor *= k if user.op == "mul" else 1.0 / k
                 folded.append(user.outputs[0])
                 value = user.outputs[0]
                 continue
-            if user.op in PASSTHROUGH_OPS and user.inputs[0] == value and user.op not in _INDEX_OUTPUTS:
+            if user.op in PASSTHROUGH_OPS and user.inputs[0] == value and user.op not in INDEX_OUTPUTS:
                 value = user.outputs[0]
                 continue
             return None
@@ -258,7 +262,7 @@ class _Converter:
     def host_op(self, node: Node, reason: str | None = None) -> None:
         """Kept as an op with the qat IR's semantics (``attrs["host"]``): float post-processing after the boundary,
         integer index math (exact wherever it runs), or an op the march cannot express (``reason``)."""
-        ins = [_index_input(self, node, v) for v in node.inputs]
+        ins = [index_input(self, node, v) for v in node.inputs]
         outs = [self.fresh(o) for o in node.outputs]
         attrs = {**node.attrs, "host": True, **({"host_reason": reason} if reason else {})}
         self.out.nodes.append(Node(node.op, ins, outs, attrs, node.site))
@@ -284,11 +288,12 @@ class _Converter:
         raise QuantLensError(f"convert: model output '{value}' was not produced by the converted graph.")
 
 
-#: qat IR op -> its converter (``_Converter, Node -> None``)
+#: qat IR op -> its converter (``Converter, Node -> None``)
 CONVERTERS, converter = make_registry("convert converter for op")
 
 
-def _required_grid(c: _Converter, node: Node) -> tuple[QuantDType, torch.Tensor]:
+def required_grid(c: Converter, node: Node) -> tuple[QuantDType, torch.Tensor]:
+    """The grid of ``node``'s output fake quant; refused, naming the op site, when it has none."""
     grid = c.output_grid(node)
     if grid is None:
         raise QuantLensError(
@@ -298,13 +303,16 @@ def _required_grid(c: _Converter, node: Node) -> tuple[QuantDType, torch.Tensor]
     return grid
 
 
-def _scalar(c: _Converter, name: str) -> float | None:
+def scalar_constant(c: Converter, name: str) -> float | None:
+    """The value of a one-element constant of the source graph, or ``None`` when ``name`` is none."""
     if name in c.src.constants and c.src.constants[name].numel() == 1:
         return float(c.src.constants[name])
     return None
 
 
-def _index_input(c: _Converter, node: Node, value: str) -> str:
+def index_input(c: Converter, node: Node, value: str) -> str:
+    """An index/mask input of a float data-movement node in the quantized IR: an integer value dequantized at
+    the boundary, a float value, or a constant ("" stays absent)."""
     if not value:
         return ""
     if value in c.q:  # an integer value leaves the NPU here: the boundary dequantize
@@ -316,9 +324,9 @@ def _index_input(c: _Converter, node: Node, value: str) -> str:
     raise QuantLensError(f"convert: index input '{value}' of op site '{node.site}' is not available.")
 
 
-def _float_movement(c: _Converter, node: Node) -> None:
+def float_movement(c: Converter, node: Node) -> None:
     """Integer/bool tensors (token ids, masks, indices) move with the same kernels as in the qat IR."""
-    ins = [_index_input(c, node, v) for v in node.inputs]
+    ins = [index_input(c, node, v) for v in node.inputs]
     outs = [c.fresh(o) for o in node.outputs]
     c.out.nodes.append(Node(node.op, ins, outs, dict(node.attrs), node.site))
     for src_out, name in zip(node.outputs, outs):
@@ -327,12 +335,13 @@ def _float_movement(c: _Converter, node: Node) -> None:
 
 
 # -- pad, standalone batch norm, prelu / leaky_relu, constant writes (docs/march.md §10.2, §10.3, §11) ----------
-def _on_grid(value: float, info: QInfo) -> int:
+def on_grid(value: float, info: QInfo) -> int:
     """A constant written into an integer tensor: ``sat(rhe(v / s))`` on that tensor's grid (§11)."""
     return rules.fill_code(value, info.scale, info.qdtype)
 
 
-def _per_tensor(c: _Converter, node: Node, info: QInfo, what: str) -> None:
+def require_per_tensor(c: Converter, node: Node, info: QInfo, what: str) -> None:
+    """Refuse a per-channel (int32 high-precision) input where the op needs one scale for the tensor."""
     if info.scale.numel() != 1:
         raise QuantLensError(
             f"convert: {what} at op site '{node.site}' takes a per-channel int32 high-precision value; "

@@ -24,19 +24,19 @@ import quantlens.march.numerics  # noqa: F401  (registers torch.ops.quantlens.fa
 from quantlens.compiler.graph import Graph, Node, ValueInfo
 from quantlens.compiler.host_ops import encode_call
 from quantlens.compiler.lowering import compute, forms, recurrence  # noqa: F401 (fill LOWERINGS)
-from quantlens.compiler.lowering.movement import _quantlens_custom, _static_dim
+from quantlens.compiler.lowering.movement import lower_quantlens_op, require_static_dim
 from quantlens.compiler.lowering.rules import (
     LOWERINGS,
     LoweringContext,
-    _generic,
-    _info,
-    _shape,
-    _site,
-    _source,
     aten,
     emit,
+    generic_rule,
     normalized,
+    op_site,
     register_lowering,
+    static_shape,
+    user_source,
+    value_info,
     value_of,
 )
 from quantlens.compiler.op_meanings import TORCH_OPS
@@ -242,7 +242,7 @@ def _lower_known(ctx: LoweringContext, node: fx.Node, rule) -> bool:
             return True
         del ctx.graph.nodes[first:]
     if not _store_folded(ctx, node, result):
-        raise QuantLensError(f"export: op {node.target} at op site '{_site(node) or '<unknown>'}' ({_source(node)}) "
+        raise QuantLensError(f"export: op {node.target} at op site '{op_site(node) or '<unknown>'}' ({user_source(node)}) "
                              "computes from constants only but returned no tensor; please report this.")
     return True
 
@@ -269,7 +269,7 @@ def lower_exported_program(ep: torch.export.ExportedProgram, input_names: list[s
             else:
                 idx = user_inputs.index(node.name)
                 ctx.names[node] = input_names[idx]
-                graph.values[input_names[idx]] = _info(node)
+                graph.values[input_names[idx]] = value_info(node)
             continue
         if node.op == "output":
             outs = node.args[0]
@@ -283,7 +283,7 @@ def lower_exported_program(ep: torch.export.ExportedProgram, input_names: list[s
             continue
         rule = LOWERINGS.get(node.target)
         if rule is None and getattr(node.target, "namespace", None) == "quantlens":
-            rule = _quantlens_custom
+            rule = lower_quantlens_op
         if _lower_known(ctx, node, rule):
             continue
         if rule is None and isinstance(node.target, torch._ops.OpOverload) and node.target.namespace != "quantlens":
@@ -293,7 +293,7 @@ def lower_exported_program(ep: torch.export.ExportedProgram, input_names: list[s
         if rule is None:
             raise QuantLensError(
                 f"export: the op {node.target} is not supported by the quantlens IR (op site "
-                f"'{_site(node) or '<unknown>'}', {_source(node)}). Supported ops are listed in docs/ir.md; "
+                f"'{op_site(node) or '<unknown>'}', {user_source(node)}). Supported ops are listed in docs/ir.md; "
                 "rewrite that line with supported ops, or keep it outside the exported model (e.g. in "
                 "post-processing)."
             )
@@ -386,7 +386,7 @@ def _pad(ctx, node):
         pad, value = bound["padding"], None
     if mode not in _PAD_MODES:
         raise QuantLensError(
-            f"export: pad mode {mode!r} at op site '{_site(node)}' ({_source(node)}) is not supported; the march "
+            f"export: pad mode {mode!r} at op site '{op_site(node)}' ({user_source(node)}) is not supported; the march "
             f"pads with a constant, by reflection or by replication ({sorted(_PAD_MODES)})."
         )
     emit(ctx, node, "pad", [value_of(ctx, bound.get("self", bound.get("input")))],
@@ -405,20 +405,20 @@ def _batch_norm(ctx, node):
     names = [value_of(ctx, bound[k]) if bound[k] is not None else ""
              for k in ("input", "weight", "bias", "running_mean", "running_var")]
     if bound.get("training"):
-        raise QuantLensError(f"export: BatchNorm at op site '{_site(node)}' ({_source(node)}) runs in training "
+        raise QuantLensError(f"export: BatchNorm at op site '{op_site(node)}' ({user_source(node)}) runs in training "
                              "mode; call model.eval() before export.")
     val = node.meta.get("val")
     first = val[0] if isinstance(val, (tuple, list)) else val
     out = node.name
-    ctx.graph.nodes.append(Node("batch_norm", names, [out], {"eps": float(bound["eps"])}, _site(node)))
-    ctx.graph.values[out] = ValueInfo(_shape(first), str(first.dtype).replace("torch.", ""))
+    ctx.graph.nodes.append(Node("batch_norm", names, [out], {"eps": float(bound["eps"])}, op_site(node)))
+    ctx.graph.values[out] = ValueInfo(static_shape(first), str(first.dtype).replace("torch.", ""))
     ctx.names[node] = [out, out, out] if isinstance(val, (tuple, list)) else out
 
 
 register_lowering([aten.batch_norm.default, aten._native_batch_norm_legit_no_training.default], _batch_norm)
-register_lowering(aten.prelu.default, _generic("prelu", ("self", "weight")))
-register_lowering(aten._prelu_kernel.default, _generic("prelu", ("self", "weight")))
-register_lowering(aten.leaky_relu.default, _generic("leaky_relu", ("self",), ("negative_slope",)))
+register_lowering(aten.prelu.default, generic_rule("prelu", ("self", "weight")))
+register_lowering(aten._prelu_kernel.default, generic_rule("prelu", ("self", "weight")))
+register_lowering(aten.leaky_relu.default, generic_rule("leaky_relu", ("self",), ("negative_slope",)))
 
 
 def _relu6(ctx, node):
@@ -426,13 +426,13 @@ def _relu6(ctx, node):
 
 
 register_lowering(aten.relu6.default, _relu6)
-register_lowering([aten.fill.Scalar], _generic("fill", ("self",), ("value",)))
+register_lowering([aten.fill.Scalar], generic_rule("fill", ("self",), ("value",)))
 
 
 def _fill_tensor(ctx, node):
     value = value_of(ctx, node.args[1])
     if not ctx.is_const(value):
-        raise QuantLensError(f"export: op site '{_site(node)}' ({_source(node)}) writes a computed value into a "
+        raise QuantLensError(f"export: op site '{op_site(node)}' ({user_source(node)}) writes a computed value into a "
                              "tensor; the IR writes constants only (x[...] = 0.5).")
     emit(ctx, node, "fill", [value_of(ctx, node.args[0])], {"value": float(ctx.graph.constants[value])})
 
@@ -441,13 +441,13 @@ register_lowering(aten.fill.Tensor, _fill_tensor)
 
 
 def _scatter(op: str, attrs: tuple[str, ...]):
-    generic = _generic(op, ("self", "src"), attrs)
+    generic = generic_rule(op, ("self", "src"), attrs)
 
     def rule(ctx, node):
-        shape = _info(node.args[0]).shape
+        shape = value_info(node.args[0]).shape
         bound = normalized(node)
         dim = bound["dim"] % len(shape)
-        _static_dim(node, shape, dim)
+        require_static_dim(node, shape, dim)
         generic(ctx, node)
         ctx.graph.nodes[-1].attrs["dim"] = dim
         if op == "slice_scatter":  # normalise start/end like slice
@@ -469,13 +469,13 @@ def _copy(ctx, node):
     to ``dst``'s shape and cast to its dtype."""
     dst, src = node.args[0], node.args[1]
     value = value_of(ctx, src)
-    if _info(src).shape != _info(dst).shape:
+    if value_info(src).shape != value_info(dst).shape:
         name = ctx.fresh("copy_expand")
-        ctx.graph.nodes.append(Node("expand", [value], [name], {"shape": list(_info(dst).shape)}, _site(node)))
-        ctx.graph.values[name] = ValueInfo(_info(dst).shape, _info(src).dtype)
+        ctx.graph.nodes.append(Node("expand", [value], [name], {"shape": list(value_info(dst).shape)}, op_site(node)))
+        ctx.graph.values[name] = ValueInfo(value_info(dst).shape, value_info(src).dtype)
         value = name
-    if _info(src).dtype != _info(dst).dtype:
-        emit(ctx, node, "cast", [value], {"dtype": _info(dst).dtype})
+    if value_info(src).dtype != value_info(dst).dtype:
+        emit(ctx, node, "cast", [value], {"dtype": value_info(dst).dtype})
         return
     ctx.names[node] = value
 

@@ -9,13 +9,13 @@ from quantlens._advice import setting
 from quantlens.compiler.graph import Node, ValueInfo
 from quantlens.compiler.lowering.movement import batch_rows
 from quantlens.compiler.lowering.rules import (
-    _info,
-    _site,
-    _source,
     aten,
     emit,
     normalized,
+    op_site,
     register_lowering,
+    user_source,
+    value_info,
     value_of,
 )
 from quantlens.errors import QuantLensError
@@ -26,10 +26,10 @@ _CONV_BY_RANK = {3: "conv1d", 4: "conv2d"}
 def _convolution(ctx, node):
     """``aten.convolution`` (not transposed) -> ``conv1d`` / ``conv2d`` by the weight's rank, same attributes."""
     bound = normalized(node)
-    rank = len(_info(bound["weight"]).shape)
+    rank = len(value_info(bound["weight"]).shape)
     if bound["transposed"] or rank not in _CONV_BY_RANK:
         raise QuantLensError(
-            f"export: convolution at op site '{_site(node)}' ({_source(node)}) is "
+            f"export: convolution at op site '{op_site(node)}' ({user_source(node)}) is "
             f"{'transposed' if bound['transposed'] else f'{rank - 2}-d'}; the IR lowers 1-d and 2-d convolutions "
             "(and conv_transpose1d/2d called as such).")
     inputs = [value_of(ctx, bound["input"]), value_of(ctx, bound["weight"]),
@@ -47,13 +47,13 @@ def _addmm(ctx, node):
     of the (fake-quantized) weight, which convert carries out on the integer weight."""
     bound = normalized(node)
     if bound["beta"] != 1 or bound["alpha"] != 1:
-        raise QuantLensError(f"export: addmm at op site '{_site(node)}' ({_source(node)}) scales its terms "
+        raise QuantLensError(f"export: addmm at op site '{op_site(node)}' ({user_source(node)}) scales its terms "
                              f"(beta={bound['beta']}, alpha={bound['alpha']}); the IR lowers addmm as a linear layer.")
     weight = value_of(ctx, bound["mat2"])
-    shape = _info(bound["mat2"]).shape
+    shape = value_info(bound["mat2"]).shape
     transposed = ctx.fresh("addmm_weight_t")
-    ctx.graph.nodes.append(Node("permute", [weight], [transposed], {"dims": [1, 0]}, _site(node)))
-    ctx.graph.values[transposed] = ValueInfo((shape[1], shape[0]), _info(bound["mat2"]).dtype)
+    ctx.graph.nodes.append(Node("permute", [weight], [transposed], {"dims": [1, 0]}, op_site(node)))
+    ctx.graph.values[transposed] = ValueInfo((shape[1], shape[0]), value_info(bound["mat2"]).dtype)
     emit(ctx, node, "linear", [value_of(ctx, bound["mat1"]), transposed, value_of(ctx, bound["self"])], {})
 
 
@@ -68,21 +68,21 @@ def _repeat(ctx, node):
     the count has rows (``batch_rows``): the IR's expand takes static sizes only."""
     bound = normalized(node)
     symbolic = [i for i, r in enumerate(bound["repeats"]) if isinstance(r, fx.Node)]
-    shape = list(_info(bound["self"]).shape)
+    shape = list(value_info(bound["self"]).shape)
     shape = [1] * (len(bound["repeats"]) - len(shape)) + shape
     rows = batch_rows(ctx, node, bound["repeats"][symbolic[0]]) if len(symbolic) == 1 else None
     if symbolic and (rows is None or any(d < 0 for d in shape)):
-        raise QuantLensError(f"export: repeat at op site '{_site(node) or '<none>'}' ({_source(node)}) repeats "
+        raise QuantLensError(f"export: repeat at op site '{op_site(node) or '<none>'}' ({user_source(node)}) repeats "
                              f"{'a dynamic dim' if any(d < 0 for d in shape) else 'by counts'} computed at run time "
                              "in a form the IR cannot follow (it follows one count that is the dynamic batch, or a "
                              "multiple or quotient of it by a constant, of a tensor of static shape); export with "
                              f"{setting('dynamic_batch', False)} (one IR per batch size), or at the deployment batch "
                              "size.")
     if any(d < 0 for d in shape):
-        raise QuantLensError(f"export: repeat at op site '{_site(node)}' ({_source(node)}) of a dynamic dim; export "
+        raise QuantLensError(f"export: repeat at op site '{op_site(node)}' ({user_source(node)}) of a dynamic dim; export "
                              f"with static shapes ({setting('dynamic_batch', False)}).")
     reps = [-1 if i in symbolic else int(r) for i, r in enumerate(bound["repeats"])]
-    value, dtype = value_of(ctx, bound["self"]), _info(node).dtype
+    value, dtype = value_of(ctx, bound["self"]), value_info(node).dtype
     value = _step(ctx, node, "reshape", [value], {"shape": [d for s in shape for d in (1, s)]}, dtype)
     if rows is not None:  # index 0 of the inserted dim, once per row of the count
         index = _step(ctx, node, "cast", [rows], {"dtype": "int64"}, "int64", (-1,))
@@ -95,7 +95,7 @@ def _repeat(ctx, node):
 
 def _step(ctx, node, op: str, inputs: list[str], attrs: dict, dtype: str, shape=None) -> str:
     name = ctx.fresh(f"{node.name}_{op}")
-    ctx.graph.nodes.append(Node(op, inputs, [name], attrs, _site(node)))
+    ctx.graph.nodes.append(Node(op, inputs, [name], attrs, op_site(node)))
     ctx.graph.values[name] = ValueInfo(tuple(attrs["shape"] if shape is None else shape), dtype)
     return name
 

@@ -12,18 +12,18 @@ import quantlens.march.numerics  # noqa: F401  (registers torch.ops.quantlens.fa
 from quantlens._advice import setting
 from quantlens.compiler.graph import Node, ValueInfo
 from quantlens.compiler.lowering.rules import (
-    _dim,
-    _generic,
-    _info,
-    _jsonable,
-    _shape,
-    _site,
-    _source,
-    _tensor_arg,
     aten,
+    dim_or_batch,
     emit,
+    generic_rule,
+    jsonable,
     normalized,
+    op_site,
     register_lowering,
+    static_shape,
+    tensor_operand,
+    user_source,
+    value_info,
     value_of,
 )
 from quantlens.errors import QuantLensError
@@ -33,12 +33,12 @@ from quantlens.errors import QuantLensError
 
 def _reshape(ctx, node):
     x = value_of(ctx, node.args[0])
-    emit(ctx, node, "reshape", [x], {"shape": list(_info(node).shape)})
+    emit(ctx, node, "reshape", [x], {"shape": list(value_info(node).shape)})
 
 
 def _permute(ctx, node):
     x = value_of(ctx, node.args[0])
-    ndim = len(_info(node.args[0]).shape)
+    ndim = len(value_info(node.args[0]).shape)
     if node.target in (aten.transpose.int,):
         d0, d1 = (d % ndim for d in node.args[1:3])
         dims = list(range(ndim))
@@ -55,8 +55,8 @@ def _identity(ctx, node):
 
 
 def _to(ctx, node):
-    src = _info(node.args[0])
-    dst = _info(node)
+    src = value_info(node.args[0])
+    dst = value_info(node)
     if src.dtype == dst.dtype:
         return _identity(ctx, node)
     emit(ctx, node, "cast", [value_of(ctx, node.args[0])], {"dtype": dst.dtype})
@@ -64,21 +64,21 @@ def _to(ctx, node):
 
 def _cat(ctx, node):
     bound = normalized(node)
-    tensors = [_tensor_arg(ctx, v) for v in value_of(ctx, bound["tensors"])]
-    emit(ctx, node, "cat", tensors, {"dim": bound["dim"] % len(_info(node).shape)})
+    tensors = [tensor_operand(ctx, v) for v in value_of(ctx, bound["tensors"])]
+    emit(ctx, node, "cat", tensors, {"dim": bound["dim"] % len(value_info(node).shape)})
 
 
 def _stack(ctx, node):
     bound = normalized(node)
-    ndim = len(_info(node).shape)
+    ndim = len(value_info(node).shape)
     dim = bound["dim"] % ndim
     parts = []
     for v, src in zip(value_of(ctx, bound["tensors"]), bound["tensors"]):
-        shape = list(_info(src).shape)
+        shape = list(value_info(src).shape)
         shape.insert(dim, 1)
         name = ctx.fresh("stack_part")
-        ctx.graph.nodes.append(Node("reshape", [v], [name], {"shape": shape}, _site(node)))
-        ctx.graph.values[name] = ValueInfo(tuple(shape), _info(src).dtype)
+        ctx.graph.nodes.append(Node("reshape", [v], [name], {"shape": shape}, op_site(node)))
+        ctx.graph.values[name] = ValueInfo(tuple(shape), value_info(src).dtype)
         parts.append(name)
     emit(ctx, node, "cat", parts, {"dim": dim})
 
@@ -87,33 +87,34 @@ def _split(ctx, node):
     bound = normalized(node)
     x = value_of(ctx, bound["self"])
     vals = node.meta["val"]
-    dim = bound["dim"] % len(_info(node.args[0]).shape)
+    dim = bound["dim"] % len(value_info(node.args[0]).shape)
     if len(vals) > 1 and any(free_unbacked_symbols(v.shape[dim]) for v in vals):
         raise QuantLensError(
-            f"export: op site '{_site(node)}' ({_source(node)}) splits by sizes computed from tensor data (a .tolist() "
+            f"export: op site '{op_site(node)}' ({user_source(node)}) splits by sizes computed from tensor data (a .tolist() "
             "or .item() of a tensor, such as the expert sizes of a mixture-of-experts split); the IR's split sizes "
             "are static. Compute such sizes outside the model, or give every part a fixed size."
         )
-    sizes = [_dim(v.shape[dim]) for v in vals]
+    sizes = [dim_or_batch(v.shape[dim]) for v in vals]
     emit(ctx, node, "split", [x], {"sizes": sizes, "dim": dim}, n_out=len(sizes))
 
 
-def _static_dim(node: fx.Node, shape: tuple, dim: int) -> None:
+def require_static_dim(node: fx.Node, shape: tuple, dim: int) -> None:
+    """Refuse an op that indexes along the dynamic batch dim (``-1`` in ``shape``): the IR's index attrs are static."""
     if shape[dim] == -1:
         raise QuantLensError(
-            f"export: op site '{_site(node)}' ({_source(node)}) indexes the dynamic batch dimension; export with "
+            f"export: op site '{op_site(node)}' ({user_source(node)}) indexes the dynamic batch dimension; export with "
             f"{setting('dynamic_batch', False)} (the default) for this model."
         )
 
 
 def _slice(ctx, node):
     bound = normalized(node)
-    shape = _info(node.args[0]).shape
+    shape = value_info(node.args[0]).shape
     dim = bound["dim"] % len(shape)
     if shape[dim] == -1 and bound["start"] in (None, 0) and bound["step"] in (None, 1) and (
             bound["end"] is None or (isinstance(bound["end"], int) and bound["end"] >= 2**31 - 1)):
         return _identity(ctx, node)  # x[:, ...]: the whole dynamic batch
-    _static_dim(node, shape, dim)
+    require_static_dim(node, shape, dim)
     start = bound["start"] if bound["start"] is not None else 0
     end = bound["end"] if bound["end"] is not None else shape[dim]
     start, end, _ = slice(start, end, bound["step"]).indices(shape[dim])
@@ -123,9 +124,9 @@ def _slice(ctx, node):
 
 def _select(ctx, node):
     bound = normalized(node)
-    shape = _info(node.args[0]).shape
+    shape = value_info(node.args[0]).shape
     dim = bound["dim"] % len(shape)
-    _static_dim(node, shape, dim)
+    require_static_dim(node, shape, dim)
     emit(ctx, node, "select", [value_of(ctx, bound["self"])], {"dim": dim, "index": bound["index"] % shape[dim]})
 
 
@@ -150,20 +151,20 @@ def _unbind(ctx, node):
     """``unbind(x, dim)``: a split into size-1 parts, each reshaped without ``dim``."""
     bound = normalized(node)
     x = value_of(ctx, bound["self"])
-    in_shape = _info(node.args[0]).shape
+    in_shape = value_info(node.args[0]).shape
     dim = bound["dim"] % len(in_shape)
-    _static_dim(node, in_shape, dim)
+    require_static_dim(node, in_shape, dim)
     parts = []
     for i, v in enumerate(node.meta["val"]):
         part = ctx.fresh("unbind_part")
         parts.append(part)
-        ctx.graph.values[part] = ValueInfo(in_shape[:dim] + (1,) + in_shape[dim + 1:], _info(node.args[0]).dtype)
-    ctx.graph.nodes.append(Node("split", [x], parts, {"sizes": [1] * len(parts), "dim": dim}, _site(node)))
+        ctx.graph.values[part] = ValueInfo(in_shape[:dim] + (1,) + in_shape[dim + 1:], value_info(node.args[0]).dtype)
+    ctx.graph.nodes.append(Node("split", [x], parts, {"sizes": [1] * len(parts), "dim": dim}, op_site(node)))
     outs = []
     for i, (part, v) in enumerate(zip(parts, node.meta["val"])):
         out = f"{node.name}_{i}"
-        ctx.graph.nodes.append(Node("reshape", [part], [out], {"shape": list(_shape(v))}, _site(node)))
-        ctx.graph.values[out] = ValueInfo(_shape(v), str(v.dtype).replace("torch.", ""))
+        ctx.graph.nodes.append(Node("reshape", [part], [out], {"shape": list(static_shape(v))}, op_site(node)))
+        ctx.graph.values[out] = ValueInfo(static_shape(v), str(v.dtype).replace("torch.", ""))
         outs.append(out)
     ctx.names[node] = outs
 
@@ -172,19 +173,19 @@ register_lowering(aten.unbind.int, _unbind)
 register_lowering(aten.slice.Tensor, _slice)
 register_lowering(aten.select.int, _select)
 register_lowering(aten.expand.default, lambda ctx, node: emit(ctx, node, "expand", [value_of(ctx, node.args[0])],
-                                                        {"shape": list(_info(node).shape)}))
-register_lowering(aten.gather.default, _generic("gather", ("self", "index"), ("dim",)))
-register_lowering(aten.index_select.default, _generic("index_select", ("self", "index"),
+                                                        {"shape": list(value_info(node).shape)}))
+register_lowering(aten.gather.default, generic_rule("gather", ("self", "index"), ("dim",)))
+register_lowering(aten.index_select.default, generic_rule("index_select", ("self", "index"),
                                                ("dim",)))
 register_lowering(operator.getitem, _getitem)
-register_lowering(aten.pixel_shuffle.default, _generic("pixel_shuffle", ("self",),
+register_lowering(aten.pixel_shuffle.default, generic_rule("pixel_shuffle", ("self",),
                                                ("upscale_factor",)))
-register_lowering(aten.pixel_unshuffle.default, _generic("pixel_unshuffle", ("self",),
+register_lowering(aten.pixel_unshuffle.default, generic_rule("pixel_unshuffle", ("self",),
                                                  ("downscale_factor",)))
 
 
 def _flip(ctx, node):
-    ndim = len(_info(node.args[0]).shape)
+    ndim = len(value_info(node.args[0]).shape)
     emit(ctx, node, "flip", [value_of(ctx, node.args[0])], {"dims": sorted(d % ndim for d in node.args[1])})
 
 
@@ -201,15 +202,15 @@ def _index(ctx, node):
 register_lowering(aten.index.Tensor, _index)
 for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
     register_lowering([getattr(aten, _name).Tensor, getattr(aten, _name).Scalar],
-              _generic(_name, ("self", "other")))
+              generic_rule(_name, ("self", "other")))
 def _bool_only(op: str, args: tuple[str, ...]):
     """Bitwise ops are logical ops on bool tensors (masks); on integers they have no IR op."""
-    generic = _generic(op, args)
+    generic = generic_rule(op, args)
 
     def rule(ctx, node):
-        if _info(node).dtype != "bool":
+        if value_info(node).dtype != "bool":
             raise QuantLensError(
-                f"export: {node.target} on {_info(node).dtype} tensors (op site '{_site(node)}', {_source(node)}) "
+                f"export: {node.target} on {value_info(node).dtype} tensors (op site '{op_site(node)}', {user_source(node)}) "
                 "is not supported; the IR has logical ops on bool masks only."
             )
         generic(ctx, node)
@@ -233,7 +234,7 @@ def _fake_quant(ctx, node):
 register_lowering(torch.ops.quantlens.fake_quant.default, _fake_quant)
 
 
-def _quantlens_custom(ctx, node):
+def lower_quantlens_op(ctx, node):
     """pre_export's table ops (``torch.ops.quantlens.*``) map one to one to IR ops of the same name."""
     bound = normalized(node)
     schema = node.target._schema
@@ -243,7 +244,7 @@ def _quantlens_custom(ctx, node):
         if str(arg.type).startswith("Tensor"):
             inputs.append("" if value is None else value)
         else:
-            attrs[arg.name] = _jsonable(value)
+            attrs[arg.name] = jsonable(value)
     op = schema.name.split("::", 1)[1]  # (its meaning is that custom op: op_meanings.torch_op_of finds it)
     emit(ctx, node, op, inputs, attrs)
 
@@ -251,7 +252,7 @@ def _quantlens_custom(ctx, node):
 # -- tensors sized by the dynamic batch --------------------------------------------------------------------------
 def _append(ctx, node: fx.Node, op: str, value: str, attrs: dict, shape: list[int], dtype: str) -> str:
     out = ctx.fresh(f"{node.name}_{op}")
-    ctx.graph.nodes.append(Node(op, [value], [out], attrs, _site(node)))
+    ctx.graph.nodes.append(Node(op, [value], [out], attrs, op_site(node)))
     ctx.graph.values[out] = ValueInfo(tuple(shape), dtype)
     return out
 
@@ -266,11 +267,11 @@ def batch_rows(ctx, node: fx.Node, size) -> str | None:
         return None
     if size.target is aten.sym_size.int:
         tensor, dim = size.args
-        shape = list(_info(tensor).shape)
+        shape = list(value_info(tensor).shape)
         dim %= len(shape)
         if shape[dim] != -1:
             return None
-        name, dtype = value_of(ctx, tensor), _info(tensor).dtype
+        name, dtype = value_of(ctx, tensor), value_info(tensor).dtype
         for k in reversed(range(len(shape))):  # down to the dynamic dim alone: shape [-1]
             if k != dim:
                 shape.pop(k)
@@ -305,7 +306,7 @@ def _batch_sized_full(ctx, node):
     name = batch_rows(ctx, node, dynamic[0][1]) if len(dynamic) == 1 else None
     if name is None:
         raise QuantLensError(
-            f"export: op site '{_site(node)}' ({_source(node)}) makes a tensor whose size is computed at run time "
+            f"export: op site '{op_site(node)}' ({user_source(node)}) makes a tensor whose size is computed at run time "
             f"({node.target}); the IR supports sizes that are constants or the dynamic batch read from an input "
             "(x.size(0), or a multiple or quotient of it by a constant). Pass the state explicitly, or export with "
             f"{setting('dynamic_batch', False)}.")
@@ -314,8 +315,8 @@ def _batch_sized_full(ctx, node):
     name = _append(ctx, node, "reshape", name, {"shape": [-1 if i == position else 1 for i in range(len(size))]},
                    [-1 if i == position else 1 for i in range(len(size))], dtype)
     name = _append(ctx, node, "expand", name, {"shape": target}, target, dtype)
-    if _info(node).dtype != dtype:
-        name = _append(ctx, node, "cast", name, {"dtype": _info(node).dtype}, target, _info(node).dtype)
+    if value_info(node).dtype != dtype:
+        name = _append(ctx, node, "cast", name, {"dtype": value_info(node).dtype}, target, value_info(node).dtype)
     emit(ctx, node, "fill", [name], {"value": value})
 
 

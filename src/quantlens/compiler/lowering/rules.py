@@ -22,6 +22,8 @@ aten = torch.ops.aten
 
 @dataclass
 class LoweringContext:
+    """What the rules of one lowering write into: the graph being built and the IR value of each fx node."""
+
     graph: Graph
     names: dict[fx.Node, Any] = field(default_factory=dict)  # fx node -> value name (or list, or python value)
     counter: int = 0
@@ -47,14 +49,15 @@ class LoweringContext:
 LOWERINGS, _lowering = make_registry("lowering rule for aten op")
 
 
-def _site(node: fx.Node) -> str:
+def op_site(node: fx.Node) -> str:
+    """The op site name the tracer recorded on ``node`` ("" when none: a node torch added)."""
     return (node.meta.get("custom") or {}).get("op_site", "")
 
 
 _MACHINERY = (TORCH_DIR, *MACHINERY_DIRS)
 
 
-def _source(node: fx.Node) -> str:
+def user_source(node: fx.Node) -> str:
     """The user's frame of the node's stack trace: the innermost outside torch and quantlens' tracer."""
     trace = (node.meta.get("stack_trace") or "").strip().splitlines()
     frames = [line.strip() for line in trace if line.strip().startswith("File ")]
@@ -62,7 +65,7 @@ def _source(node: fx.Node) -> str:
     return (user or frames or ["<unknown source>"])[-1]
 
 
-def _dim(d) -> int:
+def dim_or_batch(d) -> int:
     """A static dim, or -1 for the dynamic batch dim (a SymInt). A SymInt that torch.export specialised (a guard
     such as a reshape to a literal batch fixed it) is static."""
     if isinstance(d, torch.SymInt):
@@ -71,31 +74,35 @@ def _dim(d) -> int:
     return int(d)
 
 
-def _shape(val) -> tuple[int, ...]:
-    return tuple(_dim(d) for d in val.shape)
+def static_shape(val) -> tuple[int, ...]:
+    """A fake tensor's shape with :func:`dim_or_batch` per dim."""
+    return tuple(dim_or_batch(d) for d in val.shape)
 
 
-def _info(node: fx.Node) -> ValueInfo:
+def value_info(node: fx.Node) -> ValueInfo:
+    """The IR type of ``node``'s value, from its fake tensor (``"unknown"`` dtype when it is no tensor)."""
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
-        return ValueInfo(_shape(val), str(val.dtype).replace("torch.", ""))
+        return ValueInfo(static_shape(val), str(val.dtype).replace("torch.", ""))
     return ValueInfo((), "unknown")
 
 
 def emit(ctx: LoweringContext, node: fx.Node, op: str, inputs: list[str], attrs: dict, n_out: int = 1) -> list[str]:
+    """Append the IR node ``op(inputs)`` for fx ``node``, type its outputs from the node's fake values and name
+    them as ``node``'s value(s); returns the output names."""
     vals = node.meta.get("val")
     # a one-part split (one feature level) still returns a tuple, which getitem indexes: a list of one name
     many = n_out != 1 or isinstance(vals, (tuple, list))
     outs = [f"{node.name}_{i}" for i in range(n_out)] if many else [node.name]
-    ctx.graph.nodes.append(Node(op, inputs, outs, attrs, _site(node)))
+    ctx.graph.nodes.append(Node(op, inputs, outs, attrs, op_site(node)))
     if not many:
-        ctx.graph.values[outs[0]] = _info(node)
+        ctx.graph.values[outs[0]] = value_info(node)
         ctx.names[node] = outs[0]
     else:
         for i, out in enumerate(outs):
             v = vals[i] if isinstance(vals, (tuple, list)) else None
             ctx.graph.values[out] = (
-                ValueInfo(_shape(v), str(v.dtype).replace("torch.", ""))
+                ValueInfo(static_shape(v), str(v.dtype).replace("torch.", ""))
                 if isinstance(v, torch.Tensor) else ValueInfo((), "unknown")
             )
         ctx.names[node] = outs
@@ -127,7 +134,7 @@ def normalized(node: fx.Node) -> dict[str, Any]:
     return bound
 
 
-def _tensor_arg(ctx: LoweringContext, value: Any, dtype: str = "float32") -> str:
+def tensor_operand(ctx: LoweringContext, value: Any, dtype: str = "float32") -> str:
     """A tensor operand: an IR value, or a python scalar made into a 0-d constant of ``dtype`` (the dtype torch
     computes in, so ``ids + 1`` stays integer)."""
     if isinstance(value, str):
@@ -139,7 +146,7 @@ def _tensor_arg(ctx: LoweringContext, value: Any, dtype: str = "float32") -> str
 
 def _operand_dtype(ctx: LoweringContext, names: list, node: fx.Node) -> str:
     """dtype for python scalars of an op: the other operand's for comparisons, else the result's."""
-    out = _info(node).dtype
+    out = value_info(node).dtype
     if out != "bool":
         return out
     for v in names:
@@ -148,7 +155,7 @@ def _operand_dtype(ctx: LoweringContext, names: list, node: fx.Node) -> str:
     return "float32"
 
 
-def _generic(op: str, tensor_args: tuple[str, ...], attr_args: tuple[str, ...] = (), n_out: int = 1):
+def generic_rule(op: str, tensor_args: tuple[str, ...], attr_args: tuple[str, ...] = (), n_out: int = 1):
     """Rule: tensor schema args -> inputs ("" for None), listed attr args -> attrs. ``op``'s float meaning must be
     declared in :mod:`quantlens.compiler.op_meanings` (the qat kernel calls that torch op): a rule reads it, it never
     adds one."""
@@ -162,8 +169,8 @@ def _generic(op: str, tensor_args: tuple[str, ...], attr_args: tuple[str, ...] =
         dtype = _operand_dtype(ctx, values, node)
         inputs = []
         for v in values:
-            inputs.append("" if v is None else _tensor_arg(ctx, v, dtype))
-        attrs = {name: _jsonable(bound[name]) for name in attr_args}
+            inputs.append("" if v is None else tensor_operand(ctx, v, dtype))
+        attrs = {name: jsonable(bound[name]) for name in attr_args}
         emit(ctx, node, op, inputs, attrs, n_out)
         if isinstance(bound.get("dtype"), torch.dtype) and "dtype" not in attr_args and n_out == 1:
             _cast_result(ctx, node, bound["dtype"])  # cumsum(..., dtype=torch.int32): the IR op keeps its input's
@@ -178,21 +185,23 @@ def _cast_result(ctx: LoweringContext, node: fx.Node, dtype: torch.dtype) -> Non
     inner = ctx.fresh(f"{node.name}_uncast")
     emitted.outputs[0] = inner
     info = ctx.graph.values[node.name]
-    ctx.graph.values[inner] = ValueInfo(info.shape, _info(node.args[0]).dtype if isinstance(node.args[0], fx.Node)
+    ctx.graph.values[inner] = ValueInfo(info.shape, value_info(node.args[0]).dtype if isinstance(node.args[0], fx.Node)
                                         else info.dtype)
     ctx.graph.nodes.append(Node("cast", [inner], [node.name], {"dtype": str(dtype).replace("torch.", "")},
-                                _site(node)))
+                                op_site(node)))
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """An aten argument as an IR attr: dtypes by name, lists as lists, a SymInt as its static dim (or -1)."""
     if isinstance(value, torch.dtype):
         return str(value).replace("torch.", "")
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, torch.SymInt):
-        return _dim(value)
+        return dim_or_batch(value)
     return value
 
 
 def register_lowering(targets, rule) -> None:
+    """Make ``rule`` the lowering of one aten overload or of each of a list of them."""
     _lowering(*(targets if isinstance(targets, (list, tuple)) else (targets,)))(rule)

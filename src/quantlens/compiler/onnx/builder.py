@@ -17,7 +17,8 @@ from quantlens.errors import QuantLensError
 __all__ = ["Builder"]
 
 
-def _onnx_dtype(dtype: str) -> int:
+def onnx_dtype(dtype: str) -> int:
+    """The ONNX ``TensorProto`` element type of a torch dtype name."""
     from onnx import TensorProto
 
     table = {
@@ -91,7 +92,7 @@ class Builder:
         t = t.contiguous()
         dtype = str(t.dtype).replace("torch.", "")
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        return self.helper.make_tensor(name, _onnx_dtype(dtype), list(t.shape), vals=raw, raw=True)
+        return self.helper.make_tensor(name, onnx_dtype(dtype), list(t.shape), vals=raw, raw=True)
 
     def init(self, tensor: torch.Tensor, base: str) -> str:
         name = self.fresh(base)
@@ -152,7 +153,7 @@ class Builder:
         else:
             broadcast = scale.reshape(())
         real = self.add("Cast", [codes], f"{out}/codes_float", dtype="float32", rank=rank,
-                        to=_onnx_dtype("float32"))
+                        to=onnx_dtype("float32"))
         return self.add("Mul", [real, self.init(broadcast.to(torch.float32), f"{out}/scale")], out, dtype="float32",
                         rank=rank)
 
@@ -175,7 +176,7 @@ class Builder:
             return name
         if (name, dtype) not in self.casts:
             self.casts[(name, dtype)] = self.add("Cast", [name], f"{name}/cast_{dtype}", dtype=dtype,
-                                                 rank=self.rank(name), to=_onnx_dtype(dtype))
+                                                 rank=self.rank(name), to=onnx_dtype(dtype))
         return self.casts[(name, dtype)]
 
     def out_dtype(self, node: Node, i: int = 0) -> str | None:

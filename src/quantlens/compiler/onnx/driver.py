@@ -12,7 +12,7 @@ from pathlib import Path
 
 from quantlens._io import atomic_write_bytes
 from quantlens.compiler.ir import Module
-from quantlens.compiler.onnx.builder import Builder, _onnx_dtype
+from quantlens.compiler.onnx.builder import Builder, onnx_dtype
 from quantlens.compiler.onnx.ops_host import host_node, writes_on_host
 from quantlens.compiler.onnx.registry import ONNX_CONVERTERS
 from quantlens.compiler.provenance import ONNX_SOURCE_DIGEST_PROP, SOURCE_DIGEST_KEY, ir_digest
@@ -148,7 +148,7 @@ def _value_info(b: Builder, name: str, onnx_name: str, is_input: bool):
     dims = None
     if shape is not None:
         dims = [("batch" if i == 0 and is_input else None) if d < 0 else d for i, d in enumerate(shape)]
-    return b.helper.make_tensor_value_info(onnx_name, _onnx_dtype(dtype), dims)
+    return b.helper.make_tensor_value_info(onnx_name, onnx_dtype(dtype), dims)
 
 
 def _build(module: Module, opset: int, standard_qdq: bool = False):

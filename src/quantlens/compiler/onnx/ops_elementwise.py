@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from quantlens.compiler.ir import Node
-from quantlens.compiler.onnx.builder import Builder, _onnx_dtype
+from quantlens.compiler.onnx.builder import Builder, onnx_dtype
 from quantlens.compiler.onnx.registry import onnx_converter
 from quantlens.march.opset import IR_OPS, Category
 
@@ -153,7 +153,7 @@ def _logical(b: Builder, node: Node) -> None:
     y = b.add(op, [b.cast(b.value(i), "bool") for i in node.inputs],
               node.outputs[0] if b.out_dtype(node) in (None, "bool") else f"{node.outputs[0]}/bool", dtype="bool")
     if y != node.outputs[0]:
-        b.add("Cast", [y], node.outputs[0], to=_onnx_dtype(b.out_dtype(node)))
+        b.add("Cast", [y], node.outputs[0], to=onnx_dtype(b.out_dtype(node)))
 
 
 @onnx_converter("where")

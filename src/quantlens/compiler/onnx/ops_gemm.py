@@ -9,7 +9,7 @@ import torch
 
 from quantlens._advice import setting
 from quantlens.compiler.ir import Node
-from quantlens.compiler.onnx.attrs import _pair
+from quantlens.compiler.onnx.attrs import int_pair
 from quantlens.compiler.onnx.builder import Builder
 from quantlens.compiler.onnx.registry import onnx_converter
 
@@ -20,10 +20,10 @@ def _conv(b: Builder, node: Node) -> None:
     a = node.attrs
     if isinstance(a.get("padding"), str):
         raise b.error(node, f"string padding {a['padding']!r}", "Use explicit integer padding in the model.")
-    pads = _pair(a.get("padding", 0), n)
+    pads = int_pair(a.get("padding", 0), n)
     inputs = [b.value(i) for i in node.inputs if i]
-    b.add("Conv", inputs, node.outputs[0], strides=_pair(a.get("stride", 1), n), pads=pads + pads,
-          dilations=_pair(a.get("dilation", 1), n), group=int(a.get("groups", 1)))
+    b.add("Conv", inputs, node.outputs[0], strides=int_pair(a.get("stride", 1), n), pads=pads + pads,
+          dilations=int_pair(a.get("dilation", 1), n), group=int(a.get("groups", 1)))
 
 
 @onnx_converter("conv_transpose1d", "conv_transpose2d")
@@ -32,10 +32,10 @@ def _conv_transpose(b: Builder, node: Node) -> None:
     ends (``pads``), ``output_padding`` adds at the end."""
     n = 2 if node.op == "conv_transpose2d" else 1
     a = node.attrs
-    pads = _pair(a.get("padding", 0), n)
+    pads = int_pair(a.get("padding", 0), n)
     inputs = [b.value(i) for i in node.inputs if i]
-    b.add("ConvTranspose", inputs, node.outputs[0], strides=_pair(a.get("stride", 1), n), pads=pads + pads,
-          output_padding=_pair(a.get("output_padding", 0), n), dilations=_pair(a.get("dilation", 1), n),
+    b.add("ConvTranspose", inputs, node.outputs[0], strides=int_pair(a.get("stride", 1), n), pads=pads + pads,
+          output_padding=int_pair(a.get("output_padding", 0), n), dilations=int_pair(a.get("dilation", 1), n),
           group=int(a.get("groups", 1)))
 
 

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from quantlens._registry import make_registry
-from quantlens.compiler.interpreter import qat_dispatch
 from quantlens.compiler.ir import Node
+from quantlens.compiler.kernels_qat import qat_dispatch
 from quantlens.compiler.onnx.registry import onnx_converter
 from quantlens.errors import QuantLensError
 

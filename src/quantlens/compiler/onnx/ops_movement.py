@@ -4,7 +4,7 @@ flip, pixel shuffle) and writes of slices into a tensor (select_scatter, slice_s
 from __future__ import annotations
 
 from quantlens.compiler.ir import Node
-from quantlens.compiler.onnx.builder import Builder, _onnx_dtype
+from quantlens.compiler.onnx.builder import Builder, onnx_dtype
 from quantlens.compiler.onnx.registry import onnx_converter
 
 
@@ -25,7 +25,7 @@ def _permute(b: Builder, node: Node) -> None:
 
 @onnx_converter("cast")
 def _cast(b: Builder, node: Node) -> None:
-    b.add("Cast", [b.value(node.inputs[0])], node.outputs[0], to=_onnx_dtype(node.attrs["dtype"]))
+    b.add("Cast", [b.value(node.inputs[0])], node.outputs[0], to=onnx_dtype(node.attrs["dtype"]))
 
 
 @onnx_converter("cat")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from quantlens.compiler.ir import Node
-from quantlens.compiler.onnx.builder import Builder, _onnx_dtype
+from quantlens.compiler.onnx.builder import Builder, onnx_dtype
 from quantlens.compiler.onnx.registry import onnx_converter
 
 #: (qmin, qmax) -> the QuantizeLinear output type that holds exactly that range.
@@ -66,7 +66,7 @@ def _fake_quant(b: Builder, node: Node) -> None:
         q = b.add("Clip", [q, lo, hi], f"{out}/clip", dtype="float32", rank=rank)
         y = b.add("Mul", [q, s], out if b.dtype(x) in (None, "float32") else f"{out}/mul", dtype="float32", rank=rank)
         if y != out:
-            b.add("Cast", [y], out, dtype=b.dtype(x), rank=rank, to=_onnx_dtype(b.dtype(x)))
+            b.add("Cast", [y], out, dtype=b.dtype(x), rank=rank, to=onnx_dtype(b.dtype(x)))
         return
     scale_name = node.inputs[1]
     scale_dim = b.graph.constants[scale_name].dim()
@@ -84,7 +84,7 @@ def _fake_quant(b: Builder, node: Node) -> None:
     y = b.dequantize(q, scale, zp, axis if per_axis else -1, rank,
                      out if b.dtype(x) in (None, "float32") else f"{out}/dq", scale_name=s)
     if y != out:
-        b.add("Cast", [y], out, dtype=b.dtype(x), rank=rank, to=_onnx_dtype(b.dtype(x)))
+        b.add("Cast", [y], out, dtype=b.dtype(x), rank=rank, to=onnx_dtype(b.dtype(x)))
 
 
 def _folded_fake_quant(b: Builder, node: Node, x: torch.Tensor, scale: torch.Tensor, qmin: int, qmax: int,

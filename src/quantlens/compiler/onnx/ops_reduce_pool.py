@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from quantlens.compiler.ir import Node
-from quantlens.compiler.onnx.attrs import _pair, _pair_f
+from quantlens.compiler.onnx.attrs import float_pair, int_pair
 from quantlens.compiler.onnx.builder import Builder
 from quantlens.compiler.onnx.registry import onnx_converter
 
@@ -81,16 +81,16 @@ def _sort(b: Builder, node: Node) -> None:
 
 def _pool_attrs(b: Builder, node: Node, n: int) -> dict:
     a = node.attrs
-    kernel = _pair(a["kernel_size"], n)
-    stride = _pair(a["stride"], n) if a.get("stride") else kernel
-    pads = _pair(a.get("padding", 0), n)
+    kernel = int_pair(a["kernel_size"], n)
+    stride = int_pair(a["stride"], n) if a.get("stride") else kernel
+    pads = int_pair(a.get("padding", 0), n)
     return {"kernel_shape": kernel, "strides": stride, "pads": pads + pads, "ceil_mode": int(bool(a.get("ceil_mode")))}
 
 
 @onnx_converter("max_pool2d")
 def _max_pool(b: Builder, node: Node) -> None:
     attrs = _pool_attrs(b, node, 2)
-    b.add("MaxPool", [b.value(node.inputs[0])], node.outputs[0], dilations=_pair(node.attrs.get("dilation", 1), 2),
+    b.add("MaxPool", [b.value(node.inputs[0])], node.outputs[0], dilations=int_pair(node.attrs.get("dilation", 1), 2),
           **attrs)
 
 
@@ -113,7 +113,7 @@ def _avg_pool(b: Builder, node: Node) -> None:
 def _adaptive_avg_pool(b: Builder, node: Node) -> None:
     n = 2 if node.op == "adaptive_avg_pool2d" else 1
     x = node.inputs[0]
-    out_size = _pair(node.attrs["output_size"], n)
+    out_size = int_pair(node.attrs["output_size"], n)
     shape = b.shape(x)
     if out_size == [1] * n:
         b.add("GlobalAveragePool", [b.value(x)], node.outputs[0])
@@ -133,9 +133,9 @@ def _upsample(b: Builder, node: Node) -> None:
     out = node.outputs[0]
     n = 1 if node.op.endswith("1d") else 2
     if a.get("output_size"):
-        inputs = [b.value(node.inputs[0]), "", "", b.ints(_pair(a["output_size"], n), f"{out}/sizes")]
+        inputs = [b.value(node.inputs[0]), "", "", b.ints(int_pair(a["output_size"], n), f"{out}/sizes")]
     elif a.get("scale_factors"):
-        factors = _pair_f(a["scale_factors"]) if n == 2 else [float(s) for s in a["scale_factors"]][:1]
+        factors = float_pair(a["scale_factors"]) if n == 2 else [float(s) for s in a["scale_factors"]][:1]
         inputs = [b.value(node.inputs[0]), "", b.init(torch.tensor(factors, dtype=torch.float32), f"{out}/scales")]
     else:
         raise b.error(node, "neither output_size nor scale_factors is set", "Give interpolate a size or scale.")
@@ -149,7 +149,7 @@ def _upsample(b: Builder, node: Node) -> None:
 
 @onnx_converter("max_pool1d")
 def _max_pool1d(b: Builder, node: Node) -> None:
-    b.add("MaxPool", [b.value(node.inputs[0])], node.outputs[0], dilations=_pair(node.attrs.get("dilation", 1), 1),
+    b.add("MaxPool", [b.value(node.inputs[0])], node.outputs[0], dilations=int_pair(node.attrs.get("dilation", 1), 1),
           **_pool_attrs(b, node, 1))
 
 

@@ -29,13 +29,14 @@ import torch
 
 from quantlens._registry import make_registry
 from quantlens.compiler.ir import Node
-from quantlens.compiler.onnx.builder import Builder, _onnx_dtype
+from quantlens.compiler.onnx.builder import Builder, onnx_dtype
 from quantlens.compiler.onnx.registry import ONNX_CONVERTERS, onnx_converter
 from quantlens.kernels import TABLE_OP_IO, dtype_from_range
 from quantlens.kernels.int_ops import (
-    _RECIP_BITS,
-    _RSQRT_BITS,
     LN_NORM_BITS,
+    MANTISSA_BITS,
+    RECIP_BITS,
+    RSQRT_BITS,
     SOFTMAX_PROB_BITS,
     exp_bits,
     exp_table_from,
@@ -47,14 +48,13 @@ __all__ = ["EXACT_TABLE_EXPORTS"]
 
 #: table op name -> ``(builder, node) -> bool`` (False: not exact here; the float reference is written instead)
 #: table op -> its exact export ``fn(builder, node) -> bool`` (False: outside what it covers)
-EXACT_TABLE_EXPORTS, _exact = make_registry("exact ONNX export of table op")
+EXACT_TABLE_EXPORTS, exact_export = make_registry("exact ONNX export of table op")
 
-_MANT = 24
 _POW2_RANGE = 256  # 2**e for e in [-256, 256]: every exponent the kernels use
 
 
 # -- helpers: float64 integers ------------------------------------------------------------------------------------
-class _F64:
+class F64:
     """Small float64 / int64 graph helpers for one node (names derived from its first output)."""
 
     def __init__(self, b: Builder, node: Node):
@@ -72,13 +72,13 @@ class _F64:
         q = self.op("Round", self.op("Div", x, self.b.value(scale), dtype=dtype), dtype=dtype)
         q = self.op("Clip", q, self.b.scalar(float(qmin), dtype, f"{self.out}/qmin"),
                     self.b.scalar(float(qmax), dtype, f"{self.out}/qmax"), dtype=dtype)
-        return self.op("Cast", q, to=_onnx_dtype("float64"))
+        return self.op("Cast", q, to=onnx_dtype("float64"))
 
     def gather(self, values: torch.Tensor, index: str, dtype: str = "float64") -> str:
         """``values[index]`` (``index``: integer-valued float64, or int64)."""
         table = self.b.init(values.to(getattr(torch, dtype)).contiguous(), f"{self.out}/table")
         if self.b.dtype(index) != "int64":
-            index = self.op("Cast", index, to=_onnx_dtype("int64"), dtype="int64")
+            index = self.op("Cast", index, to=onnx_dtype("int64"), dtype="int64")
         return self.op("Gather", table, index, axis=0, dtype=dtype)
 
     def pow2(self, exponent: str) -> str:
@@ -93,7 +93,7 @@ class _F64:
                                            torch.arange(0, 54, dtype=torch.float64)), f"{self.out}/pow2")
         above = self.op("GreaterOrEqual", self.op("Unsqueeze", v, self.b.ints([-1], f"{self.out}/ax")), thresholds,
                         dtype="bool")
-        count = self.op("Cast", above, to=_onnx_dtype("float64"))
+        count = self.op("Cast", above, to=onnx_dtype("float64"))
         return self.op("ReduceSum", count, self.b.ints([-1], f"{self.out}/ax"), keepdims=0)
 
     def mantissa_lookup(self, table: SegmentedTable, m: str) -> str:
@@ -108,7 +108,7 @@ class _F64:
             seg = self.op("Mul", x, self.const(0.0))
         else:
             seg = self.op("Cast", self.op("GreaterOrEqual", x, self.const(float(bounds[1])), dtype="bool"),
-                          to=_onnx_dtype("float64"))
+                          to=onnx_dtype("float64"))
 
         def per_segment(values: list[float]) -> str:
             return self.gather(torch.tensor(values, dtype=torch.float64), seg)
@@ -127,7 +127,7 @@ class _F64:
         return self.op("Clip", y, self.const(float(table.out_min)), self.const(float(table.out_max)))
 
     def to_int64(self, v: str) -> str:
-        return self.op("Cast", v, to=_onnx_dtype("int64"), dtype="int64")
+        return self.op("Cast", v, to=onnx_dtype("int64"), dtype="int64")
 
     def rhe_div_int64(self, a: str, d: str) -> str:
         """``numerics``' ``div_round_half_even(a, d)`` for int64 ``a`` (any sign) and positive int64 ``d``: the
@@ -140,7 +140,7 @@ class _F64:
                       self.const(1, "int64"), dtype="bool")
         up = self.op("Or", self.op("Greater", twice, d, dtype="bool"),
                      self.op("And", self.op("Equal", twice, d, dtype="bool"), odd, dtype="bool"), dtype="bool")
-        return self.op("Add", floor, self.op("Cast", up, to=_onnx_dtype("int64"), dtype="int64"), dtype="int64")
+        return self.op("Add", floor, self.op("Cast", up, to=onnx_dtype("int64"), dtype="int64"), dtype="int64")
 
     def pow2_int64(self, exponent: str) -> str:
         """``2**e`` as int64 for int64 ``e`` in ``[0, 62]`` (a gather)."""
@@ -152,7 +152,7 @@ class _F64:
         thresholds = self.b.init(torch.tensor([1 << i for i in range(63)], dtype=torch.int64), f"{self.out}/pow2")
         above = self.op("GreaterOrEqual", self.op("Unsqueeze", v, self.b.ints([-1], f"{self.out}/ax"),
                                                   dtype="int64"), thresholds, dtype="bool")
-        count = self.op("Cast", above, to=_onnx_dtype("float64"))
+        count = self.op("Cast", above, to=onnx_dtype("float64"))
         return self.op("ReduceSum", count, self.b.ints([-1], f"{self.out}/ax"), keepdims=0)
 
     def dequantize(self, codes: str, scale: str, out_min: int, out_max: int) -> None:
@@ -160,11 +160,13 @@ class _F64:
         node's output."""
         dtype = self.b.dtype(self.node.inputs[0]) or "float32"
         codes = self.op("Clip", codes, self.const(out_min, "int64"), self.const(out_max, "int64"), dtype="int64")
-        y = self.op("Cast", codes, to=_onnx_dtype(dtype), dtype=dtype)
+        y = self.op("Cast", codes, to=onnx_dtype(dtype), dtype=dtype)
         self.b.add("Mul", [y, self.b.value(scale)], self.out)
 
 
-def _constants(b: Builder, node: Node) -> list[torch.Tensor] | None:
+def table_constants(b: Builder, node: Node) -> list[torch.Tensor] | None:
+    """A table node's parameter inputs as constants, when all are constants and its input scale is per tensor (what
+    the exact exports read); ``None`` otherwise."""
     constants = b.graph.constants
     if any(name not in constants for name in node.inputs[1:]):
         return None
@@ -173,19 +175,19 @@ def _constants(b: Builder, node: Node) -> list[torch.Tensor] | None:
 
 
 # -- elementwise --------------------------------------------------------------------------------------------------
-@_exact("lut", "segment_lut", "int_reciprocal")
+@exact_export("lut", "segment_lut", "int_reciprocal")
 def _elementwise(b: Builder, node: Node) -> bool:
-    from quantlens.compiler.interpreter import call_torch_op
+    from quantlens.compiler.kernels_qat import call_torch_op
     from quantlens.kernels import table_torch_op
 
-    constants = _constants(b, node)
+    constants = table_constants(b, node)
     if constants is None:
         return False
     qmin, qmax = (-128, 127) if node.op == "lut" else (int(node.attrs["in_qmin"]), int(node.attrs["in_qmax"]))
     codes = torch.arange(qmin, qmax + 1, dtype=torch.float32)
     x_all = codes * constants[0].reshape(()).to(torch.float32)  # every input value, as its fake quant gives it
     values = call_torch_op(table_torch_op(node.op), node, [x_all] + constants)
-    f = _F64(b, node)
+    f = F64(b, node)
     q = f.codes(b.value(node.inputs[0]), node.inputs[1], qmin, qmax)
     dtype = b.dtype(node.inputs[0]) or "float32"
     index = f.to_int64(f.op("Sub", q, f.const(float(qmin))))
@@ -195,7 +197,7 @@ def _elementwise(b: Builder, node: Node) -> bool:
 
 
 # -- softmax, log_softmax ------------------------------------------------------------------------------------------
-def _exp_sum(f: _F64, node: Node, constants: list[torch.Tensor]) -> tuple[str, str, str, str]:
+def _exp_sum(f: F64, node: Node, constants: list[torch.Tensor]) -> tuple[str, str, str, str]:
     """The first steps of ``int_softmax`` and ``int_log_softmax`` (``int_ops.exp_row_sums``, ``sum_mantissa``):
     ``d = q - max(q)``, ``e = E(d)`` (a ``Gather`` over every ``d``), the exact sum ``S`` and its mantissa ``m`` and
     exponent ``k``, all integer-valued float64. Returns ``(d, e, m, k)``."""
@@ -211,26 +213,26 @@ def _exp_sum(f: _F64, node: Node, constants: list[torch.Tensor]) -> tuple[str, s
     e = f.gather(e_all, f.op("Sub", d, f.const(float(low))))
     s = f.op("ReduceSum", e, dim, keepdims=1)  # exact: integers below 2**39
     bits = f.bitlen(s)
-    mant = f.op("Round", f.op("Mul", s, f.pow2(f.op("Sub", f.const(float(_MANT)), bits))))
-    k = f.op("Sub", bits, f.const(float(_MANT)))
-    over = f.op("Equal", mant, f.const(float(1 << _MANT)), dtype="bool")
-    mant = f.op("Where", over, f.const(float(1 << (_MANT - 1))), mant)
-    k = f.op("Add", k, f.op("Cast", over, to=_onnx_dtype("float64")))
+    mant = f.op("Round", f.op("Mul", s, f.pow2(f.op("Sub", f.const(float(MANTISSA_BITS)), bits))))
+    k = f.op("Sub", bits, f.const(float(MANTISSA_BITS)))
+    over = f.op("Equal", mant, f.const(float(1 << MANTISSA_BITS)), dtype="bool")
+    mant = f.op("Where", over, f.const(float(1 << (MANTISSA_BITS - 1))), mant)
+    k = f.op("Add", k, f.op("Cast", over, to=onnx_dtype("float64")))
     return d, e, mant, k
 
 
-@_exact("int_softmax")
+@exact_export("int_softmax")
 def _softmax(b: Builder, node: Node) -> bool:
-    constants = _constants(b, node)
+    constants = table_constants(b, node)
     if constants is None:
         return False
     multiplier, shift = (int(v) for v in constants[-1].tolist())
     if not (0 < multiplier < (1 << 31) and 0 < shift <= 62):
         return False  # the kernel's general requantize: not written here
-    f = _F64(b, node)
+    f = F64(b, node)
     _, e, mant, k = _exp_sum(f, node, constants)
     r = f.mantissa_lookup(recip_mantissa_table(), mant)
-    scale = f.op("Mul", r, f.pow2(f.op("Neg", f.op("Add", k, f.const(float(_RECIP_BITS - SOFTMAX_PROB_BITS))))))
+    scale = f.op("Mul", r, f.pow2(f.op("Neg", f.op("Add", k, f.const(float(RECIP_BITS - SOFTMAX_PROB_BITS))))))
     t = f.to_int64(f.op("Round", f.op("Mul", e, scale)))
     # requantize(t, M, shift) for 0 <= t < 2**31 + 2**14 (``int_ops._softmax_requantize``): x + 2**(shift - 1)
     # stays below 2**63
@@ -243,20 +245,20 @@ def _softmax(b: Builder, node: Node) -> bool:
     return True
 
 
-@_exact("int_log_softmax")
+@exact_export("int_log_softmax")
 def _log_softmax(b: Builder, node: Node) -> bool:
     """``int_log_softmax`` (``kernels.log_softmax_ops``): ``L = LN(m) + (k + 23 - X) · LN2`` in float64 (integers
     below ``2**29``), then ``rhe(d · M_x - L · M_l, T)`` in int64 (``|.| < 2**61``)."""
-    constants = _constants(b, node)
+    constants = table_constants(b, node)
     if constants is None:
         return False
     multiplier, ln_multiplier, shift = (int(v) for v in constants[-1].tolist())
     a = node.attrs
     x_bits = exp_bits(dtype_from_range(int(a["out_qmin"]), int(a["out_qmax"])))
-    f = _F64(b, node)
+    f = F64(b, node)
     d, _, mant, k = _exp_sum(f, node, constants)
     ln_s = f.op("Add", f.mantissa_lookup(ln_mantissa_table(), mant),
-                f.op("Mul", f.op("Add", k, f.const(float(_MANT - 1 - x_bits))), f.const(float(LN2_FIXED))))
+                f.op("Mul", f.op("Add", k, f.const(float(MANTISSA_BITS - 1 - x_bits))), f.const(float(LN2_FIXED))))
     acc = f.op("Sub", f.op("Mul", f.to_int64(d), f.const(multiplier, "int64"), dtype="int64"),
                f.op("Mul", f.to_int64(ln_s), f.const(ln_multiplier, "int64"), dtype="int64"), dtype="int64")
     y = f.rhe_div_int64(acc, f.const(1 << shift, "int64"))
@@ -265,12 +267,12 @@ def _log_softmax(b: Builder, node: Node) -> bool:
 
 
 # -- layer norm ---------------------------------------------------------------------------------------------------
-@_exact("int_layer_norm")
+@exact_export("int_layer_norm")
 def _layer_norm(b: Builder, node: Node, center: bool = True) -> bool:
     """The kernel's int64 path (``int_ops.int_layer_norm``), valid for every site it accepts (its ``P`` keeps
     ``sum(c**2) < 2**61``); ``u`` in float64, exact as the kernel proves (``|c * r| < 2**47``). ``center=False``:
     ``int_rms_norm`` (no mean)."""
-    constants = _constants(b, node)
+    constants = table_constants(b, node)
     shape = b.shape(node.inputs[0])
     if constants is None or shape is None or any(not isinstance(v, int) or v < 0 for v in shape[1:]):
         return False
@@ -281,7 +283,7 @@ def _layer_norm(b: Builder, node: Node, center: bool = True) -> bool:
     n = 1
     for size in shape[lead:]:
         n *= int(size)
-    f = _F64(b, node)
+    f = F64(b, node)
     x = b.value(node.inputs[0])
     q = f.to_int64(f.codes(x, node.inputs[1], int(a["in_qmin"]), int(a["in_qmax"])))
     rows = f.op("Reshape", q, b.ints([0] * lead + [-1], f"{f.out}/rows"), dtype="int64")
@@ -296,20 +298,20 @@ def _layer_norm(b: Builder, node: Node, center: bool = True) -> bool:
              f.const(eps_term, "int64"), dtype="int64")
     v = f.op("Max", v, f.const(1, "int64"), dtype="int64")
     # k = floor((bitlen(V) - 23) / 2), small: float64 is exact
-    k = f.op("Floor", f.op("Div", f.op("Sub", f.bitlen_int64(v), f.const(float(_MANT - 1))), f.const(2.0)))
+    k = f.op("Floor", f.op("Div", f.op("Sub", f.bitlen_int64(v), f.const(float(MANTISSA_BITS - 1))), f.const(2.0)))
     two_k = f.to_int64(f.op("Mul", k, f.const(2.0)))
     zero = f.const(0, "int64")
     down = f.rhe_div_int64(v, f.pow2_int64(f.op("Max", two_k, zero, dtype="int64")))
     up = f.op("Mul", v, f.pow2_int64(f.op("Max", f.op("Neg", two_k, dtype="int64"), zero, dtype="int64")),
               dtype="int64")
     mant = f.op("Where", f.op("Greater", two_k, zero, dtype="bool"), down, up, dtype="int64")
-    mant = f.op("Cast", mant, to=_onnx_dtype("float64"))  # below 2**24 + 1
-    over = f.op("Equal", mant, f.const(float(1 << _MANT)), dtype="bool")
-    mant = f.op("Where", over, f.const(float(1 << (_MANT - 2))), mant)
-    k = f.op("Add", k, f.op("Cast", over, to=_onnx_dtype("float64")))
+    mant = f.op("Cast", mant, to=onnx_dtype("float64"))  # below 2**24 + 1
+    over = f.op("Equal", mant, f.const(float(1 << MANTISSA_BITS)), dtype="bool")
+    mant = f.op("Where", over, f.const(float(1 << (MANTISSA_BITS - 2))), mant)
+    k = f.op("Add", k, f.op("Cast", over, to=onnx_dtype("float64")))
     r = f.mantissa_lookup(rsqrt_mantissa_table(), mant)
-    scale = f.op("Mul", r, f.pow2(f.op("Neg", f.op("Add", k, f.const(float(_RSQRT_BITS - LN_NORM_BITS))))))
-    c64 = f.op("Cast", c, to=_onnx_dtype("float64"))  # |c| <= 2**24: exact
+    scale = f.op("Mul", r, f.pow2(f.op("Neg", f.op("Add", k, f.const(float(RSQRT_BITS - LN_NORM_BITS))))))
+    c64 = f.op("Cast", c, to=onnx_dtype("float64"))  # |c| <= 2**24: exact
     u = f.to_int64(f.op("Round", f.op("Mul", c64, scale)))
     acc = f.op("Add", f.op("Mul", u, b.init(gain.to(torch.int64).reshape(-1), f"{f.out}/gain"), dtype="int64"),
                b.init(bias.to(torch.int64).reshape(-1), f"{f.out}/bias"), dtype="int64")
@@ -319,7 +321,7 @@ def _layer_norm(b: Builder, node: Node, center: bool = True) -> bool:
     return True
 
 
-@_exact("int_rms_norm")
+@exact_export("int_rms_norm")
 def _rms_norm(b: Builder, node: Node) -> bool:
     return _layer_norm(b, node, center=False)
 

@@ -28,9 +28,9 @@ fields, tensor dtypes, the checksum), :mod:`.codec` the JSON encoding of IR valu
 
 from quantlens.compiler.serialize.reader import load
 
-# _file_checksum too: tests write damaged files whose checksum still matches, to reach the header checks
+# file_checksum too: tests write damaged files whose checksum still matches, to reach the header checks
 from quantlens.compiler.serialize.schema import CHECKSUM_KEY, FORMAT_VERSION, MAGIC, METADATA_KEY
-from quantlens.compiler.serialize.schema import _file_checksum as _file_checksum
+from quantlens.compiler.serialize.schema import file_checksum as file_checksum
 from quantlens.compiler.serialize.writer import save
 
 __all__ = ["save", "load", "FORMAT_VERSION", "MAGIC", "METADATA_KEY", "CHECKSUM_KEY"]

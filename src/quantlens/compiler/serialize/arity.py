@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from quantlens.compiler.op_meanings import torch_op_of
 from quantlens.march.opset import IR_OPS
 
 __all__ = ["Signature", "signature", "node_problem"]
@@ -45,20 +46,9 @@ class Signature:
         return f"{count} input{'' if count == '1' else 's'} ({', '.join(self.inputs) or 'none'})"
 
 
-def _torch_op(op: str):
-    """The torch op whose schema gives ``op``'s node shape (the op its qat kernel calls), or ``None``."""
-    from quantlens.compiler.lowering import TORCH_OPS
-    from quantlens.kernels import TABLE_OP_IO, table_torch_op
-
-    torch_op = TORCH_OPS.get(op)
-    if torch_op is None and op in TABLE_OP_IO:
-        torch_op = table_torch_op(op)
-    return torch_op
-
-
 def _schema_shape(torch_op) -> tuple[tuple[str, ...], int | None, tuple[str, ...]]:
     """Input slots, output count (``None``: not a fixed count of tensors) and required attrs of a torch op."""
-    from quantlens.kernels.integer._aten import _ATTR_ALIASES
+    from quantlens.kernels.integer.aten_call import ATTR_ALIASES
 
     schema = torch_op._schema
     slots, attrs = [], []
@@ -69,7 +59,7 @@ def _schema_shape(torch_op) -> tuple[tuple[str, ...], int | None, tuple[str, ...
         elif kind in ("List[Tensor]", "List[Optional[Tensor]]"):
             slots.append(arg.name + ("?+" if "Optional" in kind else "+"))
         elif not arg.has_default_value():
-            attrs.append(_ATTR_ALIASES.get(arg.name, arg.name))
+            attrs.append(ATTR_ALIASES.get(arg.name, arg.name))
     returns = [str(r.type) for r in schema.returns]
     outputs = len(returns) if all(r == "Tensor" for r in returns) else None
     return tuple(slots), outputs, tuple(attrs)
@@ -83,7 +73,7 @@ def signature(op: str) -> Signature:
         outputs = 1 if spec.outputs is None else None if spec.outputs == "*" else spec.outputs
         sig = Signature(spec.inputs, outputs, spec.attrs, spec.int_attrs, "quantlens.march.opset")
     else:
-        torch_op = _torch_op(op)
+        torch_op = torch_op_of(op)  # (the schema of the op its qat kernel calls gives the node shape)
         if torch_op is None:
             raise LookupError(f"IR op {op!r} declares no inputs in quantlens.march.opset and has no torch op")
         slots, outputs, attrs = _schema_shape(torch_op)
@@ -117,12 +107,12 @@ def _input_problem(sig: Signature, inputs: list[str]) -> str | None:
 def _host_aten_problem(attrs: dict, n_inputs: int, n_outputs: int) -> str | None:
     """A ``host_aten`` node names an aten overload of this torch, its recorded arguments fit that overload's
     schema, it reads each of its inputs, and it has one output per tensor the overload returns."""
-    from quantlens.compiler.host_ops import _overload
+    from quantlens.compiler.host_ops import aten_overload
     from quantlens.errors import QuantLensError
 
     target = attrs["target"]
     try:
-        schema = _overload(target, "")._schema if isinstance(target, str) else None
+        schema = aten_overload(target, "")._schema if isinstance(target, str) else None
     except QuantLensError:
         schema = None
     if schema is None:

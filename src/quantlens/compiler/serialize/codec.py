@@ -2,7 +2,7 @@
 
 Strict JSON has no NaN literal, no tuple and only string keys, so: a non-finite float is
 ``{"$float": "nan" | "inf" | "-inf"}``, a tuple is ``{"$tuple": [...]}``, and a dict whose keys are not all plain
-strings (or start with ``$``) is ``{"$dict": [[key, value], ...]}``. ``_decode(_encode(v))`` equals ``v`` and has
+strings (or start with ``$``) is ``{"$dict": [[key, value], ...]}``. ``decode_value(encode_value(v))`` equals ``v`` and has
 its type.
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 from quantlens.errors import QuantLensError
 
 
-def _encode(value: Any, where: str) -> Any:
-    """A strict-JSON form of ``value`` that ``_decode`` turns back into an equal value of the same type."""
+def encode_value(value: Any, where: str) -> Any:
+    """A strict-JSON form of ``value`` that ``decode_value`` turns back into an equal value of the same type."""
     if value is None or type(value) in (bool, str):
         return value
     if type(value) is int:
@@ -25,13 +25,13 @@ def _encode(value: Any, where: str) -> Any:
             return value
         return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
     if type(value) is list:
-        return [_encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [encode_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
     if type(value) is tuple:
-        return {"$tuple": [_encode(v, f"{where}[{i}]") for i, v in enumerate(value)]}
+        return {"$tuple": [encode_value(v, f"{where}[{i}]") for i, v in enumerate(value)]}
     if type(value) is dict:
         if all(type(k) is str and not k.startswith("$") for k in value):
-            return {k: _encode(v, f"{where}[{k!r}]") for k, v in value.items()}
-        return {"$dict": [[_encode(k, f"{where} key"), _encode(v, f"{where}[{k!r}]")] for k, v in value.items()]}
+            return {k: encode_value(v, f"{where}[{k!r}]") for k, v in value.items()}
+        return {"$dict": [[encode_value(k, f"{where} key"), encode_value(v, f"{where}[{k!r}]")] for k, v in value.items()]}
     raise QuantLensError(
         f"{where} has type {type(value).__module__}.{type(value).__qualname__} ({value!r:.80}), which the IR file "
         "cannot store. Attributes, meta and non-tensor input leaves must be None, bool, int, float, str, or "
@@ -42,11 +42,12 @@ def _encode(value: Any, where: str) -> Any:
 _MAX_DEPTH = 64  # nesting of attrs, meta and input leaf values (save writes a few levels)
 
 
-def _decode(value: Any, depth: int = 0) -> Any:
+def decode_value(value: Any, depth: int = 0) -> Any:
+    """The value that :func:`encode_value` wrote (refusing nesting deeper than the file format allows)."""
     if depth > _MAX_DEPTH:
         raise ValueError(f"a value is nested more than {_MAX_DEPTH} levels deep")
     if isinstance(value, list):
-        return [_decode(v, depth + 1) for v in value]
+        return [decode_value(v, depth + 1) for v in value]
     if isinstance(value, dict):
         if len(value) == 1:
             (tag, body), = value.items()
@@ -55,15 +56,15 @@ def _decode(value: Any, depth: int = 0) -> Any:
                     raise ValueError(f"bad $float value {body!r}")
                 return float(body)
             if tag == "$tuple":
-                return tuple(_decode(v, depth + 1) for v in _as_list(body, "$tuple"))
+                return tuple(decode_value(v, depth + 1) for v in _as_list(body, "$tuple"))
             if tag == "$dict":
                 pairs = _as_list(body, "$dict")
                 if not all(isinstance(p, list) and len(p) == 2 for p in pairs):
                     raise ValueError("$dict must hold [key, value] pairs")
-                return {_hashable(_decode(k, depth + 1)): _decode(v, depth + 1) for k, v in pairs}
+                return {_hashable(decode_value(k, depth + 1)): decode_value(v, depth + 1) for k, v in pairs}
         if any(k.startswith("$") for k in value):
             raise ValueError(f"unknown tagged value {sorted(value)!r}")
-        return {k: _decode(v, depth + 1) for k, v in value.items()}
+        return {k: decode_value(v, depth + 1) for k, v in value.items()}
     if type(value) is float and not math.isfinite(value):
         raise ValueError("a non-finite float must be tagged {\"$float\": ...}")
     return value

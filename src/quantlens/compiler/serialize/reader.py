@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from quantlens.compiler.ir import IR_VERSION, Module
-from quantlens.compiler.serialize.schema import CHECKSUM_KEY, FORMAT_VERSION, MAGIC, METADATA_KEY, _file_checksum
-from quantlens.compiler.serialize.validate import _Invalid, _module_from_header
+from quantlens.compiler.serialize.schema import CHECKSUM_KEY, FORMAT_VERSION, MAGIC, METADATA_KEY, file_checksum
+from quantlens.compiler.serialize.validate import InvalidHeader, module_from_header
 from quantlens.errors import QuantLensError
 
 _MAX_HEADER_BYTES = 256 * 1024 * 1024
@@ -46,8 +46,8 @@ def _load(path: Path) -> Module:
     header, text = _read_header(path)
     constants = _read_constants(path, text)
     try:
-        return _module_from_header(header, constants)
-    except (_Invalid, QuantLensError) as exc:
+        return module_from_header(header, constants)
+    except (InvalidHeader, QuantLensError) as exc:
         raise _damaged(path, f"its header is invalid: {exc}") from exc
 
 
@@ -237,6 +237,6 @@ def _read_constants(path: Path, text: str) -> dict[str, torch.Tensor]:
         raise _damaged(path, f"its tensor data cannot be read ({type(exc).__name__}: {str(exc)[:200]})") from exc
     if metadata.get(METADATA_KEY) != text:  # safetensors and json read the safetensors header differently
         raise _damaged(path, "its safetensors header is ambiguous (safetensors reads another quantlens header)")
-    if metadata.get(CHECKSUM_KEY) != _file_checksum(text, constants):
+    if metadata.get(CHECKSUM_KEY) != file_checksum(text, constants):
         raise _damaged(path, "its checksum does not match its contents (the header or the tensor data changed)")
     return constants

@@ -23,7 +23,7 @@ METADATA_KEY = "quantlens"
 CHECKSUM_KEY = "quantlens_sha256"
 
 # Tensor dtypes the file can hold (torch name -> torch dtype); everything safetensors stores.
-_DTYPES = {
+DTYPES = {
     name: getattr(torch, name)
     for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
                  "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2")
@@ -31,18 +31,18 @@ _DTYPES = {
 }
 #: dtypes a value of the graph may have besides those (host ops' intermediate values: an FFT's complex result);
 #: no constant is stored in them
-VALUE_DTYPES = frozenset(_DTYPES) | {"complex64", "complex128"}
+VALUE_DTYPES = frozenset(DTYPES) | {"complex64", "complex128"}
 
 #: the fields of the JSON header (``writer._header`` writes them all; ``validate`` refuses missing or extra ones)
-_HEADER_FIELDS = frozenset({"magic", "format_version", "ir_version", "kind", "inputs", "outputs", "constants",
+HEADER_FIELDS = frozenset({"magic", "format_version", "ir_version", "kind", "inputs", "outputs", "constants",
                             "values", "nodes", "input_leaves", "input_spec", "output_spec", "meta", "writer"})
 #: the fields of one entry of ``nodes``, ``values`` and ``input_leaves``
-_NODE_FIELDS = frozenset({"op", "inputs", "outputs", "attrs", "site"})
-_VALUE_FIELDS = frozenset({"name", "shape", "dtype", "qdtype", "scale", "axis"})
-_LEAF_FIELDS = frozenset({"kind", "name", "value"})
+NODE_FIELDS = frozenset({"op", "inputs", "outputs", "attrs", "site"})
+VALUE_FIELDS = frozenset({"name", "shape", "dtype", "qdtype", "scale", "axis"})
+LEAF_FIELDS = frozenset({"kind", "name", "value"})
 
 
-def _file_checksum(text: str, constants: dict[str, torch.Tensor]) -> str:
+def file_checksum(text: str, constants: dict[str, torch.Tensor]) -> str:
     """SHA-256 of the whole model: the header text, then every constant (sorted by name) with its dtype,
     shape and bytes. Every field is length-prefixed, so no two different files share the same byte stream."""
     digest = hashlib.sha256()

@@ -95,15 +95,15 @@ _Call = tuple[Callable[[list], Any], "tuple[str, ...] | None"]
 
 def _qat_call(node: Node) -> _Call | None:
     """What the qat kernel of ``node`` computes: its torch op with its attrs, else its own qat kernel."""
-    from quantlens.compiler.interpreter import QAT_KERNELS, call_torch_op
-    from quantlens.compiler.serialize.arity import _torch_op
-    from quantlens.kernels.integer._aten import _ATTR_ALIASES, _arg_plan
+    from quantlens.compiler.kernels_qat import QAT_KERNELS, call_torch_op
+    from quantlens.compiler.op_meanings import torch_op_of
+    from quantlens.kernels.integer.aten_call import ATTR_ALIASES, arg_plan
 
-    torch_op = _torch_op(node.op)
+    torch_op = torch_op_of(node.op)
     if torch_op is not None:
-        reads = tuple(name for name, kind in _arg_plan(torch_op) if kind == "attr")
+        reads = tuple(name for name, kind in arg_plan(torch_op) if kind == "attr")
         return (lambda inputs: call_torch_op(torch_op, node, inputs)), reads + tuple(
-            _ATTR_ALIASES[name] for name in reads if name in _ATTR_ALIASES)
+            ATTR_ALIASES[name] for name in reads if name in ATTR_ALIASES)
     kernel = QAT_KERNELS.get(node.op)
     if kernel is None:
         return None

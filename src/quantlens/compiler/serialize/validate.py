@@ -17,20 +17,20 @@ from quantlens.compiler.ir import Graph, InputLeaf, Module, Node, ValueInfo
 from quantlens.compiler.output_containers import load_spec
 from quantlens.compiler.provenance import SOURCE_DIGEST_KEY, is_digest
 from quantlens.compiler.serialize.arity import node_problem
-from quantlens.compiler.serialize.codec import _decode
+from quantlens.compiler.serialize.codec import decode_value
 from quantlens.compiler.serialize.schema import (
-    _DTYPES,
-    _HEADER_FIELDS,
-    _LEAF_FIELDS,
-    _NODE_FIELDS,
-    _VALUE_FIELDS,
+    DTYPES,
+    HEADER_FIELDS,
+    LEAF_FIELDS,
+    NODE_FIELDS,
     VALUE_DTYPES,
+    VALUE_FIELDS,
 )
 from quantlens.compiler.serialize.shapes import shape_problem
 from quantlens.march.opset import IR_OPS
 
 
-class _Invalid(ValueError):
+class InvalidHeader(ValueError):
     """A header that passed the checksum but does not describe a valid module."""
 
 
@@ -47,26 +47,26 @@ def _short(value: Any) -> str:
 
 def _fields(obj: Any, fields: frozenset, where: str) -> dict:
     if not isinstance(obj, dict):
-        raise _Invalid(f"{where} is {_short(obj)}, expected an object with fields {sorted(fields)}")
+        raise InvalidHeader(f"{where} is {_short(obj)}, expected an object with fields {sorted(fields)}")
     missing, extra = sorted(fields - set(obj)), sorted(set(obj) - fields)
     if missing:
-        raise _Invalid(f"{where} lacks the fields {missing}")
+        raise InvalidHeader(f"{where} lacks the fields {missing}")
     if extra:
-        raise _Invalid(f"{where} has unknown fields {[_short(k) for k in extra[:5]]}")
+        raise InvalidHeader(f"{where} has unknown fields {[_short(k) for k in extra[:5]]}")
     return obj
 
 
 def _names(value: Any, where: str, unique: bool = True, allow_empty: bool = False) -> list[str]:
     if not isinstance(value, list):
-        raise _Invalid(f"{where} is {_short(value)}, expected a list of names")
+        raise InvalidHeader(f"{where} is {_short(value)}, expected a list of names")
     for name in value:
         if not isinstance(name, str) or (not name and not allow_empty):
-            raise _Invalid(f"{where} holds {_short(name)}, expected a {'' if allow_empty else 'non-empty '}string")
+            raise InvalidHeader(f"{where} holds {_short(name)}, expected a {'' if allow_empty else 'non-empty '}string")
     if unique:
         seen = set()
         for name in value:
             if name in seen:
-                raise _Invalid(f"{where} names {name!r} twice")
+                raise InvalidHeader(f"{where} names {name!r} twice")
             seen.add(name)
     return list(value)
 
@@ -116,7 +116,7 @@ def _qdtype_rule(v):
 
 
 def _dtype_rule(v):
-    return None if isinstance(v, str) and v in _DTYPES else f"a dtype name, one of {sorted(_DTYPES)}"
+    return None if isinstance(v, str) and v in DTYPES else f"a dtype name, one of {sorted(DTYPES)}"
 
 
 def _value_dtype_rule(v):
@@ -156,23 +156,23 @@ _RANGES = (("qmin", "qmax"), ("in_qmin", "in_qmax"), ("out_qmin", "out_qmax"))
 def _check_attrs(op: str, attrs: dict, where: str) -> None:
     for key, value in attrs.items():
         if not isinstance(key, str):
-            raise _Invalid(f"{where}: attr name {_short(key)} is not a string")
+            raise InvalidHeader(f"{where}: attr name {_short(key)} is not a string")
         rule = _ATTR_RULES.get((op, key), _ATTR_RULES.get(key))
         problem = rule(value) if rule is not None else None
         if problem:
-            raise _Invalid(f"{where}: attr {key!r} is {_short(value)}, expected {problem}")
+            raise InvalidHeader(f"{where}: attr {key!r} is {_short(value)}, expected {problem}")
     for mult, shift in _PAIRS:
         m, s = attrs.get(mult), attrs.get(shift)
         if (m is None) != (s is None) or (m is not None and len(m) != len(s)):
-            raise _Invalid(f"{where}: attrs {mult!r} ({_short(m)}) and {shift!r} ({_short(s)}) must both be given, "
+            raise InvalidHeader(f"{where}: attrs {mult!r} ({_short(m)}) and {shift!r} ({_short(s)}) must both be given, "
                            "with one shift per multiplier")
     for lo, hi in _RANGES:
         if lo in attrs and hi in attrs and attrs[lo] > attrs[hi]:
-            raise _Invalid(f"{where}: attr {lo!r} ({attrs[lo]}) exceeds {hi!r} ({attrs[hi]})")
+            raise InvalidHeader(f"{where}: attr {lo!r} ({attrs[lo]}) exceeds {hi!r} ({attrs[hi]})")
 
 
-def _module_from_header(header: dict, constants: dict[str, torch.Tensor]) -> Module:
-    """The module the (checksum-verified) header describes, once every field is valid; raises ``_Invalid``.
+def module_from_header(header: dict, constants: dict[str, torch.Tensor]) -> Module:
+    """The module the (checksum-verified) header describes, once every field is valid; raises ``InvalidHeader``.
 
     The checks run in the order of the header's fields (top-level fields, constants, inputs and outputs, nodes,
     value infos, input leaves, specs, meta), so the first problem of a file is the one reported; then, on a
@@ -185,7 +185,7 @@ def _module_from_header(header: dict, constants: dict[str, torch.Tensor]) -> Mod
     nodes = _nodes_from_header(header, kind, defined)
     missing = [o for o in outputs if o not in defined]
     if missing:
-        raise _Invalid(f"graph outputs {missing[:5]} are never computed")
+        raise InvalidHeader(f"graph outputs {missing[:5]} are never computed")
     values = _values_from_header(header, defined, constants)
     leaves = _leaves_from_header(header, inputs)
     _check_spec(header["input_spec"], len(leaves), "input_spec", "input leaves")
@@ -207,7 +207,7 @@ def _check_channel_axes(nodes: list[Node], constants: dict[str, torch.Tensor]) -
     for i, node in enumerate(nodes):
         scale = constants.get(node.inputs[1]) if node.op in _SCALED and len(node.inputs) > 1 else None
         if scale is not None and scale.numel() > 1 and not _is_int(node.attrs.get("axis")):
-            raise _Invalid(f"node #{i} '{node.op}' (op site '{node.site}') has a per-channel scale of "
+            raise InvalidHeader(f"node #{i} '{node.op}' (op site '{node.site}') has a per-channel scale of "
                            f"{scale.numel()} elements and no integer attr 'axis' (its channels' dim), which its "
                            "kernel reads")
 
@@ -218,17 +218,17 @@ def _check_shapes(kind: str, nodes: list[Node], inputs: list[str], constants: di
     if found:
         i, problem = found
         node = nodes[i]
-        raise _Invalid(f"node #{i} '{node.op}' (op site '{node.site}') {problem}")
+        raise InvalidHeader(f"node #{i} '{node.op}' (op site '{node.site}') {problem}")
 
 
 def _check_top_level(header: dict) -> str:
     """The header's fields, its module kind (returned) and its writer."""
-    _fields(header, _HEADER_FIELDS, "the header")
+    _fields(header, HEADER_FIELDS, "the header")
     kind = header["kind"]
     if kind not in _LEVELS:
-        raise _Invalid(f"its kind is {_short(kind)}, expected 'qat' or 'quantized'")
+        raise InvalidHeader(f"its kind is {_short(kind)}, expected 'qat' or 'quantized'")
     if not isinstance(header["writer"], str):
-        raise _Invalid(f"its writer is {_short(header['writer'])}, expected a string")
+        raise InvalidHeader(f"its writer is {_short(header['writer'])}, expected a string")
     return kind
 
 
@@ -238,14 +238,14 @@ def _ordered_constants(header: dict, constants: dict[str, torch.Tensor]) -> dict
     if set(names) != set(constants):
         missing = sorted(set(names) - set(constants))[:5]
         extra = sorted(set(constants) - set(names))[:5]
-        raise _Invalid(f"its tensors do not match its 'constants' list (missing {missing}, unexpected {extra})")
+        raise InvalidHeader(f"its tensors do not match its 'constants' list (missing {missing}, unexpected {extra})")
     ordered = {name: constants[name] for name in names}
     for v in header["values"] if isinstance(header["values"], list) else []:
         # a complex constant is stored as its real view ([..., 2]); its value info names the complex dtype
         if isinstance(v, dict) and v.get("dtype") in _COMPLEX and v.get("name") in ordered:
             t = ordered[v["name"]]
             if t.dtype is not _COMPLEX[v["dtype"]][1] or t.dim() == 0 or t.shape[-1] != 2:
-                raise _Invalid(f"constant {_short(v['name'])} is {v['dtype']} in its value info, but its tensor is "
+                raise InvalidHeader(f"constant {_short(v['name'])} is {v['dtype']} in its value info, but its tensor is "
                                f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}, not the [..., 2] real view")
             ordered[v["name"]] = torch.view_as_complex(t.contiguous())
     return ordered
@@ -261,13 +261,13 @@ def _graph_io(header: dict, constants: dict[str, torch.Tensor]) -> tuple[list[st
     outputs = _names(header["outputs"], "'outputs'", unique=False)
     clash = sorted(set(inputs) & set(constants))
     if clash:
-        raise _Invalid(f"graph inputs {clash[:5]} are also constants")
+        raise InvalidHeader(f"graph inputs {clash[:5]} are also constants")
     return inputs, outputs
 
 
 def _list_field(header: dict, field: str) -> list:
     if not isinstance(header[field], list):
-        raise _Invalid(f"'{field}' is not a list")
+        raise InvalidHeader(f"'{field}' is not a list")
     return header[field]
 
 
@@ -278,22 +278,22 @@ def _nodes_from_header(header: dict, kind: str, defined: set[str]) -> list[Node]
 
 
 def _node(i: int, n: Any, kind: str, defined: set[str]) -> Node:
-    _fields(n, _NODE_FIELDS, f"node #{i}")
+    _fields(n, NODE_FIELDS, f"node #{i}")
     op, site = n["op"], n["site"]
     if not isinstance(op, str) or not isinstance(site, str):
-        raise _Invalid(f"node #{i}: op {_short(op)} and site {_short(site)} must be strings")
+        raise InvalidHeader(f"node #{i}: op {_short(op)} and site {_short(site)} must be strings")
     where = f"node #{i} '{op}' (op site '{site}')"
     node_inputs = _names(n["inputs"], f"{where} inputs", unique=False, allow_empty=True)
     node_outputs = _names(n["outputs"], f"{where} outputs")
     if not node_outputs:
-        raise _Invalid(f"{where} has no outputs")
+        raise InvalidHeader(f"{where} has no outputs")
     attrs = _node_attrs(n["attrs"], where)
     _check_attrs(op, attrs, where)
     _check_op_level(op, attrs, kind, where)
     _check_def_use(node_inputs, node_outputs, defined, where)
     problem = node_problem(op, node_inputs, node_outputs, attrs, kind)
     if problem:
-        raise _Invalid(f"{where} {problem}")
+        raise InvalidHeader(f"{where} {problem}")
     defined.update(node_outputs)
     return Node(op, node_inputs, node_outputs, attrs, site)
 
@@ -301,13 +301,13 @@ def _node(i: int, n: Any, kind: str, defined: set[str]) -> Node:
 def _node_attrs(raw: Any, where: str) -> dict:
     """A node's attrs, decoded from their JSON encoding (an object before and after)."""
     if not isinstance(raw, dict):
-        raise _Invalid(f"{where}: attrs are {_short(raw)}, expected an object")
+        raise InvalidHeader(f"{where}: attrs are {_short(raw)}, expected an object")
     try:
-        attrs = _decode(raw)
+        attrs = decode_value(raw)
     except ValueError as exc:
-        raise _Invalid(f"{where}: attrs cannot be decoded ({exc})") from None
+        raise InvalidHeader(f"{where}: attrs cannot be decoded ({exc})") from None
     if not isinstance(attrs, dict):
-        raise _Invalid(f"{where}: attrs are not an object")
+        raise InvalidHeader(f"{where}: attrs are not an object")
     return attrs
 
 
@@ -315,9 +315,9 @@ def _check_op_level(op: str, attrs: dict, kind: str, where: str) -> None:
     """The op is an IR op, and one a module of this kind holds (or runs on the host)."""
     spec = IR_OPS.get(op)
     if spec is None:
-        raise _Invalid(f"{where}: '{op}' is not an IR op of quantlens.march.opset (docs/ops.md lists them)")
+        raise InvalidHeader(f"{where}: '{op}' is not an IR op of quantlens.march.opset (docs/ops.md lists them)")
     if spec.level not in _LEVELS[kind] and attrs.get("host") is not True:
-        raise _Invalid(f"{where}: '{op}' is a {spec.level}-level op, which a {kind} IR does not hold "
+        raise InvalidHeader(f"{where}: '{op}' is a {spec.level}-level op, which a {kind} IR does not hold "
                        "(except on the host, attr host: true)")
 
 
@@ -326,23 +326,23 @@ def _check_def_use(node_inputs: list[str], node_outputs: list[str], defined: set
     value it writes is new."""
     for name in node_inputs:
         if name and name not in defined:
-            raise _Invalid(f"{where} reads undefined value {name!r} (values are defined before use)")
+            raise InvalidHeader(f"{where} reads undefined value {name!r} (values are defined before use)")
     for name in node_outputs:
         if name in defined:
-            raise _Invalid(f"{where} writes {name!r}, which is already defined (each value is written once)")
+            raise InvalidHeader(f"{where} writes {name!r}, which is already defined (each value is written once)")
 
 
 # -- value infos -----------------------------------------------------------------------------------------------------
 def _values_from_header(header: dict, defined: set[str], constants: dict[str, torch.Tensor]) -> dict[str, ValueInfo]:
     values: dict[str, ValueInfo] = {}
     for i, v in enumerate(_list_field(header, "values")):
-        _fields(v, _VALUE_FIELDS, f"value info #{i}")
+        _fields(v, VALUE_FIELDS, f"value info #{i}")
         name = v["name"]
         where = f"value info #{i} ({_short(name)})"
         if not isinstance(name, str) or name not in defined:
-            raise _Invalid(f"{where} names no value of the graph")
+            raise InvalidHeader(f"{where} names no value of the graph")
         if name in values:
-            raise _Invalid(f"{where} is given twice")
+            raise InvalidHeader(f"{where} is given twice")
         _check_value_fields(v, constants, where)
         if name in constants:
             _check_matches_constant(v, constants[name], where)
@@ -354,21 +354,21 @@ def _check_value_fields(v: dict, constants: dict[str, torch.Tensor], where: str)
     """Shape, dtype, qdtype, scale (a constant's name) and axis of one value info, in that order."""
     shape, dtype, qdtype, scale, axis = v["shape"], v["dtype"], v["qdtype"], v["scale"], v["axis"]
     if _ints(-1)(shape):
-        raise _Invalid(f"{where}: shape {_short(shape)} is not a list of ints >= -1")
+        raise InvalidHeader(f"{where}: shape {_short(shape)} is not a list of ints >= -1")
     if not isinstance(dtype, str) or dtype not in VALUE_DTYPES:
-        raise _Invalid(f"{where}: dtype {_short(dtype)} is not a dtype name, one of {sorted(VALUE_DTYPES)}")
+        raise InvalidHeader(f"{where}: dtype {_short(dtype)} is not a dtype name, one of {sorted(VALUE_DTYPES)}")
     if qdtype is not None and qdtype not in _QDTYPES:
-        raise _Invalid(f"{where}: qdtype {_short(qdtype)} is not null or one of {list(_QDTYPES)}")
+        raise InvalidHeader(f"{where}: qdtype {_short(qdtype)} is not null or one of {list(_QDTYPES)}")
     if scale is not None and (not isinstance(scale, str) or scale not in constants):
-        raise _Invalid(f"{where}: scale {_short(scale)} is not null or the name of a constant")
+        raise InvalidHeader(f"{where}: scale {_short(scale)} is not null or the name of a constant")
     if axis is not None and not _is_int(axis):
-        raise _Invalid(f"{where}: axis {_short(axis)} is not null or an int")
+        raise InvalidHeader(f"{where}: axis {_short(axis)} is not null or an int")
 
 
 def _check_matches_constant(v: dict, t: torch.Tensor, where: str) -> None:
     shape, dtype = v["shape"], v["dtype"]
     if list(t.shape) != shape or str(t.dtype).replace("torch.", "") != dtype:
-        raise _Invalid(f"{where}: shape {shape} and dtype {dtype} differ from the constant's "
+        raise InvalidHeader(f"{where}: shape {shape} and dtype {dtype} differ from the constant's "
                        f"({list(t.shape)}, {str(t.dtype).replace('torch.', '')})")
 
 
@@ -378,15 +378,15 @@ def _leaves_from_header(header: dict, inputs: list[str]) -> list[InputLeaf]:
     leaves = []
     fed: set[str] = set()
     for i, leaf in enumerate(_list_field(header, "input_leaves")):
-        _fields(leaf, _LEAF_FIELDS, f"input leaf #{i}")
+        _fields(leaf, LEAF_FIELDS, f"input leaf #{i}")
         if leaf["kind"] == "tensor":
             leaves.append(_tensor_leaf(i, leaf, inputs, fed))
         elif leaf["kind"] == "const":
             leaves.append(_const_leaf(i, leaf))
         else:
-            raise _Invalid(f"input leaf #{i} has kind {_short(leaf['kind'])}, expected 'tensor' or 'const'")
+            raise InvalidHeader(f"input leaf #{i} has kind {_short(leaf['kind'])}, expected 'tensor' or 'const'")
     if fed != set(inputs):
-        raise _Invalid(f"graph inputs {sorted(set(inputs) - fed)[:5]} are no leaf of the input structure")
+        raise InvalidHeader(f"graph inputs {sorted(set(inputs) - fed)[:5]} are no leaf of the input structure")
     return leaves
 
 
@@ -394,7 +394,7 @@ def _tensor_leaf(i: int, leaf: dict, inputs: list[str], fed: set[str]) -> InputL
     """A tensor leaf feeding a graph input not fed before (added to ``fed``)."""
     name = leaf["name"]
     if not isinstance(name, str) or name not in inputs or name in fed or leaf["value"] is not None:
-        raise _Invalid(f"input leaf #{i} is a tensor leaf named {_short(name)}, expected a graph input "
+        raise InvalidHeader(f"input leaf #{i} is a tensor leaf named {_short(name)}, expected a graph input "
                        "named once, with value null")
     fed.add(name)
     return InputLeaf("tensor", name)
@@ -402,33 +402,33 @@ def _tensor_leaf(i: int, leaf: dict, inputs: list[str], fed: set[str]) -> InputL
 
 def _const_leaf(i: int, leaf: dict) -> InputLeaf:
     if leaf["name"] is not None:
-        raise _Invalid(f"input leaf #{i} is a const leaf with a name ({_short(leaf['name'])})")
+        raise InvalidHeader(f"input leaf #{i} is a const leaf with a name ({_short(leaf['name'])})")
     try:
-        return InputLeaf("const", None, _decode(leaf["value"]))
+        return InputLeaf("const", None, decode_value(leaf["value"]))
     except ValueError as exc:
-        raise _Invalid(f"input leaf #{i}: its value cannot be decoded ({exc})") from None
+        raise InvalidHeader(f"input leaf #{i}: its value cannot be decoded ({exc})") from None
 
 
 def _meta_from_header(header: dict) -> dict:
     try:
-        meta = _decode(header["meta"])
+        meta = decode_value(header["meta"])
     except ValueError as exc:
-        raise _Invalid(f"its meta cannot be decoded ({exc})") from None
+        raise InvalidHeader(f"its meta cannot be decoded ({exc})") from None
     if not isinstance(meta, dict):
-        raise _Invalid("its meta is not an object")
+        raise InvalidHeader("its meta is not an object")
     if SOURCE_DIGEST_KEY in meta and not is_digest(meta[SOURCE_DIGEST_KEY]):  # convert writes it: the pair checks
-        raise _Invalid(f"its meta '{SOURCE_DIGEST_KEY}' is {_short(meta[SOURCE_DIGEST_KEY])}, expected the qat IR's "
+        raise InvalidHeader(f"its meta '{SOURCE_DIGEST_KEY}' is {_short(meta[SOURCE_DIGEST_KEY])}, expected the qat IR's "
                        "digest (64 lower-case hex digits) that convert writes")
     return meta
 
 
 def _check_spec(spec: Any, leaves: int, field: str, what: str) -> None:
     if not isinstance(spec, str):
-        raise _Invalid(f"its {field} is {_short(spec)}, expected a pytree spec string")
+        raise InvalidHeader(f"its {field} is {_short(spec)}, expected a pytree spec string")
     try:
         tree = load_spec(spec)
         count = tree.num_leaves
     except Exception as exc:  # noqa: BLE001 - torch raises assorted errors for a broken spec
-        raise _Invalid(f"its {field} is not a pytree spec ({type(exc).__name__}: {str(exc)[:100]})") from None
+        raise InvalidHeader(f"its {field} is not a pytree spec ({type(exc).__name__}: {str(exc)[:100]})") from None
     if count != leaves:
-        raise _Invalid(f"its {field} has {count} leaves, and the file has {leaves} {what}")
+        raise InvalidHeader(f"its {field} has {count} leaves, and the file has {leaves} {what}")

@@ -10,16 +10,16 @@ from pathlib import Path
 import torch
 
 from quantlens.compiler.ir import IR_VERSION, Graph, Module, ValueInfo
-from quantlens.compiler.serialize.codec import _encode
+from quantlens.compiler.serialize.codec import encode_value
 from quantlens.compiler.serialize.schema import (
-    _DTYPES,
     CHECKSUM_KEY,
+    DTYPES,
     FORMAT_VERSION,
     MAGIC,
     METADATA_KEY,
-    _file_checksum,
+    file_checksum,
 )
-from quantlens.compiler.serialize.validate import _Invalid, _module_from_header
+from quantlens.compiler.serialize.validate import InvalidHeader, module_from_header
 from quantlens.errors import QuantLensError
 
 
@@ -39,7 +39,7 @@ def save(module: Module, path: str | os.PathLike) -> Path:
     constants = _tensors_for_file(module.graph)
     text = json.dumps(_header(module, constants), allow_nan=False, ensure_ascii=False, separators=(",", ":"))
     _check_loadable(text, constants, path)
-    metadata = {METADATA_KEY: text, CHECKSUM_KEY: _file_checksum(text, constants)}
+    metadata = {METADATA_KEY: text, CHECKSUM_KEY: file_checksum(text, constants)}
     atomic_write_bytes(path, safetensors_bytes(constants, metadata), fsync=True)  # the same module: the same bytes
     return path
 
@@ -55,9 +55,9 @@ def _tensors_for_file(graph: Graph) -> dict[str, torch.Tensor]:
             raise QuantLensError(f"save: constant {name!r} is a {type(tensor).__name__}, expected a torch.Tensor.")
         if tensor.is_complex():  # (a folded rotary table, torch.polar's): its real view, the header names the dtype
             tensor = torch.view_as_real(tensor.resolve_conj())
-        if str(tensor.dtype).replace("torch.", "") not in _DTYPES:
+        if str(tensor.dtype).replace("torch.", "") not in DTYPES:
             raise QuantLensError(f"save: constant {name!r} has dtype {tensor.dtype}, which the IR file cannot "
-                                 f"store; supported dtypes are {sorted(_DTYPES)}.")
+                                 f"store; supported dtypes are {sorted(DTYPES)}.")
         t = tensor.detach().to("cpu").contiguous()
         # safetensors refuses tensors that share memory: give each its own storage.
         if t.numel():
@@ -86,7 +86,7 @@ def _header(module: Module, constants: dict[str, torch.Tensor]) -> dict:
                 "an enum), or pass it as a tensor."
             )
         leaves.append({"kind": leaf.kind, "name": leaf.name,
-                       "value": _encode(leaf.value, f"save: non-tensor input leaf #{i}")})
+                       "value": encode_value(leaf.value, f"save: non-tensor input leaf #{i}")})
     values = []
     infos = dict(graph.values)
     for name, tensor in graph.constants.items():  # a complex constant's dtype lives in its value info
@@ -96,10 +96,10 @@ def _header(module: Module, constants: dict[str, torch.Tensor]) -> dict:
         values.append({
             "name": name,
             "shape": [int(d) for d in info.shape],
-            "dtype": _encode(info.dtype, f"save: dtype of value {name!r}"),
-            "qdtype": _encode(info.qdtype, f"save: qdtype of value {name!r}"),
-            "scale": _encode(info.scale, f"save: scale of value {name!r}"),
-            "axis": _encode(info.axis, f"save: axis of value {name!r}"),
+            "dtype": encode_value(info.dtype, f"save: dtype of value {name!r}"),
+            "qdtype": encode_value(info.qdtype, f"save: qdtype of value {name!r}"),
+            "scale": encode_value(info.scale, f"save: scale of value {name!r}"),
+            "axis": encode_value(info.axis, f"save: axis of value {name!r}"),
         })
     nodes = []
     for node in graph.nodes:
@@ -108,7 +108,7 @@ def _header(module: Module, constants: dict[str, torch.Tensor]) -> dict:
             "op": node.op,
             "inputs": list(node.inputs),
             "outputs": list(node.outputs),
-            "attrs": _encode(dict(node.attrs), f"{where} attrs"),
+            "attrs": encode_value(dict(node.attrs), f"{where} attrs"),
             "site": node.site,
         })
     return {
@@ -124,7 +124,7 @@ def _header(module: Module, constants: dict[str, torch.Tensor]) -> dict:
         "input_leaves": leaves,
         "input_spec": module.input_spec,
         "output_spec": module.output_spec,
-        "meta": _encode(dict(module.meta), "save: module meta"),
+        "meta": encode_value(dict(module.meta), "save: module meta"),
         "writer": _writer(),
     }
 
@@ -142,8 +142,8 @@ def _check_loadable(text: str, constants: dict[str, torch.Tensor], path: Path) -
     """Hold the header to the loader's own rules before anything is written: a file ``save`` writes always
     loads (else the failure would surface only when someone reads the file back)."""
     try:
-        _module_from_header(json.loads(text), constants)
-    except _Invalid as exc:
+        module_from_header(json.loads(text), constants)
+    except InvalidHeader as exc:
         raise QuantLensError(
             f"save: '{path}' was not written: load would refuse this module ({exc}). The module was changed after "
             "export / convert into something the IR does not allow; export and convert it again (if it came "

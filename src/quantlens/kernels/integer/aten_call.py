@@ -26,14 +26,17 @@ MOVEMENT_OPS = {
     "slice_scatter": aten.slice_scatter.default,
 }
 
-_ATTR_ALIASES = {"size": "shape"}
+#: schema argument name -> the attr name IR nodes use for it (``expand``'s ``size`` is its ``shape`` attr)
+ATTR_ALIASES = {"size": "shape"}
 
 #: torch op -> its schema's arguments as (name, "list" | "tensor" | "attr"), read once (str(arg.type) costs more
 #: than many small kernels)
 _ARG_PLANS: dict[Any, list[tuple[str, str]]] = {}
 
 
-def _arg_plan(torch_op) -> list[tuple[str, str]]:
+def arg_plan(torch_op) -> list[tuple[str, str]]:
+    """``torch_op``'s schema arguments as ``(name, "list" | "tensor" | "attr")``: how a call's inputs and attrs fill
+    them (cached per op)."""
     plan = _ARG_PLANS.get(torch_op)
     if plan is None:
         plan = []
@@ -53,11 +56,11 @@ def call_op(torch_op, attrs: dict, inputs: list) -> Any:
     """Call an aten/custom op with ``inputs`` (its tensor schema args, in order) and ``attrs`` (the rest)."""
     pending = list(inputs)
     kwargs = {}
-    for name, kind in _arg_plan(torch_op):
+    for name, kind in arg_plan(torch_op):
         if kind == "list":
             kwargs[name], pending = pending, []
         elif kind == "tensor":
             kwargs[name] = pending.pop(0) if pending else None
-        elif name in attrs or _ATTR_ALIASES.get(name) in attrs:
-            kwargs[name] = attrs.get(name, attrs.get(_ATTR_ALIASES.get(name)))
+        elif name in attrs or ATTR_ALIASES.get(name) in attrs:
+            kwargs[name] = attrs.get(name, attrs.get(ATTR_ALIASES.get(name)))
     return torch_op(**kwargs)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from quantlens._registry import make_registry
-from quantlens.kernels.integer._cache import prepared
+from quantlens.kernels.integer.param_cache import prepared
 from quantlens.march import QuantDType
 from quantlens.march.numerics import apply_requantize, requantize_params
 

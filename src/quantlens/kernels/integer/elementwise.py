@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from quantlens.kernels.integer._cache import prepared
-from quantlens.kernels.integer._common import (
+from quantlens.kernels.integer.core import (
     INT32_MAX,
     bound_of,
     channel_shape,
@@ -16,6 +15,7 @@ from quantlens.kernels.integer._common import (
     storage_dtype,
     store,
 )
+from quantlens.kernels.integer.param_cache import prepared
 from quantlens.march import QuantDType
 from quantlens.march.numerics import (
     apply_requantize,

@@ -2,7 +2,7 @@
 
 GEMMs are computed in float32 or float64 on integer operands, which is exact whenever every partial sum stays
 below ``2**24`` (float32) or ``2**53`` (float64), and therefore independent of summation order and thread count;
-the exact accumulator is then requantized (:func:`~._common.requant`).
+the exact accumulator is then requantized (:func:`~.core.requant`).
 
 A GEMM's constant operands (weight, bias) are prepared once for the GEMM (:class:`GemmWeights`) and kept in a
 cache weakly keyed on the weight tensor (with the bias and the kind of GEMM), while both tensors are unmodified.
@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from quantlens.kernels.integer._cache import TensorCache
-from quantlens.kernels.integer._common import int_kernel, magnitude, requant
+from quantlens.kernels.integer.core import int_kernel, magnitude, requant
+from quantlens.kernels.integer.param_cache import TensorCache
 
 __all__ = ["GemmWeights", "gemm_weights", "conv_kernel", "conv_transpose_kernel", "linear_kernel", "matmul_kernel"]
 

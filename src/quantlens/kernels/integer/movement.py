@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from quantlens.kernels.integer._aten import MOVEMENT_OPS, call_op
-from quantlens.kernels.integer._common import exact, int_kernel
+from quantlens.kernels.integer.aten_call import MOVEMENT_OPS, call_op
+from quantlens.kernels.integer.core import exact, int_kernel
 from quantlens.march.opset import ops_in
 from quantlens.march.semantics import ORDER_OPS, select_by_attrs
 

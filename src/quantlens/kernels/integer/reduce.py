@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from quantlens.kernels.integer._common import acc64, exact, int_kernel, magnitude, requant
+from quantlens.kernels.integer.core import acc64, exact, int_kernel, magnitude, requant
 
 __all__ = ["sum_kernel", "cumsum_kernel", "avg_pool2d_kernel", "avg_pool1d_kernel"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from quantlens.kernels.integer._common import bound_of, int_kernel, qdtype, requant, storage_dtype
+from quantlens.kernels.integer.core import bound_of, int_kernel, qdtype, requant, storage_dtype
 from quantlens.march.numerics import dequantize, quantize
 
 __all__ = ["quantize_kernel", "dequantize_kernel", "requantize_kernel"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from quantlens.kernels.integer._aten import MOVEMENT_OPS, call_op
-from quantlens.kernels.integer._common import acc64, exact, int_kernel, requant
+from quantlens.kernels.integer.aten_call import MOVEMENT_OPS, call_op
+from quantlens.kernels.integer.core import acc64, exact, int_kernel, requant
 
 __all__ = ["bilinear_kernel", "nearest_kernel"]
 

@@ -4,7 +4,7 @@ grids).
 
 Every table op has a reference kernel (:data:`REFERENCE_TABLE_KERNELS`: the custom op itself, on the
 dequantized inputs, its result quantized again) and, for the ops of :data:`_DIRECT_TABLE`, a direct kernel on the
-codes (the one registered in :data:`~._common.INT_KERNELS`).
+codes (the one registered in :data:`~.core.INT_KERNELS`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Callable
 import torch
 
 from quantlens.kernels.int_ops import exp_table_from, int_div, int_layer_norm, int_reciprocal, int_softmax
-from quantlens.kernels.integer._aten import call_op
-from quantlens.kernels.integer._cache import prepared
-from quantlens.kernels.integer._common import int_kernel, storage_dtype
+from quantlens.kernels.integer.aten_call import call_op
+from quantlens.kernels.integer.core import int_kernel, storage_dtype
+from quantlens.kernels.integer.param_cache import prepared
 from quantlens.kernels.log_softmax_ops import int_log_softmax
 from quantlens.kernels.norm_ops import int_rms_norm
 from quantlens.kernels.ops import TABLE_OP_IO, dtype_from_range, table_torch_op
