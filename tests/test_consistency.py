@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import warnings
 
 import pytest
@@ -41,8 +43,15 @@ def _strategy_off_afterwards():
     ConsistencyStrategy.disable()
 
 
-def _build(name: str, setter: str, level: int | None, batch: int = 8):
-    """prepare at ``level``, calibrate, export, convert; returns (model, quantized IR, held-out batches)."""
+def _build(name: str, setter: str, level: int | None):
+    """prepare at ``level``, calibrate, export, convert; returns (model, quantized IR, held-out batches), copies of
+    this process's one build per (name, setter, level): several tests read the same builds (tiny_resnet at int8
+    and level 4: three tests), and a test may change what it gets (the QAT state, gradients)."""
+    return copy.deepcopy(_built(name, setter, level))
+
+
+@functools.lru_cache(maxsize=None)
+def _built(name: str, setter: str, level: int | None, batch: int = 8):
     batches = zoo.sample_batches(name, 6, batch)
     ConsistencyStrategy.set_consistency_level(level)
     try:
