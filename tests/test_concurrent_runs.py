@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from quantlens.errors import QuantLensError
-from quantlens.profiler.trace._lock import LOCK_FILE
+from quantlens.profiler.trace.folder_lock import LOCK_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE = 240.0  # seconds for a worker's step (starting torch included) before the test fails as hung
@@ -34,7 +34,7 @@ import torch
 torch.set_num_threads(1)
 from quantlens.errors import QuantLensError
 from quantlens.profiler import QuantAnalysis
-from quantlens.profiler.trace._lock import FolderLock
+from quantlens.profiler.trace.folder_lock import FolderLock
 from quantlens.quantization import calibrate, prepare
 from tests.test_profiler_reach import WithPooler
 
@@ -168,7 +168,7 @@ def test_a_lock_file_being_created_is_not_taken_for_a_stale_one(tmp_path):
     baseline trace ... failed: FileNotFoundError", found by the test above). It now waits for the pid."""
     import threading
 
-    from quantlens.profiler.trace._lock import FolderLock
+    from quantlens.profiler.trace.folder_lock import FolderLock
 
     lock = tmp_path / LOCK_FILE
     lock.write_text("")  # created, its pid not written yet
@@ -190,7 +190,7 @@ def test_a_lock_file_being_created_is_not_taken_for_a_stale_one(tmp_path):
 
 _HOLD = """
 import sys, time
-from quantlens.profiler.trace._lock import FolderLock
+from quantlens.profiler.trace.folder_lock import FolderLock
 with FolderLock(sys.argv[1]):
     print("held", flush=True)
     time.sleep(float(sys.argv[2]))

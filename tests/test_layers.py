@@ -148,14 +148,32 @@ def package_circles(root: Path) -> list[list[str]]:
     modules = {_module_name(p, root): p for p in files}
     thin = {n for n, p in modules.items()
             if p.name == "__init__.py" and len(p.read_text(encoding="utf-8").splitlines()) <= THIN_INIT}
+    # a name imported from a thin __init__ is an import of the module the __init__ takes it from
+    reexports: dict[str, str] = {}
+    for init in thin:
+        for target, _ in _imports(ast.parse(modules[init].read_text(encoding="utf-8")), init, True):
+            owner = target.rpartition(".")[0]
+            reexports.setdefault(f"{init}.{target.rpartition('.')[2]}", owner if owner in modules else target)
+
+    def resolve(target: str) -> str:
+        seen = set()
+        while target not in seen:
+            seen.add(target)
+            if target in reexports:
+                target = reexports[target]
+                continue
+            if target in modules:
+                return target
+            target = target.rpartition(".")[0] if "." in target else target
+        return target
+
     edges: dict[str, set[str]] = {}
     for name, path in modules.items():
         if name in thin or name.count(".") < 1:
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         for target, _ in _imports(tree, name, path.name == "__init__.py"):
-            while target not in modules and "." in target:
-                target = target.rpartition(".")[0]
+            target = resolve(target)
             if target in thin or target == name or target.split(".")[:2] != name.split(".")[:2]:
                 continue
             edges.setdefault(name, set()).add(target)
@@ -207,17 +225,22 @@ def test_no_import_circle_inside_a_package():
 
 def test_the_check_finds_a_circle_closed_inside_a_function(tmp_path):
     """A test of the test: two modules importing each other, one of them inside a function, are a circle; a
-    thin ``__init__`` that re-exports is no node; a longer one is."""
+    thin ``__init__`` that re-exports is no node, but a name taken from it is taken from the module it re-exports
+    (zoo: m -> n -> the package's g, which is m's); a longer ``__init__`` is a node."""
     root = _tree(tmp_path, {
         "__init__.py": "",
         "sites/__init__.py": "from quantlens.sites.a import f\n",
         "sites/a.py": "from quantlens.sites import b\n",
         "sites/b.py": "def g():\n    from quantlens.sites.a import f\n    return f\n",
         "sites/c.py": "from quantlens.sites import f\n",
+        "zoo/__init__.py": "from quantlens.zoo.m import g\n",
+        "zoo/m.py": "def g():\n    from quantlens.zoo.n import h\n",
+        "zoo/n.py": "from quantlens.zoo import g\nh = 1\n",
         "cli/__init__.py": "from quantlens.cli import cmd\n" + "x = 1\n" * 41,
         "cli/cmd.py": "from quantlens.cli import x\n",
     })
-    assert package_circles(root) == [["quantlens.cli", "quantlens.cli.cmd"], ["quantlens.sites.a", "quantlens.sites.b"]]
+    assert package_circles(root) == [["quantlens.cli", "quantlens.cli.cmd"], ["quantlens.sites.a", "quantlens.sites.b"],
+                                     ["quantlens.zoo.m", "quantlens.zoo.n"]]
 
 
 #: rooms a reader can know: no module of src/ above this many lines (docs/architecture.md, "A budget that stays")
@@ -263,21 +286,10 @@ def private_crossings(root: Path) -> list[str]:
     return sorted(set(found))
 
 
-#: private imports not yet taken apart outside the compiler and kernels (issue #44): the test fails on any other
-#: one; fixing one means deleting its line here
-KNOWN_PRIVATE_IMPORTS: set[str] = {
-    "quantlens.profiler.quant_analysis -> quantlens.profiler.trace._lock",
-}
-
-
 def test_no_private_name_crosses_modules():
     crossings = private_crossings(SRC)
-    known = [c for c in crossings if c.split(":")[0] + " -> " + c.split(" -> ")[1] in KNOWN_PRIVATE_IMPORTS]
-    new = [c for c in crossings if c not in known]
-    assert new == [], ("private names or modules imported across modules (give what modules share a public name "
-                       "inside its package):\n" + "\n".join(new))
-    gone = KNOWN_PRIVATE_IMPORTS - {c.split(":")[0] + " -> " + c.split(" -> ")[1] for c in known}
-    assert not gone, f"fixed: delete {sorted(gone)} from KNOWN_PRIVATE_IMPORTS"
+    assert crossings == [], ("private names or modules imported across modules (give what modules share a public "
+                             "name inside its package):\n" + "\n".join(crossings))
 
 
 def test_the_check_finds_private_names_and_modules_that_cross(tmp_path):

@@ -10,12 +10,12 @@ import time
 import pytest
 
 from quantlens.errors import QuantLensError
-from quantlens.profiler.trace._lock import LOCK_FILE, FolderLock
+from quantlens.profiler.trace.folder_lock import LOCK_FILE, FolderLock
 from tests.test_profiler_reach import _analysis
 
 _HOLD = """
 import sys, time
-from quantlens.profiler.trace._lock import FolderLock
+from quantlens.profiler.trace.folder_lock import FolderLock
 with FolderLock(sys.argv[1]):
     print("held", flush=True)
     time.sleep(float(sys.argv[2]))
@@ -82,8 +82,8 @@ _RACE = """
 import json, os, sys, time
 from pathlib import Path
 from quantlens.errors import QuantLensError
-import quantlens.profiler.trace._lock as lock
-from quantlens.profiler.trace._lock import FolderLock
+import quantlens.profiler.trace.folder_lock as lock
+from quantlens.profiler.trace.folder_lock import FolderLock
 folder, go, out, dead = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
 alive = lock._alive
 # widen the window between judging the lock stale and clearing it, as a loaded machine would
@@ -133,7 +133,7 @@ def test_one_run_per_out_dir_threads_included(tmp_path):
     import threading
 
     from quantlens.errors import QuantLensError
-    from quantlens.profiler.trace._lock import FolderLock
+    from quantlens.profiler.trace.folder_lock import FolderLock
 
     held, release, seen = threading.Event(), threading.Event(), []
 

@@ -56,7 +56,7 @@ from quantlens.profiler.row_stream import RowStream
 from quantlens.profiler.run_result import RunResult
 from quantlens.profiler.run_trace import trace_model
 from quantlens.profiler.sensitivity import SensitivityResult, run_sensitivity
-from quantlens.profiler.trace._lock import FolderLock
+from quantlens.profiler.trace.folder_lock import FolderLock
 from quantlens.profiler.trace.reader import TraceReader
 from quantlens.profiler.trace.stats import input_digest
 from quantlens.profiler.trace.writer import HOLD_BYTES
@@ -247,7 +247,7 @@ class QuantAnalysis:
         was traced by an earlier call)."""
         check_bad_case_shapes((self.analysis, self.baseline), self._require_bad_case(), "run()")
         check_writable(self.out_dir, "run()")  # before any forward
-        # one run per out_dir at a time (trace._lock): two would clear each other's files and mix their traces
+        # one run per out_dir at a time (trace.folder_lock): two would clear each other's files and mix their traces
         with FolderLock(self.out_dir), loop_threads():  # loop_threads: few intra-op threads on busy machines
             return self._run(run_baseline_model, run_analysis_model)
 
