@@ -138,33 +138,30 @@ def test_the_check_finds_an_upward_import_inside_a_function(tmp_path):
 THIN_INIT = 40
 
 
-def package_circles(root: Path) -> list[list[str]]:
-    """The import circles inside each package of ``quantlens`` (its top-level packages: quantization, compiler ...),
-    every import counted as in :func:`upward_edges` (inside functions and ``TYPE_CHECKING`` blocks too): the
-    strongly connected components of more than one module, each sorted, in sorted order."""
-    import sys
+def _reexports(modules: dict[str, Path], thin: set[str]) -> dict[str, str]:
+    """``"pkg.name" -> module`` for every name a thin ``__init__`` takes from one of its modules."""
+    found: dict[str, str] = {}
+    for init in thin:
+        for target, _ in _imports(ast.parse(modules[init].read_text(encoding="utf-8")), init, True):
+            owner = target.rpartition(".")[0]
+            found.setdefault(f"{init}.{target.rpartition('.')[2]}", owner if owner in modules else target)
+    return found
 
+
+def _import_graph(root: Path) -> tuple[list[str], dict[str, set[str]]]:
+    """The modules under ``root`` and, for each, the modules of its own top-level package it imports (a thin
+    ``__init__`` is no node: a name taken from it is taken from the module it re-exports)."""
     files = sorted((root / "quantlens").rglob("*.py"))
     modules = {_module_name(p, root): p for p in files}
     thin = {n for n, p in modules.items()
             if p.name == "__init__.py" and len(p.read_text(encoding="utf-8").splitlines()) <= THIN_INIT}
-    # a name imported from a thin __init__ is an import of the module the __init__ takes it from
-    reexports: dict[str, str] = {}
-    for init in thin:
-        for target, _ in _imports(ast.parse(modules[init].read_text(encoding="utf-8")), init, True):
-            owner = target.rpartition(".")[0]
-            reexports.setdefault(f"{init}.{target.rpartition('.')[2]}", owner if owner in modules else target)
+    reexports = _reexports(modules, thin)
 
     def resolve(target: str) -> str:
         seen = set()
-        while target not in seen:
+        while target not in seen and target not in modules:
             seen.add(target)
-            if target in reexports:
-                target = reexports[target]
-                continue
-            if target in modules:
-                return target
-            target = target.rpartition(".")[0] if "." in target else target
+            target = reexports.get(target) or target.rpartition(".")[0] or target
         return target
 
     edges: dict[str, set[str]] = {}
@@ -177,6 +174,16 @@ def package_circles(root: Path) -> list[list[str]]:
             if target in thin or target == name or target.split(".")[:2] != name.split(".")[:2]:
                 continue
             edges.setdefault(name, set()).add(target)
+    return sorted(modules), edges
+
+
+def package_circles(root: Path) -> list[list[str]]:
+    """The import circles inside each package of ``quantlens`` (its top-level packages: quantization, compiler ...),
+    every import counted as in :func:`upward_edges` (inside functions and ``TYPE_CHECKING`` blocks too): the
+    strongly connected components of more than one module, each sorted, in sorted order."""
+    import sys
+
+    modules, edges = _import_graph(root)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -209,18 +216,10 @@ def package_circles(root: Path) -> list[list[str]]:
     return sorted(circles)
 
 
-#: the circles not yet taken apart (issue #44), each named by its package: the test fails on any other circle, and
-#: on one of these growing; taking one apart means deleting its line here
-KNOWN_CIRCLES: dict[str, str] = {}
-
-
 def test_no_import_circle_inside_a_package():
+    """No exception is kept: where two modules need one thing, it lives in a leaf both import."""
     circles = package_circles(SRC)
-    packages = [".".join(c[0].split(".")[:2]) for c in circles]
-    new = [c for c, p in zip(circles, packages) if p not in KNOWN_CIRCLES or packages.count(p) > 1]
-    assert new == [], "import circles inside a package:\n" + "\n".join(" <-> ".join(c) for c in new)
-    gone = set(KNOWN_CIRCLES) - set(packages)
-    assert not gone, f"no circle left in {sorted(gone)}: delete its KNOWN_CIRCLES line"
+    assert circles == [], "import circles inside a package:\n" + "\n".join(" <-> ".join(c) for c in circles)
 
 
 def test_the_check_finds_a_circle_closed_inside_a_function(tmp_path):
