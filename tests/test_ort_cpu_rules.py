@@ -245,3 +245,24 @@ def test_the_variant_is_read_from_the_cpu_flags():
     assert R.parse_variant("avx2") is R.KernelVariant.AVX2
     with pytest.raises(Exception, match="expected one of"):
         R.parse_variant("sse")
+
+
+def test_the_runtime_kernels_of_each_op_site_are_read_from_its_optimized_graph(tmp_path):
+    """tiny_resnet's QDQ file (QL1's symmetric int8): the conv before a residual add runs as QLinearConv, the
+    classifier as QGemm, but a conv followed by a ReLU runs in float (FusedConv): the ReLU's output zero point is
+    not the range's minimum, so the runtime cannot drop it (docs/march_ort.md)."""
+    from quantlens.compiler import export, to_onnx
+    from quantlens.compiler.onnx.runtime_kernels import kernels_by_site, runtime_kernels
+    from quantlens.quantization import calibrate, prepare
+    from quantlens.quantization.pre_export import pre_export
+    from quantlens.zoo import example_inputs, get_model, sample_batches
+
+    torch.manual_seed(0)
+    calib = prepare(get_model("tiny_resnet"), example_inputs("tiny_resnet"), check_result_dir=None)
+    calibrate(calib, sample_batches("tiny_resnet", 2, 4))
+    qat_ir = export(pre_export(calib), example_inputs("tiny_resnet"))
+    sites = kernels_by_site(runtime_kernels(to_onnx(qat_ir, tmp_path / "r.onnx", standard_qdq=True)))
+    assert sites["layer1.conv2"] == ["QLinearConv"]
+    assert sites["fc"] == ["QGemm"]
+    assert sites["stem_conv"] == ["FusedConv"]
+    assert sites["avgpool"] == ["QLinearGlobalAveragePool"]
