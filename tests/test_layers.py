@@ -311,3 +311,11 @@ def test_the_check_finds_private_names_and_modules_that_cross(tmp_path):
         "quantlens.compiler.arity:1 -> quantlens.kernels._int",
         "quantlens.compiler.gemm:2 -> quantlens.compiler.state._Converter",
     ], private_crossings(root)
+
+
+def test_every_package_folder_has_an_init():
+    """setuptools' package discovery (pyproject's ``packages.find``) leaves a folder without ``__init__.py`` out of
+    the wheel: an editable install would still import it, an installed one would not."""
+    missing = [str(d.relative_to(SRC)) for d in (SRC / "quantlens").rglob("*")
+               if d.is_dir() and any(d.glob("*.py")) and not (d / "__init__.py").exists()]
+    assert missing == [], f"package folders without __init__.py: {missing}"
