@@ -266,3 +266,37 @@ def test_the_runtime_kernels_of_each_op_site_are_read_from_its_optimized_graph(t
     assert sites["fc"] == ["QGemm"]
     assert sites["stem_conv"] == ["FusedConv"]
     assert sites["avgpool"] == ["QLinearGlobalAveragePool"]
+
+
+def test_qgemm_adds_the_int32_bias_before_the_requantize(tmp_path):
+    g = torch.Generator().manual_seed(8)
+    sa, sy = 0.04, 0.35
+    sw = (torch.rand(10, generator=g) * 0.02 + 0.002).to(torch.float32)
+    w = torch.randint(-W_MAX, W_MAX + 1, (10, 24), generator=g, dtype=torch.int8)  # [N, K]: transB
+    b = torch.randint(-20000, 20000, (10,), generator=g, dtype=torch.int32)
+    a = _on_grid((6, 24), sa, seed=9)
+    n1, i1, adq = _qdq("a", "a", sa, 0)
+    n2, i2, wdq = _const_dq("w", w.numpy(), sw.numpy(), axis=0)
+    n3, i3, bdq = _const_dq("b", b.numpy(), (torch.tensor(sa, dtype=torch.float32) * sw).numpy(), axis=0)
+    n4, i4, _ = _qdq("o", "c", sy, 0)
+    gemm = helper.make_node("Gemm", [adq, wdq, bdq], ["c"], transB=1)
+    y, ops = _run(n1 + n2 + n3 + [gemm] + n4 + [helper.make_node("Identity", ["o_dq"], ["y"])],
+                  i1 + i2 + i3 + i4, {"a": a}, None, tmp_path)
+    assert "QGemm" in ops and "Gemm" not in ops
+    acc = K.matmul_accumulate(_u8(a, sa), SHIFT, w.T, 0) + b
+    ours = _out(K.requantize(acc, R.gemm_multiplier(sa, sw, sy), SHIFT, 0, 255), sy)
+    assert torch.equal(y, ours)
+
+
+def test_qlinear_concat_requantizes_an_input_on_another_grid_through_a_table(tmp_path):
+    sa, sb, sy = 0.02, 0.05, 0.03
+    a, b = _on_grid((2, 3, 8), sa, seed=10), _on_grid((2, 5, 8), sb, seed=11)
+    n1, i1, adq = _qdq("a", "a", sa, 0)
+    n2, i2, bdq = _qdq("b", "b", sb, 0)
+    n3, i3, _ = _qdq("o", "c", sy, 0)
+    cat = helper.make_node("Concat", [adq, bdq], ["c"], axis=1)
+    y, ops = _run(n1 + n2 + [cat] + n3 + [helper.make_node("Identity", ["o_dq"], ["y"])], i1 + i2 + i3,
+                  {"a": a, "b": b}, None, tmp_path)
+    assert "QLinearConcat" in ops
+    parts = [K.lookup(_u8(x, s), R.lookup_table(lambda v: v, s, SHIFT, sy, SHIFT, 0, 255), 0) for x, s in ((a, sa), (b, sb))]
+    assert torch.equal(y, _out(torch.cat(parts, 1), sy))
