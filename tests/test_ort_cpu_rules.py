@@ -300,3 +300,18 @@ def test_qlinear_concat_requantizes_an_input_on_another_grid_through_a_table(tmp
     assert "QLinearConcat" in ops
     parts = [K.lookup(_u8(x, s), R.lookup_table(lambda v: v, s, SHIFT, sy, SHIFT, 0, 255), 0) for x, s in ((a, sa), (b, sb))]
     assert torch.equal(y, _out(torch.cat(parts, 1), sy))
+
+
+@pytest.mark.parametrize("length, sy", [(64, 1 / 256), (200, 1 / 256), (64, 0.0041)])
+def test_qlinear_softmax_reads_one_table_shifted_to_the_row_maximum(tmp_path, length, sy):
+    """(``s_y = 0.0041``: the runtime scales by ``floor(1 / s_y) = 243``, not by ``1 / s_y = 243.9``.)"""
+    sx = 0.083
+    x = _on_grid((6, length), sx, seed=12)
+    n1, i1, xdq = _qdq("x", "x", sx, 0)
+    n2, i2, _ = _qdq("o", "c", sy, -128)
+    nodes = n1 + [helper.make_node("Softmax", [xdq], ["c"], axis=-1)] + n2 + [
+        helper.make_node("Identity", ["o_dq"], ["y"])]
+    y, ops = _run(nodes, i1 + i2, {"x": x}, None, tmp_path)
+    assert "QLinearSoftmax" in ops
+    codes = K.qlinear_softmax(_u8(x, sx), R.softmax_table(sx, length), R.softmax_output_scale(sy), 0)
+    assert torch.equal(y, _out(codes, sy, -128))

@@ -16,7 +16,7 @@ from quantlens.march.ort_cpu import KernelVariant, fma32
 
 __all__ = [
     "quantize_linear", "dequantize_linear", "requantize", "matmul_accumulate", "conv_accumulate",
-    "qlinear_add", "qlinear_mul", "global_average_accumulate", "lookup", "INT16_MIN", "INT16_MAX",
+    "qlinear_add", "qlinear_mul", "global_average_accumulate", "lookup", "qlinear_softmax", "INT16_MIN", "INT16_MAX",
 ]
 
 INT16_MIN, INT16_MAX = -(1 << 15), (1 << 15) - 1
@@ -114,3 +114,17 @@ def global_average_accumulate(x: torch.Tensor, z_x: int) -> torch.Tensor:
 def lookup(x: torch.Tensor, table: torch.Tensor, qmin: int) -> torch.Tensor:
     """A QLinear lookup op (Sigmoid, LeakyRelu): ``table[x - qmin]``."""
     return table[(x.to(torch.int64) - qmin)]
+
+
+def qlinear_softmax(x: torch.Tensor, table: torch.Tensor, y_scale, z_y: int) -> torch.Tensor:
+    """QLinearSoftmax over the last axis of uint8 codes ``x`` (table :func:`quantlens.march.ort_cpu.softmax_table`,
+    ``y_scale`` its ``softmax_output_scale``): each row reads ``e = table[255 - max(row) + x]``, sums ``e`` in float32
+    one element after the other (the runtime's loop, in index order), and gives ``min(255, RNE(fl(fl(e * y_scale) /
+    sum)) + z_y)``."""
+    import numpy as np
+
+    rows = x.reshape(-1, x.shape[-1]).to(torch.int64)
+    e = table[(255 - rows.max(-1, keepdim=True).values + rows)]
+    total = torch.from_numpy(np.add.accumulate(e.numpy(), axis=-1, dtype=np.float32)[:, -1:])
+    v = (e * torch.as_tensor(y_scale, dtype=torch.float32)) / total
+    return (torch.round(v) + z_y).clamp(max=255).to(torch.int32).reshape(x.shape)

@@ -17,6 +17,7 @@ Conventions (every value is what the runtime holds, in the dtype it holds it):
 
 from __future__ import annotations
 
+import math
 import os
 from enum import Enum
 
@@ -27,7 +28,7 @@ from quantlens.errors import QuantLensError
 __all__ = [
     "KernelVariant", "detect_variant", "parse_variant", "X86_ACTIVATION_SHIFT", "gemm_multiplier",
     "add_constants", "mul_multiplier", "global_average_multiplier", "lookup_table", "mlas_logistic",
-    "leaky_relu", "LOGISTIC_RANGE",
+    "leaky_relu", "LOGISTIC_RANGE", "softmax_table", "softmax_output_scale",
 ]
 
 #: x86: an int8 activation Q/DQ pair runs as uint8, ``code + 128`` with ``zero_point + 128`` (onnxruntime's
@@ -171,3 +172,20 @@ def lookup_table(fn, s_x, z_x: int, s_y, z_y: int, qmin: int, qmax: int) -> torc
     d = _f32(s_x) * (codes - z_x).to(torch.float32)
     v = fn(d).to(torch.float32) / _f32(s_y)
     return (torch.round(v.clamp(qmin - z_y, qmax - z_y)) + z_y).to(torch.int32)
+
+
+def softmax_table(s_x, length: int) -> torch.Tensor:
+    """QLinearSoftmax's float32 table over the 256 uint8 codes, for rows of ``length`` elements:
+    ``table[i] = fl(exp((i - 255 + b) * s_x))`` in float64, ``b = max(0, ln(FLT_MAX / length) - 5) / s_x`` (a shift
+    that keeps the row's sum finite; softmax does not depend on it). A row uses the table shifted so that its
+    largest code reads entry 255; the input's zero point plays no part."""
+    s = float(_f32(s_x))
+    shift = max(0.0, math.log(float(torch.finfo(torch.float32).max) / length) - 5.0) / s
+    i = torch.arange(256, dtype=torch.float64)
+    return torch.exp((i - 255 + shift) * s).to(torch.float32)
+
+
+def softmax_output_scale(s_y) -> torch.Tensor:
+    """QLinearSoftmax's output multiplier: ``floor(1 / s_y)`` in float32 (the output scale is taken as its
+    reciprocal's integer part: exact for ``s_y = 1/256``)."""
+    return torch.floor(_f32(1.0) / _f32(s_y))
