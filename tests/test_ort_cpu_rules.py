@@ -315,3 +315,37 @@ def test_qlinear_softmax_reads_one_table_shifted_to_the_row_maximum(tmp_path, le
     assert "QLinearSoftmax" in ops
     codes = K.qlinear_softmax(_u8(x, sx), R.softmax_table(sx, length), R.softmax_output_scale(sy), 0)
     assert torch.equal(y, _out(codes, sy, -128))
+
+
+@pytest.mark.parametrize("include_pad", [0, 1])
+def test_qlinear_average_pool_averages_in_float_and_adds_the_zero_point_before_rounding(tmp_path, include_pad):
+    sx, sy = 0.05, 0.0173
+    x = _on_grid((2, 4, 9, 9), sx, seed=13)
+    n1, i1, xdq = _qdq("x", "x", sx, 0)
+    n2, i2, _ = _qdq("o", "c", sy, 0)
+    pool = helper.make_node("AveragePool", [xdq], ["c"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1],
+                            count_include_pad=include_pad)
+    y, ops = _run(n1 + [pool] + n2 + [helper.make_node("Identity", ["o_dq"], ["y"])], i1 + i2, {"x": x}, None,
+                  tmp_path)
+    assert "QLinearAveragePool" in ops
+    codes = K.qlinear_average_pool(_u8(x, sx), sx, SHIFT, sy, SHIFT, (3, 3), (2, 2), (1, 1), bool(include_pad), 0, 255)
+    assert torch.equal(y, _out(codes, sy))
+
+
+def test_qlinear_average_pool_rounds_after_adding_an_odd_zero_point(tmp_path):
+    """2x2 windows with s_y = s_x put a quarter of the averages on .5 ties; with an odd output zero point (uint8 1)
+    rounding before adding it would move each of those ties by one step."""
+    sx = 0.05
+    x = _on_grid((1, 3, 8, 8), sx, seed=14)
+    n1, i1, xdq = _qdq("x", "x", sx, 0)
+    n2, i2, _ = _qdq("o", "c", sx, -127)
+    pool = helper.make_node("AveragePool", [xdq], ["c"], kernel_shape=[2, 2], strides=[2, 2])
+    y, ops = _run(n1 + [pool] + n2 + [helper.make_node("Identity", ["o_dq"], ["y"])], i1 + i2, {"x": x}, None,
+                  tmp_path)
+    assert "QLinearAveragePool" in ops
+    codes = K.qlinear_average_pool(_u8(x, sx), sx, SHIFT, sx, 1, (2, 2), (2, 2), (0, 0), False, 0, 255)
+    assert torch.equal(y, _out(codes, sx, -127))
+    xf = K.dequantize_linear(_u8(x, sx), sx, SHIFT)
+    mean = torch.nn.functional.avg_pool2d(xf, 2)
+    round_first = (K.quantize_linear(mean, sx, 0, -128, 127) + 1).clamp(0, 255)
+    assert not torch.equal(round_first, codes)

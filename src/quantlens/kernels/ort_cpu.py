@@ -16,7 +16,7 @@ from quantlens.march.ort_cpu import KernelVariant, fma32
 
 __all__ = [
     "quantize_linear", "dequantize_linear", "requantize", "matmul_accumulate", "conv_accumulate",
-    "qlinear_add", "qlinear_mul", "global_average_accumulate", "lookup", "qlinear_softmax", "INT16_MIN", "INT16_MAX",
+    "qlinear_add", "qlinear_mul", "global_average_accumulate", "lookup", "qlinear_softmax", "qlinear_average_pool", "INT16_MIN", "INT16_MAX",
 ]
 
 INT16_MIN, INT16_MAX = -(1 << 15), (1 << 15) - 1
@@ -128,3 +128,29 @@ def qlinear_softmax(x: torch.Tensor, table: torch.Tensor, y_scale, z_y: int) -> 
     total = torch.from_numpy(np.add.accumulate(e.numpy(), axis=-1, dtype=np.float32)[:, -1:])
     v = (e * torch.as_tensor(y_scale, dtype=torch.float32)) / total
     return (torch.round(v) + z_y).clamp(max=255).to(torch.int32).reshape(x.shape)
+
+
+def qlinear_average_pool(x: torch.Tensor, s_x, z_x: int, s_y, z_y: int, kernel: tuple[int, int],
+                         stride: tuple[int, int], pads: tuple[int, int], count_include_pad: bool,
+                         qmin: int, qmax: int) -> torch.Tensor:
+    """QLinearAveragePool (2-D, NCHW codes, symmetric pads ``(top, left)``): the codes dequantized to float32
+    (``fl(s_x * (x - z_x))``), each window summed in float32 row by row (padding left out), divided by its count in
+    float32 (the window's size with ``count_include_pad``, else its valid elements), and quantized as
+    ``sat(RNE(fl(fl(v / s_y) + z_y)))``: the zero point is added before the rounding, unlike QuantizeLinear."""
+    xf = torch.as_tensor(s_x, dtype=torch.float32) * (x.to(torch.int32) - z_x).to(torch.float32)
+    n, c, h, w = xf.shape
+    cols = F.unfold(xf, kernel, padding=pads, stride=stride)  # [N, C*kh*kw, L], zeros in the padding
+    cols = cols.reshape(n, c, kernel[0] * kernel[1], -1)
+    total = cols[:, :, 0]
+    for k in range(1, cols.shape[2]):  # one element after the other, as the runtime's loop (+0.0 at the padding)
+        total = total + cols[:, :, k]
+    oh = (h + 2 * pads[0] - kernel[0]) // stride[0] + 1
+    ow = (w + 2 * pads[1] - kernel[1]) // stride[1] + 1
+    if count_include_pad:
+        count = torch.full((oh * ow,), float(kernel[0] * kernel[1]))
+    else:
+        ones = F.unfold(torch.ones(1, 1, h, w), kernel, padding=pads, stride=stride)
+        count = ones.sum(1).reshape(-1)
+    v = total / count.to(torch.float32)
+    q = torch.round(v / torch.as_tensor(s_y, dtype=torch.float32) + float(z_y)).clamp(qmin, qmax)
+    return q.to(torch.int32).reshape(n, c, oh, ow)
