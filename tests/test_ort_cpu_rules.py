@@ -349,3 +349,17 @@ def test_qlinear_average_pool_rounds_after_adding_an_odd_zero_point(tmp_path):
     mean = torch.nn.functional.avg_pool2d(xf, 2)
     round_first = (K.quantize_linear(mean, sx, 0, -128, 127) + 1).clamp(0, 255)
     assert not torch.equal(round_first, codes)
+
+
+def test_a_matmul_whose_output_stays_float_runs_as_matmul_integer_to_float(tmp_path):
+    g = torch.Generator().manual_seed(15)
+    sa = 0.04
+    sw = (torch.rand(12, generator=g) * 0.02 + 0.002).to(torch.float32)
+    w = torch.randint(-W_MAX, W_MAX + 1, (32, 12), generator=g, dtype=torch.int8)
+    a = _on_grid((5, 32), sa, seed=16)
+    n1, i1, adq = _qdq("a", "a", sa, 0)
+    n2, i2, wdq = _const_dq("w", w.numpy(), sw.numpy(), axis=1)
+    y, ops = _run(n1 + n2 + [helper.make_node("MatMul", [adq, wdq], ["y"])], i1 + i2, {"a": a}, None, tmp_path)
+    assert "MatMulIntegerToFloat" in ops
+    acc = K.matmul_accumulate(_u8(a, sa), SHIFT, w, 0)
+    assert torch.equal(y, K.integer_to_float(acc, sa, sw))

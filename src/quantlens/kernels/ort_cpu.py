@@ -16,7 +16,7 @@ from quantlens.march.ort_cpu import KernelVariant, fma32
 
 __all__ = [
     "quantize_linear", "dequantize_linear", "requantize", "matmul_accumulate", "conv_accumulate",
-    "qlinear_add", "qlinear_mul", "global_average_accumulate", "lookup", "qlinear_softmax", "qlinear_average_pool", "INT16_MIN", "INT16_MAX",
+    "qlinear_add", "qlinear_mul", "global_average_accumulate", "lookup", "qlinear_softmax", "qlinear_average_pool", "integer_to_float", "INT16_MIN", "INT16_MAX",
 ]
 
 INT16_MIN, INT16_MAX = -(1 << 15), (1 << 15) - 1
@@ -40,6 +40,13 @@ def requantize(acc: torch.Tensor, multiplier, zero_point: int, qmin: int, qmax: 
     tensor or broadcast per channel (``acc`` int32; its conversion to float32 rounds above 2**24)."""
     v = acc.to(torch.int32).to(torch.float32) * torch.as_tensor(multiplier, dtype=torch.float32)
     return (torch.round(v.clamp(qmin - zero_point, qmax - zero_point)) + zero_point).to(torch.int32)
+
+
+def integer_to_float(acc: torch.Tensor, s_a, s_b) -> torch.Tensor:
+    """MatMulIntegerToFloat (a MatMul whose output the runtime leaves in float): ``fl(float32(acc) * fl(s_a * s_b))``,
+    ``s_b`` per tensor or per column."""
+    scale = torch.as_tensor(s_a, dtype=torch.float32) * torch.as_tensor(s_b, dtype=torch.float32)
+    return acc.to(torch.int32).to(torch.float32) * scale
 
 
 def _pair_saturated_dot(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
