@@ -363,3 +363,24 @@ def test_a_matmul_whose_output_stays_float_runs_as_matmul_integer_to_float(tmp_p
     assert "MatMulIntegerToFloat" in ops
     acc = K.matmul_accumulate(_u8(a, sa), SHIFT, w, 0)
     assert torch.equal(y, K.integer_to_float(acc, sa, sw))
+
+
+def test_the_avx2_conv_is_the_exact_conv_where_no_pair_saturates_and_differs_where_pairs_do():
+    """The AVX2 rule of a conv (no such CPU here): with weights within +-64 no pair of products passes int16, so it
+    equals the exact accumulator; full-range codes saturate and it differs; a depthwise conv has no pairs."""
+    g = torch.Generator().manual_seed(17)
+    x = torch.randint(0, 256, (1, 8, 6, 6), generator=g, dtype=torch.uint8)
+    small = torch.randint(-64, 65, (4, 8, 3, 3), generator=g, dtype=torch.int8)
+    args = (2, 1, 1, 1)  # stride, padding, dilation, groups
+    exact = K.conv_accumulate(x, 128, small, 0, None, *args)
+    assert torch.equal(K.conv_accumulate(x, 128, small, 0, None, *args, R.KernelVariant.AVX2), exact)
+    full = torch.full((4, 8, 3, 3), 127, dtype=torch.int8)
+    hot = torch.full((1, 8, 6, 6), 255, dtype=torch.uint8)
+    sat = K.conv_accumulate(hot, 128, full, 0, None, *args, R.KernelVariant.AVX2)
+    assert (sat < K.conv_accumulate(hot, 128, full, 0, None, *args)).all()
+    # by hand, an output away from the padding: 36 pairs of 255 * 127 each saturate to 32767, then the zero point
+    # term 128 * (72 * 127) is subtracted exactly (the exact sum is 72 * 127 * 127)
+    assert int(sat[0, 0, 1, 1]) == 36 * 32767 - 128 * 72 * 127 == 9180
+    dw = torch.full((8, 1, 3, 3), 127, dtype=torch.int8)
+    assert torch.equal(K.conv_accumulate(hot, 128, dw, 0, None, 1, 1, 1, 8, R.KernelVariant.AVX2),
+                       K.conv_accumulate(hot, 128, dw, 0, None, 1, 1, 1, 8))

@@ -80,9 +80,18 @@ def matmul_accumulate(a: torch.Tensor, z_a: int, w: torch.Tensor, z_w, variant: 
 
 
 def conv_accumulate(x: torch.Tensor, z_x: int, w: torch.Tensor, z_w, bias: torch.Tensor | None, stride, padding,
-                    dilation, groups: int) -> torch.Tensor:
+                    dilation, groups: int, variant: KernelVariant = KernelVariant.VNNI) -> torch.Tensor:
     """QLinearConv's int32 accumulator (NCHW): ``sum (x - z_x)(w - z_w) + bias``, padding contributing zero (the
-    runtime pads with ``z_x``). ``z_w`` per tensor or per output channel (onnxruntime requires them equal)."""
+    runtime pads with ``z_x``). ``z_w`` per tensor or per output channel (onnxruntime requires them equal).
+
+    ``AVX2``: the 2-D convolution as the runtime's im2col GEMM, its reduction axis in (kh, kw, cin) order with the
+    input channel fastest, each two adjacent raw-code products saturated to int16 (:func:`matmul_accumulate`); a
+    depthwise convolution (one input channel per group) has no pairs and stays exact."""
+    if variant is KernelVariant.AVX2 and w.dim() == 4 and w.shape[1] > 1:
+        acc = _conv_avx2(x, z_x, w, z_w, stride, padding, dilation, groups)
+        if bias is not None:
+            acc = acc + bias.to(torch.int64).reshape(1, -1, 1, 1)
+        return acc.to(torch.int32)
     z_w = torch.as_tensor(z_w, dtype=torch.float64)
     wf = w.to(torch.float64) - (z_w.reshape(-1, *([1] * (w.dim() - 1))) if z_w.dim() else z_w)
     conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[w.dim() - 2]
@@ -90,6 +99,31 @@ def conv_accumulate(x: torch.Tensor, z_x: int, w: torch.Tensor, z_w, bias: torch
     if bias is not None:
         acc = acc + bias.to(torch.int64).reshape(1, -1, *([1] * (acc.dim() - 2)))
     return acc.to(torch.int32)
+
+
+def _conv_avx2(x, z_x, w, z_w, stride, padding, dilation, groups) -> torch.Tensor:
+    n, _, h, wd = x.shape
+    cout, cin_g, kh, kw = w.shape
+    pad = (padding, padding) if isinstance(padding, int) else tuple(padding)
+    xp = F.pad(x.to(torch.float64), (pad[1], pad[1], pad[0], pad[0]), value=float(z_x))  # padded with the zero point
+    cols = F.unfold(xp, (kh, kw), dilation=dilation, stride=stride)  # [N, C*kh*kw, L], (cin, kh, kw) order
+    length = cols.shape[-1]
+    out = []
+    cout_g = cout // groups
+    z_w = torch.as_tensor(z_w, dtype=torch.int64)
+    for g in range(groups):
+        part = cols[:, g * cin_g * kh * kw:(g + 1) * cin_g * kh * kw].reshape(n, cin_g, kh * kw, length)
+        a = part.permute(0, 3, 2, 1).reshape(n * length, kh * kw * cin_g).round().to(torch.int64)  # (kh, kw, cin)
+        wg = w[g * cout_g:(g + 1) * cout_g].permute(2, 3, 1, 0).reshape(kh * kw * cin_g, cout_g)
+        zg = z_w[g * cout_g:(g + 1) * cout_g] if z_w.dim() else z_w
+        out.append(matmul_accumulate(a, z_x, wg, zg, KernelVariant.AVX2).to(torch.int64).reshape(n, length, cout_g))
+    oh = (h + 2 * pad[0] - (kh - 1) * _pair(dilation)[0] - 1) // _pair(stride)[0] + 1
+    ow = (wd + 2 * pad[1] - (kw - 1) * _pair(dilation)[1] - 1) // _pair(stride)[1] + 1
+    return torch.cat(out, -1).permute(0, 2, 1).reshape(n, cout, oh, ow)
+
+
+def _pair(v) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else tuple(v)
 
 
 def qlinear_add(a: torch.Tensor, b: torch.Tensor, r_a, r_b, f, qmin: int, qmax: int) -> torch.Tensor:
