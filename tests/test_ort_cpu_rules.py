@@ -384,3 +384,32 @@ def test_the_avx2_conv_is_the_exact_conv_where_no_pair_saturates_and_differs_whe
     dw = torch.full((8, 1, 3, 3), 127, dtype=torch.int8)
     assert torch.equal(K.conv_accumulate(hot, 128, dw, 0, None, 1, 1, 1, 8, R.KernelVariant.AVX2),
                        K.conv_accumulate(hot, 128, dw, 0, None, 1, 1, 1, 8))
+
+
+def test_a_relu_after_a_conv_fuses_when_its_output_is_uint8_with_zero_point_zero(tmp_path):
+    """The quantization scheme ORT_CPU needs: QL1's symmetric int8 ReLU output (zero point 0, uint8 128 on x86)
+    keeps the ReLU in float (FusedConv); a uint8 output with zero point 0 makes the ReLU redundant, the conv runs
+    as QLinearConv and the requantize's clamp at 0 is the ReLU, bit for bit."""
+    g = torch.Generator().manual_seed(18)
+    sx, sy = 0.05, 0.04
+    sw = (torch.rand(16, generator=g) * 0.02 + 0.001).to(torch.float32)
+    w = torch.randint(-W_MAX, W_MAX + 1, (16, 8, 3, 3), generator=g, dtype=torch.int8)
+    b = torch.randint(-3000, 3000, (16,), generator=g, dtype=torch.int32)
+    x = _on_grid((1, 8, 6, 6), sx, seed=19)
+
+    def graph(out_dtype):
+        n1, i1, xdq = _qdq("x", "x", sx, 0)
+        n2, i2, wdq = _const_dq("w", w.numpy(), sw.numpy(), axis=0)
+        n3, i3, bdq = _const_dq("b", b.numpy(), (torch.tensor(sx, dtype=torch.float32) * sw).numpy(), axis=0)
+        n4, i4, _ = _qdq("o", "r", sy, 0, dtype=out_dtype)
+        nodes = n1 + n2 + n3 + [helper.make_node("Conv", [xdq, wdq, bdq], ["c"], pads=[1, 1, 1, 1]),
+                                helper.make_node("Relu", ["c"], ["r"])] + n4
+        return nodes + [helper.make_node("Identity", ["o_dq"], ["y"])], i1 + i2 + i3 + i4
+
+    _, ops = _run(*graph(np.int8), {"x": x}, None, tmp_path)
+    assert "FusedConv" in ops and "QLinearConv" not in ops
+    y, ops = _run(*graph(np.uint8), {"x": x}, None, tmp_path)
+    assert "QLinearConv" in ops and "Relu" not in ops and "FusedConv" not in ops
+    acc = K.conv_accumulate(_u8(x, sx), SHIFT, w, 0, b, 1, 1, 1, 1)
+    codes = K.requantize(acc, R.gemm_multiplier(sx, sw, sy).reshape(1, -1, 1, 1), 0, 0, 255)
+    assert torch.equal(y, K.dequantize_linear(codes, sy, 0))
