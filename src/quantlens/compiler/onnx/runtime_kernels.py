@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RuntimeKernel", "INTEGER_KERNELS", "runtime_kernels", "kernels_by_site"]
+__all__ = ["RuntimeKernel", "INTEGER_KERNELS", "runtime_kernels", "kernels_by_site", "site_of"]
 
 #: the runtime's fused int8 kernels (op types of its optimized graph); the movement ops it runs on the codes
 #: (Reshape, Transpose, MaxPool ... with equal input and output parameters) keep their own op type
@@ -41,7 +41,7 @@ class RuntimeKernel:
         return self.op_type in INTEGER_KERNELS
 
 
-def _site_of(name: str) -> str:
+def site_of(name: str) -> str:
     """``"layer1.conv2/Conv/38_token_26"`` -> ``"layer1.conv2"``; a name without ``/`` is the runtime's own."""
     return name.split("/", 1)[0] if "/" in name else ""
 
@@ -59,7 +59,7 @@ def runtime_kernels(path: str | os.PathLike) -> list[RuntimeKernel]:
         options.log_severity_level = 3  # (the runtime warns that a fully optimized file is hardware specific)
         ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         graph = onnx.load(str(optimized)).graph
-    return [RuntimeKernel(n.op_type, _site_of(n.name), n.name) for n in graph.node if n.op_type not in _PLUMBING]
+    return [RuntimeKernel(n.op_type, site_of(n.name), n.name) for n in graph.node if n.op_type not in _PLUMBING]
 
 
 def kernels_by_site(kernels: list[RuntimeKernel]) -> dict[str, list[str]]:
