@@ -4,14 +4,19 @@ recomputed on its own inputs by quantlens' kernels of the runtime (``compiler/on
 Run: OMP_NUM_THREADS=2 .venv/bin/python -W ignore benchmarks/check_ort_kernels.py minilm resnet18
 Prints, per net, ``{(kernel, elements that differ): count}`` and the elements checked.
 """
-import sys, collections, tempfile, torch
+import collections
+import sys
+import tempfile
+
 sys.path.insert(0, "benchmarks")
 from bench_peers_nets import build_net
+
 from quantlens.compiler import export, to_onnx
 from quantlens.compiler.onnx.runtime_check import check_runtime_kernels
 from quantlens.quantization import calibrate, prepare
 from quantlens.quantization.pre_export import pre_export
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+
 for name in sys.argv[1:]:
     net = build_net(name)
     p = prepare(net.model, net.args, default_calibration_qconfig_setter, check_result_dir=None, allow_no_stubs=True)
