@@ -119,7 +119,7 @@ class TorchModelAccess(ModelAccess):
 
     def _probe_runtime(self, probe: Probe) -> RuntimeProbe:
         """The prepared model's runtime reporting every site to ``probe``; without the integer rules when
-        :attr:`integer_rules` is off (as :func:`~quantlens.quantization.consistency.without_integer_rules`)."""
+        :attr:`integer_rules` is off (as :func:`~quantlens.quantization.without_integer_rules`)."""
         runtime = RuntimeProbe(self.state, probe)
         if not self.integer_rules:
             runtime.emulator = None  # float + fake quant, as export traces the forward

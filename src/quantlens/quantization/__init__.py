@@ -28,7 +28,7 @@ from quantlens.quantization.observers import (
 )
 from quantlens.quantization.prepare import prepare
 from quantlens.quantization.qconfig import QConfig, QuantSpec, get_qconfig
-from quantlens.quantization.queries import get_op_sites
+from quantlens.quantization.queries import get_op_sites, without_integer_rules
 from quantlens.quantization.stages import calibrate, set_fake_quantize
 from quantlens.quantization.state import is_prepared, use_runtime
 from quantlens.sites.stubs import DeQuantStub, QuantStub
@@ -50,6 +50,7 @@ __all__ = [
     "QuantSpec",
     "get_qconfig",
     "get_op_sites",
+    "without_integer_rules",
     "check_qat_model",
     "ModelCheckResult",
     "Observer",
