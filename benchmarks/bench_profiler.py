@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -47,7 +47,7 @@ class PeakRSS:
     """Samples the resident set size every millisecond while the block runs."""
 
     def __enter__(self):
-        self.start = self.peak = _rss_bytes()
+        self.start = self.peak = rss_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -55,13 +55,13 @@ class PeakRSS:
 
     def _sample(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_bytes())
+            self.peak = max(self.peak, rss_bytes())
             time.sleep(0.001)
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _rss_bytes())
+        self.peak = max(self.peak, rss_bytes())
 
     @property
     def extra(self) -> int:
@@ -179,17 +179,23 @@ def measure(mode: str, args) -> dict:
             "disk": disk, "activation": activation, "sites": len(sites), "threads": torch.get_num_threads()}
 
 
-def _measure_in_subprocess(mode: str, layers: int, args, pair: str = "fake_quant", threads: int = 1) -> dict:
-    flags = [f"--layers={layers}", f"--pair={pair}", f"--threads={threads}"] + [
-        f"--{k}={getattr(args, k)}" for k in ("channels", "size", "batch", "repeat")]
+def measure_in_subprocess(script: str, mode: str, flags: list[str], glibc_default: bool) -> dict:
+    """Run ``script --measure=mode *flags`` in a fresh process (its RSS its own) and return the JSON dict its last
+    line prints."""
     env = dict(os.environ)
-    if not args.glibc_default:
+    if not glibc_default:
         # glibc raises its mmap threshold after the first large free and then keeps freed activations in its
         # heap: RSS would show the allocator's cache instead of live tensors. A fixed threshold returns them.
         env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-    out = subprocess.run([sys.executable, __file__, f"--measure={mode}", *flags], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, script, f"--measure={mode}", *flags], capture_output=True, text=True,
                          check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _measure_in_subprocess(mode: str, layers: int, args, pair: str = "fake_quant", threads: int = 1) -> dict:
+    flags = [f"--layers={layers}", f"--pair={pair}", f"--threads={threads}"] + [
+        f"--{k}={getattr(args, k)}" for k in ("channels", "size", "batch", "repeat")]
+    return measure_in_subprocess(__file__, mode, flags, args.glibc_default)
 
 
 def main() -> None:

@@ -19,15 +19,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 from bench_profiler import PeakRSS as _Sampler  # (the same folder: run as a script)
-from bench_profiler import _rss_bytes
+from bench_profiler import measure_in_subprocess, rss_bytes
 from torch import nn
 
 MB = 1024 * 1024
@@ -43,7 +40,7 @@ class PeakRSS(_Sampler):
     def __exit__(self, *exc):
         super().__exit__(*exc)
         gc.collect()
-        self.kept = _rss_bytes() - self.start
+        self.kept = rss_bytes() - self.start
 
 
 class DeepMLP(nn.Module):
@@ -103,13 +100,7 @@ def measure(mode: str, args) -> dict:
 
 def _in_subprocess(mode: str, args) -> dict:
     flags = [f"--{k}={getattr(args, k)}" for k in ("blocks", "width", "batch")]
-    env = dict(os.environ)
-    if not args.glibc_default:
-        # glibc keeps freed activations in its heap once its mmap threshold rises: RSS would show its cache
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-    out = subprocess.run([sys.executable, __file__, f"--measure={mode}", *flags], capture_output=True, text=True,
-                         check=True, env=env)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return measure_in_subprocess(__file__, mode, flags, args.glibc_default)
 
 
 def main() -> None:
