@@ -1033,3 +1033,17 @@ def test_calibrate_helper_observes_then_validates():
     assert bool(state.fq[state.plans["relu1"].output_fq].calibrated)
     with pytest.raises(QuantLensError, match="no batch"):
         calibrate(prepared, [])
+
+
+def test_a_float_model_that_fails_on_its_own_example_gets_its_error_in_words():
+    """A model that raises on its example inputs without quantlens too is the model's error (or its inputs'), said
+    so with the line of the model's code; the tracer is not blamed with an unexpected error."""
+    import torch.nn.functional as F
+
+    class TooSmall(nn.Module):
+        def forward(self, x):
+            return F.unfold(x, 4)  # a 2x2 image has no 4x4 block
+
+    with pytest.raises(QuantLensError, match=r"raises on example input 0 without quantlens too: RuntimeError.*"
+                                             r"test_prepare\.py:\d+"):
+        prepare(TooSmall(), torch.randn(1, 1, 2, 2), allow_no_stubs=True, check_result_dir=None)

@@ -7,6 +7,7 @@ profiler (op site names are identical in the float and the prepared model).
 
 from __future__ import annotations
 
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -18,6 +19,7 @@ from torch.utils import _pytree as pytree
 from quantlens.errors import QuantLensError
 from quantlens.march.opset import op_def
 from quantlens.sites.op_rules import OpKind
+from quantlens.sites.source_location import TORCH_DIR, is_within
 from quantlens.sites.tracer import (
     OpSiteTracer,
     SiteCall,
@@ -244,7 +246,7 @@ def record_model(model: nn.Module, examples: Iterable[Any]) -> ModelRecord:
     """Run ``model`` (unchanged, no grad) on each example and record its op sites."""
     record = ModelRecord()
     with torch.no_grad():
-        for example in examples:
+        for index, example in enumerate(examples):
             model_inputs = TensorMarks()
             for leaf in pytree.tree_leaves(example):
                 if is_float_tensor(leaf):
@@ -253,6 +255,10 @@ def record_model(model: nn.Module, examples: Iterable[Any]) -> ModelRecord:
             try:
                 with OpSiteTracer(model, recorder):
                     call_model(model, example)
+            except QuantLensError:
+                raise
+            except Exception as exc:  # (always raised again: the model's own error in words, or this one)
+                raise _own_failure(model, example, index, exc) or exc
             finally:
                 recorder.marks.clear()
                 recorder.param_views.clear()
@@ -266,6 +272,22 @@ def record_model(model: nn.Module, examples: Iterable[Any]) -> ModelRecord:
             "nothing to quantize. Check that example_inputs are the model's real inputs."
         )
     return record
+
+
+def _own_failure(model: nn.Module, example: Any, index: int, exc: Exception) -> QuantLensError | None:
+    """When ``model`` raises the same error on ``example`` without quantlens, that error in words: the model (or
+    its example input) is what to fix, not the tracer. ``None`` when the plain call runs."""
+    try:
+        call_model(model, example)
+    except type(exc) as plain:
+        frames = [f for f in traceback.extract_tb(plain.__traceback__) if not is_within(f.filename, TORCH_DIR)]
+        where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+        return QuantLensError(
+            f"The float model {type(model).__name__} raises on example input {index} without quantlens too: "
+            f"{type(plain).__name__}: {plain}{where}. prepare records the model by running it; fix the model or "
+            "its example inputs so that a plain call model(*example_inputs) runs."
+        )
+    return None
 
 
 def _mark_after_dequant(record: ModelRecord) -> None:
