@@ -69,6 +69,10 @@ def test_ql1_constants():
     assert (I8.qmin, I8.qmax) == (-128, 127)
     assert (I16.qmin, I16.qmax) == (-32768, 32767)
     assert (I32.qmin, I32.qmax) == (-(2**31), 2**31 - 1)
+    assert (QuantDType.quint8.qmin, QuantDType.quint8.qmax, QuantDType.quint8.bits) == (0, 255, 8)
+    assert QuantDType.of_range(0, 255) is QuantDType.quint8 and QuantDType.of_range(-128, 127) is I8
+    with pytest.raises(QuantLensError, match=r"No quantized dtype has the range \[0, 127\]"):
+        QuantDType.of_range(0, 127)
 
 
 # --- QuantDType.parse -----------------------------------------------------------------------------------------
@@ -76,13 +80,14 @@ def test_ql1_constants():
 
 @pytest.mark.parametrize(
     "value, expected",
-    [("int8", I8), ("qint8", I8), ("int16", I16), ("qint16", I16), ("int32", I32), (I16, I16), (torch.qint8, I8)],
+    [("int8", I8), ("qint8", I8), ("int16", I16), ("qint16", I16), ("int32", I32), (I16, I16), (torch.qint8, I8),
+     ("uint8", QuantDType.quint8), (torch.quint8, QuantDType.quint8)],
 )
 def test_quant_dtype_parse_accepts(value, expected):
     assert QuantDType.parse(value) is expected
 
 
-@pytest.mark.parametrize("value", ["int4", "qint4", "float32", "uint8", ""])
+@pytest.mark.parametrize("value", ["int4", "qint4", "float32", "uint16", ""])
 def test_quant_dtype_parse_rejects(value):
     with pytest.raises(QuantLensError, match="Unknown quantized dtype"):
         QuantDType.parse(value)

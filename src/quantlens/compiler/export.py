@@ -212,11 +212,17 @@ def export(
         pytree.treespec_dumps(spec),
         pytree.treespec_dumps(output_spec),
         meta={"march": model._quantlens_state.march, "source_model": type(model).__name__,
-              **_consistency_meta(model._quantlens_state)},
+              **_variant_meta(model._quantlens_state), **_consistency_meta(model._quantlens_state)},
     )
     if traced is not tensors:  # traced on a batch-2 copy: the IR must also give the example's batch-1 shapes
         _check_batch_one(module, dict(zip(graph.inputs, tensors)), eager)
     return module
+
+
+def _variant_meta(state) -> dict:
+    """A runtime march's kernel variant (``March.ORT_CPU``); QL1's IR has none."""
+    variant = getattr(state, "march_variant", None)
+    return {} if variant is None else {"march_variant": variant}
 
 
 def _consistency_meta(state) -> dict:

@@ -15,7 +15,7 @@ from quantlens.compiler.kernels_qat import QAT_KERNELS, call_torch_op, qat_dispa
 from quantlens.compiler.op_meanings import TORCH_OPS
 from quantlens.errors import QuantLensError
 from quantlens.kernels.integer import INT_KERNELS as _KERNELS
-from quantlens.kernels.integer import REFERENCE_TABLE_KERNELS, storage_dtype
+from quantlens.kernels.integer import REFERENCE_TABLE_KERNELS, RUNTIME_KERNELS, storage_dtype
 from quantlens.march.opset import ops_in
 
 __all__ = ["INT_KERNELS", "int_dispatch", "storage_dtype", "node_kernel"]
@@ -54,6 +54,13 @@ def int_dispatch(node: Node, inputs: list) -> Any:
     the qat kernel, which moves integers as it moves floats)."""
     if node.attrs.get("host"):  # float post-processing after the boundary
         return qat_dispatch(node, inputs)
+    runtime = node.attrs.get("runtime")
+    if runtime is not None:  # a runtime march's kernel (March.ORT_CPU)
+        kernels = RUNTIME_KERNELS.get(runtime)
+        if kernels is None or node.op not in kernels:
+            raise QuantLensError(f"quantized IR: no kernel of runtime {runtime!r} for op '{node.op}' (op site "
+                                 f"'{node.site}'); known runtimes: {sorted(RUNTIME_KERNELS)}.")
+        return kernels[node.op](inputs, node.attrs, node.site)
     kernel = INT_KERNELS.get(node.op)
     if kernel is not None:
         return kernel(node, inputs)

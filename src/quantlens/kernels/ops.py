@@ -69,11 +69,8 @@ def table_torch_op(name: str):
 
 
 def dtype_from_range(qmin: int, qmax: int) -> QuantDType:
-    """The integer type with range ``[qmin, qmax]`` (int8 or int16)."""
-    for dtype in (QuantDType.qint8, QuantDType.qint16, QuantDType.qint32):
-        if dtype.qmin == qmin and dtype.qmax == qmax:
-            return dtype
-    raise ValueError(f"no integer type with range [{qmin}, {qmax}]")
+    """The integer type with range ``[qmin, qmax]`` (int8, uint8, int16)."""
+    return QuantDType.of_range(qmin, qmax)
 
 
 def _q(x: torch.Tensor, scale: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:

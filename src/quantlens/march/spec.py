@@ -6,27 +6,32 @@ and the integer simulator share lives here, and nowhere else. Change the spec an
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import Iterator
 
 from quantlens.errors import QuantLensError
+from quantlens.march.ort_cpu import KernelVariant, detect_variant, parse_variant
 
 #: version of docs/march.md that this module implements.
 SPEC_VERSION = 6
 
 __all__ = [
     "SPEC_VERSION", "QuantDType", "RoundingMode", "Qpp", "QppSpec", "CostModel", "MarchSpec", "March", "set_march",
-    "get_march",
+    "get_march", "get_variant", "using_march",
 ]
 
 
 class QuantDType(str, Enum):
-    """Integer storage types of the march. All are symmetric (zero point 0)."""
+    """Integer storage types of the march. All have zero point 0: the signed ones are symmetric, ``quint8``
+    (``[0, 255]``) holds a non-negative activation of a march with ``unsigned_activations`` (``March.ORT_CPU``)."""
 
     qint8 = "qint8"
     qint16 = "qint16"
     qint32 = "qint32"
+    quint8 = "quint8"
 
     # (plain dict lookups: the simulator reads these per op, and an Enum's ``.value`` is a descriptor call)
     @property
@@ -42,6 +47,15 @@ class QuantDType(str, Enum):
         return _QMAX[self]
 
     @classmethod
+    def of_range(cls, qmin: int, qmax: int) -> "QuantDType":
+        """The type whose codes are exactly ``[qmin, qmax]`` (a fake quant's bounds); none is a clear error."""
+        for dtype in cls:
+            if _QMIN[dtype] == qmin and _QMAX[dtype] == qmax:
+                return dtype
+        raise QuantLensError(f"No quantized dtype has the range [{qmin}, {qmax}]; expected one of "
+                             f"{[(d.value, _QMIN[d], _QMAX[d]) for d in cls]}.")
+
+    @classmethod
     def parse(cls, value: "QuantDType | str") -> "QuantDType":
         """Accept ``QuantDType.qint8``, ``"qint8"`` or ``"int8"``; anything else is a clear error."""
         if isinstance(value, QuantDType):
@@ -54,13 +68,14 @@ class QuantDType(str, Enum):
         except ValueError:
             raise QuantLensError(
                 f"Unknown quantized dtype {value!r}. Expected one of {[d.value for d in cls]} "
-                "(or 'int8'/'int16'/'int32')."
+                "(or 'int8'/'int16'/'int32'/'uint8')."
             ) from None
 
 
-_BITS = {QuantDType.qint8: 8, QuantDType.qint16: 16, QuantDType.qint32: 32}
+_BITS = {QuantDType.qint8: 8, QuantDType.qint16: 16, QuantDType.qint32: 32, QuantDType.quint8: 8}
 _QMIN = {d: -(1 << (b - 1)) for d, b in _BITS.items()}
 _QMAX = {d: (1 << (b - 1)) - 1 for d, b in _BITS.items()}
+_QMIN[QuantDType.quint8], _QMAX[QuantDType.quint8] = 0, 255
 
 
 class RoundingMode(str, Enum):
@@ -157,6 +172,15 @@ class MarchSpec:
     high_precision_qpp: QppSpec = QppSpec(multiplier_bits=31, elementwise_frac_bits=8)
     #: cycle costs (§15).
     cost: CostModel = CostModel()
+    #: requantize multipliers are float32 numbers applied in float32 (a CPU runtime's kernels), not the integer
+    #: multiplier and rounding shift of §8 (``docs/march_ort.md``).
+    float_requantize: bool = False
+    #: an activation whose observer saw no negative value takes ``quint8`` (``[0, 255]``, zero point 0): a ReLU
+    #: before it is then the requantize's clamp, which a runtime fuses into its integer kernel.
+    unsigned_activations: bool = False
+    #: whether the march computes table ops (softmax, GELU, layer norm ...) in integer; without, they run on the
+    #: host in float between a dequantize and a quantize.
+    tables: bool = True
 
     def qpp(self, q: "Qpp | str") -> QppSpec:
         """The arithmetic of requantize precision profile ``q`` (§8)."""
@@ -184,7 +208,9 @@ def _to_float32(value: float) -> float:
 
 
 class March(Enum):
-    """Integer NPU architectures quantlens knows. ``QL1`` is the only one, and the default."""
+    """Integer architectures quantlens knows. ``QL1`` (the default) is the seed's NPU (``docs/march.md``);
+    ``ORT_CPU`` is onnxruntime's CPU execution of a QDQ model, its fused int8 kernels and their kernel variant
+    (``docs/march_ort.md``)."""
 
     QL1 = MarchSpec(
         name="ql1",
@@ -198,6 +224,21 @@ class March(Enum):
         max_requant_shift=62,
         allow_int16_x_int16_gemm=False,
     )
+    ORT_CPU = MarchSpec(
+        name="ort_cpu",
+        activation_dtypes=(QuantDType.qint8, QuantDType.quint8),
+        weight_dtypes=(QuantDType.qint8,),
+        accumulator_dtype=QuantDType.qint32,
+        high_precision_output_dtype=QuantDType.qint32,
+        rounding=RoundingMode.HALF_TO_EVEN,
+        min_scale=2.0**-24,
+        requant_multiplier_bits=31,
+        max_requant_shift=62,
+        allow_int16_x_int16_gemm=False,
+        float_requantize=True,
+        unsigned_activations=True,
+        tables=False,
+    )
 
     @property
     def spec(self) -> MarchSpec:
@@ -205,23 +246,54 @@ class March(Enum):
 
 
 _current_march: March = March.QL1
+_current_variant: "KernelVariant | None" = None
 
 
-def set_march(march: "March | str") -> None:
-    """Select the target architecture. Call it before ``prepare``."""
-    global _current_march
+def _parse_march(march: "March | str") -> March:
     if isinstance(march, str):
-        try:
-            march = March[march.upper()]
-        except KeyError:
-            raise QuantLensError(
-                f"Unknown march {march!r}. Known: {[m.name for m in March]}."
-            ) from None
+        by_name = {m.spec.name: m for m in March}
+        found = by_name.get(march.lower()) or March.__members__.get(march.upper())
+        if found is None:
+            raise QuantLensError(f"Unknown march {march!r}. Known: {[m.name for m in March]}.")
+        return found
     if not isinstance(march, March):
         raise QuantLensError(f"set_march expects a quantlens.March, got {type(march).__name__}.")
-    _current_march = march
+    return march
+
+
+def set_march(march: "March | str", variant: "KernelVariant | str | None" = None) -> None:
+    """Select the target architecture. Call it before ``prepare``.
+
+    ``variant`` (``March.ORT_CPU`` only): the CPU kernel variant whose arithmetic the integer model reproduces,
+    ``"vnni"`` or ``"avx2"`` (:class:`~quantlens.march.ort_cpu.KernelVariant`); by default the one this machine's
+    CPU runs (:func:`~quantlens.march.ort_cpu.detect_variant`), so one machine can predict what another computes."""
+    global _current_march, _current_variant
+    march = _parse_march(march)
+    if variant is not None and march is not March.ORT_CPU:
+        raise QuantLensError(f"set_march: a kernel variant ({variant!r}) belongs to March.ORT_CPU, not {march.name}.")
+    if march is March.ORT_CPU:
+        variant = detect_variant() if variant is None else parse_variant(variant)
+    _current_march, _current_variant = march, variant
 
 
 def get_march() -> March:
     """The architecture selected with :func:`set_march` (``March.QL1`` by default)."""
     return _current_march
+
+
+def get_variant() -> "KernelVariant | None":
+    """The CPU kernel variant of ``March.ORT_CPU`` selected with :func:`set_march` (``None`` for another march)."""
+    return _current_variant
+
+
+@contextlib.contextmanager
+def using_march(march: "March | str", variant: "KernelVariant | str | None" = None) -> Iterator[None]:
+    """Within the block, :func:`get_march` is ``march`` (an IR's own march while it is converted or run); the
+    selected march comes back after it."""
+    global _current_march, _current_variant
+    saved = _current_march, _current_variant
+    set_march(march, variant)
+    try:
+        yield
+    finally:
+        _current_march, _current_variant = saved

@@ -78,6 +78,7 @@ class FakeQuantize(nn.Module):
     """
 
     # class defaults, so fake quants pickled before these switches existed still load and run
+    follows_sign: bool = False
     pow2_scale: bool = False
     scale_group: "int | None" = None
     fq_key: "str | None" = None
@@ -86,6 +87,10 @@ class FakeQuantize(nn.Module):
         super().__init__()
         if spec.dtype is QuantDType.qint32:
             raise QuantLensError("qint32 is the high-precision output type; it has no fake quant.")
+        if spec.dtype is QuantDType.quint8:
+            raise QuantLensError(
+                "quint8 is not a qconfig's type: under March.ORT_CPU an int8 activation becomes quint8 by itself while "
+                "its observer sees no negative value. Ask for qint8 (or qint16).")
         self.dtype = spec.dtype
         self.ch_axis = spec.ch_axis
         self.spec_text = spec.describe()
@@ -115,6 +120,12 @@ class FakeQuantize(nn.Module):
         if self.learn_scale:
             self.learned_scale = nn.Parameter(torch.ones(()))
             self.register_buffer("learned_initialized", torch.zeros((), dtype=torch.bool))
+        #: a march with unsigned activations (ORT_CPU): this int8 activation is ``quint8`` while its observer has seen
+        #: no negative value (the buffer ``unsigned``, saved with the scale); QL1's fake quants have no such buffer
+        self.follows_sign = (get_march().spec.unsigned_activations and not is_weight and spec.ch_axis is None
+                             and spec.dtype is QuantDType.qint8)
+        if self.follows_sign:
+            self.register_buffer("unsigned", torch.zeros((), dtype=torch.bool))
 
     def set_state(self, state: FakeQuantState) -> None:
         state = FakeQuantState(state)
@@ -185,6 +196,9 @@ class FakeQuantize(nn.Module):
         if self.is_weight:
             self.observer.reset()
         self.observer(x if self.is_weight else _without_fills(x))
+        if self.follows_sign:
+            low = self.observer.min_val
+            self._set_unsigned(bool(torch.isfinite(low).all()) and bool((low >= 0).all()))
         try:
             scale = self.observer.calculate_scale().to(self.scale.device)
         except QuantLensError as exc:
@@ -240,6 +254,11 @@ class FakeQuantize(nn.Module):
         else:
             self.scale.copy_(scale)
 
+    def _set_unsigned(self, unsigned: bool) -> None:
+        """``quint8`` (``unsigned``) or ``qint8``, for this fake quant and its observer's scale."""
+        self.dtype = self.observer.dtype = QuantDType.quint8 if unsigned else QuantDType.qint8
+        self.unsigned.fill_(unsigned)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Per-channel scales are shaped on first observation; accept a calibrated shape on load.
         self._weight_seen = None  # a loaded scale is used as it is until the weight is fake-quantized again
@@ -247,6 +266,8 @@ class FakeQuantize(nn.Module):
         if key in state_dict and state_dict[key].shape != self.scale.shape:
             self.scale = torch.empty_like(state_dict[key])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.follows_sign and prefix + "unsigned" in state_dict:
+            self._set_unsigned(bool(state_dict[prefix + "unsigned"]))
 
     def extra_repr(self) -> str:
         return f"{self.spec_text}, observe={self.observe_enabled}, fake_quant={self.fake_quant_enabled}"

@@ -9,7 +9,7 @@ from typing import Iterator
 from torch import nn
 
 from quantlens.errors import QuantLensError
-from quantlens.march import get_march
+from quantlens.march import get_march, get_variant
 from quantlens.quantization.consistency import ConsistencyConfig, ConsistencyStrategy
 from quantlens.quantization.fake_quantize import FakeQuantState
 from quantlens.quantization.fuse import FusedGroup, UnfusedPattern
@@ -35,6 +35,8 @@ class QuantState(nn.Module):
         self.warnings: list[str] = warnings
         self.setter_name = setter_name
         self.march = get_march().spec.name
+        #: the CPU kernel variant of a runtime march (``March.ORT_CPU``), else None
+        self.march_variant = None if get_variant() is None else get_variant().value
         self.fake_quant_state = FakeQuantState.QAT
         #: the consistency level this model was prepared with (``ConsistencyStrategy``); every stage reads it here
         self.consistency: ConsistencyConfig = ConsistencyStrategy.config()

@@ -15,10 +15,15 @@ from __future__ import annotations
 
 from quantlens.compiler.convert import arithmetic, gemm, movement, pools, tables  # noqa: F401 (fill CONVERTERS)
 from quantlens.compiler.convert.movement import passthrough
+from quantlens.compiler.convert.ort_cpu import ORT_CPU_CONVERTERS
 from quantlens.compiler.convert.state import CONVERTERS, PASSTHROUGH_OPS, Converter, converter, qpp_of
 from quantlens.compiler.ir import Module
 from quantlens.compiler.provenance import SOURCE_DIGEST_KEY, ir_digest
 from quantlens.errors import QuantLensError
+from quantlens.march import March, using_march
+
+#: a march's name (the IR's ``meta["march"]``) -> its converters; a march not named here converts with QL1's
+_MARCH_CONVERTERS = {March.ORT_CPU.spec.name: ORT_CPU_CONVERTERS}
 
 __all__ = ["convert", "CONVERTERS", "PASSTHROUGH_OPS", "qpp_of"]
 
@@ -33,11 +38,15 @@ def convert(qat_ir: Module) -> Module:
             "convert expects the qat IR returned by quantlens.compiler.export (kind 'qat'), got "
             f"{getattr(qat_ir, 'kind', type(qat_ir).__name__)!r}."
         )
-    state = Converter(qat_ir)
-    graph = state.run()
+    march = qat_ir.meta.get("march", March.QL1.spec.name)
+    with using_march(march, qat_ir.meta.get("march_variant")):  # the IR's march, whatever set_march says now
+        state = Converter(qat_ir, _MARCH_CONVERTERS.get(march, CONVERTERS))
+        graph = state.run()
     return Module("quantized", graph, list(qat_ir.input_leaves), qat_ir.input_spec, qat_ir.output_spec,
                   meta={**qat_ir.meta, "qpp": state.qpp.value, SOURCE_DIGEST_KEY: ir_digest(qat_ir)})
 
 
 for _op in sorted(PASSTHROUGH_OPS - CONVERTERS.keys()):  # pad, fill, the scatters have their own converters
     converter(_op)(passthrough)
+for _op in sorted(PASSTHROUGH_OPS - ORT_CPU_CONVERTERS.keys()):  # data movement: the same under every march
+    ORT_CPU_CONVERTERS[_op] = CONVERTERS[_op]

@@ -18,9 +18,11 @@ from quantlens.march.numerics import quantize
 
 
 @converter("fake_quant")
-def _fake_quant(c: Converter, node: Node) -> None:
+def fake_quant_converter(c: Converter, node: Node) -> None:
+    """A fake quant: a constant becomes integer codes, a model input (or a host result) the boundary quantize, an
+    integer value on another grid a requantize (§8)."""
     x, scale_name = node.inputs
-    qdtype = fq_dtype(node.attrs["qmin"])
+    qdtype = fq_dtype(node.attrs)
     scale = c.src.constants[scale_name].to(torch.float32)
     axis = node.attrs["axis"] if node.attrs["axis"] >= 0 else None
     out = node.outputs[0]

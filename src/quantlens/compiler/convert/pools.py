@@ -26,7 +26,7 @@ def _divisors(node, in_hw) -> torch.Tensor:
     return torch.where(means > 0, sums / means.clamp(min=1e-300), torch.ones_like(sums)).round().to(torch.int64)[0, 0]
 
 
-def _pool_attrs(c, node) -> tuple[dict, int | torch.Tensor]:
+def pool_attrs(c, node) -> tuple[dict, int | torch.Tensor]:
     """The sum pool's attrs and the divisor: one int, or a map of them where windows hold different counts."""
     if node.op == "avg_pool2d":
         a = node.attrs
@@ -51,7 +51,7 @@ def _pool_attrs(c, node) -> tuple[dict, int | torch.Tensor]:
 def _avg_pool(c, node):
     x = c.int_input(node, node.inputs[0])
     qdtype, out_scale = required_grid(c, node)
-    attrs, count = _pool_attrs(c, node)
+    attrs, count = pool_attrs(c, node)
     if isinstance(count, torch.Tensor):  # windows of different counts (border, ceil_mode): a divisor per window
         attrs.update(rules.average_by_window(x.scale, count.reshape(-1).tolist(), out_scale, qdtype, c.qpp))
         attrs["divisors"] = count.tolist()

@@ -49,17 +49,19 @@ def qpp_of(module: Module) -> Qpp:
     return Qpp.HIGH_PRECISION if module.meta.get("high_precision_qpp", False) else Qpp.DEFAULT
 
 
-def fq_dtype(qmin: int) -> QuantDType:
-    """The integer type of a fake quant's ``qmin`` (int8, int16 or int32)."""
-    return {-128: QuantDType.qint8, -32768: QuantDType.qint16, -(2**31): QuantDType.qint32}[qmin]
+def fq_dtype(attrs: dict, prefix: str = "") -> QuantDType:
+    """The integer type of a fake quant's ``qmin``/``qmax`` attrs (``prefix`` ``"out_"``: a table op's output)."""
+    return QuantDType.of_range(int(attrs[prefix + "qmin"]), int(attrs[prefix + "qmax"]))
 
 
 class Converter:
     """One conversion of a qat IR into the quantized IR: the source graph, the graph being built and the grid
     (scale, integer type) of every converted value; the converters of ``CONVERTERS`` write into it."""
 
-    def __init__(self, qat: Module):
+    def __init__(self, qat: Module, converters: dict | None = None):
         self.src = qat.graph
+        #: qat IR op -> converter: the march's registry (``CONVERTERS`` for QL1)
+        self.converters = CONVERTERS if converters is None else converters
         #: the requantize precision profile of every multiplier this conversion derives (§8)
         self.qpp = qpp_of(qat)
         self.out = Graph(nodes=[], inputs=list(qat.graph.inputs), outputs=[], constants={}, values={})
@@ -136,7 +138,7 @@ class Converter:
                 return None
             user = users[0]
             if user.op == "fake_quant" and user.inputs[0] == value:
-                grid = fq_dtype(user.attrs["qmin"]), self.src.constants[user.inputs[1]].to(torch.float32)
+                grid = fq_dtype(user.attrs), self.src.constants[user.inputs[1]].to(torch.float32)
                 self.grid_sites[node.outputs[0]] = user.site
                 if not fold_scalars:
                     return grid
@@ -179,7 +181,7 @@ class Converter:
         a grid, a multiplier out of range, a table missing), the qat IR's own float op on the host on dequantized
         inputs (``attrs["host_reason"]`` says why): the partition of issue #41 (nothing is refused for lack of an
         integer rule), which the lowering applies to ATen ops and convert to the IR ops it cannot take."""
-        converter = CONVERTERS.get(node.op)
+        converter = self.converters.get(node.op)
         if converter is None:
             self.host_op(node, f"the march has no integer form for op '{node.op}'")
             return

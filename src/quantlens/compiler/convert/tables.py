@@ -39,6 +39,6 @@ def _table_op(c, node):
         c.const(c.src.constants[by_name[a]], f"{node.outputs[0]}_{a}") if by_name[a] else ""
         for a in tensor_args if a not in data_args
     ]
-    qdtype = fq_dtype(node.attrs["out_qmin"])
+    qdtype = fq_dtype(node.attrs, "out_")
     out_scale = c.src.constants[by_name["scale_out"]].to(_torch.float32)
     c.emit(node, node.op, inputs + others, {**node.attrs, "table_inputs": list(data_args)}, qdtype, out_scale)

@@ -17,6 +17,7 @@ from quantlens.compiler.onnx.ops_host import host_node, writes_on_host
 from quantlens.compiler.onnx.registry import ONNX_CONVERTERS
 from quantlens.compiler.provenance import ONNX_SOURCE_DIGEST_PROP, SOURCE_DIGEST_KEY, ir_digest
 from quantlens.errors import QuantLensError
+from quantlens.march import March
 
 __all__ = ["to_onnx", "MIN_OPSET"]
 
@@ -216,7 +217,7 @@ def _version() -> str:
         return "0"
 
 
-def to_onnx(qat_ir: Module, path: str | os.PathLike, opset: int = 21, *, standard_qdq: bool = False) -> Path:
+def to_onnx(qat_ir: Module, path: str | os.PathLike, opset: int = 21, *, standard_qdq: bool | None = None) -> Path:
     """Write the qat IR ``qat_ir`` as an ONNX model at ``path``; returns the path.
 
     Every activation fake quant is a ``QuantizeLinear`` (the rounding and the clamp); by default its codes are
@@ -225,6 +226,8 @@ def to_onnx(qat_ir: Module, path: str | os.PathLike, opset: int = 21, *, standar
     CPU: no runtime fuses that form into integer kernels (onnxruntime's u8s8 kernels saturate on x86 CPUs without
     VNNI). ``standard_qdq=True`` writes ``DequantizeLinear`` instead (the standard QDQ form): opt-in for runtimes
     that should fuse Q/DQ groups into their int8 kernels, faster and not exact (``docs/ir.md`` gives the error).
+    A qat IR of ``March.ORT_CPU`` is written in the standard QDQ form by default (``standard_qdq=None``): that march
+    is onnxruntime's execution of exactly that form (``docs/march_ort.md``).
 
     Input names are the IR input names and output names the IR output names (a repeated output gets a suffix
     ``_1``, ``_2``...). Shapes are static, except a dynamic batch (``dynamic_batch=True`` at export), written as
@@ -249,8 +252,10 @@ def to_onnx(qat_ir: Module, path: str | os.PathLike, opset: int = 21, *, standar
     if type(opset) is not int or not MIN_OPSET <= opset <= max_opset:
         raise QuantLensError(f"to_onnx: opset {opset!r} is not supported; use an opset from {MIN_OPSET} (int16 "
                              f"QuantizeLinear, Gelu) to {max_opset} (the installed onnx).")
+    if standard_qdq is None:
+        standard_qdq = qat_ir.meta.get("march") == March.ORT_CPU.spec.name
     if type(standard_qdq) is not bool:
-        raise QuantLensError(f"to_onnx: standard_qdq must be True or False, got {standard_qdq!r}.")
+        raise QuantLensError(f"to_onnx: standard_qdq must be True, False or None, got {standard_qdq!r}.")
     model = _build(qat_ir, opset, standard_qdq)
     data = model.SerializeToString()
     return _atomic_write_bytes(Path(path), data)

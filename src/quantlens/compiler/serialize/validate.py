@@ -27,6 +27,7 @@ from quantlens.compiler.serialize.schema import (
     VALUE_FIELDS,
 )
 from quantlens.compiler.serialize.shapes import shape_problem
+from quantlens.march import QuantDType
 from quantlens.march.opset import IR_OPS
 
 
@@ -34,7 +35,7 @@ class InvalidHeader(ValueError):
     """A header that passed the checksum but does not describe a valid module."""
 
 
-_QDTYPES = ("qint8", "qint16", "qint32")
+_QDTYPES = tuple(d.value for d in QuantDType)
 #: the IR op levels each module kind may hold (``quantlens.march.opset``); any op may run on the host (``host: true``)
 _LEVELS = {"qat": ("qat", "both"), "quantized": ("quantized", "both")}
 _MAX_SHIFT = 63  # a right shift of an int64 product; the march allows [0, MarchSpec.max_requant_shift]

@@ -18,12 +18,18 @@ Modules, by family: :mod:`.requantize` (quantize, dequantize, requantize), :mod:
 linear, matmul), :mod:`.elementwise` (add, sub, add_const, cat, mul, scale, clamp, abs, neg, masked_fill,
 channel_affine, prelu), :mod:`.reduce` (sum, average pools), :mod:`.resize` (bilinear, nearest),
 :mod:`.movement` (relu, max pools, pad, fill, scatters, topk/sort/max_dim), :mod:`.table_ops` (the table ops of
-§13); :mod:`.param_cache` holds the caches of prepared parameters.
+§13); :mod:`.param_cache` holds the caches of prepared parameters. :mod:`.ort_cpu` holds the kernels of the nodes
+``convert`` lowers under ``March.ORT_CPU`` (attrs ``runtime: "ort_cpu"``, :data:`RUNTIME_KERNELS`).
 """
 
 from quantlens.kernels.integer import elementwise, gemm, movement, reduce, requantize, resize, table_ops  # noqa: F401
 from quantlens.kernels.integer.aten_call import MOVEMENT_OPS, call_op
 from quantlens.kernels.integer.core import INT_KERNELS, int_kernel, storage_dtype
+from quantlens.kernels.integer.ort_cpu import ORT_CPU_KERNELS
 from quantlens.kernels.integer.table_ops import REFERENCE_TABLE_KERNELS
 
-__all__ = ["INT_KERNELS", "int_kernel", "storage_dtype", "REFERENCE_TABLE_KERNELS", "call_op", "MOVEMENT_OPS"]
+#: a node's ``runtime`` attr -> the kernels of that runtime march (``March.ORT_CPU``: :mod:`.ort_cpu`)
+RUNTIME_KERNELS = {"ort_cpu": ORT_CPU_KERNELS}
+
+__all__ = ["INT_KERNELS", "int_kernel", "storage_dtype", "REFERENCE_TABLE_KERNELS", "call_op", "MOVEMENT_OPS",
+           "RUNTIME_KERNELS"]

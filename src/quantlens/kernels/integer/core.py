@@ -23,7 +23,7 @@ INT32_MAX = _INT32.qmax
 
 
 def storage_dtype(qdtype: str) -> torch.dtype:
-    return {"qint8": torch.int8, "qint16": torch.int16, "qint32": torch.int32}[qdtype]
+    return {"qint8": torch.int8, "qint16": torch.int16, "qint32": torch.int32, "quint8": torch.uint8}[qdtype]
 
 
 def qdtype(attrs: dict) -> QuantDType:

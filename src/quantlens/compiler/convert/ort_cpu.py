@@ -1,0 +1,219 @@
+"""``convert`` under ``March.ORT_CPU``: each op group onnxruntime's CPU execution provider fuses into an int8 kernel
+becomes that kernel; every other op runs on the host in float between a dequantize and a quantize, as the runtime
+runs it (``docs/march_ort.md``).
+
+The groups are the ones the runtime's QDQ fusion takes (its default graph optimizations, read in its source and held
+by ``tests/test_ort_cpu_rules.py``): a Conv, Gemm or MatMul with DequantizeLinear inputs (8-bit activations, int8
+weights, an int32 bias) and one QuantizeLinear after it, through a ReLU only where the QuantizeLinear makes it
+redundant (a ``quint8`` output: its clamp at 0 is the ReLU); Add and Mul of two 8-bit tensors; Concat; average
+pools. A node of such a group carries ``runtime: "ort_cpu"``, the runtime's zero point of each integer operand
+and of the output (``zero_points``: 128 for an int8 activation, which the runtime holds as uint8 on x86), and the
+kernel's float32 parameters from :mod:`quantlens.march.ort_cpu`; its kernel is
+:mod:`quantlens.kernels.integer.ort_cpu`. An op without a converter here, or one a converter refuses, becomes a
+host op (:meth:`Converter.host_op`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantlens._registry import make_registry
+from quantlens.compiler.convert.gemm import fake_quant_converter
+from quantlens.compiler.convert.pools import pool_attrs
+from quantlens.compiler.convert.state import Converter, QInfo, fq_dtype
+from quantlens.compiler.ir import Node
+from quantlens.errors import QuantLensError
+from quantlens.march import QuantDType, get_variant
+from quantlens.march.ort_cpu import (
+    X86_ACTIVATION_SHIFT,
+    KernelVariant,
+    add_constants,
+    gemm_multiplier,
+    global_average_multiplier,
+    mul_multiplier,
+)
+
+__all__ = ["ORT_CPU_CONVERTERS", "RUNTIME"]
+
+#: the ``runtime`` attr of the nodes converted here (the kernels' registry key)
+RUNTIME = "ort_cpu"
+
+#: qat IR op -> its converter under ``March.ORT_CPU``
+ORT_CPU_CONVERTERS, ort_cpu_converter = make_registry("ORT_CPU convert converter for op")
+
+_EIGHT_BIT = (QuantDType.qint8, QuantDType.quint8)
+
+
+def zero_point(qdtype: QuantDType) -> int:
+    """The runtime's zero point of a model value of type ``qdtype`` (its codes + this are the runtime's codes)."""
+    return X86_ACTIVATION_SHIFT if qdtype is QuantDType.qint8 else 0
+
+
+def _attrs(**params) -> dict:
+    variant = get_variant() or KernelVariant.VNNI
+    return {"runtime": RUNTIME, "variant": variant.value, **params}
+
+
+def _scales(scale: torch.Tensor) -> list[float]:
+    return [float(v) for v in scale.to(torch.float32).reshape(-1)]
+
+
+def _eight_bit(node: Node, *infos: QInfo) -> None:
+    for info in infos:
+        if info.qdtype not in _EIGHT_BIT or info.scale.numel() != 1:
+            raise QuantLensError(f"op site '{node.site}' reads a {info.qdtype.value} value with "
+                                 f"{info.scale.numel()} scale(s); onnxruntime fuses 8-bit per-tensor activations only")
+
+
+def fused_output(c: Converter, node: Node) -> tuple[QuantDType, torch.Tensor] | None:
+    """The grid of the QuantizeLinear the runtime fuses into ``node``'s kernel: its one user's fake quant, or a
+    ReLU's whose fake quant is ``quint8`` (the runtime drops a ReLU the QuantizeLinear's clamp makes redundant).
+    None: the output stays float (or the runtime would not fuse it)."""
+    value = node.outputs[0]
+    for _ in range(2):
+        users = c.consumers.get(value, [])
+        if len(users) != 1 or value in c.src.outputs:
+            return None
+        user = users[0]
+        if user.op == "fake_quant" and user.inputs[0] == value:
+            qdtype = fq_dtype(user.attrs)
+            if value != node.outputs[0] and qdtype is not QuantDType.quint8:
+                return None  # an int8 grid keeps the ReLU: the runtime computes it in float
+            if qdtype not in _EIGHT_BIT:
+                return None
+            c.grid_sites[node.outputs[0]] = user.site
+            return qdtype, c.src.constants[user.inputs[1]].to(torch.float32)
+        if user.op != "relu" or value != node.outputs[0]:
+            return None
+        value = user.outputs[0]
+    return None
+
+
+@ort_cpu_converter("fake_quant")
+def _fake_quant(c: Converter, node: Node) -> None:
+    """A constant, a model input or a host result: QL1's converter (the runtime's QuantizeLinear is QL1's quantize:
+    a float32 division rounded half to even, then the clamp). An integer value moved to another grid: the runtime's
+    DequantizeLinear -> QuantizeLinear, in float32."""
+    x = node.inputs[0]
+    info = c.q.get(x)
+    if info is None or c.is_const(x):
+        fake_quant_converter(c, node)
+        return
+    qdtype = fq_dtype(node.attrs)
+    scale = c.src.constants[node.inputs[1]].to(torch.float32)
+    if info.same_grid(qdtype, scale):
+        c.q[node.outputs[0]] = info
+        return
+    if info.scale.numel() != 1 or scale.numel() != 1:
+        raise QuantLensError(f"op site '{node.site}' moves a per-channel value to another grid")
+    c.emit(node, "requantize", [info.name], _attrs(in_scale=float(info.scale), out_scale=float(scale),
+                                                   out_dtype=qdtype.value, axis=None), qdtype, scale)
+
+
+@ort_cpu_converter("conv1d", "conv2d", "linear", "matmul")
+def _gemm(c: Converter, node: Node) -> None:
+    """QLinearConv, QGemm, QLinearMatMul: the exact accumulator (plus the int32 bias) requantized by
+    ``fl(fl(s_x s_w) / s_y)``; a Gemm or MatMul without a QuantizeLinear gives the float output
+    ``fl(acc * fl(s_x s_w))`` (QGemm, MatMulIntegerToFloat); a Conv without one runs in float."""
+    x = c.int_input(node, node.inputs[0])
+    w = c.int_input(node, node.inputs[1])
+    _eight_bit(node, x)
+    if node.op == "matmul" and not c.is_const(node.inputs[1]):
+        _eight_bit(node, w)
+    elif w.qdtype is not QuantDType.qint8:
+        raise QuantLensError(f"op site '{node.site}' has a {w.qdtype.value} weight; onnxruntime fuses int8 weights")
+    inputs = [x.name, w.name]
+    if node.op != "matmul":
+        bias = node.inputs[2] if len(node.inputs) > 2 else ""
+        inputs.append(c.int_input(node, bias).name if bias else "")
+        if bias and c.q[bias].qdtype is not QuantDType.qint32:
+            raise QuantLensError(f"the bias of op site '{node.site}' is not int32-quantized")
+    w_zero = zero_point(w.qdtype) if node.op == "matmul" and not c.is_const(node.inputs[1]) else 0
+    grid = fused_output(c, node)
+    if grid is None:
+        if node.op.startswith("conv"):
+            raise QuantLensError(f"conv at op site '{node.site}' has no 8-bit output quantize; onnxruntime runs it "
+                                 "in float")
+        acc_scale = (x.scale.to(torch.float32) * w.scale.to(torch.float32)).reshape(-1)
+        c.emit(node, node.op, inputs, {**node.attrs, **_attrs(zero_points=[zero_point(x.qdtype), w_zero],
+                                                                accumulator_scale=_scales(acc_scale))}, None, None)
+        return
+    qdtype, out_scale = grid
+    attrs = _attrs(zero_points=[zero_point(x.qdtype), w_zero, zero_point(qdtype)], out_dtype=qdtype.value,
+                   multiplier_f32=_scales(gemm_multiplier(x.scale, w.scale.reshape(-1), out_scale)))
+    c.emit(node, node.op, inputs, {**node.attrs, **attrs}, qdtype, out_scale)
+
+
+def _two_tensors(c: Converter, node: Node) -> tuple[QInfo, QInfo, QuantDType, torch.Tensor]:
+    if any(c.is_const(v) and v not in c.q for v in node.inputs) or len(node.inputs) != 2:
+        raise QuantLensError(f"op site '{node.site}' reads a float constant; onnxruntime fuses two quantized tensors")
+    a, b = c.int_input(node, node.inputs[0]), c.int_input(node, node.inputs[1])
+    _eight_bit(node, a, b)
+    grid = fused_output(c, node)
+    if grid is None:
+        raise QuantLensError(f"op site '{node.site}' has no 8-bit output quantize")
+    return a, b, grid[0], grid[1]
+
+
+@ort_cpu_converter("add")
+def _add(c: Converter, node: Node) -> None:
+    """QLinearAdd: ``sat(RNE(fma(a, r_a, fma(b, r_b, f))))``, the zero points folded into ``f``."""
+    a, b, qdtype, out_scale = _two_tensors(c, node)
+    z = [zero_point(a.qdtype), zero_point(b.qdtype), zero_point(qdtype)]
+    r_a, r_b, f = add_constants(a.scale, z[0], b.scale, z[1], out_scale, z[2])
+    c.emit(node, "add", [a.name, b.name], _attrs(zero_points=z, r_a=float(r_a), r_b=float(r_b), f=float(f),
+                                                 out_dtype=qdtype.value), qdtype, out_scale)
+
+
+@ort_cpu_converter("mul")
+def _mul(c: Converter, node: Node) -> None:
+    """QLinearMul: ``sat(RNE(fl(fl(p r) + z_c)))``, ``p = (a - z_a)(b - z_b)``, ``r = fl(fl(s_a s_b) / s_c)``."""
+    a, b, qdtype, out_scale = _two_tensors(c, node)
+    z = [zero_point(a.qdtype), zero_point(b.qdtype), zero_point(qdtype)]
+    m = mul_multiplier(a.scale, b.scale, out_scale)
+    c.emit(node, "mul", [a.name, b.name], _attrs(zero_points=z, multiplier_f32=_scales(m), out_dtype=qdtype.value),
+           qdtype, out_scale)
+
+
+@ort_cpu_converter("cat")
+def _cat(c: Converter, node: Node) -> None:
+    """QLinearConcat: each input copied, or moved to the output's grid through DequantizeLinear -> QuantizeLinear."""
+    values = [v for v in node.inputs if not (c.is_const(v) and c.src.constants[v].numel() == 0)]
+    if any(c.is_const(v) and v not in c.q for v in values):
+        raise QuantLensError(f"op site '{node.site}' concatenates a float constant")
+    infos = [c.int_input(node, v) for v in values]
+    _eight_bit(node, *infos)
+    grid = fused_output(c, node)
+    if grid is None or any(i.qdtype is not grid[0] for i in infos):
+        raise QuantLensError(f"op site '{node.site}' mixes integer types or has no 8-bit output quantize")
+    qdtype, out_scale = grid
+    c.emit(node, "cat", [i.name for i in infos], _attrs(in_scales=[float(i.scale) for i in infos],
+                                                         out_scale=float(out_scale), dim=node.attrs["dim"],
+                                                         out_dtype=qdtype.value), qdtype, out_scale)
+
+
+@ort_cpu_converter("avg_pool2d", "adaptive_avg_pool2d")
+def _avg_pool(c: Converter, node: Node) -> None:
+    """QLinearGlobalAveragePool for an adaptive pool to 1x1, QLinearAveragePool otherwise (both need one integer
+    type in and out)."""
+    x = c.int_input(node, node.inputs[0])
+    _eight_bit(node, x)
+    grid = fused_output(c, node)
+    if grid is None or grid[0] is not x.qdtype:
+        raise QuantLensError(f"average pool at op site '{node.site}' changes the integer type or has no 8-bit "
+                             "output quantize; onnxruntime runs it in float")
+    qdtype, out_scale = grid
+    attrs, count = pool_attrs(c, node)
+    z = [zero_point(x.qdtype), zero_point(qdtype)]
+    if node.op == "adaptive_avg_pool2d" and list(node.attrs["output_size"]) == [1, 1]:
+        shape = c.src.values[node.inputs[0]].shape
+        m = global_average_multiplier(x.scale, out_scale, int(shape[-1] * shape[-2]))
+        attrs.update(_attrs(zero_points=z, multiplier_f32=_scales(m), out_dtype=qdtype.value, **{"global": True}))
+    else:
+        if node.attrs.get("divisor_override") or node.attrs.get("ceil_mode"):
+            raise QuantLensError(f"average pool at op site '{node.site}' has a divisor override or ceil_mode")
+        a = node.attrs
+        attrs.update(_attrs(zero_points=z, in_scale=float(x.scale), out_scale=float(out_scale),
+                            out_dtype=qdtype.value, count_include_pad=bool(a.get("count_include_pad", True))))
+    del count
+    c.emit(node, "avg_pool2d_int", [x.name], attrs, qdtype, out_scale)
