@@ -175,7 +175,7 @@ def test_standard_qdq_form_is_opt_in_and_onnxruntime_fuses_it(tmp_path):
     assert {"QLinearConv", "QGemm"} <= saturating_kernels(path, tmp_path)
     feeds = _feeds(ir, sample_batches("tiny_resnet", 1, 3)[0])
     assert _within(_compare(ir, path, feeds)["disable_all"])
-    with pytest.raises(QuantLensError, match="standard_qdq must be True or False"):
+    with pytest.raises(QuantLensError, match="standard_qdq must be True, False or None"):
         to_onnx(ir, tmp_path / "bad.onnx", standard_qdq="yes")
 
 

@@ -18,6 +18,7 @@ from quantlens.compiler.convert.movement import passthrough
 from quantlens.compiler.convert.ort_cpu import ORT_CPU_CONVERTERS
 from quantlens.compiler.convert.state import CONVERTERS, PASSTHROUGH_OPS, Converter, converter, qpp_of
 from quantlens.compiler.ir import Module
+from quantlens.compiler.onnx.runtime_match import check_fusion
 from quantlens.compiler.provenance import SOURCE_DIGEST_KEY, ir_digest
 from quantlens.errors import QuantLensError
 from quantlens.march import March, using_march
@@ -32,7 +33,11 @@ def convert(qat_ir: Module) -> Module:
     """Convert a qat IR (from ``export``) to the integer-only quantized IR; the input module is not modified.
 
     The quantized IR's meta records the qat IR's digest (``meta["source_ir_digest"]``,
-    :func:`quantlens.compiler.provenance.ir_digest`): a pair of the two is checked to belong together."""
+    :func:`quantlens.compiler.provenance.ir_digest`): a pair of the two is checked to belong together.
+
+    A qat IR of ``March.ORT_CPU`` (its ``meta["march"]``) converts with that march's rules, whatever march is selected
+    now, and the result is checked against onnxruntime: the fused kernels it assumed must be those the runtime runs
+    for ``to_onnx``'s file (:func:`quantlens.compiler.onnx.runtime_match.check_fusion`)."""
     if not isinstance(qat_ir, Module) or qat_ir.kind != "qat":
         raise QuantLensError(
             "convert expects the qat IR returned by quantlens.compiler.export (kind 'qat'), got "
@@ -42,8 +47,11 @@ def convert(qat_ir: Module) -> Module:
     with using_march(march, qat_ir.meta.get("march_variant")):  # the IR's march, whatever set_march says now
         state = Converter(qat_ir, _MARCH_CONVERTERS.get(march, CONVERTERS))
         graph = state.run()
-    return Module("quantized", graph, list(qat_ir.input_leaves), qat_ir.input_spec, qat_ir.output_spec,
-                  meta={**qat_ir.meta, "qpp": state.qpp.value, SOURCE_DIGEST_KEY: ir_digest(qat_ir)})
+    quantized = Module("quantized", graph, list(qat_ir.input_leaves), qat_ir.input_spec, qat_ir.output_spec,
+                       meta={**qat_ir.meta, "qpp": state.qpp.value, SOURCE_DIGEST_KEY: ir_digest(qat_ir)})
+    if march == March.ORT_CPU.spec.name:  # the kernels assumed must be the ones the runtime runs
+        check_fusion(qat_ir, quantized)
+    return quantized
 
 
 for _op in sorted(PASSTHROUGH_OPS - CONVERTERS.keys()):  # pad, fill, the scatters have their own converters

@@ -65,28 +65,68 @@ def _eight_bit(node: Node, *infos: QInfo) -> None:
                                  f"{info.scale.numel()} scale(s); onnxruntime fuses 8-bit per-tensor activations only")
 
 
+_CLIPS = ("relu", "hardtanh", "clamp")
+
+
+def _clip_bounds(node: Node) -> tuple[float | None, float | None]:
+    if node.op == "relu":
+        return 0.0, None
+    if node.op == "hardtanh":
+        return node.attrs.get("min_val", -1.0), node.attrs.get("max_val", 1.0)
+    return node.attrs.get("min"), node.attrs.get("max")
+
+
+def clip_is_redundant(clip: Node, qdtype: QuantDType, scale: torch.Tensor) -> bool:
+    """Whether the runtime drops the ReLU / Clip ``clip`` before a QuantizeLinear of ``(qdtype, scale)``: a ReLU when
+    the zero point is the type's minimum (``quint8``: an int8 activation's zero point is 128 on x86); a Clip when
+    ``rint(lo / s) + z <= qmin`` and ``rint(hi / s) + z >= qmax``, in float32 (then the QuantizeLinear's clamp does
+    what the Clip did, and the two give the same codes)."""
+    if clip.op not in _CLIPS or scale.numel() != 1 or qdtype not in _EIGHT_BIT:
+        return False
+    lo, hi = _clip_bounds(clip)
+    z = zero_point(qdtype)
+    qmin, qmax = qdtype.qmin + z, qdtype.qmax + z  # the runtime's uint8 range
+    s = scale.to(torch.float32).reshape(())
+    if clip.op == "relu":
+        return z == 0 and qmin == 0
+    low_ok = lo is not None and int(torch.round(torch.tensor(float(lo), dtype=torch.float32) / s)) + z <= qmin
+    high_ok = hi is not None and int(torch.round(torch.tensor(float(hi), dtype=torch.float32) / s)) + z >= qmax
+    return low_ok and high_ok
+
+
+def _only_user(c: Converter, value: str) -> Node | None:
+    users = c.consumers.get(value, [])
+    return users[0] if len(users) == 1 and value not in c.src.outputs else None
+
+
 def fused_output(c: Converter, node: Node) -> tuple[QuantDType, torch.Tensor] | None:
-    """The grid of the QuantizeLinear the runtime fuses into ``node``'s kernel: its one user's fake quant, or a
-    ReLU's whose fake quant is ``quint8`` (the runtime drops a ReLU the QuantizeLinear's clamp makes redundant).
-    None: the output stays float (or the runtime would not fuse it)."""
-    value = node.outputs[0]
-    for _ in range(2):
-        users = c.consumers.get(value, [])
-        if len(users) != 1 or value in c.src.outputs:
-            return None
-        user = users[0]
-        if user.op == "fake_quant" and user.inputs[0] == value:
-            qdtype = fq_dtype(user.attrs)
-            if value != node.outputs[0] and qdtype is not QuantDType.quint8:
-                return None  # an int8 grid keeps the ReLU: the runtime computes it in float
-            if qdtype not in _EIGHT_BIT:
-                return None
-            c.grid_sites[node.outputs[0]] = user.site
-            return qdtype, c.src.constants[user.inputs[1]].to(torch.float32)
-        if user.op != "relu" or value != node.outputs[0]:
-            return None
-        value = user.outputs[0]
-    return None
+    """The grid of the QuantizeLinear the runtime fuses into ``node``'s kernel: its one user's fake quant, or that of
+    a ReLU / Clip in between which the QuantizeLinear makes redundant (:func:`clip_is_redundant`; the runtime drops
+    it). None: the output stays float (or the runtime would not fuse it)."""
+    user = _only_user(c, node.outputs[0])
+    clip = None
+    if user is not None and user.op in _CLIPS and user.inputs[0] == node.outputs[0]:
+        clip, user = user, _only_user(c, user.outputs[0])
+    if user is None or user.op != "fake_quant" or user.inputs[0] != (clip or node).outputs[0]:
+        return None
+    qdtype = fq_dtype(user.attrs)
+    scale = c.src.constants[user.inputs[1]].to(torch.float32)
+    if qdtype not in _EIGHT_BIT or (clip is not None and not clip_is_redundant(clip, qdtype, scale)):
+        return None
+    c.grid_sites[node.outputs[0]] = user.site
+    return qdtype, scale
+
+
+@ort_cpu_converter("hardtanh", "clamp")
+def _clip(c: Converter, node: Node) -> None:
+    """A Clip the next QuantizeLinear makes redundant: the runtime drops it, the codes pass unchanged (a fused
+    kernel's clamp, or the QuantizeLinear's, does the clipping). Any other Clip runs in float."""
+    x = c.int_input(node, node.inputs[0])
+    user = _only_user(c, node.outputs[0])
+    if user is None or user.op != "fake_quant" or x.scale.numel() != 1 or not clip_is_redundant(
+            node, fq_dtype(user.attrs), c.src.constants[user.inputs[1]]):
+        raise QuantLensError(f"the clip at op site '{node.site}' is not made redundant by its output quantize")
+    c.q[node.outputs[0]] = x
 
 
 @ort_cpu_converter("fake_quant")

@@ -41,6 +41,10 @@ class Builder:
         self.helper = onnx.helper
         #: write dequantizations as DequantizeLinear (the standard QDQ form) rather than Cast + Mul (docs/ir.md)
         self.standard_qdq = standard_qdq
+        #: March.ORT_CPU's QDQ form: an int8 activation is written as uint8 with zero point 128, as onnxruntime runs
+        #: it on x86 (its own S8->U8 rewrite skips a QuantizeLinear read by several nodes, and a kernel then mixes
+        #: int8 and uint8 and stays float); the values are the same
+        self.uint8_activations = standard_qdq and module.meta.get("march") == "ort_cpu"
         self.module = module
         self.graph = module.graph
         self.opset = opset

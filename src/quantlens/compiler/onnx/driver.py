@@ -27,8 +27,10 @@ MIN_OPSET = 21
 
 # -- QDQ completion --------------------------------------------------------------------------------------------------
 #: ops that move quantized values without changing them; onnxruntime's QDQPropagationTransformer pushes Q/DQ
-#: pairs through them.
-_DATA_MOVEMENT = {"MaxPool", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice"}
+#: pairs through them. A Pad (which it does not) gets its pair too: a Conv after it then reads a DequantizeLinear,
+#: which the runtime needs to fuse it (transformers' MobileNets pad before each conv); its fill value, quantized by
+#: the pair, is the fill code the integer pad writes (0 for the usual zero padding).
+_DATA_MOVEMENT = {"MaxPool", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice", "Pad"}
 
 
 def _complete_qdq(b: Builder) -> None:

@@ -13,6 +13,7 @@ import torch
 from quantlens.compiler.ir import Node
 from quantlens.compiler.onnx.builder import Builder, onnx_dtype
 from quantlens.compiler.onnx.registry import onnx_converter
+from quantlens.march.ort_cpu import X86_ACTIVATION_SHIFT
 
 #: (qmin, qmax) -> the QuantizeLinear output type that holds exactly that range.
 _QDQ_TYPES = {(-128, 127): "int8", (-32768, 32767): "int16", (0, 255): "uint8", (0, 65535): "uint16"}
@@ -74,6 +75,11 @@ def _fake_quant(b: Builder, node: Node) -> None:
         s = b.value(scale_name) if scale_dim == 1 else b.init(scale.reshape(-1), f"{out}/scale")
         zp = b.init(torch.zeros((scale.numel(),), dtype=getattr(torch, qtype)), f"{out}/zero_point")
         attrs = {"axis": axis}
+    elif qtype == "int8" and b.uint8_activations:  # code + 128 with zero point 128: the runtime's form on x86
+        s = b.value(scale_name) if scale_dim == 0 else b.init(scale.reshape(()), f"{out}/scale")
+        qtype = "uint8"
+        zp = b.init(torch.full((), X86_ACTIVATION_SHIFT, dtype=torch.uint8), f"{out}/zero_point")
+        attrs = {}
     else:
         s = b.value(scale_name) if scale_dim == 0 else b.init(scale.reshape(()), f"{out}/scale")
         zp = b.init(torch.zeros((), dtype=getattr(torch, qtype)), f"{out}/zero_point")

@@ -19,7 +19,7 @@ import torch
 from quantlens.kernels import ort_cpu as K
 from quantlens.march import ort_cpu as R
 
-__all__ = ["KernelCheck", "check_runtime_kernels"]
+__all__ = ["KernelCheck", "check_runtime_kernels", "exposed_run"]
 
 
 @dataclass(frozen=True)
@@ -158,9 +158,9 @@ _KERNELS: dict[str, Callable[[_Node, R.KernelVariant], torch.Tensor | None]] = {
 }
 
 
-def _run_exposed(path: str | os.PathLike, feeds: dict[str, np.ndarray]):
-    """The runtime's optimized graph, and every value of one run of it (its constants, and the activations its
-    fused kernels read and write)."""
+def exposed_run(path: str | os.PathLike, feeds: dict[str, np.ndarray]):
+    """The runtime's fused kernels (its optimized graph's nodes), every value of one run of it (its constants, and
+    the activations its fused kernels read and write), and all the optimized graph's nodes in order."""
     import tempfile
     from pathlib import Path
 
@@ -191,7 +191,7 @@ def _run_exposed(path: str | os.PathLike, feeds: dict[str, np.ndarray]):
         session = ort.InferenceSession(str(exposed), plain, providers=["CPUExecutionProvider"])
         names = [o.name for o in session.get_outputs()]
         values = dict(zip(names, session.run(names, feeds)))
-    return fused, {**constants, **feeds, **values}
+    return fused, {**constants, **feeds, **values}, list(model.graph.node)
 
 
 def check_runtime_kernels(path: str | os.PathLike, feeds: dict[str, np.ndarray],
@@ -201,7 +201,7 @@ def check_runtime_kernels(path: str | os.PathLike, feeds: dict[str, np.ndarray],
     from quantlens.compiler.onnx.runtime_kernels import site_of
 
     variant = variant or R.detect_variant()
-    fused, values = _run_exposed(path, feeds)
+    fused, values, _ = exposed_run(path, feeds)
     checks = []
     for node in fused:
         got = torch.from_numpy(np.array(values[node.output[0]]))

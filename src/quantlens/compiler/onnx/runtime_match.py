@@ -1,0 +1,168 @@
+"""Whether the fused int8 kernels ``convert`` assumed under ``March.ORT_CPU`` are the ones onnxruntime runs for the
+file ``to_onnx`` writes: the quantized IR's kernels (nodes with ``runtime: "ort_cpu"``) against the runtime's own
+optimized graph (:func:`.runtime_kernels.runtime_kernels`), op site by op site.
+
+A difference means the quantized IR does not predict the runtime (a fusion rule of a newer onnxruntime, a pattern
+the march's converters misjudge), so it is an error naming each op site, both kernels and the runtime's version.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantlens.compiler.ir import Module, Node
+from quantlens.compiler.onnx.runtime_kernels import runtime_kernels
+from quantlens.errors import QuantLensError
+
+__all__ = ["FusionDifference", "assumed_kernels", "fusion_differences", "check_fusion", "FusedOpComparison",
+           "compare_fused_ops"]
+
+
+def _kernel_of(node: Node) -> str | None:
+    """The runtime kernel a quantized IR node of ``March.ORT_CPU`` stands for (None: no kernel of its own)."""
+    if node.attrs.get("runtime") is None or node.op == "requantize":  # a DequantizeLinear -> QuantizeLinear pair
+        return None
+    float_out = "out_dtype" not in node.attrs
+    if node.op in ("conv1d", "conv2d"):
+        return "QLinearConv"
+    if node.op == "linear":
+        return "QGemm"
+    if node.op == "matmul":
+        return "MatMulIntegerToFloat" if float_out else "QLinearMatMul"
+    if node.op == "avg_pool2d_int":
+        return "QLinearGlobalAveragePool" if node.attrs.get("global") else "QLinearAveragePool"
+    return {"add": "QLinearAdd", "mul": "QLinearMul", "cat": "QLinearConcat"}.get(node.op)
+
+
+def assumed_kernels(quantized: Module) -> dict[str, str]:
+    """``op site -> the fused int8 kernel convert assumed the runtime runs for it``."""
+    return {node.site: kernel for node in quantized.graph.nodes if (kernel := _kernel_of(node))}
+
+
+@dataclass(frozen=True)
+class FusionDifference:
+    """One op site whose kernel differs: what convert assumed (``""``: float) and what the runtime runs."""
+
+    site: str
+    assumed: str
+    runtime: str
+
+    def describe(self) -> str:
+        return f"op site '{self.site}': convert assumed {self.assumed or 'float'}, onnxruntime runs {self.runtime}"
+
+
+def fusion_differences(quantized: Module, onnx_path: str | os.PathLike) -> list[FusionDifference]:
+    """The op sites where the quantized IR's assumed kernel and the runtime's kernels for ``onnx_path`` differ."""
+    assumed = assumed_kernels(quantized)
+    ran: dict[str, set[str]] = {}
+    for kernel in runtime_kernels(onnx_path):
+        if kernel.site:
+            ran.setdefault(kernel.site, set()).add(kernel.op_type)
+    differences = []
+    for site in dict.fromkeys([*assumed, *ran]):
+        fused = sorted(k for k in ran.get(site, ()) if k.startswith(("QLinear", "QGemm", "MatMulInteger")))
+        want = assumed.get(site, "")
+        if (want and want not in fused) or (not want and fused) or len(fused) > 1:
+            runs = ", ".join(sorted(ran.get(site, ()))) or "nothing of its own"
+            differences.append(FusionDifference(site, want, runs))
+    return differences
+
+
+def check_fusion(qat_ir: Module, quantized: Module) -> None:
+    """Write ``qat_ir`` as ``to_onnx`` does, read the kernels onnxruntime runs for it (default options) and refuse a
+    quantized IR whose assumed kernels differ, naming each op site, both kernels and the runtime's version."""
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise QuantLensError("convert: March.ORT_CPU checks its kernels against onnxruntime; install it with "
+                             "pip install 'quantlens[onnx]'.") from exc
+    from quantlens.compiler.onnx.driver import to_onnx
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = to_onnx(qat_ir, Path(folder) / "model.onnx", standard_qdq=True)
+        differences = fusion_differences(quantized, path)
+    if differences:
+        shown = "; ".join(d.describe() for d in differences[:8])
+        more = f" (and {len(differences) - 8} more)" if len(differences) > 8 else ""
+        raise QuantLensError(
+            f"convert: the quantized IR of March.ORT_CPU does not match what onnxruntime {onnxruntime.__version__} "
+            f"runs for this model: {shown}{more}. The march's fusion rules (docs/march_ort.md) were checked against "
+            "onnxruntime 1.32; run with that version, or report the model and the version.")
+
+
+#: fused kernel -> the index of its output zero point among its inputs (none: a float output)
+_OUTPUT_ZERO_POINT = {"QLinearConv": 7, "QLinearMatMul": 7, "QGemm": 8, "QLinearAdd": 7, "QLinearMul": 7,
+                      "QLinearConcat": 1, "QLinearGlobalAveragePool": 4, "QLinearAveragePool": 4}
+
+
+@dataclass(frozen=True)
+class FusedOpComparison:
+    """One fused kernel of the runtime against the quantized IR's value at its op site, on the same model input:
+    how many of its output elements differ (codes, or float32 values of a float output) and by how much at most."""
+
+    site: str
+    op_type: str
+    elements: int
+    differ: int
+    max_abs: float
+
+
+#: kernels that keep their input's layout (the runtime's NHWC rewrite leaves them between its Transposes)
+_LAYOUT_KEEPING = frozenset({"QLinearAdd", "QLinearMul", "QLinearConcat", "QLinearSigmoid", "QLinearLeakyRelu",
+                             "QuantizeLinear", "DequantizeLinear", "Relu", "Clip", "MaxPool"})
+
+
+def _channels_last_values(nodes: list) -> set[str]:
+    """The values of the runtime's optimized graph that hold a channels-last tensor: written by a kernel with
+    ``channels_last=1`` or a Transpose to NHWC, passed on by the kernels that keep their input's layout."""
+    found: set[str] = set()
+    for node in nodes:
+        attrs = {a.name: a for a in node.attribute}
+        if "channels_last" in attrs and attrs["channels_last"].i:
+            found.update(node.output)
+        elif node.op_type == "Transpose" and list(attrs["perm"].ints) == [0, 2, 3, 1]:
+            found.update(node.output)
+        elif node.op_type in _LAYOUT_KEEPING and any(name in found for name in node.input):
+            found.update(node.output)
+    return found
+
+
+def compare_fused_ops(quantized: Module, onnx_path: str | os.PathLike, feeds: dict) -> list[FusedOpComparison]:
+    """Run the quantized IR and onnxruntime (default options) on ``feeds`` and compare each fused kernel's output with
+    the IR's node of the same op site (the runtime's codes less its zero point are the IR's codes; the output of a
+    kernel the runtime runs channels last, its NHWC rewrite, is moved back to channels first)."""
+    import numpy as np
+    import torch
+
+    from quantlens.compiler.onnx.runtime_check import exposed_run
+    from quantlens.compiler.onnx.runtime_kernels import site_of
+
+    ours: dict[str, torch.Tensor] = {}
+
+    def keep(node, inputs, outputs):
+        if _kernel_of(node):
+            ours[node.site] = outputs[0] if isinstance(outputs, (list, tuple)) else outputs
+
+    quantized.run({k: torch.as_tensor(v) for k, v in feeds.items()}, observer=keep)
+    fused, values, nodes = exposed_run(onnx_path, {k: np.asarray(v) for k, v in feeds.items()})
+    channels_last = _channels_last_values(nodes)
+    found = []
+    for node in fused:
+        site = site_of(node.name)
+        if site not in ours:
+            continue
+        got = torch.from_numpy(np.array(values[node.output[0]]))
+        zp_index = _OUTPUT_ZERO_POINT.get(node.op_type)
+        if zp_index is not None and zp_index < len(node.input) and node.input[zp_index]:
+            got = got.to(torch.int32) - int(np.asarray(values[node.input[zp_index]]).reshape(-1)[0])
+        mine = ours[site]
+        if node.output[0] in channels_last:  # a kernel the runtime runs channels last (its NHWC rewrite)
+            got = got.permute(0, got.dim() - 1, *range(1, got.dim() - 1))
+        mine = mine.to(got.dtype).reshape(got.shape)
+        diff = (mine.to(torch.float64) - got.to(torch.float64)).abs()
+        found.append(FusedOpComparison(site, node.op_type, got.numel(), int((diff != 0).sum()),
+                                       float(diff.max()) if diff.numel() else 0.0))
+    return found
