@@ -48,11 +48,12 @@ def dispatch_for(module: RunnableIR) -> Callable[[Node, list], Any]:
 
 
 def check_ops(module: RunnableIR) -> None:
-    """Every node's op must be an op of the module's IR kind in the op set (docs/ops.md)."""
+    """Every node's op must be an op of the module's IR kind in the op set (docs/ops.md); a host node, or a node
+    a runtime march lowered to its runtime's kernel (attr ``runtime``), may hold any op of the set."""
     allowed = ("qat", "both") if module.kind == "qat" else ("quantized", "both")
     for node in module.graph.nodes:
         op = IR_OPS.get(node.op)
-        if op is None or (op.level not in allowed and not node.attrs.get("host")):
+        if op is None or (op.level not in allowed and not node.attrs.get("host") and not node.attrs.get("runtime")):
             raise QuantLensError(
                 f"{module.kind} IR: op '{node.op}' (op site '{node.site}') is not an op of a {module.kind} IR in "
                 "quantlens.march.opset (docs/ops.md lists them); the file or graph was made by another quantlens "

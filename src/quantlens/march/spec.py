@@ -20,7 +20,7 @@ SPEC_VERSION = 6
 
 __all__ = [
     "SPEC_VERSION", "QuantDType", "RoundingMode", "Qpp", "QppSpec", "CostModel", "MarchSpec", "March", "set_march",
-    "get_march", "get_variant", "using_march",
+    "get_march", "get_variant", "using_march", "march_named",
 ]
 
 
@@ -247,6 +247,11 @@ class March(Enum):
 
 _current_march: March = March.QL1
 _current_variant: "KernelVariant | None" = None
+
+
+def march_named(name: str) -> March:
+    """The march whose spec is named ``name`` (an IR's or a prepared model's ``march``, e.g. ``"ql1"``)."""
+    return _parse_march(name)
 
 
 def _parse_march(march: "March | str") -> March:

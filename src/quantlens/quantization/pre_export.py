@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from quantlens.errors import QuantLensError
+from quantlens.march import march_named
 from quantlens.quantization.decompositions import SdpaDecomposition
 from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, switch_fake_quants
 from quantlens.quantization.overrides import OverrideCall, SiteOverride
@@ -136,6 +137,10 @@ def _site_fqs(model: nn.Module, state: QuantState, rec: OpSiteRecord, plan: Site
 
 
 def table_sites(state: QuantState) -> list[tuple[OpSiteRecord, SitePlan]]:
+    """The op sites the model's march computes by table (none for a march without tables, ``March.ORT_CPU``: its
+    runtime computes softmax, layer norm, GELU ... in float, or with its own lookup tables, which convert follows)."""
+    if not march_named(getattr(state, "march", "ql1")).spec.tables:
+        return []
     sites = []
     for name, plan in state.plans.items():
         rec = state.record.sites.get(name)
@@ -299,7 +304,10 @@ def _install(result: nn.Module, example_inputs: Any) -> None:
 
 
 def _attention_softmax_tables(state: QuantState, rebuild: bool = False) -> None:
-    """The softmax inside each decomposed scaled_dot_product_attention gets its table too."""
+    """The softmax inside each decomposed scaled_dot_product_attention gets its table too (where the march has
+    tables)."""
+    if not march_named(getattr(state, "march", "ql1")).spec.tables:
+        return
     for name, plan in state.plans.items():
         override = state.overrides[plan.override] if plan.override in state.overrides else None
         if isinstance(override, SdpaDecomposition):

@@ -30,7 +30,12 @@ from quantlens.march.ort_cpu import (
     add_constants,
     gemm_multiplier,
     global_average_multiplier,
+    leaky_relu,
+    lookup_table,
+    mlas_logistic,
     mul_multiplier,
+    softmax_output_scale,
+    softmax_table,
 )
 
 __all__ = ["ORT_CPU_CONVERTERS", "RUNTIME"]
@@ -257,3 +262,48 @@ def _avg_pool(c: Converter, node: Node) -> None:
                             out_dtype=qdtype.value, count_include_pad=bool(a.get("count_include_pad", True))))
     del count
     c.emit(node, "avg_pool2d_int", [x.name], attrs, qdtype, out_scale)
+
+
+def _same_type_grid(c: Converter, node: Node) -> tuple[QInfo, QuantDType, torch.Tensor]:
+    x = c.int_input(node, node.inputs[0])
+    _eight_bit(node, x)
+    grid = fused_output(c, node)
+    if grid is None:
+        raise QuantLensError(f"op site '{node.site}' has no 8-bit output quantize")
+    return x, grid[0], grid[1]
+
+
+@ort_cpu_converter("softmax")
+def _softmax(c: Converter, node: Node) -> None:
+    """QLinearSoftmax over the last axis: each row reads ``table[255 - max + x]`` (the runtime's exp table of the
+    input scale), sums in float32 in index order and scales by ``floor(1 / s_y)``."""
+    x, qdtype, out_scale = _same_type_grid(c, node)
+    shape = c.src.values[node.inputs[0]].shape
+    dim = int(node.attrs.get("dim", -1))
+    if dim not in (-1, len(shape) - 1):
+        raise QuantLensError(f"softmax at op site '{node.site}' is not over the last axis")
+    attrs = _attrs(zero_points=[zero_point(x.qdtype), zero_point(qdtype)], out_dtype=qdtype.value,
+                   table=_scales(softmax_table(x.scale, int(shape[-1]))),
+                   y_scale=float(softmax_output_scale(out_scale)))
+    c.emit(node, "softmax", [x.name], attrs, qdtype, out_scale)
+
+
+def _lookup(c: Converter, node: Node, fn, kernel: str) -> None:
+    x, qdtype, out_scale = _same_type_grid(c, node)
+    z_x, z_y = zero_point(x.qdtype), zero_point(qdtype)
+    table = lookup_table(fn, x.scale, z_x, out_scale, z_y, qdtype.qmin + z_y, qdtype.qmax + z_y)
+    attrs = _attrs(zero_points=[z_x, z_y], out_dtype=qdtype.value, table=[int(v) for v in table.reshape(-1)],
+                   runtime_kernel=kernel)
+    c.emit(node, node.op, [x.name], attrs, qdtype, out_scale)
+
+
+@ort_cpu_converter("sigmoid")
+def _sigmoid(c: Converter, node: Node) -> None:
+    """QLinearSigmoid: a 256-entry table of MLAS's logistic polynomial at each input code."""
+    _lookup(c, node, mlas_logistic, "QLinearSigmoid")
+
+
+@ort_cpu_converter("leaky_relu")
+def _leaky_relu(c: Converter, node: Node) -> None:
+    """QLinearLeakyRelu: a 256-entry table."""
+    _lookup(c, node, leaky_relu(float(node.attrs.get("negative_slope", 0.01))), "QLinearLeakyRelu")

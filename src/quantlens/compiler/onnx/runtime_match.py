@@ -34,7 +34,9 @@ def _kernel_of(node: Node) -> str | None:
         return "MatMulIntegerToFloat" if float_out else "QLinearMatMul"
     if node.op == "avg_pool2d_int":
         return "QLinearGlobalAveragePool" if node.attrs.get("global") else "QLinearAveragePool"
-    return {"add": "QLinearAdd", "mul": "QLinearMul", "cat": "QLinearConcat"}.get(node.op)
+    if node.op in ("sigmoid", "leaky_relu"):
+        return node.attrs.get("runtime_kernel")
+    return {"add": "QLinearAdd", "mul": "QLinearMul", "cat": "QLinearConcat", "softmax": "QLinearSoftmax"}.get(node.op)
 
 
 def assumed_kernels(quantized: Module) -> dict[str, str]:
@@ -95,7 +97,8 @@ def check_fusion(qat_ir: Module, quantized: Module) -> None:
 
 #: fused kernel -> the index of its output zero point among its inputs (none: a float output)
 _OUTPUT_ZERO_POINT = {"QLinearConv": 7, "QLinearMatMul": 7, "QGemm": 8, "QLinearAdd": 7, "QLinearMul": 7,
-                      "QLinearConcat": 1, "QLinearGlobalAveragePool": 4, "QLinearAveragePool": 4}
+                      "QLinearConcat": 1, "QLinearGlobalAveragePool": 4, "QLinearAveragePool": 4,
+                      "QLinearSoftmax": 4, "QLinearSigmoid": 4, "QLinearLeakyRelu": 4}
 
 
 @dataclass(frozen=True)

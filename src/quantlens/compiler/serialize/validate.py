@@ -317,9 +317,9 @@ def _check_op_level(op: str, attrs: dict, kind: str, where: str) -> None:
     spec = IR_OPS.get(op)
     if spec is None:
         raise InvalidHeader(f"{where}: '{op}' is not an IR op of quantlens.march.opset (docs/ops.md lists them)")
-    if spec.level not in _LEVELS[kind] and attrs.get("host") is not True:
+    if spec.level not in _LEVELS[kind] and attrs.get("host") is not True and not isinstance(attrs.get("runtime"), str):
         raise InvalidHeader(f"{where}: '{op}' is a {spec.level}-level op, which a {kind} IR does not hold "
-                       "(except on the host, attr host: true)")
+                       "(except on the host, attr host: true, or as a runtime march's kernel, attr runtime)")
 
 
 def _check_def_use(node_inputs: list[str], node_outputs: list[str], defined: set[str], where: str) -> None:

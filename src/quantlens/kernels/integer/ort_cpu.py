@@ -19,10 +19,12 @@ from quantlens.kernels.ort_cpu import (
     dequantize_linear,
     global_average_accumulate,
     integer_to_float,
+    lookup,
     matmul_accumulate,
     qlinear_add,
     qlinear_average_pool,
     qlinear_mul,
+    qlinear_softmax,
     quantize_linear,
     requantize,
 )
@@ -169,3 +171,20 @@ def average_pool_kernel(inputs: list, attrs: dict, site: str = "") -> torch.Tens
                              tuple(attrs["kernel_size"]), tuple(attrs["stride"]), tuple(attrs["padding"]),
                              bool(attrs["count_include_pad"]), out.qmin + z_out, out.qmax + z_out)
     return _to_model(y, attrs)
+
+
+@ort_cpu_kernel("softmax")
+def softmax_kernel(inputs: list, attrs: dict, site: str = "") -> torch.Tensor:
+    """QLinearSoftmax over the last axis (its exp table ``table`` and output factor ``y_scale``)."""
+    z_x = int(attrs["zero_points"][0])
+    y = qlinear_softmax(_runtime_codes(inputs[0], z_x), torch.tensor(attrs["table"], dtype=torch.float32),
+                        attrs["y_scale"], _out(attrs)[1])
+    return _to_model(y, attrs)
+
+
+@ort_cpu_kernel("sigmoid", "leaky_relu")
+def lookup_kernel(inputs: list, attrs: dict, site: str = "") -> torch.Tensor:
+    """QLinearSigmoid / QLinearLeakyRelu: ``table[x]`` over the runtime's 256 codes."""
+    z_x = int(attrs["zero_points"][0])
+    return _to_model(lookup(_runtime_codes(inputs[0], z_x), torch.tensor(attrs["table"], dtype=torch.int32), 0),
+                     attrs)
