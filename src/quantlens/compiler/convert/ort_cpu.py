@@ -285,7 +285,7 @@ def _softmax(c: Converter, node: Node) -> None:
     attrs = _attrs(zero_points=[zero_point(x.qdtype), zero_point(qdtype)], out_dtype=qdtype.value,
                    table=_scales(softmax_table(x.scale, int(shape[-1]))),
                    y_scale=float(softmax_output_scale(out_scale)))
-    c.emit(node, "softmax", [x.name], attrs, qdtype, out_scale)
+    c.emit(node, "softmax", [x.name], {**node.attrs, **attrs}, qdtype, out_scale)
 
 
 def _lookup(c: Converter, node: Node, fn, kernel: str) -> None:
@@ -294,7 +294,7 @@ def _lookup(c: Converter, node: Node, fn, kernel: str) -> None:
     table = lookup_table(fn, x.scale, z_x, out_scale, z_y, qdtype.qmin + z_y, qdtype.qmax + z_y)
     attrs = _attrs(zero_points=[z_x, z_y], out_dtype=qdtype.value, table=[int(v) for v in table.reshape(-1)],
                    runtime_kernel=kernel)
-    c.emit(node, node.op, [x.name], attrs, qdtype, out_scale)
+    c.emit(node, node.op, [x.name], {**node.attrs, **attrs}, qdtype, out_scale)
 
 
 @ort_cpu_converter("sigmoid")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantlens.compiler.ir import Module, Node
-from quantlens.compiler.onnx.runtime_kernels import runtime_kernels
+from quantlens.compiler.onnx.runtime_kernels import INTEGER_KERNELS, runtime_kernels
 from quantlens.errors import QuantLensError
 
 __all__ = ["FusionDifference", "assumed_kernels", "fusion_differences", "check_fusion", "FusedOpComparison",
@@ -39,14 +39,21 @@ def _kernel_of(node: Node) -> str | None:
     return {"add": "QLinearAdd", "mul": "QLinearMul", "cat": "QLinearConcat", "softmax": "QLinearSoftmax"}.get(node.op)
 
 
-def assumed_kernels(quantized: Module) -> dict[str, str]:
-    """``op site -> the fused int8 kernel convert assumed the runtime runs for it``."""
-    return {node.site: kernel for node in quantized.graph.nodes if (kernel := _kernel_of(node))}
+def assumed_kernels(quantized: Module) -> dict[str, list[str]]:
+    """``op site -> the fused int8 kernels convert assumed the runtime runs for it`` (an attention's two matmuls
+    share one site), sorted."""
+    found: dict[str, list[str]] = {}
+    for node in quantized.graph.nodes:
+        kernel = _kernel_of(node)
+        if kernel:
+            found.setdefault(node.site, []).append(kernel)
+    return {site: sorted(kernels) for site, kernels in found.items()}
 
 
 @dataclass(frozen=True)
 class FusionDifference:
-    """One op site whose kernel differs: what convert assumed (``""``: float) and what the runtime runs."""
+    """One op site whose kernels differ: the fused kernels convert assumed (``""``: float) and what the runtime
+    runs there."""
 
     site: str
     assumed: str
@@ -59,17 +66,17 @@ class FusionDifference:
 def fusion_differences(quantized: Module, onnx_path: str | os.PathLike) -> list[FusionDifference]:
     """The op sites where the quantized IR's assumed kernel and the runtime's kernels for ``onnx_path`` differ."""
     assumed = assumed_kernels(quantized)
-    ran: dict[str, set[str]] = {}
+    ran: dict[str, list[str]] = {}
     for kernel in runtime_kernels(onnx_path):
         if kernel.site:
-            ran.setdefault(kernel.site, set()).add(kernel.op_type)
+            ran.setdefault(kernel.site, []).append(kernel.op_type)
     differences = []
     for site in dict.fromkeys([*assumed, *ran]):
-        fused = sorted(k for k in ran.get(site, ()) if k.startswith(("QLinear", "QGemm", "MatMulInteger")))
-        want = assumed.get(site, "")
-        if (want and want not in fused) or (not want and fused) or len(fused) > 1:
+        fused = sorted(k for k in ran.get(site, ()) if k in INTEGER_KERNELS)
+        want = assumed.get(site, [])
+        if fused != want:
             runs = ", ".join(sorted(ran.get(site, ()))) or "nothing of its own"
-            differences.append(FusionDifference(site, want, runs))
+            differences.append(FusionDifference(site, " + ".join(want), runs))
     return differences
 
 

@@ -159,8 +159,9 @@ def node_problem(op: str, inputs: list[str], outputs: list[str], attrs: dict, ki
     problem = _input_problem(sig, inputs)
     if problem:
         return problem
-    integer = kind == "quantized" and attrs.get("host") is not True and spec.level != "qat"
-    required = sig.attrs + (sig.int_attrs if integer else ())
+    runtime = attrs.get("runtime") is not None  # a runtime march's kernel (March.ORT_CPU): its own parameters
+    integer = kind == "quantized" and attrs.get("host") is not True and spec.level != "qat" and not runtime
+    required = sig.attrs + (sig.int_attrs if integer else ()) + (("zero_points",) if runtime else ())
     per_input: tuple[str, ...] = ()
     if integer and spec.cost.requantizes:
         required += ("out_dtype",)

@@ -34,7 +34,7 @@ __all__ = ["BATCH", "INT_SHAPES", "shape_problem"]
 BATCH = 2
 _META = "meta"
 #: integer storage types, computed as float32 for the shape of an integer kernel
-_STORAGE = (torch.int8, torch.int16, torch.int32)
+_STORAGE = (torch.int8, torch.int16, torch.int32, torch.uint8)
 
 
 def _same_shape(q: torch.Tensor, *_: Any) -> torch.Tensor:

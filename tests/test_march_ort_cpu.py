@@ -1,0 +1,187 @@
+"""``March.ORT_CPU`` through every stage: prepare (quint8 for non-negative activations), export, convert (the
+runtime's fused kernels, checked against its optimized graph), ``to_onnx`` (the QDQ form by default), save/load;
+and the quantized IR equal to onnxruntime (1.32, default ``SessionOptions``) at every output and every fused op."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime")
+
+import onnx  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+
+from quantlens import March, QuantDType, QuantLensError, get_march, set_march  # noqa: E402
+from quantlens.compiler import convert, export, load, save, to_onnx  # noqa: E402
+from quantlens.compiler.onnx.runtime_kernels import runtime_kernels  # noqa: E402
+from quantlens.compiler.onnx.runtime_match import assumed_kernels, check_fusion, compare_fused_ops  # noqa: E402
+from quantlens.march import get_variant  # noqa: E402
+from quantlens.march.ort_cpu import KernelVariant  # noqa: E402
+from quantlens.quantization import calibrate, prepare  # noqa: E402
+from quantlens.quantization.fake_quantize import FakeQuantize  # noqa: E402
+from quantlens.quantization.pre_export import pre_export  # noqa: E402
+from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter  # noqa: E402
+from quantlens.zoo import example_inputs, get_model, sample_batches  # noqa: E402
+
+
+@pytest.fixture
+def ort_march():
+    set_march(March.ORT_CPU)
+    yield
+    set_march(March.QL1)
+
+
+def _stages(model, example: tuple, batches: list):
+    prepared = prepare(model, example, default_calibration_qconfig_setter, check_result_dir=None,
+                       allow_no_stubs=True)
+    calibrate(prepared, batches)
+    qat_ir = export(pre_export(prepared), example)
+    return prepared, qat_ir, convert(qat_ir)
+
+
+def _zoo(name: str):
+    torch.manual_seed(0)
+    example = example_inputs(name)
+    example = example if isinstance(example, tuple) else (example,)
+    return _stages(get_model(name), example, sample_batches(name, 2, 4)) + (example,)
+
+
+def _against_runtime(qat_ir, quantized, example: tuple, tmp_path) -> tuple[list[float], list, list[str]]:
+    """max |onnxruntime - quantized IR| per output, the fused-op comparisons, the runtime's fused kernels."""
+    path = to_onnx(qat_ir, tmp_path / "model.onnx")
+    feeds = {k: v.numpy() for k, v in qat_ir.feeds(*example).items()}
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    theirs = session.run(None, feeds)
+    ours = quantized.run({k: torch.from_numpy(v) for k, v in feeds.items()})
+    gaps = [float(np.abs(t.astype(np.float64) - o.detach().numpy().astype(np.float64)).max())
+            for t, o in zip(theirs, ours)]
+    return gaps, compare_fused_ops(quantized, path, feeds), [k.op_type for k in runtime_kernels(path) if k.integer]
+
+
+@pytest.mark.parametrize("name, kernels", [
+    ("digits_cnn", {"QLinearConv", "QLinearGlobalAveragePool", "QGemm"}),
+    ("tiny_resnet", {"QLinearConv", "QLinearAdd", "QLinearConcat", "QLinearAveragePool", "QLinearGlobalAveragePool",
+                     "QGemm"}),
+    ("multitask", {"QLinearConv", "QLinearAdd", "QLinearGlobalAveragePool", "QGemm"}),
+    ("tiny_transformer", {"QGemm", "QLinearMatMul", "QLinearAdd", "QLinearSoftmax"}),
+])
+def test_the_quantized_ir_is_onnxruntime_at_every_output_and_fused_op(ort_march, tmp_path, name, kernels):
+    _, qat_ir, quantized, example = _zoo(name)
+    gaps, fused, ran = _against_runtime(qat_ir, quantized, example, tmp_path)
+    assert gaps and max(gaps) == 0.0
+    assert kernels <= set(ran)
+    assert len(fused) == len(ran) and sum(c.elements for c in fused) > 0
+    assert [c for c in fused if c.differ] == []
+
+
+def test_a_mobilenet_v2_with_relu6_runs_every_conv_in_integer(ort_march, tmp_path):
+    """transformers' MobileNetV2 (tiny config): its pads get Q/DQ pairs and its ReLU6 is a Clip the uint8 output
+    quantize makes redundant, so all of its convolutions and adds are fused kernels, equal to the IR's."""
+    pytest.importorskip("transformers")
+    from quantlens.zoo.architectures import build
+
+    model, example, batches, _ = build("mobilenet_v2")
+    _, qat_ir, quantized = _stages(model, example, batches)
+    gaps, fused, ran = _against_runtime(qat_ir, quantized, example, tmp_path)
+    assert max(gaps) == 0.0
+    assert ran.count("QLinearConv") == sum(n.op == "conv2d" for n in quantized.graph.nodes) >= 50
+    assert ran.count("QLinearAdd") == 10
+    assert [c for c in fused if c.differ] == []
+
+
+def test_the_resnet18_shape_is_onnxruntime_bit_for_bit(ort_march, tmp_path):
+    """transformers' ResNetModel with ResNet-18's layers (basic blocks 2-2-2-2, 64-512 channels), 64x64 here (the
+    benchmark runs 224x224)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.ResNetConfig(layer_type="basic", depths=[2, 2, 2, 2], hidden_sizes=[64, 128, 256, 512],
+                                       embedding_size=64, return_dict=False)
+    model = transformers.ResNetModel(config).eval()
+    g = torch.Generator().manual_seed(0)
+    example = (torch.randn(2, 3, 64, 64, generator=g),)
+    _, qat_ir, quantized = _stages(model, example, [(torch.randn(2, 3, 64, 64, generator=g),) for _ in range(2)])
+    gaps, fused, ran = _against_runtime(qat_ir, quantized, example, tmp_path)
+    assert max(gaps) == 0.0
+    assert ran.count("QLinearConv") == 20 and ran.count("QLinearAdd") == 8
+    assert [c for c in fused if c.differ] == []
+
+
+def test_non_negative_activations_are_uint8_and_ql1_is_untouched(ort_march):
+    prepared, qat_ir, quantized, _ = _zoo("tiny_resnet")
+    fqs = [m for m in prepared.modules() if isinstance(m, FakeQuantize) and m.follows_sign]
+    unsigned = [m for m in fqs if m.dtype is QuantDType.quint8]
+    assert unsigned and len(unsigned) < len(fqs)  # ReLU outputs uint8, the residual branches int8
+    for fq in unsigned:  # the scale covers [0, max] with 255 steps
+        assert bool(fq.unsigned) and float(fq.observer.min_val) >= 0
+        assert float(fq.scale) == pytest.approx(float(fq.observer.max_val) / 255, rel=1e-6)
+    ranges = {(n.attrs["qmin"], n.attrs["qmax"]) for n in qat_ir.graph.nodes if n.op == "fake_quant"}
+    assert (0, 255) in ranges and (-128, 127) in ranges
+    assert qat_ir.meta["march"] == "ort_cpu" and qat_ir.meta["march_variant"] == get_variant().value
+    set_march(March.QL1)
+    ql1 = prepare(get_model("tiny_resnet"), example_inputs("tiny_resnet"), check_result_dir=None)
+    assert not any(k.endswith(".unsigned") for k in ql1.state_dict())
+    assert all(m.dtype is not QuantDType.quint8 for m in ql1.modules() if isinstance(m, FakeQuantize))
+
+
+def test_the_unsigned_choice_is_saved_with_the_scale(ort_march):
+    prepared, _, _, _ = _zoo("digits_cnn")
+    state = prepared.state_dict()
+    fresh = prepare(get_model("digits_cnn"), example_inputs("digits_cnn"), check_result_dir=None)
+    fresh.load_state_dict(state)
+    before = {n: m.dtype for n, m in prepared.named_modules() if isinstance(m, FakeQuantize)}
+    after = {n: m.dtype for n, m in fresh.named_modules() if isinstance(m, FakeQuantize)}
+    assert before == after and QuantDType.quint8 in after.values()
+
+
+def test_to_onnx_writes_the_qdq_form_with_uint8_activations_by_default(ort_march, tmp_path):
+    _, qat_ir, _, _ = _zoo("tiny_resnet")
+    model = onnx.load(str(to_onnx(qat_ir, tmp_path / "m.onnx")))
+    inits = {t.name: t for t in model.graph.initializer}
+    quantize = [n for n in model.graph.node if n.op_type == "QuantizeLinear"]
+    assert quantize and not any(n.op_type == "Cast" for n in model.graph.node)
+    assert {inits[n.input[2]].data_type for n in quantize} == {onnx.TensorProto.UINT8}
+    zero_points = {int(onnx.numpy_helper.to_array(inits[n.input[2]])) for n in quantize}
+    assert zero_points == {0, 128}  # uint8 activations, int8 ones as uint8 + 128
+
+
+def test_save_and_load_keep_the_march_and_its_variant(ort_march, tmp_path):
+    set_march(March.ORT_CPU, variant="avx2")
+    assert get_variant() is KernelVariant.AVX2
+    _, qat_ir, quantized, example = _zoo("digits_cnn")
+    assert {n.attrs["variant"] for n in quantized.graph.nodes if n.attrs.get("runtime")} == {"avx2"}
+    save(quantized, tmp_path / "q.ql")
+    loaded = load(tmp_path / "q.ql")
+    assert loaded.meta["march"] == "ort_cpu" and loaded.meta["march_variant"] == "avx2"
+    feeds = qat_ir.feeds(*example)
+    for a, b in zip(quantized.run(feeds), loaded.run(feeds)):
+        assert torch.equal(a, b)
+    set_march(March.QL1)
+    again = convert(qat_ir)  # the qat IR's own march and variant, whatever is selected now
+    assert assumed_kernels(again) == assumed_kernels(quantized)
+    assert get_march() is March.QL1
+
+
+def test_a_kernel_the_runtime_does_not_run_is_an_error_naming_the_site_and_the_version(ort_march):
+    _, qat_ir, quantized, _ = _zoo("digits_cnn")
+    node = next(n for n in quantized.graph.nodes if n.op == "conv2d")
+    node.attrs.pop("runtime")  # as if convert had left this conv to the host
+    with pytest.raises(QuantLensError, match=rf"onnxruntime {ort.__version__} runs for this model: op site "
+                                             rf"'{node.site}': convert assumed float, onnxruntime runs QLinearConv\."):
+        check_fusion(qat_ir, quantized)
+
+
+def test_a_variant_belongs_to_ort_cpu_only():
+    with pytest.raises(QuantLensError, match="belongs to March.ORT_CPU"):
+        set_march(March.QL1, variant="vnni")
+    with pytest.raises(QuantLensError, match="Unknown onnxruntime CPU kernel variant"):
+        set_march(March.ORT_CPU, variant="sse")
+    assert get_march() is March.QL1
+
+
+def test_a_qconfig_cannot_ask_for_quint8():
+    from quantlens.quantization.qconfig import QuantSpec
+
+    with pytest.raises(QuantLensError, match="quint8 is not a qconfig's type"):
+        FakeQuantize(QuantSpec(QuantDType.quint8))
