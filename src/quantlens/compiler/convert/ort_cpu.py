@@ -152,6 +152,7 @@ def _fake_quant(c: Converter, node: Node) -> None:
     if info.scale.numel() != 1 or scale.numel() != 1:
         raise QuantLensError(f"op site '{node.site}' moves a per-channel value to another grid")
     c.emit(node, "requantize", [info.name], _attrs(in_scale=float(info.scale), out_scale=float(scale),
+                                                   zero_points=[zero_point(info.qdtype), zero_point(qdtype)],
                                                    out_dtype=qdtype.value, axis=None), qdtype, scale)
 
 
@@ -233,6 +234,8 @@ def _cat(c: Converter, node: Node) -> None:
         raise QuantLensError(f"op site '{node.site}' mixes integer types or has no 8-bit output quantize")
     qdtype, out_scale = grid
     c.emit(node, "cat", [i.name for i in infos], _attrs(in_scales=[float(i.scale) for i in infos],
+                                                         zero_points=[zero_point(i.qdtype) for i in infos]
+                                                         + [zero_point(qdtype)],
                                                          out_scale=float(out_scale), dim=node.attrs["dim"],
                                                          out_dtype=qdtype.value), qdtype, out_scale)
 

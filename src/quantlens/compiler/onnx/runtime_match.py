@@ -110,14 +110,17 @@ _OUTPUT_ZERO_POINT = {"QLinearConv": 7, "QLinearMatMul": 7, "QGemm": 8, "QLinear
 
 @dataclass(frozen=True)
 class FusedOpComparison:
-    """One fused kernel of the runtime against the quantized IR's value at its op site, on the same model input:
-    how many of its output elements differ (codes, or float32 values of a float output) and by how much at most."""
+    """One fused kernel of the runtime against the quantized IR's node that stands for it, on the same model input:
+    how many of its ``elements`` output elements differ when each computes from its own run (``differ``, largest
+    difference ``max_abs``; an upstream float op's last bit can move a code), and when the IR's node computes from
+    the runtime's own inputs to the kernel (``same_input_differ``: the kernel rule itself)."""
 
     site: str
     op_type: str
     elements: int
     differ: int
     max_abs: float
+    same_input_differ: int
 
 
 #: kernels that keep their input's layout (the runtime's NHWC rewrite leaves them between its Transposes)
@@ -126,53 +129,89 @@ _LAYOUT_KEEPING = frozenset({"QLinearAdd", "QLinearMul", "QLinearConcat", "QLine
 
 
 def _channels_last_values(nodes: list) -> set[str]:
-    """The values of the runtime's optimized graph that hold a channels-last tensor: written by a kernel with
-    ``channels_last=1`` or a Transpose to NHWC, passed on by the kernels that keep their input's layout."""
+    """The values of the runtime's optimized graph that hold a channels-last tensor: read or written by a kernel
+    with ``channels_last=1`` (the runtime moves its layout change up through a Pad and a QuantizeLinear), written by
+    a Transpose to NHWC the runtime added (a Transpose of the model's own is named after its op site), passed on by
+    the kernels that keep their input's layout."""
+    from quantlens.compiler.onnx.runtime_kernels import site_of
+
     found: set[str] = set()
     for node in nodes:
         attrs = {a.name: a for a in node.attribute}
-        if "channels_last" in attrs and attrs["channels_last"].i:
+        if "channels_last" in attrs and attrs["channels_last"].i:  # reads and writes NHWC
             found.update(node.output)
-        elif node.op_type == "Transpose" and list(attrs["perm"].ints) == [0, 2, 3, 1]:
+            found.add(node.input[0])
+        elif node.op_type == "Transpose" and not site_of(node.name) and list(attrs["perm"].ints) == [0, 2, 3, 1]:
             found.update(node.output)
         elif node.op_type in _LAYOUT_KEEPING and any(name in found for name in node.input):
             found.update(node.output)
     return found
 
 
+#: fused kernel -> the indices of its activation inputs (the others are its constants and quantization parameters)
+_ACTIVATIONS = {"QLinearConv": (0,), "QGemm": (0,), "QLinearMatMul": (0, 3), "MatMulIntegerToFloat": (0, 1),
+                "QLinearAdd": (0, 3), "QLinearMul": (0, 3), "QLinearGlobalAveragePool": (0,),
+                "QLinearAveragePool": (0,), "QLinearSoftmax": (0,), "QLinearSigmoid": (0,), "QLinearLeakyRelu": (0,)}
+
+
+def _activations(node) -> tuple[int, ...]:
+    if node.op_type == "QLinearConcat":
+        return tuple(range(2, len(node.input), 3))
+    return _ACTIVATIONS.get(node.op_type, ())
+
+
 def compare_fused_ops(quantized: Module, onnx_path: str | os.PathLike, feeds: dict) -> list[FusedOpComparison]:
     """Run the quantized IR and onnxruntime (default options) on ``feeds`` and compare each fused kernel's output with
-    the IR's node of the same op site (the runtime's codes less its zero point are the IR's codes; the output of a
-    kernel the runtime runs channels last, its NHWC rewrite, is moved back to channels first)."""
+    the IR's node that stands for it (same op site and kernel, in graph order): from the two runs, and with the IR's
+    node run again on the very inputs the runtime gave its kernel. The runtime's codes less its zero point are the
+    IR's codes; a value the runtime holds channels last (its NHWC rewrite) is moved back to channels first."""
     import numpy as np
     import torch
 
+    from quantlens.compiler.kernels_int import int_dispatch
     from quantlens.compiler.onnx.runtime_check import exposed_run
     from quantlens.compiler.onnx.runtime_kernels import site_of
 
-    ours: dict[str, torch.Tensor] = {}
+    ours: dict[tuple[str, str], list] = {}
 
     def keep(node, inputs, outputs):
-        if _kernel_of(node):
-            ours[node.site] = outputs[0] if isinstance(outputs, (list, tuple)) else outputs
+        kernel = _kernel_of(node)
+        if kernel:
+            out = outputs[0] if isinstance(outputs, (list, tuple)) else outputs
+            ours.setdefault((node.site, kernel), []).append((node, list(inputs), out))
 
     quantized.run({k: torch.as_tensor(v) for k, v in feeds.items()}, observer=keep)
     fused, values, nodes = exposed_run(onnx_path, {k: np.asarray(v) for k, v in feeds.items()})
     channels_last = _channels_last_values(nodes)
+
+    def ir_codes(name: str, zero_point: int, like: torch.Tensor) -> torch.Tensor:
+        t = torch.from_numpy(np.array(values[name]))
+        if name in channels_last:
+            t = t.permute(0, t.dim() - 1, *range(1, t.dim() - 1))
+        if not t.is_floating_point():
+            t = (t.to(torch.int32) - zero_point).to(like.dtype)
+        return t.reshape(like.shape)
+
     found = []
     for node in fused:
-        site = site_of(node.name)
-        if site not in ours:
+        queue = ours.get((site_of(node.name), node.op_type))
+        if not queue:
             continue
-        got = torch.from_numpy(np.array(values[node.output[0]]))
+        ir_node, ir_inputs, mine = queue.pop(0)
         zp_index = _OUTPUT_ZERO_POINT.get(node.op_type)
-        if zp_index is not None and zp_index < len(node.input) and node.input[zp_index]:
-            got = got.to(torch.int32) - int(np.asarray(values[node.input[zp_index]]).reshape(-1)[0])
-        mine = ours[site]
-        if node.output[0] in channels_last:  # a kernel the runtime runs channels last (its NHWC rewrite)
-            got = got.permute(0, got.dim() - 1, *range(1, got.dim() - 1))
-        mine = mine.to(got.dtype).reshape(got.shape)
+        z_out = int(np.asarray(values[node.input[zp_index]]).reshape(-1)[0]) if zp_index is not None and \
+            zp_index < len(node.input) and node.input[zp_index] else 0
+        got = ir_codes(node.output[0], z_out, mine)
         diff = (mine.to(torch.float64) - got.to(torch.float64)).abs()
-        found.append(FusedOpComparison(site, node.op_type, got.numel(), int((diff != 0).sum()),
-                                       float(diff.max()) if diff.numel() else 0.0))
+        same = list(ir_inputs)
+        activations = [i for i, v in enumerate(ir_node.inputs) if v and v not in quantized.graph.constants]
+        zero_points = ir_node.attrs["zero_points"]  # the inputs', then the output's (a float output has none)
+        in_zero_points = zero_points if "out_dtype" not in ir_node.attrs else zero_points[:-1]
+        for slot, index in zip(activations, _activations(node)):
+            same[slot] = ir_codes(node.input[index], int(in_zero_points[slot]), ir_inputs[slot])
+        again = int_dispatch(ir_node, same)
+        again = again[0] if isinstance(again, (list, tuple)) else again
+        found.append(FusedOpComparison(ir_node.site, node.op_type, got.numel(), int((diff != 0).sum()),
+                                       float(diff.max()) if diff.numel() else 0.0,
+                                       int((again.to(torch.float64) != got.to(torch.float64)).sum())))
     return found
