@@ -206,3 +206,19 @@ def test_a_qconfig_cannot_ask_for_quint8():
 
     with pytest.raises(QuantLensError, match="quint8 is not a qconfig's type"):
         FakeQuantize(QuantSpec(QuantDType.quint8))
+
+
+def test_consistency_levels_that_emulate_ql1_are_refused_under_ort_cpu(ort_march):
+    from quantlens.quantization import ConsistencyStrategy
+
+    ConsistencyStrategy.set_consistency_level(2)
+    try:
+        with pytest.raises(QuantLensError, match="consistency level 2 emulates QL1's integer rules"):
+            prepare(get_model("digits_cnn"), example_inputs("digits_cnn"), check_result_dir=None)
+    finally:
+        ConsistencyStrategy.disable()
+    ConsistencyStrategy.set_consistency_level(0)
+    try:
+        prepare(get_model("digits_cnn"), example_inputs("digits_cnn"), check_result_dir=None)
+    finally:
+        ConsistencyStrategy.disable()

@@ -29,6 +29,7 @@ from quantlens.errors import QuantLensError, QuantLensWarning
 from quantlens.march import get_march
 from quantlens.march.opset import Stage, op_def
 from quantlens.quantization.check import CHECK_FILE, check_qat_model
+from quantlens.quantization.consistency import ConsistencyStrategy
 from quantlens.quantization.decompositions import DECOMPOSITIONS
 from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, switch_fake_quants
 from quantlens.quantization.fuse import FusedGroup, UnfusedPattern, find_fusions
@@ -73,6 +74,20 @@ class _QuantizedForward:
             runtime.marks.clear()  # the marks belong to this forward only
 
 
+def _check_march_consistency() -> None:
+    """Consistency levels 1-4 emulate QL1's integer rules in the QAT forward; a runtime march (``March.ORT_CPU``)
+    has other rules, which that emulation does not compute yet: refused rather than trained against the wrong
+    arithmetic."""
+    level = ConsistencyStrategy.config().level
+    march = get_march()
+    if march.spec.float_requantize and level is not None and level >= 1:
+        raise QuantLensError(
+            f"prepare: consistency level {level} emulates QL1's integer rules in the QAT forward, and the selected "
+            f"march {march.name} computes onnxruntime's (docs/march_ort.md); that emulation is not built for it. "
+            "Use ConsistencyStrategy level 0 or off (the fake quant then follows the runtime's scheme, and convert "
+            "is exact to the runtime), or set_march(March.QL1).")
+
+
 def prepare(
     model: nn.Module,
     example_inputs: Any,
@@ -102,6 +117,7 @@ def prepare(
         raise QuantLensError(f"prepare expects a torch.nn.Module, got {type(model).__name__}.")
     if is_prepared(model):
         raise QuantLensError("prepare: this model is already prepared; pass the float model instead.")
+    _check_march_consistency()
     prepared = _copy_model(model)
     was_training = prepared.training
     prepared.eval()  # recording must not update BatchNorm statistics or sample dropout masks
