@@ -222,3 +222,52 @@ def test_consistency_levels_that_emulate_ql1_are_refused_under_ort_cpu(ort_march
         prepare(get_model("digits_cnn"), example_inputs("digits_cnn"), check_result_dir=None)
     finally:
         ConsistencyStrategy.disable()
+
+
+def _pair_rows(quantized, path, example, out_dir):
+    from quantlens.profiler import QuantAnalysis
+
+    qa = QuantAnalysis(quantized, str(path), "onnxruntime", out_dir=out_dir)
+    qa.set_bad_case(example)
+    qa.run()
+    return qa.compare_per_layer().rows
+
+
+def test_the_onnxruntime_pair_compares_the_quantized_ir_with_the_session_op_by_op(ort_march, tmp_path):
+    """The profiler's ``onnxruntime`` pair of a March.ORT_CPU quantized IR: every op site read from the runtime's
+    optimized graph at its default level (nothing blocks a fusion), each fused kernel also re-run alone on the IR's
+    inputs. Bit-exact everywhere on tiny_resnet; a conv given another multiplier is found at its site, on its own."""
+    from quantlens.profiler.onnx_fused import FLOAT_NOTE
+
+    _, qat_ir, quantized, example = _zoo("tiny_resnet")
+    path = to_onnx(qat_ir, tmp_path / "m.onnx")
+    rows = _pair_rows(quantized, path, example, tmp_path / "pair")
+    fused = [r for r in rows if r.same_input_lsb_verdict]
+    assert len(fused) == 12 and {r.same_input_lsb_verdict for r in fused} == {"bit-exact"}
+    assert {r.lsb_verdict for r in rows if r.lsb_verdict} == {"bit-exact"} and len(rows) >= 14
+    assert all(FLOAT_NOTE in (r.note or "") for r in rows if r.lsb_verdict and not r.same_input_lsb_verdict)
+    node = next(n for n in quantized.graph.nodes if n.site == "layer2.conv2")
+    node.attrs["multiplier_f32"] = [m * 1.05 for m in node.attrs["multiplier_f32"]]  # not what the file computes
+    rows = {r.op_name: r for r in _pair_rows(quantized, path, example, tmp_path / "pair2")}
+    assert rows["layer2.bn2"].same_input_lsb_verdict not in ("", "bit-exact")
+    assert rows["layer1.bn2"].same_input_lsb_verdict == "bit-exact"
+
+
+def test_analyze_pairs_the_quantized_ir_with_onnxruntime_under_ort_cpu(tmp_path):
+    """`quantlens analyze` with `march = "ORT_CPU"` in the CONFIG: the onnxruntime pair is quantized_ir vs onnx, and
+    exact on the digits CNN."""
+    import json
+    import subprocess
+    import sys
+
+    config = tmp_path / "ort.py"
+    config.write_text("from quantlens.zoo import example_inputs as ex, get_model, sample_batches\n"
+                      "march = 'ORT_CPU'\n"
+                      "def float_model():\n    return get_model('digits_cnn')\n"
+                      "def example_inputs():\n    return ex('digits_cnn')\n"
+                      "def calibration_data():\n    return sample_batches('digits_cnn', 2, 4)\n")
+    res = subprocess.run([sys.executable, "-m", "quantlens", "analyze", str(config), "--stage", "onnxruntime",
+                          "--out", str(tmp_path / "out"), "--no-sensitivity"], capture_output=True, text=True)
+    assert res.returncode in (0, 1), res.stderr
+    pairs = {p["analysis_type"]: p for p in json.loads((tmp_path / "out" / "summary.json").read_text())["pairs"]}
+    assert pairs["onnxruntime"]["baseline"] == "quantized_ir" and pairs["onnxruntime"]["verdict"] == "exact"

@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from quantlens.cli._common import console, parent
 from quantlens.cli.exits import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, UsageError
+from quantlens.cli.pair_result import pair_stages
 from quantlens.cli.pipeline import PAIRS, STAGE_CHOICES, onnxruntime_available
 
 __all__ = ["add_parser", "run", "kinds_for", "index_title", "SUMMARY_EXTRAS"]
@@ -104,7 +105,8 @@ def analyze_config(cfg, kinds: list[str], out_dir: Path, *, sensitivity: bool = 
         def built(stage: str, stages) -> None:
             # each pair is analysed (its reports written) as soon as its two models exist: a later stage that is
             # slow or fails does not hold back what is already known
-            ready = [k for k in kinds if k not in done and all(getattr(stages, n) is not None for n in PAIRS[k])]
+            ready = [k for k in kinds if k not in done and all(getattr(stages, n) is not None
+                                                                for n in pair_stages(k, stages))]
             if ready:
                 status.stop()  # one live display at a time: the analyses show their own progress
                 analyse(stages, ready)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["PAIRS", "PairVerdict", "PairResult", "worst_row", "first_lossy_row", "is_exact", "worst_differing",
+__all__ = ["PAIRS", "pair_stages", "PairVerdict", "PairResult", "worst_row", "first_lossy_row", "is_exact", "worst_differing",
            "summarize", "ranked_losses", "first_loss", "LOSS_SQNR"]
 
 #: analysis type -> (baseline stage, analysis stage), in pipeline order
@@ -21,6 +21,18 @@ PAIRS: dict[str, tuple[str, str]] = {
     "convert": ("qat_ir", "quantized_ir"),
     "onnxruntime": ("qat_ir", "onnx"),
 }
+
+
+def pair_stages(kind: str, stages: Any = None) -> tuple[str, str]:
+    """``(baseline stage, analysis stage)`` of the pair ``kind`` for these ``stages``: under ``March.ORT_CPU`` (the
+    qat IR's march) the ``onnxruntime`` pair compares the quantized IR with the session, op by op, since that march
+    is the runtime (``docs/march_ort.md``)."""
+    qat_ir = getattr(stages, "qat_ir", None)
+    if kind == "onnxruntime" and qat_ir is not None and qat_ir.meta.get("march") == "ort_cpu":
+        return "quantized_ir", "onnx"
+    return PAIRS[kind]
+
+
 #: an op whose same-input SQNR is below this loses precision of its own (above: float noise)
 LOSS_SQNR = 120.0
 

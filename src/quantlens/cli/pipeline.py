@@ -33,6 +33,7 @@ from quantlens.cli.pair_result import (
     first_loss,
     first_lossy_row,
     is_exact,
+    pair_stages,
     ranked_losses,
     summarize,
     worst_differing,
@@ -66,6 +67,8 @@ def analyze_pair(kind: str, baseline: Any, analysis: Any, out_dir: Path, data: I
     from quantlens.profiler import QuantAnalysis
 
     base_name, analy_name = PAIRS[kind]
+    if kind == "onnxruntime" and getattr(baseline, "kind", None) == "quantized":  # March.ORT_CPU (pair_stages)
+        base_name = "quantized_ir"
     out_dir.mkdir(parents=True, exist_ok=True)
     if kind == "onnxruntime":  # what a user's default onnxruntime session runs
         from quantlens.profiler import OnnxModelAccess
@@ -126,7 +129,7 @@ def analyze_pairs(stages: Stages, kinds: list[str], out_dir: Path, data: Callabl
                   step: Callable[[str], None] | None = None) -> list[PairResult]:
     results = []
     for kind in kinds:
-        base_name, analy_name = PAIRS[kind]
+        base_name, analy_name = pair_stages(kind, stages)
         base, analy = getattr(stages, base_name), getattr(stages, analy_name)
         folder = out_dir / kind
         if base is None or analy is None:

@@ -159,7 +159,10 @@ class IRModelAccess(ModelAccess):
         if info is not None and info.qdtype:
             return info.qdtype, self._scale(name)
         if node.op == "fake_quant":
-            qdtype = {-128: "qint8", -32768: "qint16", -(2**31): "qint32"}.get(node.attrs["qmin"], "float")
+            try:
+                qdtype = QuantDType.of_range(int(node.attrs["qmin"]), int(node.attrs["qmax"])).value
+            except QuantLensError:
+                return "float", None
             return qdtype, self.module.graph.constants.get(node.inputs[1])
         return "float", None
 

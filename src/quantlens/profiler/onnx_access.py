@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
@@ -212,8 +213,13 @@ class OnnxModelAccess(ModelAccess):
     def outputs_only(self) -> bool:
         """Whether only the model outputs are fetched (a standard-QDQ model above ``"disable_all"``, where
         per-op outputs would block the integer fusions): the trace then holds only the sites whose value is a
-        model output."""
-        return self.optimization != "disable_all" and self.form == "standard_qdq"
+        model output. Not against a ``March.ORT_CPU`` quantized IR: its sites are read from the runtime's
+        optimized graph (:mod:`.onnx_fused`)."""
+        return self.optimization != "disable_all" and self.form == "standard_qdq" and not self._fused_pair()
+
+    def _fused_pair(self) -> bool:
+        ref = self.reference
+        return getattr(ref, "kind", None) == "quantized" and ref.module.meta.get("march") == "ort_cpu"
 
     @property
     def site_note(self) -> str:
@@ -229,6 +235,8 @@ class OnnxModelAccess(ModelAccess):
         from quantlens.profiler.ir_access import IRModelAccess
 
         ref = self.reference
+        if isinstance(ref, IRModelAccess) and ref.kind == "quantized" and ref.module.meta.get("march") == "ort_cpu":
+            return ref  # March.ORT_CPU: the quantized IR against the session, op by op (onnx_fused)
         if not isinstance(ref, IRModelAccess) or ref.kind != "qat":
             raise QuantLensError(
                 "OnnxModelAccess needs the qat IR the ONNX model was written from (its op sites and value names): "
@@ -299,6 +307,8 @@ class OnnxModelAccess(ModelAccess):
         from quantlens.profiler.ir_module import call_ir
 
         ref = self._ir()
+        if ref.kind == "quantized":
+            return self._run_fused(ref, example, sink)
         feeds = call_ir(ref.module, example)
         missing = [n for n in self.input_names if n not in feeds]
         if missing:
@@ -325,6 +335,51 @@ class OnnxModelAccess(ModelAccess):
             raise QuantLensError(f"OnnxModelAccess: the ONNX model has {len(self.output_names)} outputs, the qat IR "
                                  f"{len(ir_outputs)}; pass the ONNX file written by to_onnx from this qat IR.")
         outs = [ref.to_float(name, values[onnx_name]) for name, onnx_name in zip(ir_outputs, self.output_names)]
+        return pytree.tree_unflatten(outs, load_spec(ref.module.output_spec))
+
+    def _run_fused(self, ref, example: Any, sink: TraceSink | None) -> Any:
+        """A ``March.ORT_CPU`` quantized IR baseline: every op site's value from the runtime's optimized graph, each
+        fused kernel also re-run alone on the IR's inputs to it (:mod:`.onnx_fused`)."""
+        from quantlens.profiler.ir_module import call_ir
+        from quantlens.profiler.onnx_fused import FLOAT_NOTE, FusedGraph
+
+        if self.optimization != "all":
+            raise QuantLensError("OnnxModelAccess: a March.ORT_CPU quantized IR is compared with onnxruntime at its "
+                                 f"default level ('all'), the one the march is; got {self.optimization!r}.")
+        if getattr(self, "_fused", None) is None:
+            self._fused = FusedGraph(self.proto, ref, num_threads())
+        fused = self._fused
+        feeds = call_ir(ref.module, example)
+        arrays = {n: feeds[n].detach().cpu().contiguous().numpy() for n in self.input_names}
+        values = fused.run(arrays, self.output_names)
+        last = {id(ref.nodes[where.ir_index]): site for site, where in fused.sites.items()}
+        seen: dict[str, tuple[list, Any]] = {}
+
+        def keep(node, inputs, outputs):
+            if id(node) in last:
+                seen[last[id(node)]] = (list(inputs), outputs[0] if isinstance(outputs, (list, tuple)) else outputs)
+
+        ref.module.run(feeds, observer=keep)
+        self.missing_sites = [site for site in ref.sites if site not in fused.sites]
+        if sink is not None:
+            tensors = {n: torch.from_numpy(np.array(values[n])) for n in self.output_names}
+            self.output_check = self._check_outputs(tensors, arrays)
+            constants = ref.module.graph.constants
+            for index, site in enumerate(s for s in ref.sites if s in fused.sites and s in seen):
+                where = fused.sites[site]
+                node = ref.nodes[where.ir_index]
+                inputs, ours = seen[site]
+                theirs = fused.as_ir(where.node.output[0], values[where.node.output[0]], values, ours)
+                event = ref.site_event(site, index, [theirs], feeds, {}, None)
+                if where.fused:
+                    again = fused.same_input(where, node, inputs, values, constants)
+                    again = fused.as_ir(where.node.output[0], again.numpy(), values, ours)
+                    event.set_same_input([ref.to_float(node.outputs[0], again)], None, "")
+                else:
+                    event.same_input_note = FLOAT_NOTE
+                sink.on_site(event)
+        outs = [ref.to_float(name, torch.from_numpy(np.array(values[onnx_name])))
+                for name, onnx_name in zip(ref.module.graph.outputs, self.output_names)]
         return pytree.tree_unflatten(outs, load_spec(ref.module.output_spec))
 
     def _check_outputs(self, traced: dict[str, torch.Tensor], arrays: dict) -> OutputCheck:

@@ -111,12 +111,18 @@ def check_deployed_pair(kind: AnalysisType, baseline: ModelAccess, analysis: Mod
             "the analysis model is an ONNX model; ONNX models are analysed with 'onnxruntime' (qat IR vs its "
             "ONNX model)."))
     if kind is AnalysisType.ONNXRUNTIME:  # the qat IR supplies the op sites and their ONNX value names
+        if isinstance(baseline, IRModelAccess) and baseline.kind == "quantized" and \
+                baseline.module.meta.get("march") == "ort_cpu":  # the march's IR against the session, op by op
+            _check_provenance(kind, baseline, analysis)
+            analysis.reference = baseline
+            return
         if not (isinstance(baseline, IRModelAccess) and baseline.kind == "qat"):
             got = f"a {baseline.kind} IR" if isinstance(baseline, IRModelAccess) else \
                 type(getattr(baseline, "model", None)).__name__
             raise QuantLensError(
                 f"QuantAnalysis('onnxruntime'): baseline_model must be the qat IR the ONNX model was written "
-                f"from (export(pre_export_model, example), then to_onnx), got {got}.")
+                f"from (export(pre_export_model, example), then to_onnx), or under March.ORT_CPU its quantized IR "
+                f"(convert(qat_ir)), got {got}.")
         _check_provenance(kind, baseline, analysis)
         analysis.reference = baseline
         return
@@ -161,6 +167,14 @@ def _check_provenance(kind: AnalysisType, baseline, analysis) -> None:
         recorded = props.get(ONNX_SOURCE_DIGEST_PROP)
         derived = f"the ONNX file{where}" if where else "the ONNX model"
         remake = "to_onnx(qat_ir, path)"
+        if baseline.kind == "quantized":  # both were made from one qat IR: their recorded digests agree
+            made_from = baseline.module.meta.get(SOURCE_DIGEST_KEY)
+            if recorded is not None and made_from is not None and recorded != made_from:
+                raise QuantLensError(
+                    f"QuantAnalysis('onnxruntime'): {derived} was made from the qat IR with digest {recorded[:12]}..., "
+                    f"and the quantized IR given with it from {made_from[:12]}...: they belong to different versions "
+                    "of the model. Write both from one qat IR: convert(qat_ir) and to_onnx(qat_ir, path).")
+            return
     else:
         recorded = analysis.module.meta.get(SOURCE_DIGEST_KEY)
         derived = f"the quantized IR{where}"

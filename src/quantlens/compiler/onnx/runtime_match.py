@@ -18,10 +18,10 @@ from quantlens.compiler.onnx.runtime_kernels import INTEGER_KERNELS, runtime_ker
 from quantlens.errors import QuantLensError
 
 __all__ = ["FusionDifference", "assumed_kernels", "fusion_differences", "check_fusion", "FusedOpComparison",
-           "compare_fused_ops"]
+           "compare_fused_ops", "kernel_of", "ZERO_POINT_INPUT", "channels_last_values", "activation_inputs"]
 
 
-def _kernel_of(node: Node) -> str | None:
+def kernel_of(node: Node) -> str | None:
     """The runtime kernel a quantized IR node of ``March.ORT_CPU`` stands for (None: no kernel of its own)."""
     if node.attrs.get("runtime") is None or node.op == "requantize":  # a DequantizeLinear -> QuantizeLinear pair
         return None
@@ -44,7 +44,7 @@ def assumed_kernels(quantized: Module) -> dict[str, list[str]]:
     share one site), sorted."""
     found: dict[str, list[str]] = {}
     for node in quantized.graph.nodes:
-        kernel = _kernel_of(node)
+        kernel = kernel_of(node)
         if kernel:
             found.setdefault(node.site, []).append(kernel)
     return {site: sorted(kernels) for site, kernels in found.items()}
@@ -103,7 +103,7 @@ def check_fusion(qat_ir: Module, quantized: Module) -> None:
 
 
 #: fused kernel -> the index of its output zero point among its inputs (none: a float output)
-_OUTPUT_ZERO_POINT = {"QLinearConv": 7, "QLinearMatMul": 7, "QGemm": 8, "QLinearAdd": 7, "QLinearMul": 7,
+ZERO_POINT_INPUT = {"QLinearConv": 7, "QLinearMatMul": 7, "QGemm": 8, "QLinearAdd": 7, "QLinearMul": 7,
                       "QLinearConcat": 1, "QLinearGlobalAveragePool": 4, "QLinearAveragePool": 4,
                       "QLinearSoftmax": 4, "QLinearSigmoid": 4, "QLinearLeakyRelu": 4}
 
@@ -128,7 +128,7 @@ _LAYOUT_KEEPING = frozenset({"QLinearAdd", "QLinearMul", "QLinearConcat", "QLine
                              "QuantizeLinear", "DequantizeLinear", "Relu", "Clip", "MaxPool"})
 
 
-def _channels_last_values(nodes: list) -> set[str]:
+def channels_last_values(nodes: list) -> set[str]:
     """The values of the runtime's optimized graph that hold a channels-last tensor: read or written by a kernel
     with ``channels_last=1`` (the runtime moves its layout change up through a Pad and a QuantizeLinear), written by
     a Transpose to NHWC the runtime added (a Transpose of the model's own is named after its op site), passed on by
@@ -154,7 +154,7 @@ _ACTIVATIONS = {"QLinearConv": (0,), "QGemm": (0,), "QLinearMatMul": (0, 3), "Ma
                 "QLinearAveragePool": (0,), "QLinearSoftmax": (0,), "QLinearSigmoid": (0,), "QLinearLeakyRelu": (0,)}
 
 
-def _activations(node) -> tuple[int, ...]:
+def activation_inputs(node) -> tuple[int, ...]:
     if node.op_type == "QLinearConcat":
         return tuple(range(2, len(node.input), 3))
     return _ACTIVATIONS.get(node.op_type, ())
@@ -175,14 +175,14 @@ def compare_fused_ops(quantized: Module, onnx_path: str | os.PathLike, feeds: di
     ours: dict[tuple[str, str], list] = {}
 
     def keep(node, inputs, outputs):
-        kernel = _kernel_of(node)
+        kernel = kernel_of(node)
         if kernel:
             out = outputs[0] if isinstance(outputs, (list, tuple)) else outputs
             ours.setdefault((node.site, kernel), []).append((node, list(inputs), out))
 
     quantized.run({k: torch.as_tensor(v) for k, v in feeds.items()}, observer=keep)
     fused, values, nodes = exposed_run(onnx_path, {k: np.asarray(v) for k, v in feeds.items()})
-    channels_last = _channels_last_values(nodes)
+    channels_last = channels_last_values(nodes)
 
     def ir_codes(name: str, zero_point: int, like: torch.Tensor) -> torch.Tensor:
         t = torch.from_numpy(np.array(values[name]))
@@ -198,7 +198,7 @@ def compare_fused_ops(quantized: Module, onnx_path: str | os.PathLike, feeds: di
         if not queue:
             continue
         ir_node, ir_inputs, mine = queue.pop(0)
-        zp_index = _OUTPUT_ZERO_POINT.get(node.op_type)
+        zp_index = ZERO_POINT_INPUT.get(node.op_type)
         z_out = int(np.asarray(values[node.input[zp_index]]).reshape(-1)[0]) if zp_index is not None and \
             zp_index < len(node.input) and node.input[zp_index] else 0
         got = ir_codes(node.output[0], z_out, mine)
@@ -207,7 +207,7 @@ def compare_fused_ops(quantized: Module, onnx_path: str | os.PathLike, feeds: di
         activations = [i for i, v in enumerate(ir_node.inputs) if v and v not in quantized.graph.constants]
         zero_points = ir_node.attrs["zero_points"]  # the inputs', then the output's (a float output has none)
         in_zero_points = zero_points if "out_dtype" not in ir_node.attrs else zero_points[:-1]
-        for slot, index in zip(activations, _activations(node)):
+        for slot, index in zip(activations, activation_inputs(node)):
             same[slot] = ir_codes(node.input[index], int(in_zero_points[slot]), ir_inputs[slot])
         again = int_dispatch(ir_node, same)
         again = again[0] if isinstance(again, (list, tuple)) else again

@@ -102,7 +102,7 @@ def acc64(t: torch.Tensor) -> torch.Tensor:
 
 def magnitude(t: torch.Tensor) -> int:
     """``max |t|`` of the storage type, as an int (int32 and wider: ``2**31``)."""
-    return {torch.int8: 128, torch.int16: 32768}.get(t.dtype, 2**31)
+    return {torch.int8: 128, torch.int16: 32768, torch.uint8: 255}.get(t.dtype, 2**31)
 
 
 def bound_of(t: torch.Tensor) -> float | None:
