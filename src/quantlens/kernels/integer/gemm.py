@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from quantlens.kernels.integer.core import int_kernel, magnitude, requant
 from quantlens.kernels.integer.param_cache import TensorCache
 
-__all__ = ["GemmWeights", "gemm_weights", "conv_kernel", "conv_transpose_kernel", "linear_kernel", "matmul_kernel"]
+__all__ = ["GemmWeights", "gemm_weights", "conv_kernel", "conv_transpose_kernel", "linear_kernel", "matmul_kernel",
+           "exact_accumulator"]
 
 
 def _float32_gemm_is_exact(t: torch.Tensor) -> bool:
@@ -99,6 +100,26 @@ def _gemm_out(attrs: dict, acc: torch.Tensor, g: GemmWeights, channel_dim: int) 
         acc.add_(g.late_bias.reshape(shape))
         consume = True
     return requant(attrs, acc, channel_dim, bound=g.bound, consume=consume or acc.dtype == torch.float64)
+
+
+def exact_accumulator(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, attrs: dict) -> torch.Tensor:
+    """The exact accumulator ``sum x w + b`` of a conv1d/conv2d (``attrs``: its stride, padding, dilation, groups;
+    channels on dim 1) or, without ``stride`` in ``attrs``, a linear (channels last), as integers held in float32 or
+    float64 (the GEMM dtype rule above): for a runtime march's kernels, which requantize it their own way."""
+    if "stride" not in attrs:
+        g = gemm_weights(x, w, b, _linear_sums)
+        acc, channel_dim = F.linear(x.to(g.dtype), g.weight, g.gemm_bias), -1
+    else:
+        g = gemm_weights(x, w, b, _conv_sums)
+        conv = F.conv1d if w.dim() == 3 else F.conv2d
+        acc = conv(x.to(g.dtype), g.weight, g.gemm_bias, attrs["stride"], attrs["padding"], attrs["dilation"],
+                   attrs["groups"])
+        channel_dim = 1
+    if g.late_bias is not None:
+        shape = [1] * acc.dim()
+        shape[channel_dim] = -1
+        acc = acc.to(torch.float64).add_(g.late_bias.reshape(shape))
+    return acc
 
 
 def _conv_sums(w_abs: torch.Tensor) -> torch.Tensor:  # weight [out, in / groups, k...]

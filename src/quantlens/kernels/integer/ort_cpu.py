@@ -14,6 +14,7 @@ import torch
 
 from quantlens._registry import make_registry
 from quantlens.kernels.integer.core import storage_dtype
+from quantlens.kernels.integer.gemm import exact_accumulator
 from quantlens.kernels.ort_cpu import (
     conv_accumulate,
     dequantize_linear,
@@ -78,13 +79,21 @@ def _per_channel(t: torch.Tensor, ndim: int, channel_dim: int) -> torch.Tensor:
     return t.reshape(shape)
 
 
+def _exact(acc: torch.Tensor) -> torch.Tensor:
+    return acc.round().to(torch.int32) if acc.is_floating_point() else acc.to(torch.int32)
+
+
 @ort_cpu_kernel("conv1d", "conv2d")
 def conv_kernel(inputs: list, attrs: dict, site: str = "") -> torch.Tensor:
-    """QLinearConv: ``sum (x - z_x) w + bias`` (the kernel variant's sum), then the float32 requantize."""
+    """QLinearConv: ``sum (x - z_x) w + bias`` (the kernel variant's sum), then the float32 requantize. VNNI sums
+    exactly: ``x - z_x`` is the model's code, so the sum is QL1's exact accumulator (float32 where that is exact)."""
     x, w, b = inputs
     z_x = int(attrs["zero_points"][0])
-    acc = conv_accumulate(_runtime_codes(x, z_x), z_x, w, 0, b, attrs["stride"], attrs["padding"],
-                          attrs["dilation"], attrs["groups"], _variant(attrs))
+    if _variant(attrs) is KernelVariant.VNNI:
+        acc = _exact(exact_accumulator(x, w, b, attrs))
+    else:
+        acc = conv_accumulate(_runtime_codes(x, z_x), z_x, w, 0, b, attrs["stride"], attrs["padding"],
+                              attrs["dilation"], attrs["groups"], KernelVariant.AVX2)
     return _requantized(acc, attrs, 1)
 
 
@@ -93,8 +102,10 @@ def linear_kernel(inputs: list, attrs: dict, site: str = "") -> torch.Tensor:
     """QGemm (``transB``): ``sum (a - z_a) w + bias``, requantized (or its float output)."""
     x, w, b = inputs
     z_x = int(attrs["zero_points"][0])
+    if _variant(attrs) is KernelVariant.VNNI:
+        return _requantized(_exact(exact_accumulator(x, w, b, {})), attrs, -1)
     rows = _runtime_codes(x, z_x).reshape(-1, x.shape[-1])
-    acc = matmul_accumulate(rows, z_x, w.t(), 0, _variant(attrs))
+    acc = matmul_accumulate(rows, z_x, w.t(), 0, KernelVariant.AVX2)
     if b is not None:
         acc = acc + b.to(torch.int32)
     return _requantized(acc.reshape(*x.shape[:-1], w.shape[0]), attrs, -1)
