@@ -287,3 +287,31 @@ def test_the_avx2_variant_saturates_in_the_quantized_ir(ort_march):
     vnni = quantized.run(feeds)[0]
     assert not torch.equal(avx2, vnni)
     assert float((avx2 - vnni).abs().max()) < 0.25 * float(vnni.abs().max())  # saturation, not garbage
+
+
+def test_qat_under_ort_cpu_trains_what_the_runtime_computes(ort_march, tmp_path):
+    """A few QAT steps (the QAT template: learned activation scales too) keep the scheme: ReLU outputs stay uint8,
+    and the trained model's quantized IR is still onnxruntime bit for bit."""
+    from quantlens.quantization import FakeQuantState, set_fake_quantize
+    from quantlens.quantization.qconfig_template import default_qat_qconfig_setter
+
+    torch.manual_seed(0)
+    example = example_inputs("digits_cnn")
+    example = example if isinstance(example, tuple) else (example,)
+    qat = prepare(get_model("digits_cnn"), example, default_qat_qconfig_setter, check_result_dir=None)
+    calibrate(qat, sample_batches("digits_cnn", 2, 4))
+    qat.train()
+    set_fake_quantize(qat, FakeQuantState.QAT)
+    opt = torch.optim.SGD(qat.parameters(), lr=1e-3)
+    for batch in sample_batches("digits_cnn", 3, 8):
+        loss = qat(*batch).logsumexp(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    qat.eval()
+    set_fake_quantize(qat, FakeQuantState.VALIDATION)
+    assert any(m.dtype is QuantDType.quint8 for m in qat.modules() if isinstance(m, FakeQuantize))
+    qat_ir = export(pre_export(qat), example)
+    quantized = convert(qat_ir)
+    gaps, fused, _ = _against_runtime(qat_ir, quantized, example, tmp_path)
+    assert max(gaps) == 0.0 and [c for c in fused if c.differ or c.same_input_differ] == []
