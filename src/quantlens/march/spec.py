@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Iterator
 
@@ -207,38 +207,30 @@ def _to_float32(value: float) -> float:
     return struct.unpack("f", struct.pack("f", value))[0]
 
 
+_QL1 = MarchSpec(
+    name="ql1",
+    activation_dtypes=(QuantDType.qint8, QuantDType.qint16),
+    weight_dtypes=(QuantDType.qint8, QuantDType.qint16),
+    accumulator_dtype=QuantDType.qint32,
+    high_precision_output_dtype=QuantDType.qint32,
+    rounding=RoundingMode.HALF_TO_EVEN,
+    min_scale=2.0**-24,
+    requant_multiplier_bits=31,
+    max_requant_shift=62,
+    allow_int16_x_int16_gemm=False,
+)
+#: QL1's numbers where the runtime has none of its own (the requantize profiles and cost model are QL1's, unused)
+_ORT_CPU = replace(_QL1, name="ort_cpu", activation_dtypes=(QuantDType.qint8, QuantDType.quint8),
+                   weight_dtypes=(QuantDType.qint8,), float_requantize=True, unsigned_activations=True, tables=False)
+
+
 class March(Enum):
     """Integer architectures quantlens knows. ``QL1`` (the default) is the seed's NPU (``docs/march.md``);
     ``ORT_CPU`` is onnxruntime's CPU execution of a QDQ model, its fused int8 kernels and their kernel variant
     (``docs/march_ort.md``)."""
 
-    QL1 = MarchSpec(
-        name="ql1",
-        activation_dtypes=(QuantDType.qint8, QuantDType.qint16),
-        weight_dtypes=(QuantDType.qint8, QuantDType.qint16),
-        accumulator_dtype=QuantDType.qint32,
-        high_precision_output_dtype=QuantDType.qint32,
-        rounding=RoundingMode.HALF_TO_EVEN,
-        min_scale=2.0**-24,
-        requant_multiplier_bits=31,
-        max_requant_shift=62,
-        allow_int16_x_int16_gemm=False,
-    )
-    ORT_CPU = MarchSpec(
-        name="ort_cpu",
-        activation_dtypes=(QuantDType.qint8, QuantDType.quint8),
-        weight_dtypes=(QuantDType.qint8,),
-        accumulator_dtype=QuantDType.qint32,
-        high_precision_output_dtype=QuantDType.qint32,
-        rounding=RoundingMode.HALF_TO_EVEN,
-        min_scale=2.0**-24,
-        requant_multiplier_bits=31,
-        max_requant_shift=62,
-        allow_int16_x_int16_gemm=False,
-        float_requantize=True,
-        unsigned_activations=True,
-        tables=False,
-    )
+    QL1 = _QL1
+    ORT_CPU = _ORT_CPU
 
     @property
     def spec(self) -> MarchSpec:
