@@ -43,6 +43,10 @@ def add_parser(sub) -> None:
     p.add_argument("--int16-budget", type=int, default=None, help="the most int16 promotions")
     p.add_argument("--latency", action="store_true", help="also estimate the latency (cycles, the march's cost "
                    "model) of the base, the result and each kept remedy")
+    p.add_argument("--qat", action="store_true", help="also try QAT as a remedy: distillation from the float model on "
+                   "the calibration data (the CONFIG's train_qat(model) when it has one), kept when it helps")
+    p.add_argument("--qat-steps", type=int, default=200, help="the QAT remedy's step budget")
+    p.add_argument("--qat-seconds", type=float, default=300.0, help="the QAT remedy's time budget")
     p.add_argument("--out", default="quantlens_fix", help="output folder (resumes a search with the same inputs)")
     p.set_defaults(func=run)
 
@@ -78,6 +82,15 @@ def metric_description(cfg) -> str:
         return f"evaluate(model) of {Path(cfg.path).name}"
     data = "evaluation_data()" if cfg.evaluation_data is not None else "calibration_data() (no evaluation_data())"
     return f"mean cosine of the first output against the float model on {data} (the CONFIG has no evaluate())"
+
+
+def _qat_budget(args):
+    from quantlens.search.remedies.qat_distill import QatBudget
+
+    if args.qat_steps < 1 or not args.qat_seconds > 0:
+        raise UsageError(f"--qat-steps must be >= 1 and --qat-seconds > 0, got {args.qat_steps} and "
+                         f"{args.qat_seconds}.")
+    return QatBudget(steps=args.qat_steps, seconds=args.qat_seconds)
 
 
 def run(args) -> int:
@@ -119,7 +132,8 @@ def run(args) -> int:
                                  range_sites=args.range_sites, int16=not args.no_int16,
                                  higher_is_better=cfg.higher_is_better, out_dir=out_dir,
                                  int16_budget=args.int16_budget, latency=args.latency,
-                                 metric=metric_description(cfg), evaluation_key=data_digest(held_out))
+                                 metric=metric_description(cfg), evaluation_key=data_digest(held_out),
+                                 qat=args.qat, qat_budget=_qat_budget(args), train_qat=cfg.train_qat)
     except EvaluateError as exc:
         raise UsageError(_evaluate_failed(cfg, exc)) from None
     save_remedies(result, out_dir)

@@ -25,9 +25,10 @@ from quantlens.search.remedies.equalize import (
 )
 from quantlens.search.remedies.learned_ranges import FixedRangeQconfigSetter, learn_ranges
 from quantlens.search.remedies.learned_rounding import has_roundable_layers, learn_rounding
+from quantlens.search.remedies.qat_distill import QatBudget, qat_distill
 from quantlens.search.remedies.weights import PerChannelWeightQconfigSetter, per_tensor_weight_sites
 
-__all__ = ["RemedyKind", "RemedyContext", "Remedy", "REMEDIES", "register_remedy", "model_remedies",
+__all__ = ["RemedyKind", "RemedyContext", "QatOptions", "Remedy", "REMEDIES", "register_remedy", "model_remedies",
            "remedies_for"]
 
 
@@ -37,16 +38,30 @@ class RemedyKind(str, enum.Enum):
     EQUALIZATION = "equalization"
     WEIGHTS = "weights"
     CONSISTENCY = "consistency"
+    TRAINING = "training"
+
+
+@dataclass(frozen=True)
+class QatOptions:
+    """The search's QAT remedy (``search_remedies(..., qat=True)``): its budget, the CONFIG's own ``train_qat``
+    (None: distillation), and the folder of its checkpoint."""
+
+    budget: QatBudget = QatBudget()
+    train_qat: Callable[[nn.Module], None] | None = None
+    out_dir: Any = None
+    progress: bool = False
 
 
 @dataclass(frozen=True)
 class RemedyContext:
-    """What a whole-model remedy sees: the float model so far, the data, and the qconfig setter so far."""
+    """What a whole-model remedy sees: the float model so far, the data, and the qconfig setter so far; ``qat``:
+    set when the search runs the QAT remedy."""
 
     model: nn.Module
     example: Any
     batches: Sequence[Any]
     setter: Any
+    qat: QatOptions | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,8 @@ class Remedy:
     findings: frozenset[str]
     applies: Callable[[RemedyContext], bool] | None = None
     apply: Callable[[RemedyContext], tuple[nn.Module, Any]] | None = None
+    #: trains the model (QAT): tried only when the search is asked to (``search_remedies(..., qat=True)``)
+    needs_qat: bool = False
 
     @property
     def searched_per_model(self) -> bool:
@@ -87,9 +104,9 @@ def register_remedy(remedy: Remedy) -> Remedy:
     return remedy
 
 
-def model_remedies() -> list[Remedy]:
-    """The whole-model remedies, in the order the search tries them."""
-    return [r for r in REMEDIES.values() if r.searched_per_model]
+def model_remedies(qat: bool = False) -> list[Remedy]:
+    """The whole-model remedies, in the order the search tries them (the QAT ones only with ``qat``)."""
+    return [r for r in REMEDIES.values() if r.searched_per_model and (qat or not r.needs_qat)]
 
 
 def remedies_for(finding: Any) -> list[Remedy]:
@@ -157,6 +174,18 @@ register_remedy(Remedy(
     frozenset({"op_error", "per_tensor_weight_channels"}),
     applies=lambda c: has_roundable_layers(c.model),
     apply=lambda c: (learn_rounding(c.model, c.example, c.batches, c.setter)[0], c.setter)))
+
+register_remedy(Remedy(
+    "qat_distill", RemedyKind.TRAINING,
+    "a short QAT against the float model's own outputs and hidden states on the calibration inputs (no labels): "
+    "weights, biases, norms and activation scales (LSQ) trained together; the CONFIG's train_qat when given",
+    "every quantized op site (the weights of every layer, the ranges of every per-tensor activation)",
+    "none: weight values and ranges change, the graph does not", True,
+    frozenset({"op_error", "range_too_large", "int8_range_needs_int16", "scale_coverage"}),
+    applies=lambda c: c.qat is not None,
+    apply=lambda c: qat_distill(c.model, c.example, c.batches, c.setter, budget=c.qat.budget,
+                                train_qat=c.qat.train_qat, out_dir=c.qat.out_dir, progress=c.qat.progress),
+    needs_qat=True))
 
 register_remedy(Remedy(
     "range", RemedyKind.RANGE,

@@ -42,7 +42,7 @@ from quantlens.quantization.qconfig_template import (
 from quantlens.search.remedies.observers import ObserverQconfigSetter
 from quantlens.sites.record import call_model
 
-__all__ = ["learn_ranges", "FixedRangeQconfigSetter", "int8_range_observer"]
+__all__ = ["learn_ranges", "FixedRangeQconfigSetter", "LearnScales", "int8_range_observer", "cosine_loss", "output_tensors"]
 
 
 def int8_range_observer(dtype: QuantDType, ch_axis: int | None = None, *, absmax: float):
@@ -71,7 +71,7 @@ class FixedRangeQconfigSetter(ObserverQconfigSetter):
         self.name = f"fixed_ranges({len(self.ranges)}, {digest}) > {getattr(base_setter, 'name', repr(base_setter))}"
 
 
-class _LearnScales(QconfigSetter):
+class LearnScales(QconfigSetter):
     """The base setter's qconfigs with a learned (LSQ) scale on every per-tensor activation output."""
 
     def __init__(self, base_setter: Any):
@@ -118,7 +118,7 @@ def learn_ranges(model: nn.Module, example: Any, batches: Sequence[Any],
         raise QuantLensError("learn_ranges: no calibration batch.")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        prepared = calibrate(prepare(copy.deepcopy(model), example, _LearnScales(setter), check_result_dir=None,
+        prepared = calibrate(prepare(copy.deepcopy(model), example, LearnScales(setter), check_result_dir=None,
                                      allow_no_stubs=True),
                              batches)
     with torch.no_grad():

@@ -46,9 +46,10 @@ from quantlens.search.provenance import (
     model_code_identity,
     setter_identity,
 )
-from quantlens.search.remedies.catalog import REMEDIES, RemedyContext, model_remedies
+from quantlens.search.remedies.catalog import REMEDIES, QatOptions, RemedyContext, model_remedies
 from quantlens.search.remedies.noise import measure_noise
 from quantlens.search.remedies.observers import RANGE_OBSERVERS, ObserverQconfigSetter
+from quantlens.search.remedies.qat_distill import QatBudget
 from quantlens.search.remedies.result import RemedyResult, SkippedRemedy, Trial
 
 __all__ = ["Trial", "SkippedRemedy", "RemedyResult", "search_remedies", "REMEDY_ERRORS"]
@@ -141,7 +142,8 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
                     higher_is_better: bool = True, out_dir: str | os.PathLike = "remedies",
                     int16_budget: Any = None, latency: bool = False, progress: bool = True,
                     report: bool = True, metric: str = "evaluate(prepared)",
-                    evaluation_key: str = "") -> RemedyResult:
+                    evaluation_key: str = "", qat: bool = False, qat_budget: QatBudget = QatBudget(),
+                    train_qat: Callable[[nn.Module], None] | None = None) -> RemedyResult:
     """The whole-model remedies of :data:`~.catalog.REMEDIES`, then per-site ranges, then int16 promotion, each
     candidate measured and kept only when it helps (see the module docstring).
 
@@ -158,6 +160,9 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
         metric: what ``evaluate`` measures, in words, for the report.
         evaluation_key: what else decides ``evaluate``'s value that the search cannot see (a digest of the
             evaluation data it reads from disk): part of the resume key, with ``evaluate``'s own identity.
+        qat: also try QAT as a remedy (``qat_distill``: distillation from the float model on the calibration
+            batches, or ``train_qat(prepared)`` when given), after the other whole-model remedies, within
+            ``qat_budget``; its checkpoint lives in ``out_dir`` (a resumed search continues it).
 
     ``model`` is not changed; ``RemedyResult.model`` and ``RemedyResult.setter`` go to ``prepare``. ``evaluate``
     must return one finite number: anything else, or an error it raises, on the base configuration is an
@@ -174,10 +179,11 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
                               evaluate_identity(evaluate) + "|" + evaluation_key)
     measure = _Measure(example_inputs, batches, evaluate, higher_is_better, out / PROGRESS_FILE, inputs_key)
     state = _State(measure, model, base_setter)
+    state.qat = QatOptions(qat_budget, train_qat, out, progress) if qat else None
     state.best = state.base = measure(model, base_setter, state.key("base"), prepared=base_prepared)
     state.noise = measure_noise(measure, model, base_setter, state.base, state.key("base"))
     base_noise = state.noise
-    with SearchBar(len(model_remedies()) + range_sites * len(observers), progress, label="remedies") as bar:
+    with SearchBar(len(model_remedies(qat)) + range_sites * len(observers), progress, label="remedies") as bar:
         _model_phase(state, example_inputs, bar)
         _range_phase(state, example_inputs, findings, range_sites, observers, out, target, bar)
     setter = ObserverQconfigSetter(state.chosen, state.setter) if state.chosen else state.setter
@@ -226,6 +232,8 @@ class _State:
         self.skipped: list[SkippedRemedy] = []
         #: (model, setter) after each kept trial, in the order of the kept trials (their latency cost)
         self.configs: list[tuple[nn.Module, Any]] = []
+        #: the QAT remedy's options (None: not tried)
+        self.qat: QatOptions | None = None
 
     def key(self, *parts: str) -> str:
         return "|".join(["+".join(self.applied)] + list(parts))
@@ -237,9 +245,9 @@ class _State:
 
 def _model_phase(state: _State, example: Any, bar: SearchBar) -> None:
     """Each whole-model remedy that applies, measured on top of those kept so far; kept when it helps."""
-    for i, remedy in enumerate(model_remedies()):
+    for i, remedy in enumerate(model_remedies(state.qat is not None)):
         bar.show(remedy.name, completed=i)
-        ctx = RemedyContext(state.model, example, state.measure.batches, state.setter)
+        ctx = RemedyContext(state.model, example, state.measure.batches, state.setter, state.qat)
         try:
             if not remedy.applies(ctx):
                 continue
