@@ -302,10 +302,12 @@ def test_qlinear_concat_requantizes_an_input_on_another_grid_through_a_table(tmp
     assert torch.equal(y, _out(torch.cat(parts, 1), sy))
 
 
-@pytest.mark.parametrize("length, sy", [(64, 1 / 256), (200, 1 / 256), (64, 0.0041)])
-def test_qlinear_softmax_reads_one_table_shifted_to_the_row_maximum(tmp_path, length, sy):
-    """(``s_y = 0.0041``: the runtime scales by ``floor(1 / s_y) = 243``, not by ``1 / s_y = 243.9``.)"""
-    sx = 0.083
+@pytest.mark.parametrize("length, sx, sy", [(64, 0.083, 1 / 256), (200, 0.083, 1 / 256), (64, 0.083, 0.0041),
+                                            (4, 9.78e-5, 0.00099038), (3, 2.548e-4, 0.0020477)])
+def test_qlinear_softmax_reads_one_table_shifted_to_the_row_maximum(tmp_path, length, sx, sy):
+    """(``s_y = 0.0041``: the runtime scales by ``floor(1 / s_y) = 243``, not by ``1 / s_y = 243.9``. Rows of 3 and 4
+    with a fine input scale: the table's values come near FLT_MAX, where ``e * floor(1 / s_y)`` overflows float32;
+    the runtime gives the softmax's codes, as ``e * (floor(1 / s_y) / sum)`` does, not 255.)"""
     x = _on_grid((6, length), sx, seed=12)
     n1, i1, xdq = _qdq("x", "x", sx, 0)
     n2, i2, _ = _qdq("o", "c", sy, -128)

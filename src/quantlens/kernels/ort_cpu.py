@@ -160,14 +160,17 @@ def lookup(x: torch.Tensor, table: torch.Tensor, qmin: int) -> torch.Tensor:
 def qlinear_softmax(x: torch.Tensor, table: torch.Tensor, y_scale, z_y: int) -> torch.Tensor:
     """QLinearSoftmax over the last axis of uint8 codes ``x`` (table :func:`quantlens.march.ort_cpu.softmax_table`,
     ``y_scale`` its ``softmax_output_scale``): each row reads ``e = table[255 - max(row) + x]``, sums ``e`` in float32
-    one element after the other (the runtime's loop, in index order), and gives ``min(255, RNE(fl(fl(e * y_scale) /
-    sum)) + z_y)``."""
+    one element after the other (the runtime's loop, in index order), and gives ``min(255, RNE(fl(e * fl(y_scale /
+    sum))) + z_y)``."""
     import numpy as np
 
     rows = x.reshape(-1, x.shape[-1]).to(torch.int64)
     e = table[(255 - rows.max(-1, keepdim=True).values + rows)]
     total = torch.from_numpy(np.add.accumulate(e.numpy(), axis=-1, dtype=np.float32)[:, -1:])
-    v = (e * torch.as_tensor(y_scale, dtype=torch.float32)) / total
+    # e * (y_scale / sum), not (e * y_scale) / sum as the source reads: the runtime's build computes it without the
+    # float32 overflow of e * y_scale (a short row's table values come within a factor of 2**8 of FLT_MAX), and this
+    # order matches it bit for bit where the literal one overflows (tests/test_ort_cpu_rules.py)
+    v = e * (torch.as_tensor(y_scale, dtype=torch.float32) / total)
     return (torch.round(v) + z_y).clamp(max=255).to(torch.int32).reshape(x.shape)
 
 

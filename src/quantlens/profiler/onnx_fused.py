@@ -32,7 +32,10 @@ from quantlens.compiler.onnx.runtime_match import (
     ZERO_POINT_INPUT,
     activation_inputs,
     channels_last_values,
+    in_ir_layout,
+    in_runtime_layout,
     kernel_of,
+    reads_channels_last,
 )
 
 __all__ = ["FusedGraph", "FLOAT_NOTE"]
@@ -145,11 +148,9 @@ class FusedGraph:
         """The runtime's value ``name`` as the IR holds it (``like``: the IR's tensor): codes less the zero point in
         the IR's storage type, channels first, the IR's shape."""
         t = torch.from_numpy(np.array(value))
-        if name in self.channels_last and t.dim() > 2:
-            t = t.permute(0, t.dim() - 1, *range(1, t.dim() - 1))
         if not t.is_floating_point() and not like.is_floating_point():
             t = (t.to(torch.int32) - self.zero_point(name, values)).to(like.dtype)
-        return t.reshape(like.shape)
+        return in_ir_layout(t, tuple(like.shape), name in self.channels_last)
 
     def same_input(self, site: _Site, ir_node, ir_inputs: list, values: dict, constants: dict) -> torch.Tensor:
         """The runtime's fused kernel of ``site`` re-run alone on the IR's inputs to its node ``ir_node`` (``constants``:
@@ -161,13 +162,13 @@ class FusedGraph:
         feeds = {}
         activations = [i for i, v in enumerate(ir_node.inputs) if v and v not in constants]
         zero_points = ir_node.attrs["zero_points"]
-        for slot, index in zip(activations, site.activations):
+        for slot, index in ((slot, site.activations[slot]) for slot in activations if slot < len(site.activations)):
             name = node.input[index]
             runtime = np.asarray(values[name])
             codes = ir_inputs[slot].to(torch.int32) + int(zero_points[slot])
-            if name in self.channels_last and codes.dim() > 2:
-                codes = codes.permute(0, *range(2, codes.dim()), 1)
-            feeds[name] = codes.reshape(runtime.shape).numpy().astype(runtime.dtype)
+            nhwc = reads_channels_last(node) or name in self.channels_last
+            codes = in_runtime_layout(codes, tuple(runtime.shape), nhwc)
+            feeds[name] = codes.numpy().astype(runtime.dtype)
         return torch.from_numpy(np.array(session.run([node.output[0]], feeds)[0]))
 
     def _one_node(self, node, activations: list[int], values: dict):

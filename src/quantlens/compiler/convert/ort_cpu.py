@@ -20,7 +20,7 @@ import torch
 from quantlens._registry import make_registry
 from quantlens.compiler.convert.gemm import fake_quant_converter
 from quantlens.compiler.convert.pools import pool_attrs
-from quantlens.compiler.convert.state import Converter, QInfo, fq_dtype
+from quantlens.compiler.convert.state import PASSTHROUGH_OPS, Converter, QInfo, fq_dtype
 from quantlens.compiler.ir import Node
 from quantlens.errors import QuantLensError
 from quantlens.march import QuantDType, get_variant
@@ -190,9 +190,44 @@ def _gemm(c: Converter, node: Node) -> None:
     c.emit(node, node.op, inputs, {**node.attrs, **attrs}, qdtype, out_scale)
 
 
+def _moved_constant(c: Converter, value: str) -> bool:
+    """Whether ``value`` is a constant moved by data movement (a class token expanded to the batch, a slice of
+    position embeddings): its DequantizeLinear feeds the movement op, whose float output the runtime's Add, Mul or
+    Concat then reads, so it does not fuse."""
+    moved = False
+    for _ in range(64):
+        node = c.producers.get(value)
+        if node is None:
+            return moved and c.is_const(value)
+        if node.op == "fake_quant":
+            return moved and c.is_const(node.inputs[0])
+        if node.op not in PASSTHROUGH_OPS or not node.inputs:
+            return False
+        value, moved = node.inputs[0], True
+    return False
+
+
+def _activations_only(c: Converter, node: Node, values: list[str]) -> None:
+    """Add, Mul and Concat fuse on activations and on uint8 constants the file dequantizes right there (a
+    non-negative constant: the activations' type). An int8 constant stays int8 in onnxruntime 1.32 (its S8->U8
+    rewrite takes Q -> DQ pairs, not a lone DequantizeLinear of an initializer), and a kernel cannot mix int8 and
+    uint8, so the runtime computes in float; so it does for a constant moved by data movement first
+    (:func:`_moved_constant`)."""
+    for v in values:
+        if _moved_constant(c, v):
+            raise QuantLensError(f"op site '{node.site}' reads a constant moved by data movement; onnxruntime "
+                                 f"computes that {node.op} in float")
+        info, made_by = c.q.get(v), c.producers.get(v)
+        constant = made_by is not None and made_by.op == "fake_quant" and c.is_const(made_by.inputs[0])
+        if constant and (info is None or info.qdtype is not QuantDType.quint8 or info.scale.numel() != 1):
+            raise QuantLensError(f"op site '{node.site}' reads an int8 constant, which onnxruntime keeps int8; it "
+                                 f"computes that {node.op} in float")
+
+
 def _two_tensors(c: Converter, node: Node) -> tuple[QInfo, QInfo, QuantDType, torch.Tensor]:
-    if any(c.is_const(v) and v not in c.q for v in node.inputs) or len(node.inputs) != 2:
-        raise QuantLensError(f"op site '{node.site}' reads a float constant; onnxruntime fuses two quantized tensors")
+    if len(node.inputs) != 2:
+        raise QuantLensError(f"op site '{node.site}' has {len(node.inputs)} inputs")
+    _activations_only(c, node, list(node.inputs))
     a, b = c.int_input(node, node.inputs[0]), c.int_input(node, node.inputs[1])
     _eight_bit(node, a, b)
     grid = fused_output(c, node)
@@ -225,8 +260,7 @@ def _mul(c: Converter, node: Node) -> None:
 def _cat(c: Converter, node: Node) -> None:
     """QLinearConcat: each input copied, or moved to the output's grid through DequantizeLinear -> QuantizeLinear."""
     values = [v for v in node.inputs if not (c.is_const(v) and c.src.constants[v].numel() == 0)]
-    if any(c.is_const(v) and v not in c.q for v in values):
-        raise QuantLensError(f"op site '{node.site}' concatenates a float constant")
+    _activations_only(c, node, values)
     infos = [c.int_input(node, v) for v in values]
     _eight_bit(node, *infos)
     grid = fused_output(c, node)
@@ -238,6 +272,26 @@ def _cat(c: Converter, node: Node) -> None:
                                                          + [zero_point(qdtype)],
                                                          out_scale=float(out_scale), dim=node.attrs["dim"],
                                                          out_dtype=qdtype.value), qdtype, out_scale)
+
+
+@ort_cpu_converter("adaptive_avg_pool1d")
+def _global_pool1d(c: Converter, node: Node) -> None:
+    """An adaptive average pool to one step is GlobalAveragePool in the file: QLinearGlobalAveragePool."""
+    if [int(o) for o in node.attrs["output_size"]] != [1]:
+        raise QuantLensError(f"average pool at op site '{node.site}' is not global; onnxruntime runs it in float")
+    x = c.int_input(node, node.inputs[0])
+    _eight_bit(node, x)
+    grid = fused_output(c, node)
+    if grid is None or grid[0] is not x.qdtype:
+        raise QuantLensError(f"average pool at op site '{node.site}' changes the integer type or has no 8-bit "
+                             "output quantize; onnxruntime runs it in float")
+    qdtype, out_scale = grid
+    m = global_average_multiplier(x.scale, out_scale, int(c.src.values[node.inputs[0]].shape[-1]))
+    attrs = {"kernel_size": [1, int(c.src.values[node.inputs[0]].shape[-1])], "stride": [1, 1], "padding": [0, 0],
+             "ceil_mode": False, "count_include_pad": True,
+             **_attrs(zero_points=[zero_point(x.qdtype), zero_point(qdtype)], multiplier_f32=_scales(m),
+                      out_dtype=qdtype.value, **{"global": True})}
+    c.emit(node, "avg_pool2d_int", [x.name], attrs, qdtype, out_scale)
 
 
 @ort_cpu_converter("avg_pool2d", "adaptive_avg_pool2d")

@@ -31,6 +31,9 @@ MIN_OPSET = 21
 #: which the runtime needs to fuse it (transformers' MobileNets pad before each conv); its fill value, quantized by
 #: the pair, is the fill code the integer pad writes (0 for the usual zero padding).
 _DATA_MOVEMENT = {"MaxPool", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice", "Pad"}
+#: in March.ORT_CPU's form also the other ops the runtime runs on codes between equal Q/DQ pairs (its own list), so
+#: that a kernel after them reads a DequantizeLinear (a pooler's Gemm after the first token's Gather)
+_RUNTIME_MOVEMENT = _DATA_MOVEMENT | {"Gather", "Flatten", "Expand", "Tile", "GatherElements"}
 
 
 def _complete_qdq(b: Builder) -> None:
@@ -86,10 +89,12 @@ def _requant_after_dequant(b: Builder, outputs: set[str]) -> tuple[list, dict]:
         return bool(users) and name not in outputs and all(u.op_type == "QuantizeLinear" for u in users)
 
     nodes, producer = [], {}
+    movement = _RUNTIME_MOVEMENT if b.uint8_activations else _DATA_MOVEMENT
     for node in b.nodes:
         source = producer.get(node.input[0]) if node.input else None
-        if node.op_type in _DATA_MOVEMENT and source is not None and source.op_type == "DequantizeLinear" \
-                and _is_per_tensor(b, source) and not quantized_next(node.output[0]):
+        if node.op_type in movement and source is not None and source.op_type == "DequantizeLinear" \
+                and _is_per_tensor(b, source) and not quantized_next(node.output[0]) \
+                and (node.op_type in _DATA_MOVEMENT or source.input[0] not in b.initializers):  # (an activation's)
             out = node.output[0]
             pre = b.fresh(f"{out}/pre")
             node.output[0] = pre

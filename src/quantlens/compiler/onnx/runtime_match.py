@@ -18,7 +18,8 @@ from quantlens.compiler.onnx.runtime_kernels import INTEGER_KERNELS, runtime_ker
 from quantlens.errors import QuantLensError
 
 __all__ = ["FusionDifference", "assumed_kernels", "fusion_differences", "check_fusion", "FusedOpComparison",
-           "compare_fused_ops", "kernel_of", "ZERO_POINT_INPUT", "channels_last_values", "activation_inputs"]
+           "compare_fused_ops", "kernel_of", "ZERO_POINT_INPUT", "channels_last_values", "activation_inputs",
+           "in_ir_layout", "in_runtime_layout", "reads_channels_last"]
 
 
 def kernel_of(node: Node) -> str | None:
@@ -129,18 +130,18 @@ _LAYOUT_KEEPING = frozenset({"QLinearAdd", "QLinearMul", "QLinearConcat", "QLine
 
 
 def channels_last_values(nodes: list) -> set[str]:
-    """The values of the runtime's optimized graph that hold a channels-last tensor: read or written by a kernel
-    with ``channels_last=1`` (the runtime moves its layout change up through a Pad and a QuantizeLinear), written by
-    a Transpose to NHWC the runtime added (a Transpose of the model's own is named after its op site), passed on by
-    the kernels that keep their input's layout."""
+    """The values of the runtime's optimized graph that hold a channels-last tensor: written by a kernel with
+    ``channels_last=1`` or by a Transpose to NHWC the runtime added (a Transpose of the model's own is named after its
+    op site), passed on by the kernels that keep their input's layout. (What such a kernel reads is channels last
+    to it whatever made it: the runtime moves the layout change up through a Pad, a QuantizeLinear, or folds it into
+    the model's own Transpose; :func:`reads_channels_last`.)"""
     from quantlens.compiler.onnx.runtime_kernels import site_of
 
     found: set[str] = set()
     for node in nodes:
         attrs = {a.name: a for a in node.attribute}
-        if "channels_last" in attrs and attrs["channels_last"].i:  # reads and writes NHWC
+        if "channels_last" in attrs and attrs["channels_last"].i:  # writes NHWC (what it reads: reads_channels_last)
             found.update(node.output)
-            found.add(node.input[0])
         elif node.op_type == "Transpose" and not site_of(node.name) and list(attrs["perm"].ints) == [0, 2, 3, 1]:
             found.update(node.output)
         elif node.op_type in _LAYOUT_KEEPING and any(name in found for name in node.input):
@@ -158,6 +159,52 @@ def activation_inputs(node) -> tuple[int, ...]:
     if node.op_type == "QLinearConcat":
         return tuple(range(2, len(node.input), 3))
     return _ACTIVATIONS.get(node.op_type, ())
+
+
+def _permutation(have: tuple, want: tuple) -> list[int] | None:
+    """The order of ``have``'s dims that gives ``want`` (None: not the same dims); equal sizes keep their order
+    (a layout change moves the channels, it does not swap two equal spatial dims)."""
+    if have == want or len(have) != len(want) or sorted(have) != sorted(want):
+        return None
+    order, used = [], set()
+    for size in want:
+        index = next(i for i, d in enumerate(have) if d == size and i not in used)
+        used.add(index)
+        order.append(index)
+    return order
+
+
+def in_ir_layout(t, shape: tuple, channels_last: bool):
+    """The runtime's tensor ``t`` in the IR's layout of ``shape``: back from channels last (the runtime's NHWC
+    rewrite) where that gives the IR's shape, or from another order of the same dims (its transpose optimizer runs
+    an elementwise kernel on the transposed tensor and moves the Transpose after it), else reshaped (a 2-D Gemm's
+    rows). A flag whose permutation does not give ``shape`` while ``t`` already has it is not followed (an add of a
+    channels-last and a channels-first input, which the runtime computed channels first)."""
+    shape = tuple(shape)
+    if channels_last and t.dim() > 2:
+        nchw = t.permute(0, t.dim() - 1, *range(1, t.dim() - 1))
+        if tuple(nchw.shape) == shape:
+            return nchw
+    if tuple(t.shape) == shape:
+        return t
+    order = _permutation(tuple(t.shape), shape)
+    return (t.permute(*order) if order is not None else t).reshape(shape)
+
+
+def in_runtime_layout(t, shape: tuple, channels_last: bool):
+    """The IR's tensor ``t`` in the runtime's layout of ``shape`` (the inverse of :func:`in_ir_layout`)."""
+    if channels_last and t.dim() > 2:
+        t = t.permute(0, *range(2, t.dim()), 1)
+    else:
+        order = _permutation(tuple(t.shape), tuple(shape))
+        if order is not None:
+            t = t.permute(*order)
+    return t.reshape(shape)
+
+
+def reads_channels_last(node) -> bool:
+    """Whether the runtime's kernel ``node`` reads its activation input channels last (``channels_last=1``)."""
+    return any(a.name == "channels_last" and a.i for a in node.attribute)
 
 
 def compare_fused_ops(quantized: Module, onnx_path: str | os.PathLike, feeds: dict) -> list[FusedOpComparison]:
@@ -184,13 +231,11 @@ def compare_fused_ops(quantized: Module, onnx_path: str | os.PathLike, feeds: di
     fused, values, nodes = exposed_run(onnx_path, {k: np.asarray(v) for k, v in feeds.items()})
     channels_last = channels_last_values(nodes)
 
-    def ir_codes(name: str, zero_point: int, like: torch.Tensor) -> torch.Tensor:
+    def ir_codes(name: str, zero_point: int, like: torch.Tensor, nhwc: bool | None = None) -> torch.Tensor:
         t = torch.from_numpy(np.array(values[name]))
-        if name in channels_last:
-            t = t.permute(0, t.dim() - 1, *range(1, t.dim() - 1))
         if not t.is_floating_point():
             t = (t.to(torch.int32) - zero_point).to(like.dtype)
-        return t.reshape(like.shape)
+        return in_ir_layout(t, tuple(like.shape), name in channels_last if nhwc is None else nhwc)
 
     found = []
     for node in fused:
@@ -207,8 +252,14 @@ def compare_fused_ops(quantized: Module, onnx_path: str | os.PathLike, feeds: di
         activations = [i for i, v in enumerate(ir_node.inputs) if v and v not in quantized.graph.constants]
         zero_points = ir_node.attrs["zero_points"]  # the inputs', then the output's (a float output has none)
         in_zero_points = zero_points if "out_dtype" not in ir_node.attrs else zero_points[:-1]
-        for slot, index in zip(activations, activation_inputs(node)):
-            same[slot] = ir_codes(node.input[index], int(in_zero_points[slot]), ir_inputs[slot])
+        positions = activation_inputs(node)  # the IR node's inputs are the kernel's operands, in order
+        for slot, index in ((slot, positions[slot]) for slot in activations if slot < len(positions)):
+            if np.asarray(values[node.input[index]]).size != ir_inputs[slot].numel():
+                raise QuantLensError(f"compare_fused_ops: the runtime's {node.op_type} at op site '{ir_node.site}' reads "
+                                     f"{node.input[index]!r} of {np.asarray(values[node.input[index]]).shape} where the "
+                                     f"IR's node reads {tuple(ir_inputs[slot].shape)}; report the model.")
+            same[slot] = ir_codes(node.input[index], int(in_zero_points[slot]), ir_inputs[slot],
+                                  True if reads_channels_last(node) else None)
         again = int_dispatch(ir_node, same)
         again = again[0] if isinstance(again, (list, tuple)) else again
         found.append(FusedOpComparison(ir_node.site, node.op_type, got.numel(), int((diff != 0).sum()),
