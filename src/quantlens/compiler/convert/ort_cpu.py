@@ -99,6 +99,15 @@ def clip_is_redundant(clip: Node, qdtype: QuantDType, scale: torch.Tensor) -> bo
     return low_ok and high_ok
 
 
+def identity_scale(c: Converter, node: Node) -> bool:
+    """A multiply or divide by the constant 1 (attention's scale when the query was scaled before): the runtime
+    removes it (its no-op elimination), so the kernel before it fuses with the quantize after it."""
+    if node.op not in ("mul", "div") or len(node.inputs) != 2:
+        return False
+    k = node.inputs[1]
+    return c.is_const(k) and c.src.constants[k].numel() == 1 and float(c.src.constants[k]) == 1.0
+
+
 def _only_user(c: Converter, value: str) -> Node | None:
     users = c.consumers.get(value, [])
     return users[0] if len(users) == 1 and value not in c.src.outputs else None
@@ -108,11 +117,14 @@ def fused_output(c: Converter, node: Node) -> tuple[QuantDType, torch.Tensor] | 
     """The grid of the QuantizeLinear the runtime fuses into ``node``'s kernel: its one user's fake quant, or that of
     a ReLU / Clip in between which the QuantizeLinear makes redundant (:func:`clip_is_redundant`; the runtime drops
     it). None: the output stays float (or the runtime would not fuse it)."""
-    user = _only_user(c, node.outputs[0])
+    value = node.outputs[0]
+    user = _only_user(c, value)
+    while user is not None and identity_scale(c, user) and user.inputs[0] == value:  # the runtime drops it
+        value, user = user.outputs[0], _only_user(c, user.outputs[0])
     clip = None
-    if user is not None and user.op in _CLIPS and user.inputs[0] == node.outputs[0]:
-        clip, user = user, _only_user(c, user.outputs[0])
-    if user is None or user.op != "fake_quant" or user.inputs[0] != (clip or node).outputs[0]:
+    if user is not None and user.op in _CLIPS and user.inputs[0] == value:
+        clip, value, user = user, user.outputs[0], _only_user(c, user.outputs[0])
+    if user is None or user.op != "fake_quant" or user.inputs[0] != value:
         return None
     qdtype = fq_dtype(user.attrs)
     scale = c.src.constants[user.inputs[1]].to(torch.float32)
@@ -246,9 +258,15 @@ def _add(c: Converter, node: Node) -> None:
                                                  out_dtype=qdtype.value), qdtype, out_scale)
 
 
-@ort_cpu_converter("mul")
+@ort_cpu_converter("mul", "div")
 def _mul(c: Converter, node: Node) -> None:
-    """QLinearMul: ``sat(RNE(fl(fl(p r) + z_c)))``, ``p = (a - z_a)(b - z_b)``, ``r = fl(fl(s_a s_b) / s_c)``."""
+    """QLinearMul: ``sat(RNE(fl(fl(p r) + z_c)))``, ``p = (a - z_a)(b - z_b)``, ``r = fl(fl(s_a s_b) / s_c)``; a
+    multiply or divide by 1 passes the codes on (the runtime removes it). A divide is otherwise float."""
+    if identity_scale(c, node) and node.inputs[0] in c.q:
+        c.q[node.outputs[0]] = c.q[node.inputs[0]]
+        return
+    if node.op == "div":
+        raise QuantLensError(f"op site '{node.site}' divides; onnxruntime fuses no division")
     a, b, qdtype, out_scale = _two_tensors(c, node)
     z = [zero_point(a.qdtype), zero_point(b.qdtype), zero_point(qdtype)]
     m = mul_multiplier(a.scale, b.scale, out_scale)

@@ -33,7 +33,7 @@ MIN_OPSET = 21
 _DATA_MOVEMENT = {"MaxPool", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice", "Pad"}
 #: in March.ORT_CPU's form also the other ops the runtime runs on codes between equal Q/DQ pairs (its own list), so
 #: that a kernel after them reads a DequantizeLinear (a pooler's Gemm after the first token's Gather)
-_RUNTIME_MOVEMENT = _DATA_MOVEMENT | {"Gather", "Flatten", "Expand", "Tile", "GatherElements"}
+_RUNTIME_MOVEMENT = _DATA_MOVEMENT | {"Gather", "Flatten", "Expand", "Tile", "GatherElements", "Split"}
 
 
 def _complete_qdq(b: Builder) -> None:
@@ -93,16 +93,19 @@ def _requant_after_dequant(b: Builder, outputs: set[str]) -> tuple[list, dict]:
     for node in b.nodes:
         source = producer.get(node.input[0]) if node.input else None
         if node.op_type in movement and source is not None and source.op_type == "DequantizeLinear" \
-                and _is_per_tensor(b, source) and not quantized_next(node.output[0]) \
+                and _is_per_tensor(b, source) and not all(quantized_next(o) for o in node.output if o) \
                 and (node.op_type in _DATA_MOVEMENT or source.input[0] not in b.initializers):  # (an activation's)
-            out = node.output[0]
-            pre = b.fresh(f"{out}/pre")
-            node.output[0] = pre
             nodes.append(node)
-            pair = _qdq_pair(b, pre, out, source)
-            nodes.extend(pair)
-            producer[pre] = node
-            producer[out] = pair[1]
+            for i, out in enumerate(list(node.output)):  # (a Split: every output)
+                if not out or quantized_next(out):
+                    producer[out] = node
+                    continue
+                pre = b.fresh(f"{out}/pre")
+                node.output[i] = pre
+                pair = _qdq_pair(b, pre, out, source)
+                nodes.extend(pair)
+                producer[pre] = node
+                producer[out] = pair[1]
             continue
         nodes.append(node)
         for out in node.output:
