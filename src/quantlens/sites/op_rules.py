@@ -186,7 +186,12 @@ def canonical_op_name(func: Callable) -> str:
         return _DUNDER.get(stripped, stripped)
     if name.endswith("_") and not name.startswith("_") and name[:-1] in _FUNCTION_RULES:
         return name[:-1]  # in-place variant
-    return name
+    return _ALIASES.get(name, name)
+
+
+#: torch's documented aliases of an op (``torch.multiply`` is ``torch.mul``): one op type, one rule
+_ALIASES = {"multiply": "mul", "subtract": "sub", "divide": "div", "true_divide": "div", "negative": "neg",
+            "absolute": "abs"}
 
 
 def function_rule(op_name: str) -> OpRule:

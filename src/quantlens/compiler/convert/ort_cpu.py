@@ -108,6 +108,22 @@ def identity_scale(c: Converter, node: Node) -> bool:
     return c.is_const(k) and c.src.constants[k].numel() == 1 and float(c.src.constants[k]) == 1.0
 
 
+def identity_cast(c: Converter, node: Node) -> bool:
+    """A cast to the type its input already has (``softmax(x, dtype=torch.float32)``): the runtime removes it."""
+    if node.op != "cast" or not node.inputs:
+        return False
+    info = c.src.values.get(node.inputs[0])
+    return info is not None and str(node.attrs.get("dtype", "")).replace("torch.", "") == info.dtype
+
+
+@ort_cpu_converter("cast")
+def _cast(c: Converter, node: Node) -> None:
+    """A cast to its input's own type passes the codes on (the runtime removes it); any other runs on the host."""
+    if not (identity_cast(c, node) and node.inputs[0] in c.q):
+        raise QuantLensError(f"op site '{node.site}' casts to another type")
+    c.q[node.outputs[0]] = c.q[node.inputs[0]]
+
+
 def _only_user(c: Converter, value: str) -> Node | None:
     users = c.consumers.get(value, [])
     return users[0] if len(users) == 1 and value not in c.src.outputs else None
@@ -119,8 +135,8 @@ def fused_output(c: Converter, node: Node) -> tuple[QuantDType, torch.Tensor] | 
     it). None: the output stays float (or the runtime would not fuse it)."""
     value = node.outputs[0]
     user = _only_user(c, value)
-    while user is not None and identity_scale(c, user) and user.inputs[0] == value:  # the runtime drops it
-        value, user = user.outputs[0], _only_user(c, user.outputs[0])
+    while user is not None and (identity_scale(c, user) or identity_cast(c, user)) and user.inputs[0] == value:
+        value, user = user.outputs[0], _only_user(c, user.outputs[0])  # the runtime drops it
     clip = None
     if user is not None and user.op in _CLIPS and user.inputs[0] == value:
         clip, value, user = user, user.outputs[0], _only_user(c, user.outputs[0])
@@ -202,36 +218,30 @@ def _gemm(c: Converter, node: Node) -> None:
     c.emit(node, node.op, inputs, {**node.attrs, **attrs}, qdtype, out_scale)
 
 
-def _moved_constant(c: Converter, value: str) -> bool:
-    """Whether ``value`` is a constant moved by data movement (a class token expanded to the batch, a slice of
-    position embeddings): its DequantizeLinear feeds the movement op, whose float output the runtime's Add, Mul or
-    Concat then reads, so it does not fuse."""
-    moved = False
+def _constant_source(c: Converter, value: str) -> str | None:
+    """The fake quant of a constant that ``value`` is, directly or moved by data movement (a class token expanded to
+    the batch, an ALiBi bias repeated per head), else None."""
     for _ in range(64):
         node = c.producers.get(value)
-        if node is None:
-            return moved and c.is_const(value)
+        if node is None or not node.inputs:
+            return None
         if node.op == "fake_quant":
-            return moved and c.is_const(node.inputs[0])
-        if node.op not in PASSTHROUGH_OPS or not node.inputs:
-            return False
-        value, moved = node.inputs[0], True
-    return False
+            return node.outputs[0] if c.is_const(node.inputs[0]) else None
+        if node.op not in PASSTHROUGH_OPS:
+            return None
+        value = node.inputs[0]
+    return None
 
 
 def _activations_only(c: Converter, node: Node, values: list[str]) -> None:
-    """Add, Mul and Concat fuse on activations and on uint8 constants the file dequantizes right there (a
-    non-negative constant: the activations' type). An int8 constant stays int8 in onnxruntime 1.32 (its S8->U8
-    rewrite takes Q -> DQ pairs, not a lone DequantizeLinear of an initializer), and a kernel cannot mix int8 and
-    uint8, so the runtime computes in float; so it does for a constant moved by data movement first
-    (:func:`_moved_constant`)."""
+    """Add, Mul and Concat fuse on activations and on uint8 constants (non-negative ones: the activations' type),
+    directly or after data movement (the runtime moves a constant's DequantizeLinear past it). An int8 constant stays
+    int8 in onnxruntime 1.32 (its S8->U8 rewrite takes Q -> DQ pairs, not a lone DequantizeLinear of an
+    initializer), and a kernel cannot mix int8 and uint8, so the runtime computes in float."""
     for v in values:
-        if _moved_constant(c, v):
-            raise QuantLensError(f"op site '{node.site}' reads a constant moved by data movement; onnxruntime "
-                                 f"computes that {node.op} in float")
-        info, made_by = c.q.get(v), c.producers.get(v)
-        constant = made_by is not None and made_by.op == "fake_quant" and c.is_const(made_by.inputs[0])
-        if constant and (info is None or info.qdtype is not QuantDType.quint8 or info.scale.numel() != 1):
+        source = _constant_source(c, v)
+        info = c.q.get(source) if source is not None else None
+        if source is not None and (info is None or info.qdtype is not QuantDType.quint8 or info.scale.numel() != 1):
             raise QuantLensError(f"op site '{node.site}' reads an int8 constant, which onnxruntime keeps int8; it "
                                  f"computes that {node.op} in float")
 
@@ -350,15 +360,13 @@ def _same_type_grid(c: Converter, node: Node) -> tuple[QInfo, QuantDType, torch.
 
 @ort_cpu_converter("softmax")
 def _softmax(c: Converter, node: Node) -> None:
-    """QLinearSoftmax over the last axis: each row reads ``table[255 - max + x]`` (the runtime's exp table of the
-    input scale), sums in float32 in index order and scales by ``floor(1 / s_y)``."""
+    """QLinearSoftmax over axis ``dim`` (the runtime moves it last and back): each row reads ``table[255 - max + x]``
+    (the runtime's exp table of the input scale), sums in float32 in index order and scales by ``floor(1 / s_y)``."""
     x, qdtype, out_scale = _same_type_grid(c, node)
     shape = c.src.values[node.inputs[0]].shape
-    dim = int(node.attrs.get("dim", -1))
-    if dim not in (-1, len(shape) - 1):
-        raise QuantLensError(f"softmax at op site '{node.site}' is not over the last axis")
+    dim = int(node.attrs.get("dim", -1)) % len(shape)
     attrs = _attrs(zero_points=[zero_point(x.qdtype), zero_point(qdtype)], out_dtype=qdtype.value,
-                   table=_scales(softmax_table(x.scale, int(shape[-1]))),
+                   table=_scales(softmax_table(x.scale, int(shape[dim]))),
                    y_scale=float(softmax_output_scale(out_scale)))
     c.emit(node, "softmax", [x.name], {**node.attrs, **attrs}, qdtype, out_scale)
 

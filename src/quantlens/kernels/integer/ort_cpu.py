@@ -186,11 +186,14 @@ def average_pool_kernel(inputs: list, attrs: dict, site: str = "") -> torch.Tens
 
 @ort_cpu_kernel("softmax")
 def softmax_kernel(inputs: list, attrs: dict, site: str = "") -> torch.Tensor:
-    """QLinearSoftmax over the last axis (its exp table ``table`` and output factor ``y_scale``)."""
+    """QLinearSoftmax over axis ``dim`` (its exp table ``table`` and output factor ``y_scale``), the runtime's
+    transpose of that axis to the last and back."""
     z_x = int(attrs["zero_points"][0])
-    y = qlinear_softmax(_runtime_codes(inputs[0], z_x), torch.tensor(attrs["table"], dtype=torch.float32),
-                        attrs["y_scale"], _out(attrs)[1])
-    return _to_model(y, attrs)
+    dim = int(attrs.get("dim", -1))
+    x = _runtime_codes(inputs[0], z_x).movedim(dim, -1)
+    y = qlinear_softmax(x.contiguous(), torch.tensor(attrs["table"], dtype=torch.float32), attrs["y_scale"],
+                        _out(attrs)[1])
+    return _to_model(y.movedim(-1, dim), attrs)
 
 
 @ort_cpu_kernel("sigmoid", "leaky_relu")
