@@ -302,6 +302,20 @@ def _cat(c: Converter, node: Node) -> None:
                                                          out_dtype=qdtype.value), qdtype, out_scale)
 
 
+def _partial_windows(c: Converter, node: Node) -> bool:
+    """Whether ``ceil_mode`` gives an avg_pool2d windows past the input (its output larger than without it)."""
+    a = node.attrs
+    k = [int(v) for v in (a["kernel_size"] if isinstance(a["kernel_size"], (list, tuple)) else [a["kernel_size"]] * 2)]
+    st = a.get("stride") or k
+    st = [int(v) for v in (st if isinstance(st, (list, tuple)) else [st] * 2)]
+    p = a.get("padding", 0)
+    p = [int(v) for v in (p if isinstance(p, (list, tuple)) else [p] * 2)]
+    size_in = c.src.values[node.inputs[0]].shape[-2:]
+    size_out = c.src.values[node.outputs[0]].shape[-2:]
+    floor = [(n + 2 * pp - kk) // ss + 1 for n, pp, kk, ss in zip(size_in, p, k, st)]
+    return list(size_out) != floor
+
+
 @ort_cpu_converter("adaptive_avg_pool1d")
 def _global_pool1d(c: Converter, node: Node) -> None:
     """An adaptive average pool to one step is GlobalAveragePool in the file: QLinearGlobalAveragePool."""
@@ -340,9 +354,15 @@ def _avg_pool(c: Converter, node: Node) -> None:
         m = global_average_multiplier(x.scale, out_scale, int(shape[-1] * shape[-2]))
         attrs.update(_attrs(zero_points=z, multiplier_f32=_scales(m), out_dtype=qdtype.value, **{"global": True}))
     else:
-        if node.attrs.get("divisor_override") or node.attrs.get("ceil_mode"):
-            raise QuantLensError(f"average pool at op site '{node.site}' has a divisor override or ceil_mode")
         a = node.attrs
+        if a.get("ceil_mode") and _partial_windows(c, node):
+            size_in, size_out = c.src.values[node.inputs[0]].shape[-2:], c.src.values[node.outputs[0]].shape[-2:]
+            if list(size_out) != [1, 1] or any(int(v) for v in (a.get("padding") or [0])):
+                raise QuantLensError(f"average pool at op site '{node.site}' has ceil_mode windows past the input")
+            # one window past the whole input (EfficientNet's pooler): the runtime averages the elements it covers
+            attrs.update(kernel_size=[int(v) for v in size_in], stride=[int(v) for v in size_in], padding=[0, 0])
+        if a.get("divisor_override"):
+            raise QuantLensError(f"average pool at op site '{node.site}' has a divisor override")
         attrs.update(_attrs(zero_points=z, in_scale=float(x.scale), out_scale=float(out_scale),
                             out_dtype=qdtype.value, count_include_pad=bool(a.get("count_include_pad", True))))
     del count

@@ -128,12 +128,26 @@ def _requant_before_quant(b: Builder, nodes: list, producer: dict, outputs: set[
     return insert_before
 
 
+def _zero_point_is_uint8_zero(b: Builder, q_node) -> bool:
+    proto = b.initializers.get(q_node.input[2]) if len(q_node.input) > 2 else None
+    if proto is None:
+        return False
+    import onnx.numpy_helper
+
+    zp = onnx.numpy_helper.to_array(proto)
+    return zp.dtype.name == "uint8" and zp.size == 1 and int(zp.reshape(-1)[0]) == 0
+
+
 def _requant_chain(b: Builder, q_node, producer: dict, consumers: dict[str, int], outputs: set[str],
                    insert_before: dict[int, list]) -> None:
     """Walk up from ``q_node`` through data-movement ops, each read once and writing no graph output, giving each
     a Q/DQ pair on its input; stops at a DequantizeLinear (the forward pass covered it) or a shared value."""
     current = producer.get(q_node.input[0])
-    while current is not None and current.op_type in _DATA_MOVEMENT and current.output[0] not in outputs:
+    # in March.ORT_CPU's form a ReLU before a uint8 quantize with zero point 0 passes too: the pair's clamp at 0 is
+    # the ReLU, so a kernel before a Reshape -> ReLU (a rank-3 linear's) fuses with its requantize
+    relu_passes = b.uint8_activations and _zero_point_is_uint8_zero(b, q_node)
+    while current is not None and (current.op_type in _DATA_MOVEMENT or (relu_passes and current.op_type == "Relu")) \
+            and current.output[0] not in outputs:
         src = current.input[0]
         before = producer.get(src)
         if before is not None and before.op_type == "DequantizeLinear":
