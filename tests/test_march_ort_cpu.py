@@ -315,3 +315,24 @@ def test_qat_under_ort_cpu_trains_what_the_runtime_computes(ort_march, tmp_path)
     quantized = convert(qat_ir)
     gaps, fused, _ = _against_runtime(qat_ir, quantized, example, tmp_path)
     assert max(gaps) == 0.0 and [c for c in fused if c.differ or c.same_input_differ] == []
+
+
+#: transformers architectures (tiny random configs), each exercising a rule the sweep of every zoo architecture
+#: found (benchmarks/bench_ort_cpu_sweep.py): GPT-2's fused qkv Split, OPT's attention multiply by 1, BLOOM's ALiBi
+#: (a uint8 constant moved by data movement) and its softmax cast, ConvBERT's torch.multiply and softmax over dim 1,
+#: SegFormer's 4-key softmax (a short row near FLT_MAX), T5's rank-3 linear -> ReLU, EfficientNet's ceil_mode
+#: pooler, ViT's int8 class token (float Concat), ConvNeXt's channels-last layout
+SWEPT = ["gpt2", "opt", "bloom", "convbert", "segformer", "t5_encoder", "efficientnet", "vit", "convnext"]
+
+
+@pytest.mark.parametrize("name", SWEPT)
+def test_transformers_architectures_are_onnxruntime_bit_for_bit(ort_march, tmp_path, name):
+    pytest.importorskip("transformers")
+    from quantlens.zoo.architectures import build
+
+    model, example, batches, _ = build(name)
+    example = example if isinstance(example, tuple) else (example,)
+    _, qat_ir, quantized = _stages(model, example, batches)  # convert checks the kernels against the runtime's
+    gaps, fused, ran = _against_runtime(qat_ir, quantized, example, tmp_path)
+    assert max(gaps) == 0.0 and ran
+    assert [c for c in fused if c.differ or c.same_input_differ] == []
