@@ -25,7 +25,7 @@ MP_PROGRESS = "mixed_precision_progress.json"
 @pytest.fixture(autouse=True)
 def no_model_remedies(monkeypatch):
     """The whole-model remedies train for seconds and decide nothing here: the searches run without them."""
-    monkeypatch.setattr("quantlens.search.remedies.search.model_remedies", lambda: ())
+    monkeypatch.setattr("quantlens.search.remedies.search.model_remedies", lambda qat=False: ())
 
 
 @pytest.fixture(scope="module")

@@ -143,11 +143,15 @@ def _requant_chain(b: Builder, q_node, producer: dict, consumers: dict[str, int]
     """Walk up from ``q_node`` through data-movement ops, each read once and writing no graph output, giving each
     a Q/DQ pair on its input; stops at a DequantizeLinear (the forward pass covered it) or a shared value."""
     current = producer.get(q_node.input[0])
-    # in March.ORT_CPU's form a ReLU before a uint8 quantize with zero point 0 passes too: the pair's clamp at 0 is
-    # the ReLU, so a kernel before a Reshape -> ReLU (a rank-3 linear's) fuses with its requantize
+    # in March.ORT_CPU's form the walk passes a ReLU before a uint8 quantize with zero point 0 (without a pair of its
+    # own: the pairs further up clamp at 0, which is the ReLU), so a kernel before a Reshape -> ReLU (a rank-3
+    # linear's) fuses with its requantize; a ReLU right after a kernel is left as it is (the runtime drops it)
     relu_passes = b.uint8_activations and _zero_point_is_uint8_zero(b, q_node)
-    while current is not None and (current.op_type in _DATA_MOVEMENT or (relu_passes and current.op_type == "Relu")) \
-            and current.output[0] not in outputs:
+    while relu_passes and current is not None and current.op_type == "Relu" and current.output[0] not in outputs \
+            and consumers.get(current.output[0], 0) == 1 and producer.get(current.input[0]) is not None \
+            and producer[current.input[0]].op_type in _DATA_MOVEMENT:
+        current = producer[current.input[0]]
+    while current is not None and current.op_type in _DATA_MOVEMENT and current.output[0] not in outputs:
         src = current.input[0]
         before = producer.get(src)
         if before is not None and before.op_type == "DequantizeLinear":
