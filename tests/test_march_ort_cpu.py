@@ -336,3 +336,19 @@ def test_transformers_architectures_are_onnxruntime_bit_for_bit(ort_march, tmp_p
     gaps, fused, ran = _against_runtime(qat_ir, quantized, example, tmp_path)
     assert max(gaps) == 0.0 and ran
     assert [c for c in fused if c.differ or c.same_input_differ] == []
+
+
+def test_the_advisor_does_not_advise_a_consistency_level_under_ort_cpu(ort_march, tmp_path):
+    """The convert pair of a March.ORT_CPU model differs from the QAT model where the runtime rounds its own way; no
+    consistency level applies there (prepare refuses them), so the advisor says so instead of advising one."""
+    from quantlens.profiler import QuantAnalysis
+
+    _, qat_ir, quantized, example = _zoo("tiny_transformer")
+    qa = QuantAnalysis(qat_ir, quantized, "convert", out_dir=tmp_path / "pair")
+    qa.set_bad_case(example)
+    qa.run()
+    table = qa.compare_per_layer()
+    findings = [f for f in qa.advise(table) if f.rule == "consistency_level"]
+    assert any(r.same_input_lsb_verdict not in ("", "bit-exact") for r in table.rows)  # the runtime's rounding
+    assert findings and all("set_consistency_level" not in f.advice for f in findings)
+    assert "no consistency level applies under March.ORT_CPU" in findings[0].advice

@@ -56,7 +56,8 @@ def pair_dirs(root: Path) -> list[Path]:
 _PAIR_FIELDS = {"analysis_type": str, "baseline": str, "analysis": str, "fake_quant_state": str, "consistency": dict,
                 "onnxruntime": dict}
 _NESTED = {
-    "consistency": {"level": int, "qpp": str, "known": bool, "source": str, "baseline_rules": str, "pair_note": str},
+    "consistency": {"level": int, "qpp": str, "known": bool, "source": str, "baseline_rules": str, "pair_note": str,
+                    "march": str},
     "onnxruntime": {"optimization!": str, "form": str, "outputs_only!": bool, "output_check": dict},
     "output_check": {"level": str, "equal!": bool, "max_abs_diff!": (int, float)},
 }

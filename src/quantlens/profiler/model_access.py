@@ -214,6 +214,8 @@ class ConsistencyInfo:
     baseline_rules: str | None = None
     #: what the pair compares at this level, for the report line (set by :meth:`of_pair`)
     pair_note: str = ""
+    #: the march the model was built for (an IR's meta ``march``; "" where not recorded): the levels are QL1's
+    march: str = ""
 
     @property
     def needs_retraining(self) -> bool:
@@ -257,7 +259,7 @@ class ConsistencyInfo:
         if qpp not in ("default", "high_precision"):
             qpp = "high_precision" if meta.get("high_precision_qpp") else "default"
         return cls(level=level if isinstance(level, int) and not isinstance(level, bool) else None, qpp=qpp,
-                   source=source)
+                   source=source, march=str(meta.get("march", "")))
 
     @staticmethod
     def of_pair(baseline: "ModelAccess", analysis: "ModelAccess") -> "ConsistencyInfo | None":

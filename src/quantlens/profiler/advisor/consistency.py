@@ -113,6 +113,24 @@ def _sites(rows: list[LayerRow]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
+def _runtime_march(ctx: AdvisorContext) -> list[Finding]:
+    """A March.ORT_CPU model: its quantized IR is the runtime's arithmetic (float32 multipliers, its lookup tables
+    and softmax), which no consistency level emulates (prepare refuses levels 1-4 under that march), so the ops
+    that differ from the QAT model on the same input are said to be the runtime's, with what is exact."""
+    inexact = [r for r in ctx.comparison if r.same_input_lsb_verdict not in ("", "bit-exact")]
+    if not inexact:
+        return []
+    return [finding(
+        "consistency_level", inexact[0],
+        f"{len(inexact)} op sites compute the runtime's arithmetic (March.ORT_CPU: onnxruntime's float32 requantize, "
+        f"its lookup tables and softmax) where the QAT model computes float and rounds once: {_sites(inexact)}",
+        "no consistency level applies under March.ORT_CPU (its levels 1-4 emulate QL1's rules and prepare refuses "
+        "them); what the deployed model computes is the quantized IR, which the 'onnxruntime' pair holds against the "
+        "session op by op (docs/march_ort.md); where the loss matters, promote or remedy the op site itself",
+        severity=Severity.ADVICE,
+    )]
+
+
 @_rule("consistency_level")
 def consistency_level(ctx: AdvisorContext) -> list[Finding]:
     """convert: the op sites whose own kernel is not bit-exact, grouped by the ``ConsistencyStrategy`` level that
@@ -123,6 +141,8 @@ def consistency_level(ctx: AdvisorContext) -> list[Finding]:
     if ctx.analysis_type != "convert":
         return []
     info = ctx.consistency
+    if info is not None and info.march == "ort_cpu":
+        return _runtime_march(ctx)
     current = -1 if info is None or info.level is None else info.level
     default_qpp = info is None or info.qpp != "high_precision"
     built = "off" if current < 0 else f"level {current}"
