@@ -4,7 +4,6 @@ when asked (``search_remedies(..., qat=True)``, ``quantlens fix --qat``) and kee
 
 from __future__ import annotations
 
-import textwrap
 import warnings
 
 import pytest
@@ -136,6 +135,7 @@ def test_fix_takes_qat_and_refuses_a_bad_budget(tmp_path):
     """`quantlens fix --qat` runs the QAT remedy (its checkpoint in --out, its trial in the saved result); a budget
     of no step is refused in words."""
     from tests.test_cli import ql
+    from tests.test_fix_newcomers import CONFIG  # a CONFIG with evaluation data: fix measures the held-out metric
 
     (tmp_path / "cfg.py").write_text(CONFIG)
     res = ql("fix", tmp_path / "cfg.py", "--target", "1.5", "--range-sites", "0", "--no-int16", "--qat",
@@ -145,33 +145,3 @@ def test_fix_takes_qat_and_refuses_a_bad_budget(tmp_path):
     assert "qat_distill" in (tmp_path / "out" / "remedies.csv").read_text()
     bad = ql("fix", tmp_path / "cfg.py", "--target", "1.5", "--qat", "--qat-steps", "0", "--out", tmp_path / "o2")
     assert bad.returncode == 2 and "--qat-steps must be >= 1" in bad.stderr
-
-
-CONFIG = textwrap.dedent('''
-    import torch
-    from torch import nn
-    from quantlens.quantization import DeQuantStub, QuantStub
-
-
-    class Tiny(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q, self.dq, self.fc1, self.fc2 = QuantStub(), DeQuantStub(), nn.Linear(4, 8), nn.Linear(8, 2)
-
-        def forward(self, x):
-            return self.dq(self.fc2(torch.relu(self.fc1(self.q(x)))))
-
-
-    def float_model():
-        torch.manual_seed(0)
-        return Tiny().eval()
-
-
-    def example_inputs():
-        return torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
-
-
-    def calibration_data():
-        gen = torch.Generator().manual_seed(2)
-        return [torch.randn(4, 4, generator=gen) for _ in range(2)]
-''')

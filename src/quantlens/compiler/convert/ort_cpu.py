@@ -316,18 +316,23 @@ def _partial_windows(c: Converter, node: Node) -> bool:
     return list(size_out) != floor
 
 
-@ort_cpu_converter("adaptive_avg_pool1d")
-def _global_pool1d(c: Converter, node: Node) -> None:
-    """An adaptive average pool to one step is GlobalAveragePool in the file: QLinearGlobalAveragePool."""
-    if [int(o) for o in node.attrs["output_size"]] != [1]:
-        raise QuantLensError(f"average pool at op site '{node.site}' is not global; onnxruntime runs it in float")
+def _pool_input(c: Converter, node: Node) -> tuple[QInfo, QuantDType, torch.Tensor]:
+    """An average pool's 8-bit input and its fused output grid, of the same integer type (the QLinear pools' rule)."""
     x = c.int_input(node, node.inputs[0])
     _eight_bit(node, x)
     grid = fused_output(c, node)
     if grid is None or grid[0] is not x.qdtype:
         raise QuantLensError(f"average pool at op site '{node.site}' changes the integer type or has no 8-bit "
                              "output quantize; onnxruntime runs it in float")
-    qdtype, out_scale = grid
+    return x, grid[0], grid[1]
+
+
+@ort_cpu_converter("adaptive_avg_pool1d")
+def _global_pool1d(c: Converter, node: Node) -> None:
+    """An adaptive average pool to one step is GlobalAveragePool in the file: QLinearGlobalAveragePool."""
+    if [int(o) for o in node.attrs["output_size"]] != [1]:
+        raise QuantLensError(f"average pool at op site '{node.site}' is not global; onnxruntime runs it in float")
+    x, qdtype, out_scale = _pool_input(c, node)
     m = global_average_multiplier(x.scale, out_scale, int(c.src.values[node.inputs[0]].shape[-1]))
     attrs = {"kernel_size": [1, int(c.src.values[node.inputs[0]].shape[-1])], "stride": [1, 1], "padding": [0, 0],
              "ceil_mode": False, "count_include_pad": True,
@@ -340,13 +345,7 @@ def _global_pool1d(c: Converter, node: Node) -> None:
 def _avg_pool(c: Converter, node: Node) -> None:
     """QLinearGlobalAveragePool for an adaptive pool to 1x1, QLinearAveragePool otherwise (both need one integer
     type in and out)."""
-    x = c.int_input(node, node.inputs[0])
-    _eight_bit(node, x)
-    grid = fused_output(c, node)
-    if grid is None or grid[0] is not x.qdtype:
-        raise QuantLensError(f"average pool at op site '{node.site}' changes the integer type or has no 8-bit "
-                             "output quantize; onnxruntime runs it in float")
-    qdtype, out_scale = grid
+    x, qdtype, out_scale = _pool_input(c, node)
     attrs, count = pool_attrs(c, node)
     z = [zero_point(x.qdtype), zero_point(qdtype)]
     if node.op == "adaptive_avg_pool2d" and list(node.attrs["output_size"]) == [1, 1]:

@@ -42,7 +42,8 @@ from quantlens.quantization.qconfig_template import (
 from quantlens.search.remedies.observers import ObserverQconfigSetter
 from quantlens.sites.record import call_model
 
-__all__ = ["learn_ranges", "FixedRangeQconfigSetter", "LearnScales", "int8_range_observer", "cosine_loss", "output_tensors"]
+__all__ = ["learn_ranges", "FixedRangeQconfigSetter", "LearnScales", "int8_range_observer", "cosine_loss", "output_tensors",
+           "calibrated_with_learned_scales", "learnable_output_fqs", "learned_ranges"]
 
 
 def int8_range_observer(dtype: QuantDType, ch_axis: int | None = None, *, absmax: float):
@@ -114,22 +115,10 @@ def learn_ranges(model: nn.Module, example: Any, batches: Sequence[Any],
     output's qconfig), keep their observer and are not returned. ``model``
     is not changed; the same inputs give the same ranges."""
     batches = list(batches)
-    if not batches:
-        raise QuantLensError("learn_ranges: no calibration batch.")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prepared = calibrate(prepare(copy.deepcopy(model), example, LearnScales(setter), check_result_dir=None,
-                                     allow_no_stubs=True),
-                             batches)
+    prepared = calibrated_with_learned_scales(model, example, batches, setter, "learn_ranges")
     with torch.no_grad():
         refs = [output_tensors(call_model(model, b)) for b in batches]
-    state = prepared._quantlens_state
-    # op site -> its output's fake quant; not a decomposed op's (sdpa): its inner quantizers (scores, probabilities)
-    # take the site's output qconfig too, so a fixed output range would fix theirs as well
-    fqs = {plan.name: state.fq[plan.output_fq] for plan in state.plans.values()
-           if plan.output_fq in state.fq and plan.override is None}
-    fqs = {site: fq for site, fq in fqs.items() if fq.learn_scale and fq.scale_group is None and not fq.pow2_scale
-           and fq.dtype is QuantDType.qint8}
+    fqs = learnable_output_fqs(prepared)
     if not fqs or not refs[0]:
         return {}
     for p in prepared.parameters():
@@ -150,4 +139,32 @@ def learn_ranges(model: nn.Module, example: Any, batches: Sequence[Any],
             optimizer.step()
             schedule.step()
     set_fake_quantize(prepared, FakeQuantState.VALIDATION)
+    return learned_ranges(fqs)
+
+
+def calibrated_with_learned_scales(model: nn.Module, example: Any, batches: list, setter: Any,
+                                   who: str) -> nn.Module:
+    """A copy of ``model`` prepared with ``setter``'s qconfigs and a learned (LSQ) scale on every per-tensor
+    activation output, calibrated on ``batches`` (the learned scales start there)."""
+    if not batches:
+        raise QuantLensError(f"{who}: no calibration batch.")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return calibrate(prepare(copy.deepcopy(model), example, LearnScales(setter), check_result_dir=None,
+                                 allow_no_stubs=True), batches)
+
+
+def learnable_output_fqs(prepared: nn.Module) -> dict:
+    """op site -> its output's fake quant where a learned int8 range is given back as a fixed one: not a decomposed
+    op's (sdpa: its inner quantizers take the site's output qconfig too, so a fixed output range would fix theirs as
+    well), not a shared or power-of-two scale."""
+    state = prepared._quantlens_state
+    fqs = {plan.name: state.fq[plan.output_fq] for plan in state.plans.values()
+           if plan.output_fq in state.fq and plan.override is None}
+    return {site: fq for site, fq in fqs.items() if fq.learn_scale and fq.scale_group is None and not fq.pow2_scale
+            and fq.dtype is QuantDType.qint8}
+
+
+def learned_ranges(fqs: Mapping[str, Any]) -> dict[str, float]:
+    """``site -> absmax`` of each learned int8 scale (``scale * 127``)."""
     return {site: float(fq.learned_scale.detach().clamp(min=1e-12)) * fq.dtype.qmax for site, fq in fqs.items()}

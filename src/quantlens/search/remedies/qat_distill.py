@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -28,13 +27,14 @@ from torch import nn
 
 from quantlens._io import atomic_write_bytes, safetensors_bytes
 from quantlens.errors import QuantLensError
-from quantlens.march import QuantDType
-from quantlens.quantization import FakeQuantState, calibrate, prepare, set_fake_quantize
+from quantlens.quantization import FakeQuantState, set_fake_quantize
 from quantlens.search.bar import SearchBar
 from quantlens.search.remedies.learned_ranges import (
     FixedRangeQconfigSetter,
-    LearnScales,
+    calibrated_with_learned_scales,
     cosine_loss,
+    learnable_output_fqs,
+    learned_ranges,
     output_tensors,
 )
 from quantlens.sites.record import call_model
@@ -184,12 +184,7 @@ def qat_distill(model: nn.Module, example: Any, batches: Sequence[Any], setter: 
     own QAT, run instead of the distillation. ``out_dir``: where the checkpoint lives (a run with the same model,
     batches, setter and budget resumes from it). ``model`` is not changed."""
     batches = list(batches)
-    if not batches:
-        raise QuantLensError("qat_distill: no calibration batch.")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prepared = calibrate(prepare(copy.deepcopy(model), example, LearnScales(setter), check_result_dir=None,
-                                     allow_no_stubs=True), batches)
+    prepared = calibrated_with_learned_scales(model, example, batches, setter, "qat_distill")
     set_fake_quantize(prepared, FakeQuantState.QAT)
     path = None if out_dir is None else Path(out_dir) / CHECKPOINT_FILE
     key = _key(model, batches, setter, budget)
@@ -220,12 +215,7 @@ def _trained_model(model: nn.Module, prepared: nn.Module) -> nn.Module:
 
 
 def _learned_ranges(prepared: nn.Module) -> dict[str, float]:
-    """Each int8 activation op site's learned output range, ``site -> absmax`` (as :func:`learn_ranges`)."""
-    state = prepared._quantlens_state
-    ranges = {}
-    for plan in state.plans.values():
-        fq = state.fq[plan.output_fq] if plan.output_fq in state.fq and plan.override is None else None
-        if fq is not None and fq.learn_scale and bool(getattr(fq, "learned_initialized", False)) \
-                and fq.scale_group is None and not fq.pow2_scale and fq.dtype is QuantDType.qint8:
-            ranges[plan.name] = float(fq.learned_scale.detach().clamp(min=1e-12)) * fq.dtype.qmax
-    return ranges
+    """Each int8 activation op site's learned output range, ``site -> absmax`` (as :func:`learn_ranges`; a scale QAT
+    never started, a site no batch reached, keeps its observer)."""
+    fqs = learnable_output_fqs(prepared)
+    return learned_ranges({site: fq for site, fq in fqs.items() if bool(getattr(fq, "learned_initialized", False))})
