@@ -143,3 +143,22 @@ def test_the_qat_ir_runs_its_fake_quants_without_the_op_and_gives_the_op_s_bits(
         monkeypatch.setattr(fq_module, "_plain_eager", lambda *a: False)  # every fake quant through the op
         assert any("quantlens::fake_quant" in name for name in _ops_run(lambda: qat_ir(*x)))
         assert torch.equal(qat_ir(*x), direct)
+
+
+def test_a_negative_channel_axis_is_the_last_dim_not_per_tensor():
+    """``QuantSpec(ch_axis=-1)`` (a hidden dim's channels, the natural way to name the last dim) quantizes per channel
+    of the last dim, as ``ch_axis=2`` does; the fake quant's own -1 means per tensor, and used to meet the [C] scale."""
+    from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState
+    from quantlens.quantization.qconfig import QuantSpec
+
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0)) * torch.tensor([1.0, 10.0, 100.0, 1000.0])
+    outs = []
+    for axis in (-1, 2):
+        fq = FakeQuantize(QuantSpec(QuantDType.qint8, ch_axis=axis))
+        fq.set_state(FakeQuantState.CALIBRATION)
+        fq(x)
+        fq.set_state(FakeQuantState.VALIDATION)
+        outs.append(fq(x))
+        assert fq.scale.shape == (4,)
+    assert torch.equal(outs[0], outs[1])
+    assert float((outs[0] - x).abs().max()) < 1000.0 / 127  # the small channels keep their own steps

@@ -189,8 +189,13 @@ class FakeQuantize(nn.Module):
             # While observing, the next call updates self.scale in place; autograd must keep this call's value
             # (a quantizer used at every time step of an LSTM runs several times in one forward).
             scale = self.scale.clone() if (self.observe_enabled or weight_refresh) else self.scale
-            return fake_quant(x, scale, self.dtype, self.ch_axis)
+            return fake_quant(x, scale, self.dtype, self._axis(x))
         return x
+
+    def _axis(self, x: torch.Tensor) -> int | None:
+        """The channel axis as a dim of ``x`` (a qconfig's ``ch_axis=-1``, the last dim, is not the fake quant's
+        per-tensor -1)."""
+        return None if self.ch_axis is None else self.ch_axis % max(x.dim(), 1)
 
     def _observe(self, x: torch.Tensor) -> None:
         if self.is_weight:
@@ -228,7 +233,7 @@ class FakeQuantize(nn.Module):
         """The fake quant with the current scale (where fake-quantizing is on), without observing ``x``."""
         if not self.fake_quant_enabled or x.numel() == 0:
             return x
-        return fake_quant(x, self.scale.clone() if self.observe_enabled else self.scale, self.dtype, self.ch_axis)
+        return fake_quant(x, self.scale.clone() if self.observe_enabled else self.scale, self.dtype, self._axis(x))
 
     def _weight_key(self, w: torch.Tensor) -> tuple | None:
         """Inside :func:`frozen_weights`: what the weight scale is a function of, told without reading the
