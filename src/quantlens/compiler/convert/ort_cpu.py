@@ -346,7 +346,7 @@ def _avg_pool(c: Converter, node: Node) -> None:
     """QLinearGlobalAveragePool for an adaptive pool to 1x1, QLinearAveragePool otherwise (both need one integer
     type in and out)."""
     x, qdtype, out_scale = _pool_input(c, node)
-    attrs, count = pool_attrs(c, node)
+    attrs = pool_attrs(c, node)[0]  # (the window shape; the runtime's pools count their windows themselves)
     z = [zero_point(x.qdtype), zero_point(qdtype)]
     if node.op == "adaptive_avg_pool2d" and list(node.attrs["output_size"]) == [1, 1]:
         shape = c.src.values[node.inputs[0]].shape
@@ -364,7 +364,6 @@ def _avg_pool(c: Converter, node: Node) -> None:
             raise QuantLensError(f"average pool at op site '{node.site}' has a divisor override")
         attrs.update(_attrs(zero_points=z, in_scale=float(x.scale), out_scale=float(out_scale),
                             out_dtype=qdtype.value, count_include_pad=bool(a.get("count_include_pad", True))))
-    del count
     c.emit(node, "avg_pool2d_int", [x.name], attrs, qdtype, out_scale)
 
 
