@@ -352,3 +352,19 @@ def test_the_advisor_does_not_advise_a_consistency_level_under_ort_cpu(ort_march
     assert any(r.same_input_lsb_verdict not in ("", "bit-exact") for r in table.rows)  # the runtime's rounding
     assert findings and all("set_consistency_level" not in f.advice for f in findings)
     assert "no consistency level applies under March.ORT_CPU" in findings[0].advice
+
+
+def test_the_pair_reads_a_slice_the_runtime_fused_into_a_split(ort_march, tmp_path):
+    """transformers' FocalNet slices one tensor three times; the runtime fuses the Slices into one Split named after
+    the last: the pair reads each slice's own output of it (they follow the starts), and every site is bit-exact."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.FocalNetConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1],
+                                         focal_levels=[2, 2], hidden_sizes=[16, 32], return_dict=False)
+    model = transformers.FocalNetModel(config).eval()
+    g = torch.Generator().manual_seed(1)
+    example = (torch.randn(2, 3, 32, 32, generator=g),)
+    _, qat_ir, quantized = _stages(model, example, [(torch.randn(2, 3, 32, 32, generator=g),) for _ in range(2)])
+    rows = _pair_rows(quantized, to_onnx(qat_ir, tmp_path / "m.onnx"), example, tmp_path / "pair")
+    slices = [r for r in rows if r.op_name.endswith("modulation.getitem_2")]
+    assert slices and {r.lsb_verdict for r in slices} == {"bit-exact"}

@@ -369,11 +369,11 @@ class OnnxModelAccess(ModelAccess):
                 where = fused.sites[site]
                 node = ref.nodes[where.ir_index]
                 inputs, ours = seen[site]
-                theirs = fused.as_ir(where.node.output[0], values[where.node.output[0]], values, ours)
+                theirs = fused.as_ir(where.output, values[where.output], values, ours)
                 event = ref.site_event(site, index, [theirs], feeds, {}, None)
                 if where.fused:
                     again = fused.same_input(where, node, inputs, values, constants)
-                    again = fused.as_ir(where.node.output[0], again.numpy(), values, ours)
+                    again = fused.as_ir(where.output, again.numpy(), values, ours)
                     event.set_same_input([ref.to_float(node.outputs[0], again)], None, "")
                 else:
                     event.same_input_note = FLOAT_NOTE

@@ -19,6 +19,7 @@ very kernels of a default session.
 
 from __future__ import annotations
 
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,21 @@ class _Site:
     activations: list[int] = field(default_factory=list)  # the runtime node's activation input positions
     ir_index: int = -1  # the IR node whose value the runtime node computes (the site's last, or the kernel before
     # a ReLU the runtime dropped)
+    output: str = ""  # the runtime's value for it (a fused kernel's output, or the one named as the qat IR names it)
+
+    def __post_init__(self):
+        self.output = self.output or self.node.output[0]
+
+
+def _split_output(ref, node, runtime_node) -> str:
+    """The output of a runtime Split that stands for the IR's ``slice`` ``node``: the runtime fuses the slices of
+    one input along one dim into a Split (its GatherSliceToSplitFusion) whose outputs follow their starts."""
+    if runtime_node.op_type != "Split" or node.op != "slice" or len(runtime_node.output) < 2:
+        return ""
+    siblings = sorted((int(n.attrs.get("start") or 0), id(n)) for n in ref.nodes
+                      if n.op == "slice" and n.inputs[:1] == node.inputs[:1] and n.attrs.get("dim") == node.attrs.get("dim"))
+    position = [i for i, (_, ident) in enumerate(siblings) if ident == id(node)]
+    return runtime_node.output[position[0]] if position and position[0] < len(runtime_node.output) else ""
 
 
 class FusedGraph:
@@ -99,8 +115,14 @@ class FusedGraph:
                 if occurrence < len(same):
                     found[site] = _Site(same[occurrence], True, list(activation_inputs(same[occurrence])), index)
                 continue
-            if by_site.get(site):
-                found[site] = _Site(by_site[site][-1], False, [], index)
+            # a value the runtime kept under the qat IR's name (the quantized IR's names are those + "_q<n>"): the
+            # one to read, where one node has several outputs (a Split the runtime made of three Slices)
+            named = re.sub(r"_q\d+$", "", node.outputs[0])
+            if named in self.producer:
+                found[site] = _Site(self.producer[named], False, [], index, named)
+            elif by_site.get(site):
+                last = by_site[site][-1]
+                found[site] = _Site(last, False, [], index, _split_output(ref, node, last))
         return found
 
     # -- running ---------------------------------------------------------------------------------------------
@@ -111,7 +133,7 @@ class FusedGraph:
             proto.CopyFrom(self.proto)
             have = {o.name for o in proto.graph.output}
             for site in self.sites.values():
-                for name in [site.node.output[0], *(site.node.input[i] for i in site.activations)]:
+                for name in [site.output, *(site.node.input[i] for i in site.activations)]:
                     if name not in have and name not in self.constants:
                         proto.graph.output.append(self._onnx.ValueInfoProto(name=name))
                         have.add(name)
