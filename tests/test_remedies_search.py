@@ -71,6 +71,8 @@ def test_remedies_need_fewer_int16_sites_than_promotion_alone(tmp_path):
                                    progress=False)
     result = search_remedies(model, batches[0], batches, evaluate, target, out_dir=tmp_path / "remedies")
     assert result.reached(target) and len(result.int16) <= 1
+    int16_steps = [t.step for t in result.step_times if t.step.startswith("int16: ")]
+    assert not result.int16 or "int16: greedy" in int16_steps, int16_steps
     assert not alone.reached or alone.num_int16 > len(result.int16), alone
 
 
@@ -87,8 +89,16 @@ def test_a_search_started_again_replays_its_measurements(tmp_path):
     first = search_remedies(model, batches[0], batches, counting, 0.998, out_dir=tmp_path, int16=False)
     measured = len(calls)
     assert measured > 3 and (tmp_path / "remedies_progress.json").is_file()
+    # each step's time and what it measured: every evaluate call is counted in exactly one step
+    steps = [t.step for t in first.step_times]
+    assert steps[:2] == ["base: prepare and calibrate", "base: evaluate and the metric's noise"], steps
+    assert "learned_ranges" in steps, steps
+    assert sum(t.measurements for t in first.step_times) == measured
+    assert all(t.seconds >= 0 for t in first.step_times)
+    assert "Time per step" in (tmp_path / "remedies.html").read_text()
     again = search_remedies(model, batches[0], batches, counting, 0.998, out_dir=tmp_path, int16=False)
     assert len(calls) == measured  # nothing measured twice
+    assert sum(t.measurements for t in again.step_times) == 0  # every value replayed
     assert (again.value, again.observers) == (first.value, first.observers)
     other = [(b[0] * 1.01,) for b in batches]  # other data: the file's measurements do not apply
     search_remedies(model, other[0], other, counting, 0.998, out_dir=tmp_path, int16=False)

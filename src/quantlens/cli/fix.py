@@ -94,6 +94,7 @@ def _qat_budget(args):
 
 
 def run(args) -> int:
+    import time
     import warnings
 
     from rich.table import Table
@@ -104,7 +105,7 @@ def run(args) -> int:
     from quantlens.search.evaluation import EvaluateError
     from quantlens.search.provenance import data_digest
     from quantlens.search.remedies import save_remedies, search_remedies
-    from quantlens.search.remedies.report import latency_change, metric_sentence
+    from quantlens.search.remedies.report import latency_change, metric_sentence, step_time_rows
 
     out = console()
     cfg = load_config(args.config, debug=args.debug or args.sub_debug)
@@ -122,9 +123,11 @@ def run(args) -> int:
     if not batches or not held_out:
         raise UsageError(f"CONFIG {cfg.path}: calibration_data() and evaluation_data() must give at least one batch.")
     evaluate = cfg.evaluate or output_cosine_metric(model, held_out)
+    began = time.perf_counter()
     with out.status("advisor findings on the calibrated model"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         findings = _findings(model, example, batches, held_out, cfg, out_dir)
+    advisor_seconds = time.perf_counter() - began
     try:
         # the evaluation data's digest keys the resume: another evaluation_data() must not replay old values
         result = search_remedies(model, example, batches, evaluate, args.target,
@@ -151,6 +154,13 @@ def run(args) -> int:
     out.print(t)
     if result.latency_cycles is not None:
         out.print(f"latency estimate: {esc(latency_change(*result.latency_cycles))} (base -> result)")
+    times = Table(title="time per step (seconds)")
+    for col in ("step", "seconds", "configurations measured"):
+        times.add_column(col)
+    times.add_row("advisor findings (calibrate, profile)", f"{advisor_seconds:.1f}", "")
+    for row in step_time_rows(result):
+        times.add_row(*(esc(c) for c in row))
+    out.print(times)
     reached = result.reached()
     out.print(f"target {args.target}: {'reached' if reached else 'NOT reached'} with {len(result.int16)} int16 op "
               f"site(s); report {esc(out_dir / 'remedies.html')}; re-run the flow with "

@@ -11,6 +11,7 @@ from torch import nn
 from quantlens.errors import QuantLensError
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.search.bar import SearchBar
+from quantlens.search.clock import StepClock
 from quantlens.search.curve_files import CSV_FILE, HTML_FILE, write_curve
 from quantlens.search.descend import descend_pass
 from quantlens.search.goal import Goal
@@ -99,20 +100,25 @@ def search_mixed_precision(
     batches = list(calibration_batches)
     goal = Goal(target, higher_is_better)
     build = Builder(model, example_inputs, batches, base_setter)
-    base_prepared = build(())
-    graph = search_graph(base_prepared)
-    cands = _candidates(graph, candidates)
-    given = None if ranking is None else initial_ranking(model, base_prepared, example_inputs, cands, ranking, out)
-    fp = fingerprint(model, example_inputs, batches, cands, given or [], target, budget, tries,
-                     setter_identity(base_setter, base_prepared), higher_is_better, method, prune, exchange,
-                     evaluation=evaluate_identity(evaluate) + "|" + evaluation_key)
-    prog = Progress(out / PROGRESS_FILE, fp, resume)  # constructed here: its warning names our caller's line
-    ranked0 = first_ranking(given, prog, lambda: initial_ranking(model, base_prepared, example_inputs, cands,
-                                                                 None, out))
+    clock = StepClock()
+    with clock.step("base: prepare and calibrate"):
+        base_prepared = build(())
+        graph = search_graph(base_prepared)
+        cands = _candidates(graph, candidates)
+    with clock.step("ranking: the profiler's sensitivity"):
+        given = None if ranking is None else initial_ranking(model, base_prepared, example_inputs, cands, ranking,
+                                                             out)
+        fp = fingerprint(model, example_inputs, batches, cands, given or [], target, budget, tries,
+                         setter_identity(base_setter, base_prepared), higher_is_better, method, prune, exchange,
+                         evaluation=evaluate_identity(evaluate) + "|" + evaluation_key)
+        prog = Progress(out / PROGRESS_FILE, fp, resume)  # constructed here: its warning names our caller's line
+        ranked0 = first_ranking(given, prog, lambda: initial_ranking(model, base_prepared, example_inputs, cands,
+                                                                     None, out))
     measurer = Measurer(build, evaluate, goal, latency, prog)
     ctx = SearchContext(goal, measurer, graph, budget, tuple(cands), tuple(ranked0), tries,
-                        _max_steps(budget, len(cands)))
-    base_metric = measurer.measure((), base_prepared)
+                        _max_steps(budget, len(cands)), clock)
+    with clock.step("base: evaluate", lambda: measurer.count):
+        base_metric = measurer.measure((), base_prepared)
     state = SearchState([], list(ranked0), [CurvePoint(0, 0, None, base_metric, measurer.latency_of(()), 1)],
                         prog.data["steps"], prog)
     with SearchBar(ctx.max_steps, progress) as bar:
@@ -173,11 +179,17 @@ def _run_passes(ctx: SearchContext, state: SearchState, method: str, prune: bool
                 bar: SearchBar) -> None:
     """Descend (``method="descend"``), the greedy forward pass, then pruning and exchange once the target is
     reached."""
+    step = ctx.clock.step
+    count = lambda: ctx.measurer.count  # noqa: E731
     if method == "descend" and not ctx.goal.reached(state.metric):
-        descend_pass(ctx, state, bar.show)
-    greedy_pass(ctx, state, bar.show)
+        with step("descend", count):
+            descend_pass(ctx, state, bar.show)
+    with step("greedy", count):
+        greedy_pass(ctx, state, bar.show)
     if prune and ctx.goal.reached(state.metric) and len(state.selected) > 1:
-        prune_pass(ctx, state, lambda c: bar.show(f"pruning: without {c.label()}"))
+        with step("prune", count):
+            prune_pass(ctx, state, lambda c: bar.show(f"pruning: without {c.label()}"))
     if prune and exchange and ctx.goal.reached(state.metric) and len(state.selected) > 1:
-        exchange_pass(ctx, state, exchange, bar.show)
+        with step("exchange", count):
+            exchange_pass(ctx, state, exchange, bar.show)
     bar.show(f"done: {len(state.selected)} int16, metric {state.metric:.4f}", len(state.selected))

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+from quantlens.search.clock import StepTime
 from quantlens.search.promotion import Promotion
 from quantlens.search.setter import MixedPrecisionQconfigSetter
 
@@ -46,6 +47,8 @@ class MixedPrecisionResult:
     html_path: str = field(compare=False)
     progress_path: str = field(compare=False)
     base_setter: Any = field(default=default_calibration_qconfig_setter, compare=False, repr=False)
+    #: the wall time of each step (base, ranking, greedy, prune, ...), in the order they ran
+    step_times: tuple[StepTime, ...] = field(default=(), compare=False)
 
     @property
     def num_int16(self) -> int:

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from quantlens.search.clock import StepClock
 from quantlens.search.goal import Goal
 from quantlens.search.graph import SearchGraph
 from quantlens.search.measure import Measurer
@@ -31,6 +32,8 @@ class SearchContext:
     tries: int
     #: the most promotions a pass may hold (the number of candidates, or an ``int`` budget below it)
     max_steps: int
+    #: the wall time of each pass (``MixedPrecisionResult.step_times``)
+    clock: StepClock = field(default_factory=StepClock)
 
 
 @dataclass(eq=False)

@@ -17,7 +17,8 @@ from quantlens.search.curve_files import svg_plot
 from quantlens.search.remedies.catalog import remedies_for
 from quantlens.search.remedies.result import RemedyResult, Trial
 
-__all__ = ["CSV_FILE", "HTML_FILE", "write_remedy_report", "trial_rows", "latency_change", "metric_sentence"]
+__all__ = ["CSV_FILE", "HTML_FILE", "write_remedy_report", "trial_rows", "latency_change", "metric_sentence",
+           "step_time_rows"]
 
 CSV_FILE = "remedies.csv"
 HTML_FILE = "remedies.html"
@@ -70,6 +71,13 @@ def metric_sentence(result: RemedyResult) -> str:
             "gains more")
 
 
+def step_time_rows(result: RemedyResult) -> list[tuple[str, str, str]]:
+    """``(step, seconds, measurements)`` of each step of the search, then the total: where its time went."""
+    rows = [(t.step, f"{t.seconds:.1f}", str(t.measurements) if t.measurements else "") for t in result.step_times]
+    total = sum(t.seconds for t in result.step_times)
+    return rows + [("the search in all", f"{total:.1f}", str(sum(t.measurements for t in result.step_times)))] if rows else []
+
+
 def _cycles(r: dict) -> str:
     return html.escape(latency_change(r["cycles_before"], r["cycles_after"]))
 
@@ -93,6 +101,13 @@ def _findings_table(result: RemedyResult, findings: Sequence[Any]) -> str:
                     f"<td>{chosen}</td><td>{html.escape(f.advice)}</td></tr>")
     return ("<table><tr><th>finding</th><th>op site</th><th>remedies that answer it</th><th>tried here</th>"
             "<th>chosen (measured)</th><th>advice</th></tr>" + "".join(rows) + "</table>")
+
+
+def _time_table(result: RemedyResult) -> str:
+    rows = "".join(f"<tr><td>{html.escape(step)}</td><td>{sec}</td><td>{n}</td></tr>"
+                   for step, sec, n in step_time_rows(result))
+    return ("<h2>Time per step</h2><table><tr><th>step</th><th>seconds</th><th>configurations measured</th></tr>"
+            f"{rows}</table>") if rows else ""
 
 
 def _page(result: RemedyResult, findings: Sequence[Any]) -> str:
@@ -132,5 +147,6 @@ def _page(result: RemedyResult, findings: Sequence[Any]) -> str:
           f"<th></th><th>latency estimate</th></tr>{model_rows or '<tr><td colspan=6>none applied</td></tr>'}"
           "</table>"
         + (f"<h2>int16 on top</h2>{plots}" if plots else "")
+        + _time_table(result)
         + "<h2>Every measured candidate</h2><table><tr><th>kind</th><th>remedy</th><th>op site</th><th>metric</th>"
           f"<th>gain</th><th></th><th>latency estimate</th></tr>{all_rows}</table></body></html>")

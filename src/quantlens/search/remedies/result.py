@@ -8,6 +8,8 @@ from typing import Any
 
 from torch import nn
 
+from quantlens.search.clock import StepTime
+
 __all__ = ["Trial", "SkippedRemedy", "RemedyResult"]
 
 
@@ -66,6 +68,9 @@ class RemedyResult:
     skipped: tuple[SkippedRemedy, ...] = ()
     #: the fingerprint of the float model the search started from (``load_remedies`` refuses another model)
     model_digest: str = ""
+    #: the wall time of each step of the search (base, each whole-model remedy, the ranges, the int16 phase's
+    #: passes), in the order they ran
+    step_times: tuple[StepTime, ...] = ()
 
     def reached(self, target: float | None = None, higher_is_better: bool | None = None) -> bool:
         """Whether ``value`` reaches ``target`` (default: the search's own)."""

@@ -37,6 +37,7 @@ from quantlens.errors import QuantLensError
 from quantlens.quantization import calibrate, prepare
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.search.bar import SearchBar
+from quantlens.search.clock import StepClock
 from quantlens.search.evaluation import call_evaluate
 from quantlens.search.progress_file import check_out_dir, is_number_map, read_progress
 from quantlens.search.provenance import (
@@ -173,15 +174,18 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
     out = Path(out_dir)
     check_out_dir(out, "search_remedies")
     batches = list(calibration_batches)
-    base_prepared = _calibrated(model, example_inputs, base_setter, batches)
+    clock = StepClock()
+    with clock.step("base: prepare and calibrate"):
+        base_prepared = _calibrated(model, example_inputs, base_setter, batches)
     inputs_key = _fingerprint(model, example_inputs, batches, target, range_sites, observers,
                               setter_identity(base_setter, base_prepared), higher_is_better,
                               evaluate_identity(evaluate) + "|" + evaluation_key)
     measure = _Measure(example_inputs, batches, evaluate, higher_is_better, out / PROGRESS_FILE, inputs_key)
-    state = _State(measure, model, base_setter)
+    state = _State(measure, model, base_setter, clock)
     state.qat = QatOptions(qat_budget, train_qat, out, progress) if qat else None
-    state.best = state.base = measure(model, base_setter, state.key("base"), prepared=base_prepared)
-    state.noise = measure_noise(measure, model, base_setter, state.base, state.key("base"))
+    with clock.step("base: evaluate and the metric's noise", state.count):
+        state.best = state.base = measure(model, base_setter, state.key("base"), prepared=base_prepared)
+        state.noise = measure_noise(measure, model, base_setter, state.base, state.key("base"))
     base_noise = state.noise
     with SearchBar(len(model_remedies(qat)) + range_sites * len(observers), progress, label="remedies") as bar:
         _model_phase(state, example_inputs, bar)
@@ -201,16 +205,18 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
             setter = mp.setter()
             _add_int16_trials(state, mp, setter)
             state.best = mp.metric
+        clock.add(mp.step_times, "int16: ")
     cycles = None
     if latency:
         from quantlens.search.remedies.costs import kept_cycles
 
-        state.trials, cycles = kept_cycles(state.trials, state.configs, (model, base_setter), example_inputs,
-                                           batches)
+        with clock.step("latency estimates: export and convert"):
+            state.trials, cycles = kept_cycles(state.trials, state.configs, (model, base_setter), example_inputs,
+                                               batches)
     result = RemedyResult(state.model, setter, state.best, state.base, dict(state.chosen), promotions,
                           tuple(state.trials), tuple(state.applied), target, higher_is_better,
                           mp.curve if mp is not None else (), cycles, metric, base_noise, tuple(state.skipped),
-                          float_model_digest(model))
+                          float_model_digest(model), tuple(clock.steps))
     if report:
         from quantlens.search.remedies.report import write_remedy_report  # (the page: jinja2, on use)
 
@@ -222,8 +228,8 @@ class _State:
     """The search so far: the float model and setter after the kept whole-model remedies, the chosen ranges, the
     best value, every trial."""
 
-    def __init__(self, measure: _Measure, model: nn.Module, setter: Any):
-        self.measure, self.model, self.setter = measure, model, setter
+    def __init__(self, measure: _Measure, model: nn.Module, setter: Any, clock: StepClock):
+        self.measure, self.model, self.setter, self.clock = measure, model, setter, clock
         self.applied: list[str] = []  # kept whole-model remedies, in order: part of every later key
         self.chosen: dict[str, str] = {}
         self.trials: list[Trial] = []
@@ -234,6 +240,10 @@ class _State:
         self.configs: list[tuple[nn.Module, Any]] = []
         #: the QAT remedy's options (None: not tried)
         self.qat: QatOptions | None = None
+
+    def count(self) -> int:
+        """How many configurations have been measured (the step clock's counter)."""
+        return len(self.measure.values)
 
     def key(self, *parts: str) -> str:
         return "|".join(["+".join(self.applied)] + list(parts))
@@ -247,25 +257,32 @@ def _model_phase(state: _State, example: Any, bar: SearchBar) -> None:
     """Each whole-model remedy that applies, measured on top of those kept so far; kept when it helps."""
     for i, remedy in enumerate(model_remedies(state.qat is not None)):
         bar.show(remedy.name, completed=i)
-        ctx = RemedyContext(state.model, example, state.measure.batches, state.setter, state.qat)
-        try:
-            if not remedy.applies(ctx):
-                continue
-            model, setter = remedy.apply(ctx)
-            value = state.measure(model, setter, state.key(remedy.name))
-        except REMEDY_ERRORS as exc:
-            # one remedy's failure (DeBERTa's learned ranges: an autograd error) is not the search's: skip it
-            state.skipped.append(SkippedRemedy(remedy.name, _one_line(exc)))
-            continue
-        kept = state.better(value)
-        state.trials.append(Trial(remedy.kind.value, remedy.name, "", value, kept, state.best if kept else None,
-                                  noise=state.noise))
-        if kept:
-            key = state.key(remedy.name)
-            state.model, state.setter, state.best = model, setter, value
-            state.applied.append(remedy.name)
-            state.configs.append((model, setter))
-            state.noise = measure_noise(state.measure, model, setter, value, key)
+        with state.clock.step(remedy.name, state.count):
+            _try_remedy(state, remedy, example)
+
+
+def _try_remedy(state: _State, remedy, example: Any) -> None:
+    """One whole-model remedy on top of those kept so far: applied where it applies, measured, kept when it
+    helps (then the metric's noise is measured again); a failure is recorded and skipped."""
+    ctx = RemedyContext(state.model, example, state.measure.batches, state.setter, state.qat)
+    try:
+        if not remedy.applies(ctx):
+            return
+        model, setter = remedy.apply(ctx)
+        value = state.measure(model, setter, state.key(remedy.name))
+    except REMEDY_ERRORS as exc:
+        # one remedy's failure (DeBERTa's learned ranges: an autograd error) is not the search's: skip it
+        state.skipped.append(SkippedRemedy(remedy.name, _one_line(exc)))
+        return
+    kept = state.better(value)
+    state.trials.append(Trial(remedy.kind.value, remedy.name, "", value, kept, state.best if kept else None,
+                              noise=state.noise))
+    if kept:
+        key = state.key(remedy.name)
+        state.model, state.setter, state.best = model, setter, value
+        state.applied.append(remedy.name)
+        state.configs.append((model, setter))
+        state.noise = measure_noise(state.measure, model, setter, value, key)
 
 
 def _one_line(exc: BaseException, limit: int = 300) -> str:
@@ -283,8 +300,15 @@ def _range_phase(state: _State, example, findings, count: int, observers, out: P
         return
     answered = REMEDIES["range"].findings
     sites = [f.op_name for f in findings if f.rule in answered and f.op_name != "(model)"]
-    sites += _sensitive_sites(state.model, example, state.setter, state.measure, count, out / "ranking")
+    with state.clock.step("ranges: the profiler's sensitivity"):
+        sites += _sensitive_sites(state.model, example, state.setter, state.measure, count, out / "ranking")
     sites = list(dict.fromkeys(sites))[:count]
+    with state.clock.step(f"ranges: {len(sites)} op sites x {len(observers)} observers", state.count):
+        _range_trials(state, sites, observers, bar)
+
+
+def _range_trials(state: _State, sites: list[str], observers, bar: SearchBar) -> None:
+    """Each observer at each op site on top of the ranges chosen so far; the best per site kept when it helps."""
     done = len(model_remedies())
     for site in sites:
         site_best = None
