@@ -69,6 +69,11 @@ def test_reaches_a_target_int8_misses_with_few_promotions(setup, searched):
     assert [p.num_int16 for p in result.curve] == list(range(result.num_int16 + 1))
     assert tuple(p.added for p in result.curve[1:]) == result.chosen
     assert result.curve[-1].metric == result.metric
+    # where the time went: each pass named, every measurement counted once
+    steps = [t.step for t in result.step_times]
+    assert steps[:3] == ["base: prepare and calibrate", "ranking: the profiler's sensitivity", "base: evaluate"]
+    assert "greedy" in steps
+    assert sum(t.measurements for t in result.step_times) == result.measurements
 
 
 def test_setter_reproduces_the_metric_through_prepare(setup, searched):

@@ -132,7 +132,7 @@ def search_mixed_precision(
         reached=bool(goal.reached(state.metric)), base_metric=base_metric, metric=state.metric,
         candidates=tuple(cands), measurements=measurer.count, int16x16_resolutions=resolutions,
         csv_path=str(out / CSV_FILE), html_path=str(out / HTML_FILE), progress_path=str(out / PROGRESS_FILE),
-        base_setter=base_setter)
+        base_setter=base_setter, step_times=tuple(clock.steps))
     write_curve(result, out)
     return result
 
