@@ -136,13 +136,13 @@ def test_convert_and_the_emulation_take_the_add_rule_from_rules(monkeypatch):
     calls = {"convert": [], "emulation": []}
     real_add = rules.add
 
-    def spy(in_scales, out_scale, qdtype, qpp):
+    def spy(in_scales, out_scale, qdtype, qpp, out_axis=None):
         import inspect
 
         caller = inspect.stack()[1].filename
         calls["emulation" if "emulation" in caller else "convert"].append(
             ([float(t.reshape(-1)[0]) for t in in_scales], float(torch.as_tensor(out_scale).reshape(-1)[0])))
-        return real_add(in_scales, out_scale, qdtype, qpp)
+        return real_add(in_scales, out_scale, qdtype, qpp, out_axis)
 
     monkeypatch.setattr(rules, "add", spy)
     quantized = convert(qat_ir)

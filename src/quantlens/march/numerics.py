@@ -287,6 +287,7 @@ def rescaled_sum(
     frac_bits: int, *, storage: torch.dtype = torch.int64,
 ) -> torch.Tensor:
     """``docs/march.md`` §10: ``sat(rshift_rhe(Σ sign_i · rshift_rhe(q_i · M_i, shift_i − F) + addend, F))``.
+    A ``shift_i`` may be an int64 tensor broadcast against ``q_i`` (a shift per output channel, §3.1).
 
     Each term ``(q_i, M_i, shift_i, sign_i)`` is rescaled to the output scale keeping ``F = frac_bits`` extra
     fractional bits (8 for the high-precision profile, 0 for the default one: each term is then rounded to whole
@@ -297,13 +298,14 @@ def rescaled_sum(
     if frac < 0:
         raise QuantLensError(f"rescaled_sum: frac_bits must be >= 0, got {frac_bits!r}.")
     for q, mult, shift, sign in terms:
-        if shift < frac:
+        if int(torch.as_tensor(shift).min()) < frac:
             raise QuantLensError(
                 f"An add/sub input is rescaled with shift {shift}, below the {frac} fractional bits the sum keeps: "
                 "its scale is too large next to the output scale for the march to rescale it. Check the observers "
                 "of this op's inputs."
             )
-    work = _rescale_dtype(terms, addend, frac)
+    # a shift per channel (an output in channel-exponent form, §3.1) takes the int64 rule
+    work = None if any(isinstance(t[2], torch.Tensor) for t in terms) else _rescale_dtype(terms, addend, frac)
     if work is not None:
         # Same result in float64: |q·M| < 2**53 is exact (the bound of _exact_bound: |q| < 2**22 for a 31-bit M,
         # 2**37 for a 16-bit one), scaling by powers of two is exact, torch.round is half to even, and the

@@ -210,6 +210,8 @@ _IR_ROWS: list[IROp] = [
          note="any aten op with no IR lowering: float, on the host (§12.1, compiler/host_ops.py); ONNX through "
               "torch's exporter"),
     IROp("requantize", Q, "§8", level="quantized", cost=Cost.REQUANTIZE, inputs=("q",)),
+    IROp("channel_shift", Q, "§3.1", level="quantized", inputs=("q",), attrs=("shifts", "axis"),
+         note="codes in channel-exponent form onto their common grid (int16), before the op that reads them"),
     # GEMM
     IROp("conv1d", G, "§6-§9", level="both", cost=Cost.GEMM, attrs=_CONV),
     IROp("conv2d", G, "§6-§9", level="both", cost=Cost.GEMM, attrs=_CONV),

@@ -35,7 +35,7 @@ from quantlens.march.numerics import (
 from quantlens.march.spec import Qpp, QuantDType, get_march
 
 __all__ = [
-    "multiplier", "requantize", "move", "accumulator_scale", "gemm", "add", "cat", "add_constant",
+    "max_channel_exponent", "exponent_scales", "channel_exponents", "channel_shift", "multiplier", "requantize", "move", "accumulator_scale", "gemm", "add", "cat", "add_constant",
     "constant_addend_codes", "average_by_window", "scale_by_constant", "mul", "average", "clamp", "sign_op", "bilinear", "channel_affine", "prelu", "fill_code",
     "BILINEAR_WEIGHT_BITS", "vector_norm", "LN_FRAC_BITS", "log_softmax",
 ]
@@ -54,6 +54,53 @@ def _f64(scale: Scale) -> torch.Tensor:
 def _first(scale: Scale) -> float:
     """The one value of a per-tensor scale, as a Python float (exact from float32)."""
     return float(_f64(scale).reshape(-1)[0])
+
+
+# -- §3.1: channel exponents ----------------------------------------------------------------------------------------
+def max_channel_exponent() -> int:
+    """``K = 2**bits - 1``, the largest channel exponent of the march (§3.1); 0 where it has none."""
+    bits = get_march().spec.channel_exponent_bits
+    return (1 << bits) - 1 if bits > 0 else 0
+
+
+def exponent_scales(scale: torch.Tensor) -> torch.Tensor:
+    """§3.1: an observer's per-channel scales ``s_c`` -> ``s · 2**-k_c``, ``s = max_c s_c``, ``k_c`` the largest
+    integer in ``[0, K]`` with ``s · 2**-k_c >= s_c`` (no channel is clipped; each keeps its step within a factor
+    2, down to ``2**-K`` of the widest). Exact in float32 (a power-of-two scaling of ``s``)."""
+    big_k = max_channel_exponent()
+    if big_k == 0:
+        raise QuantLensError(f"March {get_march().spec.name} has no channel exponents (docs/march.md §3.1): give the "
+                             "activation a per-tensor scale.")
+    s = scale.detach().to(torch.float64).reshape(-1)
+    top = s.max()
+    k = torch.floor(torch.log2(top / s)).clamp(0, big_k)
+    k = torch.where(top * torch.pow(2.0, -k) < s, k - 1, k)  # log2's rounding must never clip a channel
+    k = torch.minimum(k, torch.floor(torch.log2(top / get_march().spec.min_scale)).clamp(min=0))
+    return (top * torch.pow(2.0, -k)).to(torch.float32).reshape(scale.shape)
+
+
+def channel_exponents(scale: Scale) -> tuple[float, list[int]]:
+    """§3.1: ``(s, [k_c])`` of per-channel scales in exponent form (``s_c = s · 2**-k_c``, ``s`` the largest);
+    refused when a ratio is not such a power of two (a per-channel activation scale the march cannot shift)."""
+    s = _f64(scale).reshape(-1)
+    top = float(s.max())
+    k = torch.round(torch.log2(top / s))
+    big_k = max_channel_exponent()
+    if not bool(((k >= 0) & (k <= big_k) & (top * torch.pow(2.0, -k) == s)).all()):
+        raise QuantLensError(
+            f"convert: a per-channel activation scale that is not in channel-exponent form s·2**-k, 0 <= k <= {big_k} "
+            f"(docs/march.md §3.1; scales {s[:4].tolist()}...): the march has no rule for it. Quantize the activation "
+            "per tensor, or with QuantSpec(channel_exponents=True).")
+    return top, [int(v) for v in k.tolist()]
+
+
+def channel_shift(scale: Scale) -> dict:
+    """§3.1: the left shift per channel that brings exponent-form codes onto the common grid ``s · 2**-K``:
+    ``{"shifts": [K - k_c], "out_dtype": "qint16"}`` (``|q| · 2**K <= 2**(7 + K)`` fits int16 for ``K <= 8``),
+    and that grid's scale."""
+    top, k = channel_exponents(scale)
+    big_k = max_channel_exponent()
+    return {"shifts": [big_k - v for v in k], "out_dtype": QuantDType.qint16.value}, top * 2.0**-big_k
 
 
 # -- §8: requantize -------------------------------------------------------------------------------------------
@@ -113,15 +160,27 @@ def _rescale_pairs(in_scales: list[Scale], out_scale: Scale, qpp: Qpp, frac_bits
     return pairs
 
 
-def add(in_scales: list[Scale], out_scale: Scale, qdtype: QuantDType, qpp: Qpp) -> dict:
+def add(in_scales: list[Scale], out_scale: Scale, qdtype: QuantDType, qpp: Qpp, out_axis: int | None = None) -> dict:
     """§10 add / sub: each input rescaled by ``s_i / s_out`` (per-tensor scales, float64 division of the float32
     scales) into ``F`` extra fractional bits of profile ``qpp``, summed, rounded once:
     ``{"multipliers", "shifts", "frac_bits", "out_dtype"}``. An input whose ratio moves code 1 past the int32 range
-    saturates (``_SATURATING_PAIR``)."""
+    saturates (``_SATURATING_PAIR``). An output in channel-exponent form (§3.1, per channel along ``out_axis``):
+    the pairs are those of ``s_i / s`` and channel ``c`` rescales with ``shift_i - k_c`` (``out_exponents``)."""
     frac = get_march().spec.qpp(qpp).elementwise_frac_bits
+    exponents = None
+    if _f64(out_scale).numel() > 1:
+        if out_axis is None:
+            raise QuantLensError("add: a per-channel output scale needs its channel axis.")
+        out_scale, exponents = channel_exponents(out_scale)
     pairs = _rescale_pairs(in_scales, out_scale, qpp, frac)
-    return {"multipliers": [p[0] for p in pairs], "shifts": [p[1] for p in pairs],
-            "frac_bits": frac, "out_dtype": qdtype.value}
+    attrs = {"multipliers": [p[0] for p in pairs], "shifts": [p[1] for p in pairs],
+             "frac_bits": frac, "out_dtype": qdtype.value}
+    if exponents is not None:
+        if any(p[1] - max(exponents) < frac for p in pairs):
+            raise QuantLensError("add: an input's scale is too large next to the output's finest channel scale to "
+                                 "rescale it (shift below F); check the observers of this op's inputs.")
+        attrs.update(out_exponents=exponents, out_axis=int(out_axis))
+    return attrs
 
 
 def cat(in_scales: list[Scale], out_scale: Scale, qdtype: QuantDType, qpp: Qpp, dim: int) -> dict:

@@ -181,6 +181,9 @@ class MarchSpec:
     #: whether the march computes table ops (softmax, GELU, layer norm ...) in integer; without, they run on the
     #: host in float between a dequantize and a quantize.
     tables: bool = True
+    #: bits of a channel exponent (§3.1): an activation may take per-channel scales ``s · 2**-k_c`` with
+    #: ``0 <= k_c < 2**bits`` (its consumers shift it onto one grid); 0: per-tensor activation scales only.
+    channel_exponent_bits: int = 0
 
     def qpp(self, q: "Qpp | str") -> QppSpec:
         """The arithmetic of requantize precision profile ``q`` (§8)."""
@@ -218,10 +221,12 @@ _QL1 = MarchSpec(
     requant_multiplier_bits=31,
     max_requant_shift=62,
     allow_int16_x_int16_gemm=False,
+    channel_exponent_bits=2,
 )
 #: QL1's numbers where the runtime has none of its own (the requantize profiles and cost model are QL1's, unused)
 _ORT_CPU = replace(_QL1, name="ort_cpu", activation_dtypes=(QuantDType.qint8, QuantDType.quint8),
-                   weight_dtypes=(QuantDType.qint8,), float_requantize=True, unsigned_activations=True, tables=False)
+                   weight_dtypes=(QuantDType.qint8,), float_requantize=True, unsigned_activations=True, tables=False,
+                   channel_exponent_bits=0)
 
 
 class March(Enum):

@@ -12,7 +12,7 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from quantlens.errors import QuantLensError
-from quantlens.march import QuantDType, get_march
+from quantlens.march import QuantDType, get_march, rules
 from quantlens.march.numerics import fake_quant, fake_quant_range
 from quantlens.quantization.emulation.core import straight_through
 from quantlens.quantization.observers import FixedScaleObserver
@@ -80,6 +80,7 @@ class FakeQuantize(nn.Module):
     # class defaults, so fake quants pickled before these switches existed still load and run
     follows_sign: bool = False
     pow2_scale: bool = False
+    channel_exponents: bool = False
     scale_group: "int | None" = None
     fq_key: "str | None" = None
 
@@ -93,6 +94,12 @@ class FakeQuantize(nn.Module):
                 "its observer sees no negative value. Ask for qint8 (or qint16).")
         self.dtype = spec.dtype
         self.ch_axis = spec.ch_axis
+        #: per-channel scales in channel-exponent form (docs/march.md §3.1): ``rules.exponent_scales`` of the
+        #: observer's
+        self.channel_exponents = bool(getattr(spec, "channel_exponents", False)) and not is_weight
+        if self.channel_exponents and rules.max_channel_exponent() == 0:
+            raise QuantLensError(f"QuantSpec(channel_exponents=True): March {get_march().spec.name} has no channel "
+                                 "exponents (docs/march.md §3.1); quantize this activation per tensor.")
         self.spec_text = spec.describe()
         self.observer = spec.observer(spec.dtype, spec.ch_axis)
         self.register_buffer("scale", torch.ones(()))
@@ -215,6 +222,8 @@ class FakeQuantize(nn.Module):
             scale = group_scale(self, scale)
         elif self.pow2_scale:
             scale = pow2_ceil(scale)
+        elif self.channel_exponents:
+            scale = rules.exponent_scales(scale)
         if scale.shape != self.scale.shape:
             self.scale = scale
         else:

@@ -36,9 +36,16 @@ class QuantSpec:
     #: LSQ-style learned scale in QAT (per-tensor activations): the observer calibrates it, then QAT trains it
     #: with straight-through gradients (``FakeQuantize``); VALIDATION, export and convert use the learned value
     learn_scale: bool = False
+    #: per-channel scales in channel-exponent form ``s · 2**-k_c`` (``docs/march.md`` §3.1; an int8 activation
+    #: with ``ch_axis``): a tensor with a few outlier channels (a residual stream) keeps the others' resolution
+    channel_exponents: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", QuantDType.parse(self.dtype))
+        if self.channel_exponents and (self.ch_axis is None or self.dtype is not QuantDType.qint8):
+            raise QuantLensError(
+                f"QuantSpec: channel_exponents needs a per-channel (ch_axis) qint8 spec, got ch_axis={self.ch_axis} "
+                f"and {self.dtype.value} (docs/march.md §3.1: the shifted codes must fit int16).")
         if not callable(self.observer):
             raise QuantLensError(
                 f"QuantSpec.observer must be an observer class or factory (e.g. MinMaxObserver.with_args(...)), "
@@ -53,10 +60,16 @@ class QuantSpec:
         args = ",".join(f"{k}={v}" for k, v in sorted(kwargs.items()))
         text = f"{self.dtype.value} {name}({args})"
         text += "" if self.ch_axis is None else f" ch{self.ch_axis}"
+        text += " exponents" if self.channel_exponents else ""
         return text + (" learned-scale" if self.learn_scale else "")
 
     def with_dtype(self, dtype: QuantDType | str) -> "QuantSpec":
-        return replace(self, dtype=QuantDType.parse(dtype))
+        """The same spec at ``dtype``; channel exponents (an int8 form) become one scale for the tensor at any other
+        dtype (int16's finer step is what they stood in for)."""
+        dtype = QuantDType.parse(dtype)
+        if self.channel_exponents and dtype is not QuantDType.qint8:
+            return replace(self, dtype=dtype, ch_axis=None, channel_exponents=False)
+        return replace(self, dtype=dtype)
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,16 @@ def _rescaled(c, node):
     # an empty constant (torch.zeros(1, 0) padding a cat to a multiple) adds nothing and has no grid
     values = [v for v in node.inputs if not (c.is_const(v) and c.src.constants[v].numel() == 0)]
     infos = [c.int_input(node, v) for v in values]
-    qdtype, out_scale = required_grid(c, node)
+    qdtype, out_scale = required_grid(c, node, channels=node.op != "cat")
     scales = [i.scale for i in infos]
+    axis = c.grid_axes.get(node.outputs[0])  # an output in channel-exponent form (§3.1)
     if node.op == "cat":  # each input is requantized alone (§10): no sum, no F
         attrs = rules.cat(scales, out_scale, qdtype, c.qpp, node.attrs["dim"])
     else:
-        attrs = rules.add(scales, out_scale, qdtype, c.qpp)
-    c.emit(node, node.op, [i.name for i in infos], attrs, qdtype, out_scale)
+        attrs = rules.add(scales, out_scale, qdtype, c.qpp, out_axis=axis)
+    c.emit(node, node.op, [i.name for i in infos], attrs, qdtype, out_scale, axis)
+    if axis is not None:
+        c.q[node.outputs[0]].exponents = True
 
 
 def _add_constant_tensor(c: Converter, node: Node) -> None:

@@ -36,6 +36,8 @@ class QInfo:
     qdtype: QuantDType
     scale: torch.Tensor  # float32, [] or [C]
     axis: int | None = None
+    #: int8 codes in channel-exponent form (§3.1): a consumer reads them shifted onto their common grid
+    exponents: bool = False
 
     def same_grid(self, qdtype: QuantDType, scale: torch.Tensor) -> bool:
         return self.qdtype is qdtype and self.scale.numel() == scale.numel() and bool(
@@ -74,6 +76,10 @@ class Converter:
         #: qat value -> the op site of the fake quant whose grid the integer op requantizes to (a BatchNorm or
         #: ReLU fused into a conv): the profiler attributes the integer value to that site ("output_site")
         self.grid_sites: dict[str, str] = {}
+        #: qat value -> the channel axis of its per-channel (channel-exponent) output grid (add / sub)
+        self.grid_axes: dict[str, int] = {}
+        #: integer value -> its channel-exponent codes shifted onto the common grid (§3.1), made once
+        self.shifted: dict[str, QInfo] = {}
         self.counter = 0
         for name in qat.graph.inputs:
             self.float_values[name] = name
@@ -120,13 +126,29 @@ class Converter:
                 "input of a compute op must come from a fake quant in the qat IR; check that this op site has a "
                 "qconfig (model_check_result.txt lists sites left float)."
             )
-        return info
+        return self.common_grid(info) if info.exponents else info
 
-    def output_grid(self, node: Node, fold_scalars: bool = False):
+    def common_grid(self, info: QInfo) -> QInfo:
+        """Channel-exponent codes (§3.1) shifted onto their common grid ``s · 2**-K`` (int16, per tensor): what
+        every op that reads them takes; one ``channel_shift`` node per value, shared by its readers."""
+        if info.name not in self.shifted:
+            attrs, fine = rules.channel_shift(info.scale)
+            attrs["axis"] = info.axis
+            name = self.fresh(f"{info.name}_shifted")
+            self.out.nodes.append(Node("channel_shift", [info.name], [name], attrs, ""))
+            shape = self.out.values[info.name].shape
+            scale = torch.tensor(fine, dtype=torch.float32)
+            self.out.values[name] = ValueInfo(shape, "int16", QuantDType.qint16.value, self.const(scale, f"{name}_scale"))
+            self.shifted[info.name] = QInfo(name, QuantDType.qint16, scale)
+        return self.shifted[info.name]
+
+    def output_grid(self, node: Node, fold_scalars: bool = False, channels: bool = False):
         """The fake quant that ends this compute op's output chain (through passthrough ops), if any.
 
         With ``fold_scalars`` (GEMMs), multiplications by positive scalar constants on the way are folded into
-        the requantize multiplier; the result is then ``(dtype, scale, factor)``.
+        the requantize multiplier; the result is then ``(dtype, scale, factor)``. A per-channel output scale
+        (channel exponents, §3.1) is refused unless the caller's rule takes one (``channels``: add / sub; the
+        axis is then ``grid_axes[output]``).
         """
         value = node.outputs[0]
         factor, folded = 1.0, []
@@ -139,6 +161,12 @@ class Converter:
             user = users[0]
             if user.op == "fake_quant" and user.inputs[0] == value:
                 grid = fq_dtype(user.attrs), self.src.constants[user.inputs[1]].to(torch.float32)
+                if user.attrs.get("axis", -1) >= 0:
+                    if not channels:
+                        raise QuantLensError(
+                            f"convert: op '{node.op}' at op site '{node.site}' has a per-channel output scale; the "
+                            "march takes per-channel (channel-exponent, §3.1) activation scales at add / sub only.")
+                    self.grid_axes[node.outputs[0]] = int(user.attrs["axis"])
                 self.grid_sites[node.outputs[0]] = user.site
                 if not fold_scalars:
                     return grid
@@ -186,7 +214,8 @@ class Converter:
             self.host_op(node, f"the march has no integer form for op '{node.op}'")
             return
         mark = (len(self.out.nodes), len(self.out.constants), len(self.out.values), len(self.q),
-                len(self.float_values), len(self.grid_sites), set(self.folded))
+                len(self.float_values), len(self.grid_sites), len(self.grid_axes), len(self.shifted),
+                set(self.folded))
         try:
             converter(self, node)
         except QuantLensError as exc:  # the march's refusal of this op: undo what the converter emitted
@@ -194,10 +223,11 @@ class Converter:
             self.host_op(node, str(exc).removeprefix("convert: "))
 
     def _rollback(self, mark: tuple) -> None:
-        n_nodes, n_consts, n_values, n_q, n_float, n_grid, folded = mark
+        n_nodes, n_consts, n_values, n_q, n_float, n_grid, n_axes, n_shifted, folded = mark
         del self.out.nodes[n_nodes:]
         for table, n in ((self.out.constants, n_consts), (self.out.values, n_values), (self.q, n_q),
-                         (self.float_values, n_float), (self.grid_sites, n_grid)):
+                         (self.float_values, n_float), (self.grid_sites, n_grid), (self.grid_axes, n_axes),
+                         (self.shifted, n_shifted)):
             for key in list(table)[n:]:
                 del table[key]
         self.folded = folded
@@ -294,9 +324,10 @@ class Converter:
 CONVERTERS, converter = make_registry("convert converter for op")
 
 
-def required_grid(c: Converter, node: Node) -> tuple[QuantDType, torch.Tensor]:
-    """The grid of ``node``'s output fake quant; refused, naming the op site, when it has none."""
-    grid = c.output_grid(node)
+def required_grid(c: Converter, node: Node, channels: bool = False) -> tuple[QuantDType, torch.Tensor]:
+    """The grid of ``node``'s output fake quant; refused, naming the op site, when it has none (``channels``: see
+    :meth:`Converter.output_grid`)."""
+    grid = c.output_grid(node, channels=channels)
     if grid is None:
         raise QuantLensError(
             f"convert: op '{node.op}' at op site '{node.site}' has no output fake quant; its integer result needs "

@@ -25,7 +25,7 @@ from quantlens.march.numerics import (
     rshift_round_half_to_even,
 )
 
-__all__ = ["add_kernel", "sub_kernel", "add_const_kernel", "cat_kernel", "mul_kernel", "scale_kernel",
+__all__ = ["add_kernel", "sub_kernel", "channel_shift_kernel", "add_const_kernel", "cat_kernel", "mul_kernel", "scale_kernel",
            "clamp_kernel", "masked_fill_kernel", "abs_kernel", "neg_kernel", "channel_affine_kernel",
            "prelu_kernel"]
 
@@ -50,6 +50,10 @@ def _frac_bits(attrs: dict) -> int:
 def _add(inputs: list, attrs: dict, sign_b: int) -> torch.Tensor:
     (ma, mb), (sa, sb) = attrs["multipliers"], attrs["shifts"]
     out = qdtype(attrs)
+    if attrs.get("out_exponents") is not None:  # §3.1: channel c rescales with shift_i - k_c
+        shape = channel_shape({"channel_dim": attrs["out_axis"]}, inputs[0])
+        k = torch.tensor(attrs["out_exponents"], dtype=torch.int64).reshape(shape)
+        sa, sb = sa - k, sb - k
     return rescaled_sum([(inputs[0], ma, sa, 1), (inputs[1], mb, sb, sign_b)], 0, out, _frac_bits(attrs),
                         storage=storage_dtype(out.value))
 
@@ -62,6 +66,15 @@ def add_kernel(inputs: list, attrs: dict, site: str = "") -> torch.Tensor:
 @int_kernel("sub")
 def sub_kernel(inputs: list, attrs: dict, site: str = "") -> torch.Tensor:
     return _add(inputs, attrs, -1)
+
+
+@int_kernel("channel_shift")
+def channel_shift_kernel(inputs: list, attrs: dict, site: str = "") -> torch.Tensor:
+    """§3.1: exponent-form codes onto the common grid, ``q · 2**(K - k_c)`` per channel (exact, int16)."""
+    q = inputs[0]
+    shape = channel_shape({"channel_dim": attrs["axis"]}, q)
+    factor = torch.tensor([1 << s for s in attrs["shifts"]], dtype=torch.int16).reshape(shape)
+    return q.to(torch.int16) * factor
 
 
 @int_kernel("add_const")

@@ -9,11 +9,20 @@ import torch
 from torch.utils import _pytree as pytree
 
 from quantlens.errors import QuantLensError
+from quantlens.march import QuantDType, rules
 from quantlens.quantization.fake_quantize import FakeQuantize
 from quantlens.quantization.overrides import OverrideCall, SiteOverride
 from quantlens.quantization.table_overrides.report import LutSiteInfo
 from quantlens.quantization.table_registry import table_op_spec
 from quantlens.sites.tracing_state import export_tracing
+
+
+def input_grid(fq: FakeQuantize) -> tuple[float, QuantDType]:
+    """The grid a table op reads an input's codes on: the fake quant's own, or for codes in channel-exponent form
+    their common grid ``s · 2**-K`` at int16 (``docs/march.md`` §3.1: convert shifts them onto it)."""
+    if getattr(fq, "channel_exponents", False):
+        return float(rules.channel_shift(fq.scale)[1]), QuantDType.qint16
+    return float(fq.scale), fq.dtype
 
 
 class TableOverride(SiteOverride):
@@ -31,11 +40,12 @@ class TableOverride(SiteOverride):
         super().__init__()
         self.site = site
         self.op_type = op_type
-        self.input_dtypes = tuple(fq.dtype for fq in input_fqs)
+        grids = [input_grid(fq) for fq in input_fqs]
+        self.input_dtypes = tuple(dtype for _, dtype in grids)
         self.output_dtype = output_fq.dtype
         #: the op parameters the tables were built for (gelu approximate, softplus beta/threshold, eps ...)
         self.params = dict(params)
-        scales = [float(fq.scale) for fq in input_fqs] + [float(output_fq.scale)]
+        scales = [scale for scale, _ in grids] + [float(output_fq.scale)]
         self.register_buffer("table_scales", torch.tensor(scales, dtype=torch.float32))
         self.__dict__["_static_fqs"] = (list(input_fqs), output_fq)
         #: consistency level 3+ (``tables_in_qat``): when the fake quants' scales (or the call's parameters,
@@ -58,8 +68,9 @@ class TableOverride(SiteOverride):
         if export_tracing():
             return
         built = self.table_scales.tolist()
-        now = [float(fq.scale) for fq in fqs] + [float(out_fq.scale)]
-        dtypes = tuple(fq.dtype for fq in fqs) + (out_fq.dtype,)
+        grids = [input_grid(fq) for fq in fqs]
+        now = [scale for scale, _ in grids] + [float(out_fq.scale)]
+        dtypes = tuple(dtype for _, dtype in grids) + (out_fq.dtype,)
         if now != built or dtypes != self.input_dtypes + (self.output_dtype,):
             raise QuantLensError(
                 f"The lookup table of op site '{self.site}' ({self.op_type}) was built for scales {built} "
@@ -80,8 +91,9 @@ class TableOverride(SiteOverride):
         built for are not the current ones (the tables are keyed by those values: unchanged, nothing is done).
         Returns whether the tables were rebuilt. The buffer names stay the same."""
         params, weight, bias = self._call_params(call)
-        scales = [float(fq.scale) for fq in fqs] + [float(out_fq.scale)]
-        dtypes = tuple(fq.dtype for fq in fqs) + (out_fq.dtype,)
+        grids = [input_grid(fq) for fq in fqs]
+        scales = [scale for scale, _ in grids] + [float(out_fq.scale)]
+        dtypes = tuple(dtype for _, dtype in grids) + (out_fq.dtype,)
         if (scales == self.table_scales.tolist() and dtypes == self.input_dtypes + (self.output_dtype,)
                 and params == self.params and self._same_affine(weight, bias)):
             return False

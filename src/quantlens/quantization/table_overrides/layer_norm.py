@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from quantlens.errors import QuantLensError
 from quantlens.kernels import int_layer_norm, layer_norm_constants
 from quantlens.quantization.table_calls import float_leaves, layer_norm_call
+from quantlens.quantization.table_overrides.base import input_grid
 from quantlens.quantization.table_overrides.gain_table import GainTable
 from quantlens.quantization.table_registry import TableKind
 from quantlens.sites.tracing_state import export_tracing
@@ -27,8 +28,8 @@ class LayerNormOverride(GainTable):
     def __init__(self, site, op_type, input_fqs, output_fq, params, weight=None, bias=None):
         super().__init__(site, op_type, input_fqs, output_fq, params)
         n = int(math.prod(params["normalized_shape"]))
-        c = layer_norm_constants(float(input_fqs[0].scale), float(output_fq.scale), input_fqs[0].dtype, n,
-                                 weight, bias, float(params["eps"]))
+        s_in, in_dtype = input_grid(input_fqs[0])  # channel-exponent codes: their common int16 grid (§3.1)
+        c = layer_norm_constants(s_in, float(output_fq.scale), in_dtype, n, weight, bias, float(params["eps"]))
         self.normalized_ndim = len(params["normalized_shape"])
         self._store(c, weight=weight, bias=bias)
 
@@ -52,9 +53,11 @@ class LayerNormOverride(GainTable):
                 "Fix: call layer_norm on a tensor whose last dims are normalized_shape (permute the normalized "
                 "axis last first), or give the module a forward of its own that does (it is then traced op by op)."
             )
-        di, do = fqs[0].dtype, out_fq.dtype
+        di, do = self.input_dtypes[0], out_fq.dtype
+        # codes in channel-exponent form are read on their common grid, the scale the table was built for (§3.1)
+        s_in = self.table_scales[0] if getattr(fqs[0], "channel_exponents", False) else fqs[0].scale
         return torch.ops.quantlens.int_layer_norm(
-            x, fqs[0].scale, out_fq.scale, self.gain, self.bias, self.params_q, self.normalized_ndim,
+            x, s_in, out_fq.scale, self.gain, self.bias, self.params_q, self.normalized_ndim,
             di.qmin, di.qmax, do.qmin, do.qmax,
         )
 

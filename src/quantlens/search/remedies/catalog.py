@@ -17,6 +17,7 @@ from torch import nn
 
 from quantlens.errors import QuantLensError
 from quantlens.search.remedies.bias_correction import bias_correction, has_correctable_layers
+from quantlens.search.remedies.channel_exponents import ChannelExponentQconfigSetter, has_stream_sites
 from quantlens.search.remedies.equalize import (
     cross_layer_equalization,
     find_cle_pairs,
@@ -27,6 +28,7 @@ from quantlens.search.remedies.learned_ranges import FixedRangeQconfigSetter, le
 from quantlens.search.remedies.learned_rounding import has_roundable_layers, learn_rounding
 from quantlens.search.remedies.qat_distill import QatBudget, qat_distill
 from quantlens.search.remedies.weights import PerChannelWeightQconfigSetter, per_tensor_weight_sites
+from quantlens.sites.record import record_model
 
 __all__ = ["RemedyKind", "RemedyContext", "QatOptions", "Remedy", "REMEDIES", "register_remedy", "model_remedies",
            "remedies_for"]
@@ -144,6 +146,16 @@ register_remedy(Remedy(
     frozenset({"per_tensor_weight_channels"}),
     applies=lambda c: bool(per_tensor_weight_sites(c.model, c.example, c.setter)),
     apply=lambda c: (c.model, PerChannelWeightQconfigSetter(None, c.setter))))
+
+register_remedy(Remedy(
+    "channel_exponents", RemedyKind.RANGE,
+    "a residual stream's sum quantized int8 per channel in channel-exponent form s·2**-k (docs/march.md §3.1): its "
+    "few outlier channels no longer set every channel's step",
+    "add / sub op sites read only by sums and norms (a transformer's residual stream), on a march that has them",
+    "one shift pass per reader (onto an int16 grid): the readers' integer ops take int16 codes", True,
+    frozenset({"range_too_large", "int8_range_needs_int16", "op_error"}),
+    applies=lambda c: has_stream_sites(record_model(c.model.eval(), [c.example])),
+    apply=lambda c: (c.model, ChannelExponentQconfigSetter(None, c.setter))))
 
 register_remedy(Remedy(
     "bias_correction", RemedyKind.WEIGHTS,

@@ -17,6 +17,7 @@ from quantlens._io import atomic_write_bytes, atomic_write_text, safetensors_byt
 from quantlens.errors import QuantLensError
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
 from quantlens.search.remedies.catalog import REMEDIES
+from quantlens.search.remedies.channel_exponents import ChannelExponentQconfigSetter
 from quantlens.search.remedies.learned_ranges import FixedRangeQconfigSetter
 from quantlens.search.remedies.observers import RANGE_OBSERVERS, ObserverQconfigSetter
 from quantlens.search.remedies.result import RemedyResult
@@ -82,6 +83,8 @@ def load_remedies(model: nn.Module, out_dir: str | Path,
     setter = base_setter
     if "per_channel_weights" in data["transforms"]:
         setter = PerChannelWeightQconfigSetter(None, setter)
+    if "channel_exponents" in data["transforms"]:
+        setter = ChannelExponentQconfigSetter(None, setter)
     if data.get("fixed_ranges"):
         setter = FixedRangeQconfigSetter(data["fixed_ranges"], setter)
     if data.get("observers"):

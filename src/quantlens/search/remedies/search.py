@@ -317,7 +317,11 @@ def _range_trials(state: _State, sites: list[str], observers, bar: SearchBar) ->
             done += 1
             trial = {**state.chosen, site: name}
             key = state.key("ranges", *(f"{s}={o}" for s, o in sorted(trial.items())))
-            value = state.measure(state.model, ObserverQconfigSetter(trial, state.setter), key)
+            try:
+                value = state.measure(state.model, ObserverQconfigSetter(trial, state.setter), key)
+            except REMEDY_ERRORS as exc:  # an observer this site cannot take (a per-tensor one, a per-channel site)
+                state.skipped.append(SkippedRemedy(f"range {name} at {site}", _one_line(exc)))
+                continue
             improves = state.better(value) and (site_best is None or state.measure.better(value, site_best[1]))
             state.trials.append(Trial("range", name, site, value, False, noise=state.noise))
             if improves:

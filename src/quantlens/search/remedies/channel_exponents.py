@@ -1,0 +1,79 @@
+"""Channel exponents for a residual stream (``docs/march.md`` §3.1, ``docs/remedies.md``).
+
+A transformer's residual stream (the sum of a block's output and its input) carries a few outlier channels, 10 to
+100 times the others (all-MiniLM-L6-v2: 6 of 384). One int8 scale for the whole tensor spends its 8 bits on those
+channels, and the others keep 2 or 3 levels; the LayerNorm after the sum then normalizes mostly rounding noise. A
+per-channel scale in channel-exponent form ``s · 2**-k_c`` keeps every channel's own step (within a factor 2, down
+to ``2**-K`` of the widest), stays int8 in memory, and costs the readers one exact shift onto a common int16 grid.
+
+:class:`ChannelExponentQconfigSetter` asks for it at the stream's sums: the add / sub op sites whose output only
+sums and norms read (:func:`stream_sites`), the places where the march's rule exists (the add rule writes the
+codes, §10; the readers shift them, §3.1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Iterable
+
+from quantlens.march import QuantDType, rules
+from quantlens.quantization.qconfig_template import (
+    QconfigAssignment,
+    QconfigContext,
+    QconfigSetter,
+    default_calibration_qconfig_setter,
+    resolve_qconfigs,
+    unmatched_message,
+)
+from quantlens.sites.record import ModelRecord
+
+__all__ = ["ChannelExponentQconfigSetter", "stream_sites", "has_stream_sites", "STREAM_READERS"]
+
+#: the op types that may read a residual stream's sum in channel-exponent form: another sum (the next residual add
+#: of a pre-LN stack) and the norms (a post-LN block's LayerNorm)
+STREAM_READERS = frozenset({"add", "sub", "layer_norm", "rms_norm"})
+
+
+def stream_sites(record: ModelRecord) -> list[str]:
+    """The add / sub op sites whose output is read only by :data:`STREAM_READERS` op sites, over a last dim of
+    more than one channel, in execution order."""
+    sites = []
+    for site in record.sites.values():
+        if site.op_type not in ("add", "sub") or not site.output_shapes or len(site.output_shapes[0]) < 2 \
+                or site.output_shapes[0][-1] < 2:
+            continue
+        readers = record.consumers(site.name)
+        if readers and all(record.sites[r].op_type in STREAM_READERS for r in readers):
+            sites.append(site.name)
+    return sites
+
+
+class ChannelExponentQconfigSetter(QconfigSetter):
+    """The base setter's qconfigs with the int8 per-tensor output of ``sites`` (``None``: :func:`stream_sites`)
+    quantized per channel of its last dim in channel-exponent form. Everything else is the base setter's; an op
+    site the int16 search promotes later takes one int16 scale (``QuantSpec.with_dtype``)."""
+
+    def __init__(self, sites: Iterable[str] | None = None, base_setter: Any = default_calibration_qconfig_setter):
+        self.sites = None if sites is None else tuple(sites)
+        self.base_setter = base_setter
+        count = "stream" if self.sites is None else ", ".join(self.sites)
+        self.name = f"channel_exponents({count}) > {getattr(base_setter, 'name', repr(base_setter))}"
+
+    def assign(self, ctx: QconfigContext) -> QconfigAssignment:
+        result = resolve_qconfigs(self.base_setter, ctx)
+        for site in stream_sites(ctx.record) if self.sites is None else self.sites:
+            qconfig = result.qconfigs.get(site)
+            if qconfig is None or qconfig.output is None:
+                continue
+            out = qconfig.output
+            if out.dtype is QuantDType.qint8 and out.ch_axis is None:
+                result.qconfigs[site] = qconfig.replace(output=replace(out, ch_axis=-1, channel_exponents=True))
+        if self.sites is not None:
+            for site in sorted(set(self.sites) - set(ctx.record.sites)):
+                result.unmatched.append(unmatched_message("ChannelExponentQconfigSetter", site, ctx))
+        return result
+
+
+def has_stream_sites(record: ModelRecord) -> bool:
+    """Whether the march has channel exponents and the model a residual stream's sum to give them."""
+    return rules.max_channel_exponent() > 0 and bool(stream_sites(record))
