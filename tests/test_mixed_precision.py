@@ -346,3 +346,36 @@ def test_exchange_swaps_a_site_after_which_pruning_takes_one_more(setup, tmp_pat
     assert set(result.setter().promotions) == {c, f} and len(result.curve) == len(plain.curve) + 2
     with pytest.raises(Exception, match="exchange must be"):
         search_mixed_precision(model, example, calib, metric, 0.95, out_dir=tmp_path / "e", exchange=-1, **kwargs)
+
+
+def test_the_shared_calibration_gives_the_scales_and_outputs_of_a_full_one(setup):
+    """The int16 search calibrates once per observer: a promotion's configuration takes the statistics of those
+    calibrated before. Each fake quant's scale and the model's output equal a full prepare + calibrate bit for
+    bit, for activation and weight promotions, alone and together, on top of per-site observers (a histogram
+    observer's statistics included) and learned (fixed) ranges."""
+    from quantlens.search.measure import Builder
+    from quantlens.search.remedies import ObserverQconfigSetter
+    from quantlens.search.remedies.learned_ranges import FixedRangeQconfigSetter
+
+    model, example, calib, _, _ = setup
+    cands = mixed_precision_candidates(_build(model, example, calib, default_calibration_qconfig_setter))
+    acts = [p for p in cands if p.kind == "activation"][:3]
+    weights = [p for p in cands if p.kind == "weight"][:1]
+    site = acts[1].site
+    base = ObserverQconfigSetter({site: "kl"}, FixedRangeQconfigSetter({acts[2].site: 0.5}))
+    build = Builder(model, example, calib, base)
+    held = zoo.sample_batches("tiny_transformer", num_batches=6, batch_size=16)[-1]
+    selections = [(), (acts[0],), tuple(weights), (acts[0], acts[1]), (acts[0],), (acts[1],), (acts[2],)]
+    for selection in selections:
+        fast = build(selection)
+        full = _build(model, example, calib, MixedPrecisionQconfigSetter(selection, base))
+        fq_fast, fq_full = fast._quantlens_state.fq, full._quantlens_state.fq
+        assert fq_fast.keys() == fq_full.keys()
+        for key in fq_full:
+            if not fq_full[key].is_weight:
+                assert torch.equal(fq_fast[key].scale, fq_full[key].scale), (selection, key)
+        with torch.no_grad():
+            assert torch.equal(fast(*held), full(*held)), selection
+    # the promotions seen before (and every weight promotion) took the statistics: the batches ran only where an
+    # op site's observer had not been calibrated yet (the base, the first int16 activations)
+    assert build.stats.reused >= 3 and build.stats.ran <= 4, (build.stats.reused, build.stats.ran)

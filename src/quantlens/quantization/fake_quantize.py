@@ -208,6 +208,12 @@ class FakeQuantize(nn.Module):
         if self.is_weight:
             self.observer.reset()
         self.observer(x if self.is_weight else _without_fills(x))
+        self.refresh_scale()
+
+    def refresh_scale(self) -> None:
+        """The scale (and, under a march with unsigned activations, the sign) from the observer's statistics as
+        they are: what observing ends with, and what statistics loaded into the observer give (a calibration
+        reused, ``quantization.calibration_stats``)."""
         if self.follows_sign:
             low = self.observer.min_val
             self._set_unsigned(bool(torch.isfinite(low).all()) and bool((low >= 0).all()))

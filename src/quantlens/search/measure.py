@@ -4,13 +4,13 @@ configuration once, the values kept in the progress file."""
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from torch import nn
 
+from quantlens.quantization.calibration_stats import CalibrationStats
 from quantlens.quantization.prepare import prepare
-from quantlens.quantization.stages import calibrate
 from quantlens.search.evaluation import call_evaluate
 from quantlens.search.goal import Goal
 from quantlens.search.progress import Progress, selection_key
@@ -29,12 +29,15 @@ def describe_selection(selection: Sequence[Promotion]) -> str:
 
 @dataclass(frozen=True, eq=False)
 class Builder:
-    """Builds the calibrated model of a set of promotions on top of ``base_setter``."""
+    """Builds the calibrated model of a set of promotions on top of ``base_setter``. A promotion changes dtypes
+    only, so the calibration statistics of the configurations built before serve it (``stats``: the batches run
+    once per observer, the same scales bit for bit)."""
 
     model: nn.Module
     example_inputs: Any
     batches: list
     base_setter: Any
+    stats: CalibrationStats = field(default_factory=CalibrationStats)
 
     def __call__(self, selection: Sequence[Promotion]) -> nn.Module:
         setter = MixedPrecisionQconfigSetter(selection, self.base_setter)
@@ -43,7 +46,7 @@ class Builder:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             prepared = prepare(self.model, self.example_inputs, setter, check_result_dir=None, allow_no_stubs=True)
-            calibrate(prepared, self.batches)
+            self.stats.calibrate(prepared, self.batches)
         return prepared
 
 
