@@ -379,3 +379,36 @@ def test_the_shared_calibration_gives_the_scales_and_outputs_of_a_full_one(setup
     # the promotions seen before (and every weight promotion) took the statistics: the batches ran only where an
     # op site's observer had not been calibrated yet (the base, the first int16 activations)
     assert build.stats.reused >= 3 and build.stats.ran <= 4, (build.stats.reused, build.stats.ran)
+
+
+class _Attention(torch.nn.Module):
+    """sdpa: prepare decomposes it, and its scores and probabilities get fake quants of their own."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+        self.out = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.out(torch.nn.functional.scaled_dot_product_attention(q, k, v))
+
+
+def test_the_shared_calibration_covers_the_fake_quants_inside_decomposed_ops():
+    from quantlens.search.measure import Builder
+
+    torch.manual_seed(0)
+    model = _Attention().eval()
+    calib = [(torch.randn(2, 5, 8),) for _ in range(2)]
+    held = torch.randn(4, 5, 8)
+    build = Builder(model, calib[0], calib, default_calibration_qconfig_setter)
+    cands = mixed_precision_candidates(build(()))
+    for selection in [(p,) for p in cands[:4]] + [()]:
+        fast = build(selection)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            full = calibrate(prepare(model, calib[0], MixedPrecisionQconfigSetter(selection, build.base_setter),
+                                     check_result_dir=None, allow_no_stubs=True), calib)
+        with torch.no_grad():
+            assert torch.equal(fast(held), full(held)), selection
+    assert build.stats.reused >= 2

@@ -25,22 +25,24 @@ __all__ = ["CalibrationStats"]
 
 
 def _signature(key: str, fq: FakeQuantize) -> tuple:
-    """What an observer's statistics depend on besides the data: its op site's fake quant key, its class, its
-    options and its channel axis (not its dtype)."""
+    """What an observer's statistics depend on besides the data: where its fake quant sits (its module path), its
+    class, its options and its channel axis (not its dtype)."""
     obs = fq.observer
     return key, type(obs).__qualname__, tuple(sorted(obs._options().items())), obs.ch_axis
 
 
 def _activation_fqs(model: nn.Module) -> dict[str, FakeQuantize]:
-    state = model._quantlens_state
-    return {key: fq for key, fq in state.fq.items() if not fq.is_weight}
+    """Every activation fake quant by its module path: the op sites' (``QuantState.fq``) and those inside
+    decomposed ops (an attention's scores and probabilities)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, FakeQuantize) and not m.is_weight}
 
 
 class CalibrationStats:
     """Observer statistics by :func:`_signature`, gathered from the models calibrated through :meth:`calibrate`."""
 
     def __init__(self) -> None:
-        self._states: dict[tuple, dict[str, torch.Tensor]] = {}
+        #: signature -> (the observer's buffers, whether its fake quant was calibrated)
+        self._states: dict[tuple, tuple[dict[str, torch.Tensor], bool]] = {}
         #: calibrations answered from the statistics, and those that ran the batches
         self.reused = 0
         self.ran = 0
@@ -53,9 +55,9 @@ class CalibrationStats:
             return model
         calibrate(model, batches)
         self.ran += 1
-        for key, fq in _activation_fqs(model).items():
-            if bool(fq.calibrated):
-                self._states[_signature(key, fq)] = {k: v.clone() for k, v in fq.observer.state_dict().items()}
+        for key, fq in _activation_fqs(model).items():  # (one no batch reached too: it stays uncalibrated)
+            self._states[_signature(key, fq)] = ({k: v.clone() for k, v in fq.observer.state_dict().items()},
+                                                 bool(fq.calibrated))
         return model
 
     def _reusable(self, model: nn.Module) -> bool:
@@ -69,7 +71,9 @@ class CalibrationStats:
     def _load(self, model: nn.Module) -> None:
         model.eval()
         for key, fq in _activation_fqs(model).items():
-            for name, value in self._states[_signature(key, fq)].items():
+            buffers, calibrated = self._states[_signature(key, fq)]
+            for name, value in buffers.items():
                 fq.observer._buffers[name] = value.clone()  # per-channel buffers are shaped by the first batch
-            fq.refresh_scale()
+            if calibrated:  # as calibrate: a fake quant no batch reached keeps its placeholder scale
+                fq.refresh_scale()
         set_fake_quantize(model, FakeQuantState.VALIDATION)
