@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from quantlens.compiler import convert, export, to_onnx
+from quantlens.compiler import convert, export, load, save, to_onnx
 from quantlens.errors import QuantLensError
 from quantlens.kernels.integer.elementwise import add_kernel, channel_shift_kernel
 from quantlens.march import March, Qpp, QuantDType, rules, using_march
@@ -31,7 +31,7 @@ def test_exponent_scales_by_hand():
     assert bool((scales >= s).all())  # no channel is clipped
     assert rules.channel_exponents(scales) == (1.0, [0, 1, 1, 3, 3, 1, 2])
     attrs, fine = rules.channel_shift(scales)
-    assert attrs == {"shifts": [3, 2, 2, 0, 0, 2, 1], "out_dtype": "qint16"} and fine == 0.125
+    assert attrs == {"left_shifts": [3, 2, 2, 0, 0, 2, 1], "out_dtype": "qint16"} and fine == 0.125
 
 
 def test_scales_not_in_exponent_form_are_refused():
@@ -60,7 +60,7 @@ def test_the_add_rule_writes_each_channel_on_its_own_exponent():
 
 def test_the_channel_shift_is_exact_in_int16():
     q = torch.tensor([[-128, 5], [127, -7]], dtype=torch.int8)
-    out = channel_shift_kernel([q], {"shifts": [3, 0], "axis": 1})
+    out = channel_shift_kernel([q], {"left_shifts": [3, 0], "axis": 1})
     assert out.dtype is torch.int16 and out.tolist() == [[-1024, 5], [1016, -7]]
 
 
@@ -131,7 +131,7 @@ def test_a_residual_stream_with_channel_exponents_through_every_stage(tmp_path):
     ops = [n.op for n in q_ir.graph.nodes]
     add = next(n for n in q_ir.graph.nodes if n.op == "add")
     shift = next(n for n in q_ir.graph.nodes if n.op == "channel_shift")
-    assert add.attrs["out_exponents"] == k and shift.attrs["shifts"] == [3 - v for v in k]
+    assert add.attrs["out_exponents"] == k and shift.attrs["left_shifts"] == [3 - v for v in k]
     assert ops.index("add") < ops.index("channel_shift") < ops.index("int_layer_norm")
     assert not any(n.attrs.get("host") for n in q_ir.graph.nodes)
     held = x[32:]
@@ -150,6 +150,9 @@ def test_a_residual_stream_with_channel_exponents_through_every_stage(tmp_path):
         out = sess.run(None, {n: v.numpy() for n, v in qat_ir.feeds(held).items()})[0]
         assert torch.equal(torch.from_numpy(out), qat)
     assert q_ir.latency_estimate().cycles > 0
+    save(q_ir, tmp_path / "q.qlir")  # the new op and the add's attrs survive the file
+    with torch.no_grad():
+        assert torch.equal(load(tmp_path / "q.qlir")(held), q)
 
 
 def test_the_add_alone_is_the_integer_rule_of_the_fake_quant_within_a_step():

@@ -96,11 +96,11 @@ def channel_exponents(scale: Scale) -> tuple[float, list[int]]:
 
 def channel_shift(scale: Scale) -> dict:
     """§3.1: the left shift per channel that brings exponent-form codes onto the common grid ``s · 2**-K``:
-    ``{"shifts": [K - k_c], "out_dtype": "qint16"}`` (``|q| · 2**K <= 2**(7 + K)`` fits int16 for ``K <= 8``),
+    ``{"left_shifts": [K - k_c], "out_dtype": "qint16"}`` (``|q| · 2**K <= 2**(7 + K)`` fits int16 for ``K <= 8``),
     and that grid's scale."""
     top, k = channel_exponents(scale)
     big_k = max_channel_exponent()
-    return {"shifts": [big_k - v for v in k], "out_dtype": QuantDType.qint16.value}, top * 2.0**-big_k
+    return {"left_shifts": [big_k - v for v in k], "out_dtype": QuantDType.qint16.value}, top * 2.0**-big_k
 
 
 # -- §8: requantize -------------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ INT_SHAPES: dict[str, str | Callable[..., torch.Tensor]] = {
     "neg_int": "neg", "fill_int": "fill", "bilinear_int": _bilinear,
     # a rescale of its first input (clamp: its bounds are codes, not aten.clamp's min / max attrs)
     **dict.fromkeys(("quantize", "dequantize", "requantize", "scale", "add_const", "prelu_int", "channel_affine",
-                     "clamp"), _same_shape),
+                     "clamp", "channel_shift"), _same_shape),
 }
 
 

@@ -73,7 +73,7 @@ def channel_shift_kernel(inputs: list, attrs: dict, site: str = "") -> torch.Ten
     """§3.1: exponent-form codes onto the common grid, ``q · 2**(K - k_c)`` per channel (exact, int16)."""
     q = inputs[0]
     shape = channel_shape({"channel_dim": attrs["axis"]}, q)
-    factor = torch.tensor([1 << s for s in attrs["shifts"]], dtype=torch.int16).reshape(shape)
+    factor = torch.tensor([1 << s for s in attrs["left_shifts"]], dtype=torch.int16).reshape(shape)
     return q.to(torch.int16) * factor
 
 
