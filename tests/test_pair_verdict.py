@@ -5,6 +5,7 @@ summary, ``index.html`` and ``summary.json``."""
 import json
 
 import pytest
+import torch
 from rich.console import Console
 
 from quantlens.cli.pipeline import (
@@ -141,3 +142,14 @@ def test_every_verdict_renders(verdict, tmp_path):
     assert verdict.value in line_of(console_text([result]), "convert")
     assert verdict.value in index_row(write_index([result], tmp_path), "convert")
     assert json.loads(write_summary([result], tmp_path).read_text())["pairs"][0]["verdict"] == verdict.value
+
+
+def test_a_pair_skipped_for_a_stage_that_failed_names_that_stage_not_an_install(tmp_path):
+    """The onnxruntime pair after a failed export: its qat IR was never built, which is what it says (it said
+    "onnx and onnxruntime are not installed" with both installed)."""
+    from quantlens.cli.pipeline import analyze_pairs
+    from quantlens.cli.stages import Stages
+
+    stages = Stages(float=torch.nn.Identity(), qat_ir=None, onnx=None, failed="export", error="boom")
+    (result,) = analyze_pairs(stages, ["onnxruntime"], tmp_path, None, None)
+    assert result.skipped == "stage qat_ir not built"

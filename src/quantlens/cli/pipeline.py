@@ -123,6 +123,12 @@ def ort_note(meta: dict | None) -> str:
             f"{check['max_abs_diff']:.3g}): a per-op graph output blocked a fusion; the rows are the traced session's")
 
 
+def _onnx_installed() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in ("onnx", "onnxruntime"))
+
+
 def analyze_pairs(stages: Stages, kinds: list[str], out_dir: Path, data: Callable[[], Iterable[Any]] | None,
                   example: Any, *, post_process: Any = None, num_steps: int | None = None,
                   sensitivity: bool = True, progress: bool = False,
@@ -133,8 +139,12 @@ def analyze_pairs(stages: Stages, kinds: list[str], out_dir: Path, data: Callabl
         base, analy = getattr(stages, base_name), getattr(stages, analy_name)
         folder = out_dir / kind
         if base is None or analy is None:
+            # the stage that is missing, the first one first: an onnx file is never built from a qat IR that failed,
+            # and only a missing runtime is a missing install
+            missing = base_name if base is None else analy_name
             why = ("onnx and onnxruntime are not installed (pip install 'quantlens[onnx]')"
-                   if kind == "onnxruntime" else f"stage {analy_name if analy is None else base_name} not built")
+                   if base is not None and kind == "onnxruntime" and not _onnx_installed()
+                   else f"stage {missing} not built")
             results.append(PairResult(kind, base_name, analy_name, folder.name, skipped=why))
             continue
         if step:
