@@ -241,3 +241,24 @@ def test_the_remedy_gives_the_streams_sums_channel_exponents_and_the_search_keep
         again = calibrate(prepare(model, x[:8], loaded, check_result_dir=None, allow_no_stubs=True), [x[:32]])
     assert [k for k, fq in again._quantlens_state.fq.items() if fq.channel_exponents] == ["add_0|out"]
     assert evaluate(again) == result.value
+
+
+def test_a_movement_op_between_the_sum_and_its_reader_keeps_the_exponents():
+    """add -> transpose -> transpose back -> LayerNorm: the codes move with their exponents, and the LayerNorm
+    still reads them shifted onto the common grid (not as plain per-channel int8)."""
+
+    class _Moved(_Block):
+        def forward(self, x):
+            h = (self.fc(x) + x).unsqueeze(0).transpose(0, 1).squeeze(1)
+            return self.ln(h)
+
+    torch.manual_seed(0)
+    model, x = _Moved().eval(), _data()
+    _, qat_ir, q_ir = _stages(model, _Exponents(), x)
+    ops = [n.op for n in q_ir.graph.nodes]
+    assert "channel_shift" in ops and ops.index("channel_shift") < ops.index("int_layer_norm")
+    assert not any(n.attrs.get("host") for n in q_ir.graph.nodes)
+    per_tensor = _stages(model, default_calibration_qconfig_setter, x)
+    with torch.no_grad():
+        gap = (q_ir(x[32:]) - qat_ir(x[32:])).abs().max()
+        assert gap <= (per_tensor[2](x[32:]) - per_tensor[1](x[32:])).abs().max() * 1.5

@@ -58,7 +58,7 @@ def passthrough(c, node):
         if src_out in value_outputs:
             c.out.values[name] = ValueInfo(info.shape, str(storage_dtype(x.qdtype.value)).replace("torch.", ""),
                                            x.qdtype.value, None, axis)
-            c.q[src_out] = QInfo(name, x.qdtype, x.scale, axis)
+            c.q[src_out] = QInfo(name, x.qdtype, x.scale, axis, x.exponents)  # (a channel moves with its exponent)
         else:  # indices
             c.out.values[name] = info
             c.float_values[src_out] = name
