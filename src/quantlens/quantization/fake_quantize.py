@@ -210,6 +210,14 @@ class FakeQuantize(nn.Module):
         self.observer(x if self.is_weight else _without_fills(x))
         self.refresh_scale()
 
+    def read_grid(self) -> tuple[torch.Tensor, QuantDType]:
+        """The grid an integer op reads this fake quant's codes on: its own scale and type, or for codes in
+        channel-exponent form their common grid ``s · 2**-K`` at int16 (``docs/march.md`` §3.1: convert shifts them
+        onto it; ``s``, the widest channel's scale, is the largest). Tensor ops only: it holds while exporting."""
+        if self.channel_exponents:
+            return self.scale.amax() * 2.0 ** -rules.max_channel_exponent(), QuantDType.qint16
+        return self.scale, self.dtype
+
     def refresh_scale(self) -> None:
         """The scale (and, under a march with unsigned activations, the sign) from the observer's statistics as
         they are: what observing ends with, and what statistics loaded into the observer give (a calibration
@@ -423,7 +431,7 @@ def int32_bias(bias: torch.Tensor | None, in_fq: "FakeQuantize | None", w_fq: Fa
         return bias
     if not (in_fq.fake_quant_enabled and w_fq.fake_quant_enabled):
         return bias
-    scale = (in_fq.scale.reshape(()) * w_fq.scale).reshape(-1).expand(bias.shape[0]).contiguous()
+    scale = (in_fq.read_grid()[0].reshape(()) * w_fq.scale).reshape(-1).expand(bias.shape[0]).contiguous()
     return fake_quant_range(bias, scale, -(2**31), 2**31 - 1, 0)
 
 

@@ -9,7 +9,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from quantlens.errors import QuantLensError
-from quantlens.march import QuantDType, rules
+from quantlens.march import QuantDType
 from quantlens.quantization.fake_quantize import FakeQuantize
 from quantlens.quantization.overrides import OverrideCall, SiteOverride
 from quantlens.quantization.table_overrides.report import LutSiteInfo
@@ -18,11 +18,9 @@ from quantlens.sites.tracing_state import export_tracing
 
 
 def input_grid(fq: FakeQuantize) -> tuple[float, QuantDType]:
-    """The grid a table op reads an input's codes on: the fake quant's own, or for codes in channel-exponent form
-    their common grid ``s · 2**-K`` at int16 (``docs/march.md`` §3.1: convert shifts them onto it)."""
-    if getattr(fq, "channel_exponents", False):
-        return float(rules.channel_shift(fq.scale)[1]), QuantDType.qint16
-    return float(fq.scale), fq.dtype
+    """The grid a table op reads an input's codes on (:meth:`FakeQuantize.read_grid`), its scale as a number."""
+    scale, dtype = fq.read_grid()
+    return float(scale), dtype
 
 
 class TableOverride(SiteOverride):

@@ -53,9 +53,7 @@ class LayerNormOverride(GainTable):
                 "Fix: call layer_norm on a tensor whose last dims are normalized_shape (permute the normalized "
                 "axis last first), or give the module a forward of its own that does (it is then traced op by op)."
             )
-        di, do = self.input_dtypes[0], out_fq.dtype
-        # codes in channel-exponent form are read on their common grid, the scale the table was built for (§3.1)
-        s_in = self.table_scales[0] if getattr(fqs[0], "channel_exponents", False) else fqs[0].scale
+        (s_in, di), do = fqs[0].read_grid(), out_fq.dtype  # channel-exponent codes: their common grid (§3.1)
         return torch.ops.quantlens.int_layer_norm(
             x, s_in, out_fq.scale, self.gain, self.bias, self.params_q, self.normalized_ndim,
             di.qmin, di.qmax, do.qmin, do.qmax,
