@@ -173,14 +173,28 @@ def test_the_add_alone_is_the_integer_rule_of_the_fake_quant_within_a_step():
     assert float((steps - steps.round()).abs().max()) < 1e-3  # whole steps of each channel's scale
 
 
-def test_an_op_the_march_gives_no_channel_exponents_runs_on_the_host():
-    """A linear's output asked in channel-exponent form: the march's GEMM rule has no per-channel output, so
-    convert computes it on the host (named, with the reason), never with the first channel's scale."""
+def test_a_linear_writes_channel_exponents_and_a_table_op_runs_on_the_host():
+    """A GEMM's requantize is per output channel: a linear writes channel-exponent codes (the add then reads them
+    shifted), within the per-tensor model's distance of the qat IR. A LayerNorm's output asked in that form: its
+    integer rule has no per-channel output, so convert computes it on the host (named, with the reason), never
+    with the first channel's scale."""
     torch.manual_seed(0)
     model, x = _Block().eval(), _data()
-    _, _, q_ir = _stages(model, _Exponents(("fc",)), x)
-    fc = [n for n in q_ir.graph.nodes if n.site == "fc" and n.op == "linear"]
-    assert fc and fc[0].attrs.get("host") and "per-channel output scale" in fc[0].attrs["host_reason"]
+    _, qat_ir, q_ir = _stages(model, _Exponents(("fc", "add_0")), x)
+    fc = next(n for n in q_ir.graph.nodes if n.site == "fc" and n.op == "linear")
+    assert not fc.attrs.get("host") and len(fc.attrs["multiplier"]) == 16
+    assert [n.op for n in q_ir.graph.nodes].count("channel_shift") == 2  # the add reads fc's, the norm the add's
+    per_tensor = _stages(model, default_calibration_qconfig_setter, x)
+    with torch.no_grad():
+        gap = (q_ir(x[32:]) - qat_ir(x[32:])).abs().max()
+        assert gap <= (per_tensor[2](x[32:]) - per_tensor[1](x[32:])).abs().max() * 1.5
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prepared = calibrate(prepare(model, x[:8], _Exponents(("ln",)), check_result_dir=None,
+                                     allow_no_stubs=True), [x[:32]])
+        q_ir = convert(export(pre_export(prepared, example_inputs=x[:8]), x[:8], dynamic_batch=True))
+    assert any("ln" in str(w.message) and "no integer table" in str(w.message) for w in caught)
+    assert [n.op for n in q_ir.graph.nodes if n.site == "ln" and n.attrs.get("host")] == ["layer_norm"]
 
 
 def test_consistency_levels_refuse_channel_exponents():
@@ -193,8 +207,8 @@ def test_consistency_levels_refuse_channel_exponents():
 
 
 class _PostLN(nn.Module):
-    """Two post-LN blocks and a linear head: only the two sums are the stream's sites (the norms' outputs also
-    feed linears)."""
+    """Two post-LN blocks and a linear head: the stream's sites are the two sums and the linears writing into
+    them (the norms' outputs also feed linears, the head feeds no sum)."""
 
     def __init__(self):
         super().__init__()
@@ -215,7 +229,7 @@ def test_the_remedy_gives_the_streams_sums_channel_exponents_and_the_search_keep
 
     torch.manual_seed(0)
     x = _data()
-    assert stream_sites(record_model(_PostLN().eval(), [x[:8]])) == ["add_0", "add_1"]
+    assert stream_sites(record_model(_PostLN().eval(), [x[:8]])) == ["fc1", "add_0", "fc2", "add_1"]
     model = _Block().eval()
     ctx = RemedyContext(model, x[:8], [x[:32]], default_calibration_qconfig_setter)
     remedy = REMEDIES["channel_exponents"]
@@ -239,7 +253,7 @@ def test_the_remedy_gives_the_streams_sums_channel_exponents_and_the_search_keep
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         again = calibrate(prepare(model, x[:8], loaded, check_result_dir=None, allow_no_stubs=True), [x[:32]])
-    assert [k for k, fq in again._quantlens_state.fq.items() if fq.channel_exponents] == ["add_0|out"]
+    assert [k for k, fq in again._quantlens_state.fq.items() if fq.channel_exponents] == ["fc|out", "add_0|out"]
     assert evaluate(again) == result.value
 
 

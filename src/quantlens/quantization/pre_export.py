@@ -24,12 +24,13 @@ result is meant for evaluation in ``FakeQuantState.VALIDATION`` (which ``pre_exp
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
-from quantlens.errors import QuantLensError
+from quantlens.errors import QuantLensError, QuantLensWarning
 from quantlens.march import march_named
 from quantlens.quantization.decompositions import SdpaDecomposition
 from quantlens.quantization.fake_quantize import FakeQuantize, FakeQuantState, switch_fake_quants
@@ -136,6 +137,11 @@ def _site_fqs(model: nn.Module, state: QuantState, rec: OpSiteRecord, plan: Site
     return fqs, out_fq
 
 
+def _per_channel_output(state: QuantState, plan: SitePlan) -> bool:
+    out_fq = state.fq[plan.output_fq] if plan.output_fq in state.fq else None
+    return out_fq is not None and out_fq.ch_axis is not None
+
+
 def table_sites(state: QuantState) -> list[tuple[OpSiteRecord, SitePlan]]:
     """The op sites the model's march computes by table (none for a march without tables, ``March.ORT_CPU``: its
     runtime computes softmax, layer norm, GELU ... in float, or with its own lookup tables, which convert follows)."""
@@ -152,6 +158,8 @@ def table_sites(state: QuantState) -> list[tuple[OpSiteRecord, SitePlan]]:
             continue  # float sites (no qconfig) stay float
         if not table_op_spec(plan.op_type).applies(rec):
             continue  # e.g. division by (or of) a Python scalar is a multiply, not a table op
+        if _per_channel_output(state, plan):
+            continue  # a per-channel output (channel exponents): no table writes one; it stays float (the host)
         sites.append((rec, plan))
     return sites
 
@@ -287,6 +295,12 @@ def _install(result: nn.Module, example_inputs: Any) -> None:
         if plan.override is not None and plan.override.endswith("|" + _ROLE):
             plan.override = None
     sites = table_sites(state)
+    floats = [name for name, plan in state.plans.items() if plan.op_type in TABLE_OPS and _per_channel_output(state, plan)]
+    if floats and march_named(getattr(state, "march", "ql1")).spec.tables:
+        warnings.warn(f"pre_export: op site(s) {', '.join(floats[:4])}{' ...' if len(floats) > 4 else ''} ask for a "
+                      "per-channel output scale (channel exponents, docs/march.md §3.1), which no integer table "
+                      "writes: they stay float ops, which convert runs on the host. Give them a per-tensor output "
+                      "to compute them on the NPU.", stacklevel=3, category=QuantLensWarning)
     calls = _capture(result, state, sites, example_inputs) if example_inputs is not None else {}
     resolved = [(rec, plan, _params(result, rec, calls.get(rec.name))) for rec, plan in sites]  # raise early
     built = {rec.name: _build(result, state, rec, plan, params) for rec, plan, params in resolved

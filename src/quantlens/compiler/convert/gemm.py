@@ -65,7 +65,8 @@ def _gemm(c: Converter, node: Node, channel_axis: int | None) -> None:
         inputs.append(b.name)
     elif node.op != "matmul":
         inputs.append("")
-    grid = c.output_grid(node, fold_scalars=True)
+    # a GEMM's requantize is per output channel already (per-channel weights): it writes channel exponents there
+    grid = c.output_grid(node, fold_scalars=True, channels=channel_axis is not None)
     if grid is None:
         if node.op == "matmul":
             raise QuantLensError(f"convert: matmul at op site '{node.site}' has no output fake quant.")
@@ -74,8 +75,17 @@ def _gemm(c: Converter, node: Node, channel_axis: int | None) -> None:
         c.emit(node, node.op, inputs, {**node.attrs, "out_dtype": "qint32"}, QuantDType.qint32, scale, axis)
         return
     qdtype, out_scale, factor = grid
+    axis = c.grid_axes.get(node.outputs[0])
+    if axis is not None:  # an output in channel-exponent form (§3.1), along the GEMM's own output channels only
+        rank = len(c.src.values[node.outputs[0]].shape)
+        if axis % rank != channel_axis % rank:
+            raise QuantLensError(f"convert: {node.op} at op site '{node.site}' has a per-channel output scale along "
+                                 f"dim {axis}, not its output channels (dim {channel_axis}).")
+        rules.channel_exponents(out_scale)  # refused unless in channel-exponent form
     attrs = {**node.attrs, **rules.gemm(x.scale, w.scale, out_scale, qdtype, c.qpp, factor)}
-    c.emit(node, node.op, inputs, attrs, qdtype, out_scale)
+    c.emit(node, node.op, inputs, attrs, qdtype, out_scale, axis)
+    if axis is not None:
+        c.q[node.outputs[0]].exponents = True
 
 
 @converter("conv2d", "conv1d")

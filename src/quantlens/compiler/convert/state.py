@@ -76,7 +76,7 @@ class Converter:
         #: qat value -> the op site of the fake quant whose grid the integer op requantizes to (a BatchNorm or
         #: ReLU fused into a conv): the profiler attributes the integer value to that site ("output_site")
         self.grid_sites: dict[str, str] = {}
-        #: qat value -> the channel axis of its per-channel (channel-exponent) output grid (add / sub)
+        #: qat value -> the channel axis of its per-channel (channel-exponent) output grid (add / sub, GEMMs)
         self.grid_axes: dict[str, int] = {}
         #: integer value -> its channel-exponent codes shifted onto the common grid (§3.1), made once
         self.shifted: dict[str, QInfo] = {}
@@ -147,8 +147,8 @@ class Converter:
 
         With ``fold_scalars`` (GEMMs), multiplications by positive scalar constants on the way are folded into
         the requantize multiplier; the result is then ``(dtype, scale, factor)``. A per-channel output scale
-        (channel exponents, §3.1) is refused unless the caller's rule takes one (``channels``: add / sub; the
-        axis is then ``grid_axes[output]``).
+        (channel exponents, §3.1) is refused unless the caller's rule takes one (``channels``: add / sub, a GEMM's
+        per-channel requantize; the axis is then ``grid_axes[output]``).
         """
         value = node.outputs[0]
         factor, folded = 1.0, []
@@ -165,7 +165,7 @@ class Converter:
                     if not channels:
                         raise QuantLensError(
                             f"convert: op '{node.op}' at op site '{node.site}' has a per-channel output scale; the "
-                            "march takes per-channel (channel-exponent, §3.1) activation scales at add / sub only.")
+                            "march writes per-channel (channel-exponent, §3.1) activation scales at add / sub and GEMMs only.")
                     self.grid_axes[node.outputs[0]] = int(user.attrs["axis"])
                 self.grid_sites[node.outputs[0]] = user.site
                 if not fold_scalars:

@@ -25,6 +25,7 @@ from quantlens.quantization.qconfig_template import (
     resolve_qconfigs,
     unmatched_message,
 )
+from quantlens.sites.op_rules import OpKind
 from quantlens.sites.record import ModelRecord
 
 __all__ = ["ChannelExponentQconfigSetter", "stream_sites", "has_stream_sites", "STREAM_READERS"]
@@ -34,18 +35,33 @@ __all__ = ["ChannelExponentQconfigSetter", "stream_sites", "has_stream_sites", "
 STREAM_READERS = frozenset({"add", "sub", "layer_norm", "rms_norm"})
 
 
+def _readers(record: ModelRecord, name: str) -> list[str]:
+    """The op sites that compute on ``name``'s output, through the passthrough sites between (a dropout)."""
+    readers = []
+    for reader in record.consumers(name):
+        site = record.sites[reader]
+        if site.kind is OpKind.PASSTHROUGH and not site.boundary:
+            readers += _readers(record, reader)
+        else:
+            readers.append(reader)
+    return readers
+
+
+def _wide(site) -> bool:
+    return bool(site.output_shapes) and len(site.output_shapes[0]) >= 2 and site.output_shapes[0][-1] >= 2
+
+
 def stream_sites(record: ModelRecord) -> list[str]:
-    """The add / sub op sites whose output is read only by :data:`STREAM_READERS` op sites, over a last dim of
-    more than one channel, in execution order."""
-    sites = []
-    for site in record.sites.values():
-        if site.op_type not in ("add", "sub") or not site.output_shapes or len(site.output_shapes[0]) < 2 \
-                or site.output_shapes[0][-1] < 2:
-            continue
-        readers = record.consumers(site.name)
-        if readers and all(record.sites[r].op_type in STREAM_READERS for r in readers):
-            sites.append(site.name)
-    return sites
+    """The residual stream's op sites, in execution order: the add / sub op sites whose output only sums and norms
+    read (:data:`STREAM_READERS`), and the linears whose output only those sums read (a block's output projection:
+    a GEMM's requantize is per output channel, so it writes the form at no cost); over a last dim of more than
+    one channel."""
+    sums = {name for name, site in record.sites.items() if site.op_type in ("add", "sub") and _wide(site)
+            and (readers := _readers(record, name))
+            and all(record.sites[r].op_type in STREAM_READERS for r in readers)}
+    writers = {name for name, site in record.sites.items() if site.op_type == "linear" and _wide(site)
+               and (readers := _readers(record, name)) and all(r in sums for r in readers)}
+    return [name for name in record.sites if name in sums or name in writers]
 
 
 class ChannelExponentQconfigSetter(QconfigSetter):
