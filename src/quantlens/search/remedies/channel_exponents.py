@@ -1,8 +1,9 @@
 """Channel exponents for a residual stream (``docs/march.md`` §3.1, ``docs/remedies.md``).
 
-A transformer's residual stream (the sum of a block's output and its input) carries a few outlier channels, 10 to
-100 times the others (all-MiniLM-L6-v2: 6 of 384). One int8 scale for the whole tensor spends its 8 bits on those
-channels, and the others keep 2 or 3 levels; the LayerNorm after the sum then normalizes mostly rounding noise. A
+A transformer's residual stream (the sum of a block's output and its input) carries a few outlier channels (in
+all-MiniLM-L6-v2's first output sum, 6 of 384; the others 4 to 8 times smaller or more). One int8 scale for the
+whole tensor spends its levels on those channels, the others use 32 of 128 or fewer, and the LayerNorm after the
+sum normalizes their rounding with them. A
 per-channel scale in channel-exponent form ``s · 2**-k_c`` keeps every channel's own step (within a factor 2, down
 to ``2**-K`` of the widest), stays int8 in memory, and costs the readers one exact shift onto a common int16 grid.
 
