@@ -189,7 +189,7 @@ def export(
                 raise QuantLensError(
                     f"export with {setting('dynamic_batch', True)}: torch.export fixes size-1 dims, so the batch-1 "
                     f"example was traced on a batch-2 copy, and that failed: {exc} If the forward depends on the "
-                    f"batch size, export with {setting('dynamic_batch', False)} (the default), or with an example of "
+                    f"batch size, export with {setting('dynamic_batch', False)}, or with an example of "
                     "the deployment batch size."
                 ) from exc
             # In-place ops (x += y, x.mul_(2), x[:, 0] = 0, clamp_) become their functional forms, and an op with no
@@ -243,7 +243,7 @@ def _batch_example(tensors: tuple) -> tuple[tuple, list[int]]:
     sizes = [t.shape[0] for t in tensors if t.dim() > 0]
     if not sizes:
         raise QuantLensError(f"export with {setting('dynamic_batch', True)}: no tensor input has a dim 0 to make "
-                             f"dynamic; export with {setting('dynamic_batch', False)} (the default).")
+                             f"dynamic; export with {setting('dynamic_batch', False)}.")
     batch = max(sizes)
     if batch != 1:
         return tensors, [k for k, t in enumerate(tensors) if t.dim() > 0 and t.shape[0] == batch]
@@ -261,7 +261,7 @@ def _check_dynamic_batch(graph, batched_names: list[str]) -> None:
             f"{shapes}: the model "
             "computes with the batch size beyond reshapes (e.g. a reshape to a literal batch, a mask built with "
             "arange(batch), a branch on the batch size), so its graph holds only for that batch. Export with "
-            f"{setting('dynamic_batch', False)} (the default: one IR per batch size), or make the forward "
+            f"{setting('dynamic_batch', False)} (one IR per batch size), or make the forward "
             "batch-agnostic (reshape "
             "with -1 or x.shape[0])."
         )
@@ -284,7 +284,7 @@ def _check_batch_one(module: Module, feeds: dict, eager: tuple) -> None:
             "example (torch.export "
             "fixes size-1 dims), and at batch 1 the IR does not compute what the model computes (output shapes "
             f"{got}, the model's {want}): the forward depends on the batch size (e.g. a branch on batch 1). Export "
-            f"with an example of batch 2 or more, or with {setting('dynamic_batch', False)} (the default)."
+            f"with an example of batch 2 or more, or with {setting('dynamic_batch', False)}."
         )
 
 
