@@ -35,7 +35,8 @@ from quantlens.march.numerics import (
 from quantlens.march.spec import Qpp, QuantDType, get_march
 
 __all__ = [
-    "max_channel_exponent", "exponent_scales", "channel_exponents", "channel_shift", "multiplier", "requantize", "move", "accumulator_scale", "gemm", "add", "cat", "add_constant",
+    "max_channel_exponent", "exponent_scales", "channel_exponents", "common_grid", "channel_shift",
+    "multiplier", "requantize", "move", "accumulator_scale", "gemm", "add", "cat", "add_constant",
     "constant_addend_codes", "average_by_window", "scale_by_constant", "mul", "average", "clamp", "sign_op", "bilinear", "channel_affine", "prelu", "fill_code",
     "BILINEAR_WEIGHT_BITS", "vector_norm", "LN_FRAC_BITS", "log_softmax",
 ]
@@ -94,13 +95,21 @@ def channel_exponents(scale: Scale) -> tuple[float, list[int]]:
     return top, [int(v) for v in k.tolist()]
 
 
+def common_grid(scale: torch.Tensor) -> torch.Tensor:
+    """§3.1: the scale of the common grid of exponent-form codes, ``s · 2**-K`` (``s`` the widest channel's, the
+    largest); tensor ops only, so it holds while exporting. The one expression of it: the fake quant's readers
+    (``FakeQuantize.read_grid``) and convert's ``channel_shift`` both take it."""
+    return scale.amax() * 2.0 ** -max_channel_exponent()
+
+
 def channel_shift(scale: Scale) -> dict:
     """§3.1: the left shift per channel that brings exponent-form codes onto the common grid ``s · 2**-K``:
     ``{"left_shifts": [K - k_c], "out_dtype": "qint16"}`` (``|q| · 2**K <= 2**(7 + K)`` fits int16 for ``K <= 8``),
     and that grid's scale."""
-    top, k = channel_exponents(scale)
+    _, k = channel_exponents(scale)
     big_k = max_channel_exponent()
-    return {"left_shifts": [big_k - v for v in k], "out_dtype": QuantDType.qint16.value}, top * 2.0**-big_k
+    return ({"left_shifts": [big_k - v for v in k], "out_dtype": QuantDType.qint16.value},
+            float(common_grid(torch.as_tensor(scale))))
 
 
 # -- §8: requantize -------------------------------------------------------------------------------------------

@@ -213,9 +213,9 @@ class FakeQuantize(nn.Module):
     def read_grid(self) -> tuple[torch.Tensor, QuantDType]:
         """The grid an integer op reads this fake quant's codes on: its own scale and type, or for codes in
         channel-exponent form their common grid ``s · 2**-K`` at int16 (``docs/march.md`` §3.1: convert shifts them
-        onto it; ``s``, the widest channel's scale, is the largest). Tensor ops only: it holds while exporting."""
+        onto it, ``rules.common_grid``)."""
         if self.channel_exponents:
-            return self.scale.amax() * 2.0 ** -rules.max_channel_exponent(), QuantDType.qint16
+            return rules.common_grid(self.scale), QuantDType.qint16
         return self.scale, self.dtype
 
     def refresh_scale(self) -> None:
