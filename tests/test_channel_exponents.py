@@ -175,9 +175,9 @@ def test_the_add_alone_is_the_integer_rule_of_the_fake_quant_within_a_step():
 
 def test_a_linear_writes_channel_exponents_and_a_table_op_runs_on_the_host():
     """A GEMM's requantize is per output channel: a linear writes channel-exponent codes (the add then reads them
-    shifted), within the per-tensor model's distance of the qat IR. A LayerNorm's output asked in that form: its
-    integer rule has no per-channel output, so convert computes it on the host (named, with the reason), never
-    with the first channel's scale."""
+    shifted), within the per-tensor model's distance of the qat IR. A GELU's output asked in that form: its
+    table has no per-channel output, so convert computes it on the host (named, with the reason), never with the
+    first channel's scale."""
     torch.manual_seed(0)
     model, x = _Block().eval(), _data()
     _, qat_ir, q_ir = _stages(model, _Exponents(("fc", "add_0")), x)
@@ -188,13 +188,18 @@ def test_a_linear_writes_channel_exponents_and_a_table_op_runs_on_the_host():
     with torch.no_grad():
         gap = (q_ir(x[32:]) - qat_ir(x[32:])).abs().max()
         assert gap <= (per_tensor[2](x[32:]) - per_tensor[1](x[32:])).abs().max() * 1.5
+
+    class _Gelu(_Block):
+        def forward(self, x):
+            return torch.nn.functional.gelu(self.fc(x) + x)
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        prepared = calibrate(prepare(model, x[:8], _Exponents(("ln",)), check_result_dir=None,
+        prepared = calibrate(prepare(_Gelu().eval(), x[:8], _Exponents(("gelu_0",)), check_result_dir=None,
                                      allow_no_stubs=True), [x[:32]])
         q_ir = convert(export(pre_export(prepared, example_inputs=x[:8]), x[:8], dynamic_batch=True))
-    assert any("ln" in str(w.message) and "no integer table" in str(w.message) for w in caught)
-    assert [n.op for n in q_ir.graph.nodes if n.site == "ln" and n.attrs.get("host")] == ["layer_norm"]
+    assert any("gelu_0" in str(w.message) and "does not write" in str(w.message) for w in caught)
+    assert [n.op for n in q_ir.graph.nodes if n.site == "gelu_0" and n.attrs.get("host")] == ["gelu"]
 
 
 def test_consistency_levels_refuse_channel_exponents():
@@ -207,8 +212,8 @@ def test_consistency_levels_refuse_channel_exponents():
 
 
 class _PostLN(nn.Module):
-    """Two post-LN blocks and a linear head: the stream's sites are the two sums and the linears writing into
-    them (the norms' outputs also feed linears, the head feeds no sum)."""
+    """Two post-LN blocks and a linear head: the stream's sites are the two sums, the linears writing into them
+    and the norms (read by sums and linear modules, which fold the exponents); the head feeds no sum."""
 
     def __init__(self):
         super().__init__()
@@ -229,7 +234,7 @@ def test_the_remedy_gives_the_streams_sums_channel_exponents_and_the_search_keep
 
     torch.manual_seed(0)
     x = _data()
-    assert stream_sites(record_model(_PostLN().eval(), [x[:8]])) == ["fc1", "add_0", "fc2", "add_1"]
+    assert stream_sites(record_model(_PostLN().eval(), [x[:8]])) == ["fc1", "add_0", "ln1", "fc2", "add_1", "ln2"]
     model = _Block().eval()
     ctx = RemedyContext(model, x[:8], [x[:32]], default_calibration_qconfig_setter)
     remedy = REMEDIES["channel_exponents"]

@@ -309,16 +309,20 @@ def layer_norm_frac_bits(num_elements: int, in_dtype: QuantDType) -> int:
 
 
 def layer_norm_constants(
-    s_in: float, s_out: float, in_dtype: QuantDType, num_elements: int,
+    s_in: float, s_out: "float | torch.Tensor", in_dtype: QuantDType, num_elements: int,
     gamma: torch.Tensor | None, beta: torch.Tensor | None, eps: float,
 ) -> LayerNormConstants:
-    """Constants of the integer layer_norm from the float32 scales, gamma, beta and eps (float64 arithmetic).
+    """Constants of the integer layer_norm from the float32 scales, gamma, beta and eps (float64 arithmetic);
+    ``s_out`` per tensor or per normalized element (``s_out[j]``, channel exponents: the same formulas per element).
 
     ``a = max |sqrt(N) * gamma| / s_out``; ``(_, T) = quantize_multiplier(a * 2**-23)`` (``T = 30`` when all of
     gamma is 0); ``gain = rhe(sqrt(N) * gamma / s_out * 2**(T - 23))``; ``bias = rhe(beta / s_out * 2**T)``.
     """
     n = int(num_elements)
-    s_in, s_out = float(s_in), float(s_out)
+    s_in = float(s_in)
+    # s_out per tensor, or per normalized element (channel exponents, docs/march.md §3.1): the gain and bias are
+    # per element, so each takes its channel's own output scale
+    s_out = torch.as_tensor(s_out).detach().cpu().to(torch.float64).reshape(-1)
     p = layer_norm_frac_bits(n, in_dtype)
     g = torch.ones(n, dtype=torch.float64) if gamma is None else gamma.detach().reshape(-1).cpu().to(torch.float64)
     b = torch.zeros(n, dtype=torch.float64) if beta is None else beta.detach().reshape(-1).cpu().to(torch.float64)

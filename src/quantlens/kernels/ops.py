@@ -78,7 +78,8 @@ def _q(x: torch.Tensor, scale: torch.Tensor, qmin: int, qmax: int) -> torch.Tens
 
 
 def _dq(y: torch.Tensor, scale: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return dequantize(y, scale).to(like.dtype)
+    # a per-channel output scale (a norm writing channel exponents, docs/march.md §3.1) runs along the last dim
+    return dequantize(y, scale, y.dim() - 1 if scale.numel() > 1 else None).to(like.dtype)
 
 
 # --- 256-entry table ------------------------------------------------------------------------------------------

@@ -17,6 +17,10 @@ __all__ = ["fake_quant", "fake_quant_range"]
 
 
 def broadcast_scale(scale: torch.Tensor, x: torch.Tensor, axis: int) -> torch.Tensor:
+    """A scale shaped to broadcast against ``x``: per tensor, per channel along ``axis``, or a scale of ``x``'s own
+    rank as it is (a linear's weight with channel exponents folded in, ``rules.fold_exponents``)."""
+    if scale.dim() > 1 and scale.dim() == x.dim():
+        return scale
     if axis < 0 or scale.numel() == 1:
         return scale.reshape(())
     shape = [1] * x.dim()

@@ -36,6 +36,7 @@ from quantlens.march.spec import Qpp, QuantDType, get_march
 
 __all__ = [
     "max_channel_exponent", "exponent_scales", "channel_exponents", "common_grid", "channel_shift",
+    "exponent_factors", "fold_exponents", "folded_rows",
     "multiplier", "requantize", "move", "accumulator_scale", "gemm", "add", "cat", "add_constant",
     "constant_addend_codes", "average_by_window", "scale_by_constant", "mul", "average", "clamp", "sign_op", "bilinear", "channel_affine", "prelu", "fill_code",
     "BILINEAR_WEIGHT_BITS", "vector_norm", "LN_FRAC_BITS", "log_softmax",
@@ -110,6 +111,42 @@ def channel_shift(scale: Scale) -> dict:
     big_k = max_channel_exponent()
     return ({"left_shifts": [big_k - v for v in k], "out_dtype": QuantDType.qint16.value},
             float(common_grid(torch.as_tensor(scale))))
+
+
+def exponent_factors(scale: torch.Tensor) -> torch.Tensor:
+    """§3.1: the factors ``2**-k_c = s_c / s`` of per-channel scales in exponent form (tensor ops, exact: a ratio
+    of powers of two times the same ``s``), as float32 ``[C]``."""
+    s = scale.detach().reshape(-1).to(torch.float32)
+    return s / s.amax()
+
+
+def fold_exponents(row_scales: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """§3.1: the weight scale ``S[o, c] = s_w[o] · 2**k_c`` of a linear that reads exponent-form codes along its
+    input features with the exponents folded into its weight (its codes ``round(W[o, c] · 2**-k_c / s_w[o])``, so
+    the GEMM multiplies int8 codes as they are and accumulates at ``s · s_w[o]``); ``row_scales`` ``[O]`` are the
+    per-row scales of ``W · diag(2**-k)``, ``factors`` the input's ``2**-k_c`` (:func:`exponent_factors`).
+    Float32 ``[O, C]``, exact (power-of-two multiples)."""
+    rows = row_scales.detach().reshape(-1, 1).to(torch.float32)
+    return rows / factors.detach().reshape(1, -1).to(torch.float32)
+
+
+def folded_rows(weight_scale: Scale, input_scale: Scale) -> torch.Tensor:
+    """§3.1: the row scales ``s_w[o]`` of a folded weight scale ``[O, C]`` (:func:`fold_exponents`), checked
+    against the exponents of the input it multiplies; refused when the two do not fold (the weight was folded for
+    other exponents: calibrate or export again)."""
+    w = _f64(weight_scale)
+    _, k = channel_exponents(input_scale)
+    factors = torch.pow(2.0, -torch.tensor(k, dtype=torch.float64))
+    if w.dim() != 2 or w.shape[1] != factors.numel():
+        raise QuantLensError(f"convert: a folded weight scale must be [out, in] with in = {factors.numel()} input "
+                             f"channels, got {tuple(w.shape)} (docs/march.md §3.1).")
+    rows = w * factors.reshape(1, -1)
+    if not bool((rows == rows[:, :1]).all()):
+        raise QuantLensError(
+            "convert: a linear's weight was folded for channel exponents other than its input's (docs/march.md "
+            "§3.1): its scale is not s_w[o] · 2**k_c for the input's k_c. Run a forward of the prepared model "
+            "after the last calibration (its weights refold), then export again.")
+    return rows[:, 0].to(torch.float32)
 
 
 # -- §8: requantize -------------------------------------------------------------------------------------------

@@ -83,6 +83,8 @@ class FakeQuantize(nn.Module):
     channel_exponents: bool = False
     scale_group: "int | None" = None
     fq_key: "str | None" = None
+    #: a linear's weight reading exponent-form codes: the input's factors ``2**-k_c`` folded in (:meth:`fold`)
+    _fold: "torch.Tensor | None" = None
 
     def __init__(self, spec: QuantSpec, is_weight: bool = False):
         super().__init__()
@@ -207,8 +209,27 @@ class FakeQuantize(nn.Module):
     def _observe(self, x: torch.Tensor) -> None:
         if self.is_weight:
             self.observer.reset()
-        self.observer(x if self.is_weight else _without_fills(x))
+        self.observer(self._folded_weight(x) if self.is_weight else _without_fills(x))
         self.refresh_scale()
+
+    def fold(self, factors: torch.Tensor | None) -> None:
+        """A linear's weight that reads exponent-form codes along its input features (``docs/march.md`` §3.1):
+        its rows are quantized as ``W · diag(factors)`` (``factors = 2**-k_c``, the input's) and the scale becomes
+        ``[O, C]`` (``rules.fold_exponents``), so the integer GEMM multiplies the int8 codes as they are. ``None``:
+        not folded. The QAT linear calls it on every call; a change takes effect at the weight's next
+        observation (a weight is observed afresh on every call but in FLOAT)."""
+        if factors is None and self._fold is None:
+            return
+        if factors is not None and self._fold is not None and torch.equal(factors, self._fold):
+            return
+        self._fold = None if factors is None else factors.detach().clone()
+        self._weight_seen = None
+
+    def _folded_weight(self, w: torch.Tensor) -> torch.Tensor:
+        return w if self._fold is None else w * self._fold.to(w.dtype)
+
+    def _row_scales_folded(self, scale: torch.Tensor) -> torch.Tensor:
+        return scale if self._fold is None else rules.fold_exponents(scale, self._fold)
 
     def read_grid(self) -> tuple[torch.Tensor, QuantDType]:
         """The grid an integer op reads this fake quant's codes on: its own scale and type, or for codes in
@@ -238,6 +259,8 @@ class FakeQuantize(nn.Module):
             scale = pow2_ceil(scale)
         elif self.channel_exponents:
             scale = rules.exponent_scales(scale)
+        elif self.is_weight:
+            scale = self._row_scales_folded(scale)
         if scale.shape != self.scale.shape:
             self.scale = scale
         else:
@@ -272,9 +295,9 @@ class FakeQuantize(nn.Module):
         """The scale of the current weight where a tool paused the observers (no statistics are kept for a weight).
         A weight without a finite range keeps its scale: the tool that paused the observers reports the NaN/Inf."""
         self.observer.reset()
-        self.observer(w)
+        self.observer(self._folded_weight(w))
         try:
-            scale = self.observer.calculate_scale().to(self.scale.device)
+            scale = self._row_scales_folded(self.observer.calculate_scale().to(self.scale.device))
         except QuantLensError:
             return
         if scale.shape != self.scale.shape:
@@ -431,7 +454,11 @@ def int32_bias(bias: torch.Tensor | None, in_fq: "FakeQuantize | None", w_fq: Fa
         return bias
     if not (in_fq.fake_quant_enabled and w_fq.fake_quant_enabled):
         return bias
-    scale = (in_fq.read_grid()[0].reshape(()) * w_fq.scale).reshape(-1).expand(bias.shape[0]).contiguous()
+    if w_fq.scale.dim() > 1 and in_fq.channel_exponents:  # a folded weight (§3.1): the codes as they are, s · s_w[o]
+        rows = (w_fq.scale * rules.exponent_factors(in_fq.scale).reshape(1, -1))[:, 0]
+        scale = (in_fq.scale.amax() * rows).contiguous()
+    else:
+        scale = (in_fq.read_grid()[0].reshape(()) * w_fq.scale).reshape(-1).expand(bias.shape[0]).contiguous()
     return fake_quant_range(bias, scale, -(2**31), 2**31 - 1, 0)
 
 

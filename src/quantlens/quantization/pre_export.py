@@ -138,8 +138,9 @@ def _site_fqs(model: nn.Module, state: QuantState, rec: OpSiteRecord, plan: Site
 
 
 def _per_channel_output(state: QuantState, plan: SitePlan) -> bool:
+    """Whether the site asks for a per-channel output (channel exponents) that its table op's rule cannot write."""
     out_fq = state.fq[plan.output_fq] if plan.output_fq in state.fq else None
-    return out_fq is not None and out_fq.ch_axis is not None
+    return out_fq is not None and out_fq.ch_axis is not None and not table_op_spec(plan.op_type).channel_output
 
 
 def table_sites(state: QuantState) -> list[tuple[OpSiteRecord, SitePlan]]:
@@ -159,7 +160,7 @@ def table_sites(state: QuantState) -> list[tuple[OpSiteRecord, SitePlan]]:
         if not table_op_spec(plan.op_type).applies(rec):
             continue  # e.g. division by (or of) a Python scalar is a multiply, not a table op
         if _per_channel_output(state, plan):
-            continue  # a per-channel output (channel exponents): no table writes one; it stays float (the host)
+            continue  # a per-channel output its rule cannot write (channel exponents): it stays float (the host)
         sites.append((rec, plan))
     return sites
 
@@ -298,8 +299,8 @@ def _install(result: nn.Module, example_inputs: Any) -> None:
     floats = [name for name, plan in state.plans.items() if plan.op_type in TABLE_OPS and _per_channel_output(state, plan)]
     if floats and march_named(getattr(state, "march", "ql1")).spec.tables:
         warnings.warn(f"pre_export: op site(s) {', '.join(floats[:4])}{' ...' if len(floats) > 4 else ''} ask for a "
-                      "per-channel output scale (channel exponents, docs/march.md §3.1), which no integer table "
-                      "writes: they stay float ops, which convert runs on the host. Give them a per-tensor output "
+                      "per-channel output scale (channel exponents, docs/march.md §3.1), which their integer table "
+                      "does not write (a norm's does): they stay float ops, which convert runs on the host. Give them a per-tensor output "
                       "to compute them on the NPU.", stacklevel=3, category=QuantLensWarning)
     calls = _capture(result, state, sites, example_inputs) if example_inputs is not None else {}
     resolved = [(rec, plan, _params(result, rec, calls.get(rec.name))) for rec, plan in sites]  # raise early

@@ -18,9 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantlens.march import rules
 from quantlens.quantization.fake_quantize import FakeQuantize, hold_weight, int32_bias, release_weight
 from quantlens.quantization.qconfig import QuantSpec
 from quantlens.sites.op_rules import computes_as
+from quantlens.sites.tracing_state import export_tracing
 
 __all__ = [
     "QATConv1d",
@@ -126,8 +128,22 @@ class _WeightQuantMixin:
         """The module's float op on the given operands (the integer emulation calls it on integer values)."""
         raise NotImplementedError
 
+    #: whether the weight folds the exponents of exponent-form input codes (``docs/march.md`` §3.1): a linear,
+    #: whose input features are its weight's dim 1 and the codes' last dim
+    folds_input_exponents = False
+
+    def _fold_input_exponents(self) -> None:
+        """Give the weight fake quant the factors ``2**-k_c`` of this call's exponent-form input (None: none)."""
+        if not self.folds_input_exponents or export_tracing():  # (export: the eager pass before it has folded)
+            return
+        in_fq = self.__dict__.get("_ql_input_fq")
+        exponents = (in_fq is not None and in_fq.channel_exponents and bool(in_fq.calibrated)
+                     and in_fq.scale.numel() == self.weight.shape[1])
+        self.weight_fake_quant.fold(rules.exponent_factors(in_fq.scale) if exponents else None)
+
     def forward(self, x, *extra):
         w, b = self.integer_operands()
+        self._fold_input_exponents()
         return self._gemm(x, self.weight_fake_quant(w), self._quant_bias(b), *extra)
 
     @classmethod
@@ -182,6 +198,7 @@ class QATConvTranspose2d(_ConvTransposeMixin, nn.ConvTranspose2d):
 
 class QATLinear(_WeightQuantMixin, nn.Linear):
     output_channel_dim = -1
+    folds_input_exponents = True
 
     def _gemm(self, x, w, b, *extra):
         return F.linear(x, w, b)

@@ -104,6 +104,9 @@ class TableOpSpec:
     #: what an int16 input of an elementwise op gets: ``"segmented"`` (§13.3) or ``"mantissa_reciprocal"``
     #: (§13.5); ``""`` for the other ops (their override decides)
     int16: str = "segmented"
+    #: whether its rule writes a per-channel output scale along the normalized last dim (channel exponents,
+    #: ``docs/march.md`` §3.1): a norm's gain and bias are per element, so they take each channel's own scale
+    channel_output: bool = False
 
     @property
     def elementwise(self) -> bool:
@@ -253,7 +256,7 @@ _SPECS = [
     TableOpSpec("log_softmax", TableKind.LOG_SOFTMAX, float_fn=_log_softmax_float, site_params=_softmax_site,
                 int16=""),
     TableOpSpec("layer_norm", TableKind.LAYER_NORM, float_fn=_layer_norm_float, site_params=_layer_norm_site,
-                needs_call_args=True, int16=""),
+                needs_call_args=True, int16="", channel_output=True),
     # the RMS norm, L2 normalization and L2 norm (§13.7.1, §13.7.2: table_overrides/norms.py)
     TableOpSpec("rms_norm", TableKind.RMS_NORM, float_fn=rms_norm_float, site_params=rms_norm_site,
                 needs_call_args=True, int16=""),

@@ -52,11 +52,29 @@ def fake_quant_converter(c: Converter, node: Node) -> None:
     )
 
 
-def _gemm(c: Converter, node: Node, channel_axis: int | None) -> None:
-    x = c.int_input(node, node.inputs[0])
+def _operands(c: Converter, node: Node) -> tuple[QInfo, QInfo, torch.Tensor, torch.Tensor]:
+    """The GEMM's input and weight, and the scales its accumulator is at: a linear whose weight is folded with its
+    input's channel exponents (an ``[O, C]`` weight scale, §3.1) reads the int8 codes as they are, at ``s`` (the
+    widest channel's) times the weight's row scales; any other GEMM reads them on their common grid."""
     w = c.int_input(node, node.inputs[1])
+    if w.scale.dim() <= 1:
+        x = c.int_input(node, node.inputs[0])
+        return x, w, x.scale, w.scale
+    x = c.q.get(node.inputs[0])
+    rank = len(c.src.values[node.inputs[0]].shape)
+    if node.op != "linear" or x is None or not x.exponents or x.axis is None or x.axis % rank != rank - 1:
+        raise QuantLensError(
+            f"convert: {node.op} at op site '{node.site}' has a weight folded with channel exponents (an [out, in] "
+            "scale, docs/march.md §3.1) but its input is not in channel-exponent form along its last dim. Run a "
+            "forward of the prepared model after the last calibration or promotion (the weight refolds), then "
+            "export again.")
+    return x, w, x.scale.amax(), rules.folded_rows(w.scale, x.scale)
+
+
+def _gemm(c: Converter, node: Node, channel_axis: int | None) -> None:
+    x, w, x_scale, w_scale = _operands(c, node)
     bias = node.inputs[2] if len(node.inputs) > 2 else ""
-    acc_scale = rules.accumulator_scale(x.scale, w.scale)
+    acc_scale = rules.accumulator_scale(x_scale, w_scale)
     inputs = [x.name, w.name]
     if bias:
         b = c.int_input(node, bias)
@@ -82,7 +100,7 @@ def _gemm(c: Converter, node: Node, channel_axis: int | None) -> None:
             raise QuantLensError(f"convert: {node.op} at op site '{node.site}' has a per-channel output scale along "
                                  f"dim {axis}, not its output channels (dim {channel_axis}).")
         rules.channel_exponents(out_scale)  # refused unless in channel-exponent form
-    attrs = {**node.attrs, **rules.gemm(x.scale, w.scale, out_scale, qdtype, c.qpp, factor)}
+    attrs = {**node.attrs, **rules.gemm(x_scale, w_scale, out_scale, qdtype, c.qpp, factor)}
     c.emit(node, node.op, inputs, attrs, qdtype, out_scale, axis)
     if axis is not None:
         c.q[node.outputs[0]].exponents = True

@@ -7,6 +7,7 @@ from quantlens.compiler.convert.state import (
     fq_dtype,
 )
 from quantlens.errors import QuantLensError
+from quantlens.march import rules
 from quantlens.kernels import TABLE_OP_IO, table_torch_op
 
 #: table ops of pre_export (``torch.ops.quantlens.*``): their data inputs and scale inputs (one declaration,
@@ -41,4 +42,9 @@ def _table_op(c, node):
     ]
     qdtype = fq_dtype(node.attrs, "out_")
     out_scale = c.src.constants[by_name["scale_out"]].to(_torch.float32)
-    c.emit(node, node.op, inputs + others, {**node.attrs, "table_inputs": list(data_args)}, qdtype, out_scale)
+    axis = None
+    if out_scale.numel() > 1:  # a norm writing channel exponents along its last dim (§3.1; its gain per element)
+        rules.channel_exponents(out_scale)  # refused unless in exponent form
+        axis = len(c.src.values[node.outputs[0]].shape) - 1
+    c.emit(node, node.op, inputs + others, {**node.attrs, "table_inputs": list(data_args)}, qdtype, out_scale, axis)
+    c.q[node.outputs[0]].exponents = axis is not None

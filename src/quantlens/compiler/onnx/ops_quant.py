@@ -37,6 +37,8 @@ def _scale_tensor(b: Builder, node: Node) -> torch.Tensor:
 
 
 def _broadcast_scale(scale: torch.Tensor, rank: int, axis: int) -> torch.Tensor:
+    if scale.dim() > 1 and scale.dim() == rank:  # a folded weight's [out, in] scale (rules.fold_exponents)
+        return scale
     if axis < 0 or scale.numel() == 1:
         return scale.reshape(())
     shape = [1] * rank
@@ -98,7 +100,9 @@ def _folded_fake_quant(b: Builder, node: Node, x: torch.Tensor, scale: torch.Ten
     out = node.outputs[0]
     expected = torch.ops.quantlens.fake_quant(x, scale, qmin, qmax, axis)
     container = _container(qmin, qmax)
-    if container is not None and x.dtype == torch.float32:
+    # (a weight folded with channel exponents has an [out, in] scale, which no DequantizeLinear takes: a float
+    # initializer holding the fake quant's values)
+    if container is not None and x.dtype == torch.float32 and scale.dim() <= 1:
         s = _broadcast_scale(scale, x.dim(), axis)
         q = torch.div(x.to(torch.float32), s).round().clamp(qmin, qmax)
         info = torch.iinfo(getattr(torch, container))

@@ -17,6 +17,12 @@ from quantlens.quantization.table_registry import table_op_spec
 from quantlens.sites.tracing_state import export_tracing
 
 
+def _scales(grids: list[tuple[float, QuantDType]], out_fq: FakeQuantize) -> list[float]:
+    """The scales a site's tables are built for: its inputs' grids, then its output's (every channel's, for a norm
+    writing channel exponents, §3.1)."""
+    return [scale for scale, _ in grids] + out_fq.scale.detach().reshape(-1).tolist()
+
+
 def input_grid(fq: FakeQuantize) -> tuple[float, QuantDType]:
     """The grid a table op reads an input's codes on (:meth:`FakeQuantize.read_grid`), its scale as a number."""
     scale, dtype = fq.read_grid()
@@ -43,7 +49,7 @@ class TableOverride(SiteOverride):
         self.output_dtype = output_fq.dtype
         #: the op parameters the tables were built for (gelu approximate, softplus beta/threshold, eps ...)
         self.params = dict(params)
-        scales = [scale for scale, _ in grids] + [float(output_fq.scale)]
+        scales = _scales(grids, output_fq)
         self.register_buffer("table_scales", torch.tensor(scales, dtype=torch.float32))
         self.__dict__["_static_fqs"] = (list(input_fqs), output_fq)
         #: consistency level 3+ (``tables_in_qat``): when the fake quants' scales (or the call's parameters,
@@ -67,7 +73,7 @@ class TableOverride(SiteOverride):
             return
         built = self.table_scales.tolist()
         grids = [input_grid(fq) for fq in fqs]
-        now = [scale for scale, _ in grids] + [float(out_fq.scale)]
+        now = _scales(grids, out_fq)
         dtypes = tuple(dtype for _, dtype in grids) + (out_fq.dtype,)
         if now != built or dtypes != self.input_dtypes + (self.output_dtype,):
             raise QuantLensError(
@@ -90,7 +96,7 @@ class TableOverride(SiteOverride):
         Returns whether the tables were rebuilt. The buffer names stay the same."""
         params, weight, bias = self._call_params(call)
         grids = [input_grid(fq) for fq in fqs]
-        scales = [scale for scale, _ in grids] + [float(out_fq.scale)]
+        scales = _scales(grids, out_fq)
         dtypes = tuple(dtype for _, dtype in grids) + (out_fq.dtype,)
         if (scales == self.table_scales.tolist() and dtypes == self.input_dtypes + (self.output_dtype,)
                 and params == self.params and self._same_affine(weight, bias)):

@@ -62,11 +62,11 @@ class GainTable(TableOverride):
 
     def _probe_error(self, shape: tuple[int, ...], exact_fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[float, str]:
         """Max error in output steps on probe rows of ``shape`` against ``exact_fn`` in float64."""
-        s_in, s_out = self.table_scales.tolist()
+        s_in, s_out = float(self.table_scales[0]), self.table_scales[1:].to(torch.float64)  # (per channel: §3.1)
         n = int(math.prod(shape))
         q = probe_rows(self.input_dtypes[0], n).reshape(PROBE_ROWS, *shape).to(self.table_scales.device)
         y = self.integer(q, len(shape)).to(torch.float64)
-        exact = exact_fn(q.to(torch.float64) * s_in) / s_out
+        exact = exact_fn(q.to(torch.float64) * s_in) / (s_out if s_out.numel() > 1 else s_out.reshape(()))
         do = self.output_dtype
         return float((y - exact.clamp(do.qmin, do.qmax)).abs().max()), "probe"
 

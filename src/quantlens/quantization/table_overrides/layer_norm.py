@@ -29,7 +29,12 @@ class LayerNormOverride(GainTable):
         super().__init__(site, op_type, input_fqs, output_fq, params)
         n = int(math.prod(params["normalized_shape"]))
         s_in, in_dtype = input_grid(input_fqs[0])  # channel-exponent codes: their common int16 grid (§3.1)
-        c = layer_norm_constants(s_in, float(output_fq.scale), in_dtype, n, weight, bias, float(params["eps"]))
+        if output_fq.scale.numel() not in (1, n) or (output_fq.scale.numel() > 1 and len(params["normalized_shape"]) > 1):
+            raise QuantLensError(
+                f"pre_export: op site '{site}' (layer_norm over {tuple(params['normalized_shape'])}) asks for a "
+                f"per-channel output scale of {output_fq.scale.numel()} channels; the integer layer_norm writes one "
+                "per element of a single normalized (last) dim (docs/march.md §3.1). Quantize its output per tensor.")
+        c = layer_norm_constants(s_in, output_fq.scale, in_dtype, n, weight, bias, float(params["eps"]))
         self.normalized_ndim = len(params["normalized_shape"])
         self._store(c, weight=weight, bias=bias)
 

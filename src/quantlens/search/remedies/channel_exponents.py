@@ -52,17 +52,28 @@ def _wide(site) -> bool:
     return bool(site.output_shapes) and len(site.output_shapes[0]) >= 2 and site.output_shapes[0][-1] >= 2
 
 
+def _folding_linear(record: ModelRecord, name: str) -> bool:
+    """A linear module: its weight folds the exponents of the codes it reads (§3.1), so it multiplies int8."""
+    site = record.sites[name]
+    return site.op_type == "linear" and site.is_module
+
+
 def stream_sites(record: ModelRecord) -> list[str]:
     """The residual stream's op sites, in execution order: the add / sub op sites whose output only sums and norms
-    read (:data:`STREAM_READERS`), and the linears whose output only those sums read (a block's output projection:
-    a GEMM's requantize is per output channel, so it writes the form at no cost); over a last dim of more than
-    one channel."""
+    read (:data:`STREAM_READERS`); the linears whose output only those sums read (a block's output projection:
+    a GEMM's requantize is per output channel, so it writes the form at no cost); and the LayerNorms whose output
+    only sums, norms and linear modules read (a post-LN block's norm, read by the next block's projections and
+    its residual add: the norm's gain per element writes the form, and each linear folds the exponents into its
+    weight, int8 x int8); over a last dim of more than one channel."""
     sums = {name for name, site in record.sites.items() if site.op_type in ("add", "sub") and _wide(site)
             and (readers := _readers(record, name))
             and all(record.sites[r].op_type in STREAM_READERS for r in readers)}
     writers = {name for name, site in record.sites.items() if site.op_type == "linear" and _wide(site)
                and (readers := _readers(record, name)) and all(r in sums for r in readers)}
-    return [name for name in record.sites if name in sums or name in writers]
+    norms = {name for name, site in record.sites.items() if site.op_type == "layer_norm" and _wide(site)
+             and (readers := _readers(record, name))
+             and all(record.sites[r].op_type in STREAM_READERS or _folding_linear(record, r) for r in readers)}
+    return [name for name in record.sites if name in sums or name in writers or name in norms]
 
 
 class ChannelExponentQconfigSetter(QconfigSetter):

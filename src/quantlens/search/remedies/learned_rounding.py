@@ -15,7 +15,8 @@ layer, whether it rounds down or up, trained jointly over the whole network to t
   min/max scale is the same before and after, and the result is exact: the returned float model's weights are
   integer multiples of their scales, and ``prepare`` quantizes them to exactly the learned levels.
 
-Layers with per-channel scales on axis 0 (or per tensor), groups of any size, without a folded BatchNorm.
+Layers with per-channel scales on axis 0 (or per tensor, or a linear's ``[out, in]`` scale with its input's
+channel exponents folded in, ``docs/march.md`` §3.1), groups of any size, without a folded BatchNorm.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class _Rounding(nn.Module):
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, qmin: int, qmax: int):
         super().__init__()
         shape = (-1,) + (1,) * (weight.dim() - 1)
+        if scale.dim() > 1:  # a linear's weight folded with its input's channel exponents: [out, in] (march §3.1)
+            shape = tuple(weight.shape)
         s = scale.detach().clone().reshape(shape if scale.numel() > 1 else ()).to(weight.dtype)  # not a view: the
         # weight fake quant rewrites its scale in place at every forward
         q = weight.detach() / s
@@ -56,7 +59,8 @@ class _Rounding(nn.Module):
         # h(v) = frac: v = logit((frac - gamma) / (zeta - gamma))
         p = (frac - _GAMMA) / (_ZETA - _GAMMA)
         self.v = nn.Parameter(torch.log(p / (1 - p)))
-        flat = weight.detach().abs().reshape(weight.shape[0], -1) if weight.dim() > 1 else weight.detach().abs()
+        # the largest level of each row sets its scale (a folded weight's: the largest |w / s|, not |w|)
+        flat = q.abs().reshape(weight.shape[0], -1) if weight.dim() > 1 else q.abs()
         top = flat == flat.amax(dim=-1, keepdim=True) if weight.dim() > 1 else flat == flat.max()
         self.register_buffer("fixed", top.reshape(weight.shape))
         self.register_buffer("nearest", torch.round(q) - torch.floor(q))

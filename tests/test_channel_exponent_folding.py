@@ -1,0 +1,151 @@
+"""Channel exponents read by linears and written by LayerNorms (docs/march.md §3.1): a linear folds its input's
+exponents into its weight (int8 x int8, no shift), a LayerNorm's per-element gain writes them; hand-computed values
+and a post-LN stack through every stage."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from quantlens.compiler import convert, export, load, save, to_onnx
+from quantlens.errors import QuantLensError
+from quantlens.kernels import layer_norm_constants
+from quantlens.march import QuantDType, rules
+from quantlens.march.numerics import quantize
+from quantlens.quantization import FakeQuantState, calibrate, pre_export, prepare, set_fake_quantize
+from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
+
+from test_channel_exponents import _data, _Exponents, _stages
+
+
+def test_the_fold_rule_by_hand():
+    """Input scales [1, 0.25] (k = [0, 2]); rows of W · diag(2**-k) at [0.5, 0.25]: S[o, c] = s_w[o] · 2**k_c.
+    W[0] = [1.0, 2.0] -> codes [round(1 / 0.5), round(2 · 0.25 / 0.5)] = [2, 1]; the row scales come back from S
+    for the same input and are refused for other exponents."""
+    inp = torch.tensor([1.0, 0.25])
+    factors = rules.exponent_factors(inp)
+    assert factors.tolist() == [1.0, 0.25]
+    folded = rules.fold_exponents(torch.tensor([0.5, 0.25]), factors)
+    assert folded.tolist() == [[0.5, 2.0], [0.25, 1.0]]
+    w = torch.tensor([[1.0, 2.0], [-0.25, 3.0]])
+    assert quantize(w, folded, QuantDType.qint8, 0).tolist() == [[2, 1], [-1, 3]]
+    assert rules.folded_rows(folded, inp).tolist() == [0.5, 0.25]
+    with pytest.raises(QuantLensError, match="folded for channel exponents other"):
+        rules.folded_rows(folded, torch.tensor([1.0, 0.5]))
+    with pytest.raises(QuantLensError, match=r"\[out, in\]"):
+        rules.folded_rows(folded, torch.tensor([1.0, 0.5, 0.25]))
+
+
+def test_layer_norm_constants_take_each_channels_output_scale():
+    """N = 2, gamma = 1, beta = 0.5, s_out = [1, 0.25]: a = sqrt(2) · 4 (the finer channel), T = 30 - floor(log2(a ·
+    2**-23)) = 51; gain = rhe(sqrt(2) / s_out[j] · 2**28), bias = rhe(0.5 / s_out[j] · 2**51). Channel 1's
+    constants are those of a per-tensor output at 0.25 (same T); channel 0's are a quarter of them, rounded."""
+    g, b = torch.ones(2), torch.full((2,), 0.5)
+    c = layer_norm_constants(0.1, torch.tensor([1.0, 0.25]), QuantDType.qint8, 2, g, b, 1e-5)
+    assert c.shift == 51
+    assert c.gain.tolist() == [round(math.sqrt(2) * 2**28), round(4 * math.sqrt(2) * 2**28)]
+    assert c.bias.tolist() == [2**50, 2**52]
+    tensor = layer_norm_constants(0.1, 0.25, QuantDType.qint8, 2, g, b, 1e-5)
+    assert tensor.shift == c.shift and int(tensor.gain[1]) == int(c.gain[1]) and int(tensor.bias[1]) == int(c.bias[1])
+
+
+class _PostLN(nn.Module):
+    """Two post-LN blocks and a head; ln1 has an outlier channel (gain 12): the stream's norm output is read by
+    fc2 (which folds its exponents) and by add_1 (which reads them shifted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.ln1 = nn.Linear(16, 16), nn.LayerNorm(16)
+        self.fc2, self.ln2 = nn.Linear(16, 16), nn.LayerNorm(16)
+        self.head = nn.Linear(16, 4)
+        with torch.no_grad():
+            self.ln1.weight[3] = 12.0
+
+    def forward(self, x):
+        h = self.ln1(self.fc1(x) + x)
+        h = self.ln2(self.fc2(h) + h)
+        return self.head(h)
+
+
+def test_a_norm_writes_exponents_and_a_linear_folds_them_through_every_stage(tmp_path):
+    torch.manual_seed(0)
+    model, x = _PostLN().eval(), _data()
+    prepared, qat_ir, q_ir = _stages(model, _Exponents(("add_0", "ln1", "add_1")), x)
+    ln1 = prepared._quantlens_state.fq["ln1|out"]
+    _, k = rules.channel_exponents(ln1.scale)
+    assert k[3] == 0 and max(k) == 3
+    w_fq = prepared.fc2.weight_fake_quant
+    assert tuple(w_fq.scale.shape) == (16, 16)  # folded: s_w[o] · 2**k_c
+    rows = rules.folded_rows(w_fq.scale, ln1.scale)
+    assert torch.equal(w_fq.scale, rules.fold_exponents(rows, rules.exponent_factors(ln1.scale)))
+    nodes = q_ir.graph.nodes
+    norm = next(n for n in nodes if n.op == "int_layer_norm" and n.site == "ln1")
+    fc2 = next(n for n in nodes if n.op == "linear" and n.site == "fc2")
+    assert fc2.inputs[0] == norm.outputs[0]  # int8 codes as they are: no shift between the norm and the linear
+    assert q_ir.graph.values[norm.outputs[0]].qdtype == "qint8"
+    shifted = [n for n in nodes if n.op == "channel_shift"]
+    assert any(n.inputs[0] == norm.outputs[0] for n in shifted)  # the add reads them on the common grid
+    assert not any(n.attrs.get("host") for n in nodes)
+    # the weight's int8 codes are round(W · 2**-k_c / s_w[o]) (the fake quant's levels)
+    codes = q_ir.graph.constants[fc2.inputs[1]]
+    expected = quantize(prepared.fc2.weight.detach() * rules.exponent_factors(ln1.scale), rows, QuantDType.qint8, 0)
+    assert codes.dtype == torch.int8 and torch.equal(codes.to(torch.int64), expected)
+    held = x[32:]
+    with torch.no_grad():
+        qat, q = qat_ir(held), q_ir(held)
+        per_tensor = _stages(model, default_calibration_qconfig_setter, x)
+        assert (q - qat).abs().max() <= (per_tensor[2](held) - per_tensor[1](held)).abs().max() * 1.5
+    import onnxruntime as ort
+
+    for form in ({}, {"standard_qdq": True}):
+        path = to_onnx(qat_ir, tmp_path / f"post_ln{len(form)}.onnx", **form)
+        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        assert torch.equal(torch.from_numpy(sess.run(None, {n: v.numpy() for n, v in qat_ir.feeds(held).items()})[0]),
+                           qat)
+    save(q_ir, tmp_path / "q.qlir")
+    with torch.no_grad():
+        assert torch.equal(load(tmp_path / "q.qlir")(held), q)
+
+
+def test_a_weight_refolds_when_its_inputs_exponents_go():
+    """When the norm's output loses its exponents (one scale), the linear's weight is per output channel again at
+    its next forward: the scale of the weight alone."""
+    torch.manual_seed(0)
+    model, x = _PostLN().eval(), _data()
+    prepared, _, _ = _stages(model, _Exponents(("add_0", "ln1", "add_1")), x)
+    assert prepared.fc2.weight_fake_quant.scale.dim() == 2
+    plain, _, q_ir = _stages(model, _Exponents(("add_0", "add_1")), x)
+    assert plain.fc2.weight_fake_quant.scale.dim() == 1
+    fq = prepared.fc2.weight_fake_quant
+    ln1 = prepared._quantlens_state.fq["ln1|out"]
+    ln1.channel_exponents, ln1.ch_axis, ln1.scale = False, None, ln1.scale.amax()
+    set_fake_quantize(prepared, FakeQuantState.VALIDATION)
+    with torch.no_grad():
+        prepared(x[:4])
+    assert fq.scale.dim() == 1 and torch.equal(fq.scale, plain.fc2.weight_fake_quant.scale)
+
+
+def test_learned_rounding_keeps_a_folded_weights_levels():
+    """learn_rounding on a model whose linear folds exponents: the returned weights are on the folded levels, and
+    prepare quantizes them to themselves (the same [out, in] scale, the row maxima unchanged)."""
+    from quantlens.search.remedies.learned_rounding import learn_rounding
+
+    torch.manual_seed(0)
+    model, x = _PostLN().eval(), _data()
+    setter = _Exponents(("add_0", "ln1", "add_1"))
+    rounded, layers = learn_rounding(model, x[:8], [x[:16], x[16:32]], setter, epochs=2)
+    assert "fc2" in layers
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = calibrate(prepare(rounded, x[:8], setter, check_result_dir=None, allow_no_stubs=True), [x[:32]])
+    set_fake_quantize(again, FakeQuantState.VALIDATION)
+    with torch.no_grad():
+        again(x[:4])
+    fq = again.fc2.weight_fake_quant
+    assert fq.scale.dim() == 2 and fq.fake_quant_enabled
+    w = rounded.fc2.weight.detach()
+    assert torch.equal(fq(w), w)
