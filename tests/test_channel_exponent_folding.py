@@ -9,17 +9,16 @@ import warnings
 
 import pytest
 import torch
+from test_channel_exponents import _data, _Exponents, _stages
 from torch import nn
 
-from quantlens.compiler import convert, export, load, save, to_onnx
+from quantlens.compiler import load, save, to_onnx
 from quantlens.errors import QuantLensError
 from quantlens.kernels import layer_norm_constants
 from quantlens.march import QuantDType, rules
 from quantlens.march.numerics import quantize
-from quantlens.quantization import FakeQuantState, calibrate, pre_export, prepare, set_fake_quantize
+from quantlens.quantization import FakeQuantState, calibrate, prepare, set_fake_quantize
 from quantlens.quantization.qconfig_template import default_calibration_qconfig_setter
-
-from test_channel_exponents import _data, _Exponents, _stages
 
 
 def test_the_fold_rule_by_hand():

@@ -7,8 +7,8 @@ from quantlens.compiler.convert.state import (
     fq_dtype,
 )
 from quantlens.errors import QuantLensError
-from quantlens.march import rules
 from quantlens.kernels import TABLE_OP_IO, table_torch_op
+from quantlens.march import rules
 
 #: table ops of pre_export (``torch.ops.quantlens.*``): their data inputs and scale inputs (one declaration,
 #: ``quantlens.kernels.TABLE_OP_IO``)
