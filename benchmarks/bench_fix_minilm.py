@@ -2,6 +2,7 @@
 command to the chosen configuration.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_fix_minilm.py [--out DIR] [--target 0.99] [--qat]
+        [--consistency-level off|0|...] [--no-deployed]
 
 Prints the command's console (the kept remedies, the time of each step of the search) and its wall time. A fresh
 --out folder each run: the search replays a folder's measurements.
@@ -25,11 +26,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench_fix_minilm_out"))
     ap.add_argument("--target", type=float, default=0.99)
     ap.add_argument("--qat", action="store_true")
+    ap.add_argument("--consistency-level", default="off")
+    ap.add_argument("--no-deployed", action="store_true")
     args = ap.parse_args()
     if args.out.exists():
         shutil.rmtree(args.out)  # the benchmark's own folder: a replay would time nothing
     cmd = [sys.executable, "-m", "quantlens", "fix", str(CONFIG), "--target", str(args.target), "--out",
-           str(args.out)] + (["--qat"] if args.qat else [])
+           str(args.out), "--consistency-level", args.consistency_level] + (["--qat"] if args.qat else []) + (
+               ["--no-deployed"] if args.no_deployed else [])
     env = {**os.environ, "COLUMNS": "160"}
     began = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

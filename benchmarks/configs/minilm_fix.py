@@ -11,6 +11,7 @@ from quantlens.quantization.qconfig_template import default_calibration_qconfig_
 from quantlens.zoo.sentence_transformer import all_minilm_l6_v2, sentences, tokenize
 
 march = "QL1"
+dynamic_batch = False  # BERT's position ids (an arange of the sequence) export at one batch size
 allow_no_stubs = True  # transformers' code, no QuantStub: the token ids are quantized where the embeddings read them
 
 _ids, _mask = tokenize(sentences(16, seed=7), 16)

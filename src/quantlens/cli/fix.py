@@ -47,6 +47,12 @@ def add_parser(sub) -> None:
                    "the calibration data (the CONFIG's train_qat(model) when it has one), kept when it helps")
     p.add_argument("--qat-steps", type=int, default=200, help="the QAT remedy's step budget")
     p.add_argument("--qat-seconds", type=float, default=300.0, help="the QAT remedy's time budget")
+    p.add_argument("--consistency-level", default="off", choices=["off", "0", "1", "2", "3", "4"],
+                   help="the consistency level the search's models are prepared at (docs/consistency.md): 0 converts "
+                   "with the high-precision requantize, 1-4 emulate the integer rules in the fake quant (QAT trains "
+                   "on them)")
+    p.add_argument("--no-deployed", action="store_true", help="do not check the result's deployed model (export -> "
+                   "convert, the metric on the quantized IR; where it misses the target, int16 aims that much higher)")
     p.add_argument("--out", default="quantlens_fix", help="output folder (resumes a search with the same inputs)")
     p.set_defaults(func=run)
 
@@ -94,6 +100,17 @@ def _qat_budget(args):
 
 
 def run(args) -> int:
+    from quantlens.quantization import ConsistencyStrategy
+
+    before = ConsistencyStrategy.get_consistency_level()
+    ConsistencyStrategy.set_consistency_level(None if args.consistency_level == "off" else int(args.consistency_level))
+    try:
+        return _run(args)
+    finally:  # (the CLI called in-process leaves the caller's level as it was)
+        ConsistencyStrategy.set_consistency_level(before)
+
+
+def _run(args) -> int:
     import time
     import warnings
 
@@ -123,6 +140,7 @@ def run(args) -> int:
     if not batches or not held_out:
         raise UsageError(f"CONFIG {cfg.path}: calibration_data() and evaluation_data() must give at least one batch.")
     evaluate = cfg.evaluate or output_cosine_metric(model, held_out)
+    deployed = None if args.no_deployed else DeployedMetric(cfg, example, batches, held_out, evaluate)
     began = time.perf_counter()
     with out.status("advisor findings on the calibrated model"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -136,13 +154,16 @@ def run(args) -> int:
                                  higher_is_better=cfg.higher_is_better, out_dir=out_dir,
                                  int16_budget=args.int16_budget, latency=args.latency,
                                  metric=metric_description(cfg), evaluation_key=data_digest(held_out),
-                                 qat=args.qat, qat_budget=_qat_budget(args), train_qat=cfg.train_qat)
+                                 qat=args.qat, qat_budget=_qat_budget(args), train_qat=cfg.train_qat,
+                                 deployed=deployed)
     except EvaluateError as exc:
         raise UsageError(_evaluate_failed(cfg, exc)) from None
     save_remedies(result, out_dir)
     for skipped in result.skipped:
         out.print(f"warning: remedy {esc(skipped.name)} failed and was skipped: {esc(skipped.error)}")
     out.print(esc(metric_sentence(result)))
+    if deployed is not None and deployed.problem:
+        out.print(f"warning: the deployed model was not checked: {esc(deployed.problem)}")
     t = Table(title=f"remedies kept ({esc(result.base_value)} -> {esc(result.value)})")
     for col in ("remedy", "op site", "before", "after") + (("latency estimate",) if args.latency else ()):
         t.add_column(col)
@@ -162,10 +183,47 @@ def run(args) -> int:
         times.add_row(*(esc(c) for c in row))
     out.print(times)
     reached = result.reached()
-    out.print(f"target {args.target}: {'reached' if reached else 'NOT reached'} with {len(result.int16)} int16 op "
-              f"site(s); report {esc(out_dir / 'remedies.html')}; re-run the flow with "
+    shown = "" if result.deployed_value is None else (f" (fake quant {result.value:.6g}, deployed quantized IR "
+                                                      f"{result.deployed_value:.6g})")
+    out.print(f"target {args.target}: {'reached' if reached else 'NOT reached'}{esc(shown)} with {len(result.int16)} "
+              f"int16 op site(s); report {esc(out_dir / 'remedies.html')}; re-run the flow with "
               f"load_remedies(float_model(), {esc(repr(str(out_dir)))}, calibration_qconfig_setter)")
     return EXIT_OK if reached else EXIT_PROBLEMS
+
+
+class DeployedMetric:
+    """``deployed(model, setter)`` for the search: the CONFIG's flow up to the quantized IR (prepare, calibrate,
+    pre_export, export, convert) and the metric on it. Exported with the CONFIG's ``dynamic_batch``; with a static
+    batch the IR is exported at the first evaluation batch's shapes (the metric runs it on those batches). Where the
+    flow or the metric fails, the value is None and ``problem`` says why (the search goes on without it)."""
+
+    def __init__(self, cfg, example, batches: list, held_out: list, evaluate: Callable[[Any], float]):
+        self.cfg, self.batches, self.evaluate = cfg, batches, evaluate
+        self.example = example if cfg.dynamic_batch else held_out[0]
+        self.problem = ""
+
+    def __call__(self, model, setter) -> float | None:
+        import warnings
+
+        from quantlens.cli.stages import build_stages
+        from quantlens.errors import QuantLensError
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                stages = build_stages(model, self.example, lambda: self.batches, setter, upto="quantized_ir",
+                                      dynamic_batch=self.cfg.dynamic_batch, allow_no_stubs=self.cfg.allow_no_stubs)
+                value = float(self.evaluate(stages.quantized_ir))
+        except (QuantLensError, RuntimeError, ValueError, TypeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            self.problem = (f"{type(exc).__name__}: {first[:300]} (set dynamic_batch in {self.cfg.path} to what "
+                            "the model exports with, or run quantlens analyze on the result to see the stage)")
+            return None
+        if not math.isfinite(value):
+            self.problem = f"the metric on the quantized IR is {value}"
+            return None
+        self.problem = ""
+        return value
 
 
 def _evaluate_failed(cfg, exc) -> str:

@@ -71,9 +71,14 @@ class RemedyResult:
     #: the wall time of each step of the search (base, each whole-model remedy, the ranges, the int16 phase's
     #: passes), in the order they ran
     step_times: tuple[StepTime, ...] = ()
+    #: ``search_remedies(deployed=...)``: the metric of the result's deployed model (the quantized IR), measured
+    #: after the int16 phase (None: not measured)
+    deployed_value: float | None = None
 
     def reached(self, target: float | None = None, higher_is_better: bool | None = None) -> bool:
-        """Whether ``value`` reaches ``target`` (default: the search's own)."""
+        """Whether ``value`` reaches ``target`` (default: the search's own), and the deployed model's value too
+        where it was measured."""
         target = self.target if target is None else target
         higher = self.higher_is_better if higher_is_better is None else higher_is_better
-        return self.value >= target if higher else self.value <= target
+        values = [self.value] + ([self.deployed_value] if self.deployed_value is not None else [])
+        return all(v >= target if higher else v <= target for v in values)

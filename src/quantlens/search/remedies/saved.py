@@ -42,7 +42,8 @@ def save_remedies(result: RemedyResult, out_dir: str | Path) -> Path:
         atomic_write_bytes(out / WEIGHTS_FILE, safetensors_bytes(state))
     data = {"format": _FORMAT, "transforms": list(result.transforms), "observers": dict(result.observers),
             "int16": [[p.site, p.kind] for p in result.int16], "base_value": result.base_value,
-            "value": result.value, "target": result.target, "higher_is_better": result.higher_is_better,
+            "value": result.value, "deployed_value": result.deployed_value, "target": result.target,
+            "higher_is_better": result.higher_is_better,
             "weights_file": WEIGHTS_FILE if weights else None, "fixed_ranges": _fixed_ranges(result.setter),
             "metric": result.metric, "noise": result.noise, "latency_cycles": result.latency_cycles,
             "skipped": [[s.name, s.error] for s in result.skipped], "model_digest": result.model_digest}

@@ -144,7 +144,8 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
                     int16_budget: Any = None, latency: bool = False, progress: bool = True,
                     report: bool = True, metric: str = "evaluate(prepared)",
                     evaluation_key: str = "", qat: bool = False, qat_budget: QatBudget = QatBudget(),
-                    train_qat: Callable[[nn.Module], None] | None = None) -> RemedyResult:
+                    train_qat: Callable[[nn.Module], None] | None = None,
+                    deployed: Callable[[nn.Module, Any], float] | None = None) -> RemedyResult:
     """The whole-model remedies of :data:`~.catalog.REMEDIES`, then per-site ranges, then int16 promotion, each
     candidate measured and kept only when it helps (see the module docstring).
 
@@ -164,6 +165,12 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
         qat: also try QAT as a remedy (``qat_distill``: distillation from the float model on the calibration
             batches, or ``train_qat(prepared)`` when given), after the other whole-model remedies, within
             ``qat_budget``; its checkpoint lives in ``out_dir`` (a resumed search continues it).
+        deployed: ``deployed(model, setter) -> float | None``, the metric of the configuration's deployed model
+            (the quantized IR: ``prepare`` -> calibrate -> export -> convert, then ``evaluate`` on it; None: it could
+            not be measured, and the search goes on without it). Measured once the
+            int16 phase is done; where it misses the target by more than the fake quant does (the integer rules
+            round differently), the int16 phase runs again aiming that much higher (its measurements replay), and
+            the deployed model is measured again: ``RemedyResult.deployed_value``, which ``reached()`` reads too.
 
     ``model`` is not changed; ``RemedyResult.model`` and ``RemedyResult.setter`` go to ``prepare``. ``evaluate``
     must return one finite number: anything else, or an error it raises, on the base configuration is an
@@ -193,19 +200,22 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
     setter = ObserverQconfigSetter(state.chosen, state.setter) if state.chosen else state.setter
 
     # precision: int16 on top of what the other remedies left
-    promotions, mp = (), None
+    int16_phase = _Int16Phase(state, example_inputs, batches, evaluate, setter, int16_budget, higher_is_better,
+                              progress, evaluation_key)
     if int16 and not _reached(state.best, target, higher_is_better):
-        from quantlens.search import search_mixed_precision
-
-        mp = search_mixed_precision(state.model, example_inputs, batches, evaluate, target, base_setter=setter,
-                                    budget=int16_budget, out_dir=out / "int16", higher_is_better=higher_is_better,
-                                    progress=progress, evaluation_key=evaluation_key)
-        promotions = tuple(mp.chosen)
-        if promotions:
-            setter = mp.setter()
-            _add_int16_trials(state, mp, setter)
-            state.best = mp.metric
-        clock.add(mp.step_times, "int16: ")
+        int16_phase.run(target, out / "int16")
+    deployed_value = None
+    if deployed is not None:
+        with clock.step("deployed: export, convert and evaluate the quantized IR"):
+            deployed_value = deployed(state.model, int16_phase.setter)
+        gap = 0.0 if deployed_value is None else (
+            (state.best - deployed_value) if higher_is_better else (deployed_value - state.best))
+        if int16 and gap > 0 and not _reached(deployed_value, target, higher_is_better):
+            # (another aim is another search: its own folder, so each resumes its own measurements)
+            int16_phase.run(target + gap if higher_is_better else target - gap, out / "int16_deployed")
+            with clock.step("deployed: export, convert and evaluate the quantized IR"):
+                deployed_value = deployed(state.model, int16_phase.setter)
+    setter, promotions, mp = int16_phase.setter, int16_phase.promotions, int16_phase.mp
     cycles = None
     if latency:
         from quantlens.search.remedies.costs import kept_cycles
@@ -216,12 +226,45 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
     result = RemedyResult(state.model, setter, state.best, state.base, dict(state.chosen), promotions,
                           tuple(state.trials), tuple(state.applied), target, higher_is_better,
                           mp.curve if mp is not None else (), cycles, metric, base_noise, tuple(state.skipped),
-                          float_model_digest(model), tuple(clock.steps))
+                          float_model_digest(model), tuple(clock.steps), deployed_value)
     if report:
         from quantlens.search.remedies.report import write_remedy_report  # (the page: jinja2, on use)
 
         write_remedy_report(result, out, findings)
     return result
+
+
+class _Int16Phase:
+    """The int16 phase on top of ``setter`` (the configuration the other remedies left); run again with a higher
+    aim (the deployed model's gap), it starts from the same configuration and its result replaces the first's."""
+
+    def __init__(self, state: "_State", example, batches, evaluate, setter, budget, higher_is_better: bool,
+                 progress: bool, evaluation_key: str):
+        self.state, self.example, self.batches, self.evaluate = state, example, batches, evaluate
+        self.base, self.setter, self.budget = setter, setter, budget
+        self.higher_is_better, self.progress, self.evaluation_key = higher_is_better, progress, evaluation_key
+        self.promotions: tuple = ()
+        self.mp = None
+        self.best_before = state.best
+        self.kept_before = (len(state.trials), len(state.configs))
+
+    def run(self, aim: float, out: Path) -> None:
+        from quantlens.search import search_mixed_precision
+
+        state = self.state
+        mp = search_mixed_precision(state.model, self.example, self.batches, self.evaluate, aim,
+                                    base_setter=self.base, budget=self.budget, out_dir=out,
+                                    higher_is_better=self.higher_is_better, progress=self.progress,
+                                    evaluation_key=self.evaluation_key)
+        self.mp, self.promotions = mp, tuple(mp.chosen)
+        del state.trials[self.kept_before[0]:]  # a second run replaces the first's promotions
+        del state.configs[self.kept_before[1]:]
+        state.best = self.best_before
+        if self.promotions:
+            self.setter = mp.setter()
+            _add_int16_trials(state, mp, self.setter)
+            state.best = mp.metric
+        state.clock.add(mp.step_times, "int16: ")
 
 
 class _State:
