@@ -46,5 +46,7 @@ def test_a_newcomers_model_through_analyze_report_and_fix(name, tmp_path, few_le
     fixed = ql("fix", config, "--target", "1.5", "--range-sites", "0", "--no-int16", "--out", tmp_path / "fix")
     assert fixed.returncode == 1, fixed.stdout[-2000:] + fixed.stderr  # 1.5: a cosine never reaches it
     assert "Traceback" not in fixed.stderr and "failed and was skipped" not in fixed.stderr, fixed.stderr
+    # the result's deployed model was measured (export -> convert -> the metric on the quantized IR)
+    assert "deployed quantized IR" in fixed.stdout and "was not checked" not in fixed.stdout, fixed.stdout[-2000:]
     page = (tmp_path / "fix" / "remedies.html").read_text()
     assert "cosine" in page

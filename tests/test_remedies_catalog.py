@@ -255,3 +255,27 @@ def test_mixed_precision_progress_knows_its_base_setter_by_content(tmp_path):
     assert len(calls) == first  # the same setter: replayed
     search("fc2")
     assert len(calls) > first  # another mapping under the same name: measured again
+
+
+def test_fix_says_when_the_deployed_model_cannot_be_checked(tmp_path, capsys, few_learning_epochs):
+    """The template's own metric runs on the quantized IR (the deployed value is printed); a metric that only reads
+    a prepared model fails there: the search ends on its fake-quant value and says why the deployed model was not
+    checked, naming the error."""
+    from quantlens.cli import main
+
+    cfg = tmp_path / "cfg.py"
+    assert main(["analyze", "--gen", str(cfg)]) == 0
+    args = ["--target", "0.5", "--range-sites", "0", "--no-int16"]
+    assert main(["fix", str(cfg), *args, "--out", str(tmp_path / "a")]) == 0
+    printed = capsys.readouterr().out
+    assert "deployed quantized IR" in printed and "not checked" not in printed
+    assert json.loads((tmp_path / "a" / "remedies.json").read_text())["deployed_value"] > 0.5
+    cfg.write_text(cfg.read_text() + "\n\n_evaluate = evaluate\n\n\ndef evaluate(model):\n"
+                   "    if not hasattr(model, '_quantlens_state'):\n"
+                   "        raise AttributeError('this metric reads a prepared model only')\n"
+                   "    return _evaluate(model)\n")
+    assert main(["fix", str(cfg), *args, "--out", str(tmp_path / "b")]) == 0
+    printed = capsys.readouterr().out
+    assert "the deployed model was not checked: AttributeError: this metric reads a prepared model" in " ".join(
+        printed.split())
+    assert json.loads((tmp_path / "b" / "remedies.json").read_text())["deployed_value"] is None

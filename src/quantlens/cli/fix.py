@@ -206,21 +206,18 @@ class DeployedMetric:
         import warnings
 
         from quantlens.cli.stages import build_stages
-        from quantlens.errors import QuantLensError
+        from quantlens.search.evaluation import EVALUATE_ERRORS, metric_value
 
-        try:
+        try:  # (the CONFIG's model and metric: any of the errors user code raises is reported, not raised)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 stages = build_stages(model, self.example, lambda: self.batches, setter, upto="quantized_ir",
                                       dynamic_batch=self.cfg.dynamic_batch, allow_no_stubs=self.cfg.allow_no_stubs)
-                value = float(self.evaluate(stages.quantized_ir))
-        except (QuantLensError, RuntimeError, ValueError, TypeError) as exc:
+                value = metric_value(self.evaluate(stages.quantized_ir), "the deployed quantized IR")
+        except EVALUATE_ERRORS as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            self.problem = (f"{type(exc).__name__}: {first[:300]} (set dynamic_batch in {self.cfg.path} to what "
-                            "the model exports with, or run quantlens analyze on the result to see the stage)")
-            return None
-        if not math.isfinite(value):
-            self.problem = f"the metric on the quantized IR is {value}"
+            self.problem = (f"{type(exc).__name__}: {first[:300]} (check dynamic_batch in {self.cfg.path}: the "
+                            "IR is exported with it; quantlens analyze on the CONFIG names the stage that fails)")
             return None
         self.problem = ""
         return value
