@@ -148,3 +148,42 @@ def test_learned_rounding_keeps_a_folded_weights_levels():
     assert fq.scale.dim() == 2 and fq.fake_quant_enabled
     w = rounded.fc2.weight.detach()
     assert torch.equal(fq(w), w)
+
+
+def test_qat_at_level_1_trains_through_folded_exponents_and_deploys_what_it_trained():
+    """qat_distill at consistency level 1 on the post-LN stack with channel exponents at the sums and the norm
+    (fc2 folds them): the QAT forward runs the integer rules (the exponent-form add, the folded GEMM), the held-out
+    error drops, and the quantized IR of the result is its pre_export model in VALIDATION, bit for bit."""
+    from quantlens.compiler import convert, export
+    from quantlens.quantization import ConsistencyStrategy, pre_export
+    from quantlens.search.remedies.qat_distill import QatBudget, qat_distill
+
+    torch.manual_seed(0)
+    model, x = _PostLN().eval(), _data()
+    setter = _Exponents(("add_0", "ln1", "add_1"))
+    batches, held = [x[:16], x[16:32]], x[32:]
+
+    def error(m, s):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            p = calibrate(prepare(m, x[:8], s, check_result_dir=None, allow_no_stubs=True), batches)
+        set_fake_quantize(p, FakeQuantState.VALIDATION)
+        with torch.no_grad():
+            return float((p(held) - model(held)).pow(2).mean()), p
+
+    ConsistencyStrategy.set_consistency_level(1)
+    try:
+        before, _ = error(model, setter)
+        trained, trained_setter = qat_distill(model, x[:8], batches, setter, budget=QatBudget(steps=40, seconds=60))
+        after, prepared = error(trained, trained_setter)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tables = pre_export(prepared, example_inputs=x[:8])
+        set_fake_quantize(tables, FakeQuantState.VALIDATION)
+        q_ir = convert(export(tables, x[:8], dynamic_batch=True))
+    finally:
+        ConsistencyStrategy.disable()
+    assert after < before, (before, after)
+    assert tables.fc2.weight_fake_quant.scale.dim() == 2
+    with torch.no_grad():
+        assert torch.equal(tables(held), q_ir(held))

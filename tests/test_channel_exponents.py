@@ -202,13 +202,30 @@ def test_a_linear_writes_channel_exponents_and_a_table_op_runs_on_the_host():
     assert [n.op for n in q_ir.graph.nodes if n.site == "gelu_0" and n.attrs.get("host")] == ["gelu"]
 
 
-def test_consistency_levels_refuse_channel_exponents():
-    ConsistencyStrategy.set_consistency_level(1)
+@pytest.mark.parametrize("level", [1, 2, 4])
+def test_at_consistency_levels_the_fake_quant_computes_the_channel_exponent_rules(level):
+    """Levels 1-4 emulate the integer rules in the fake quant: with channel exponents at a linear's output and at
+    the sum (the add writes them, the norm reads them shifted), the pre_export model in VALIDATION is the quantized
+    IR bit for bit (level 2: power-of-two scales for every channel, the sum in no shared-scale group)."""
+    from quantlens.quantization import FakeQuantState, set_fake_quantize
+
+    torch.manual_seed(0)
+    model, x = _Block().eval(), _data()
+    ConsistencyStrategy.set_consistency_level(level)
     try:
-        with pytest.raises(QuantLensError, match="channel exponents"):
-            prepare(_Block().eval(), _data()[:8], _Exponents(), check_result_dir=None, allow_no_stubs=True)
+        prepared = calibrate(prepare(model, x[:8], _Exponents(("fc", "add_0")), check_result_dir=None,
+                                     allow_no_stubs=True), [x[:32]])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tables = pre_export(prepared, example_inputs=x[:8])
+        set_fake_quantize(tables, FakeQuantState.VALIDATION)
+        q_ir = convert(export(tables, x[:8], dynamic_batch=True))
     finally:
         ConsistencyStrategy.disable()
+    fq = tables._quantlens_state.fq["add_0|out"]
+    assert fq.channel_exponents and fq.scale_group is None and max(rules.channel_exponents(fq.scale)[1]) > 0
+    with torch.no_grad():
+        assert torch.equal(tables(x[32:]), q_ir(x[32:]))
 
 
 class _PostLN(nn.Module):

@@ -255,10 +255,10 @@ class FakeQuantize(nn.Module):
             raise QuantLensError(f"The fake quant of {label}: {exc}") from None
         if self.scale_group is not None:  # one scale for the whole group (scale_policy)
             scale = group_scale(self, scale)
+        elif self.channel_exponents:  # (power-of-two scales, level 2: the widest channel's, so every channel's)
+            scale = rules.exponent_scales(pow2_ceil(scale) if self.pow2_scale else scale)
         elif self.pow2_scale:
             scale = pow2_ceil(scale)
-        elif self.channel_exponents:
-            scale = rules.exponent_scales(scale)
         elif self.is_weight:
             scale = self._row_scales_folded(scale)
         if scale.shape != self.scale.shape:

@@ -88,20 +88,6 @@ def _check_march_consistency() -> None:
             "is exact to the runtime), or set_march(March.QL1).")
 
 
-def _check_channel_exponents(state: QuantState) -> None:
-    """Channel exponents (docs/march.md §3.1) are converted exactly (convert shifts them onto their common grid),
-    but the integer emulation of consistency levels 1-4 does not read them yet: refused there, naming a site."""
-    level = ConsistencyStrategy.config().level
-    if level is None or level < 1:
-        return
-    for key, fq in state.fq.items():
-        if fq.channel_exponents:
-            raise QuantLensError(
-                f"prepare: '{key}' asks for channel exponents (QuantSpec(channel_exponents=True), docs/march.md §3.1), "
-                f"which consistency level {level}'s integer emulation does not compute yet. Use level 0 or off, or a "
-                "per-tensor scale there.")
-
-
 def prepare(
     model: nn.Module,
     example_inputs: Any,
@@ -183,7 +169,6 @@ def prepare(
         if request.fixed_scale is not None:
             spec = QuantSpec(spec.dtype, FixedScaleObserver.with_args(scale=request.fixed_scale))
         state.fq[request.key] = FakeQuantize(spec, is_weight=request.is_weight)
-    _check_channel_exponents(state)
     _install_decompositions(state)
     prepared._quantlens_state = state
     state.__dict__["_root_ref"] = prepared

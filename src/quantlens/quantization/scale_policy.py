@@ -109,6 +109,8 @@ def _site_members(state, plan, out_key: str) -> tuple[list[str], list[str]]:
     keys, problems = [], []
     for inp in site.inputs if site is not None else ():
         kind, what = _input_grid(state, plan, inp)
+        if kind == "fq" and what in state.fq and state.fq[what].channel_exponents:
+            continue  # codes in channel-exponent form keep their own scales; the rule rescales them (§3.1)
         if kind == "fq" and what in state.fq:
             keys.append(what)
         else:
@@ -126,6 +128,8 @@ def _join_rescaled_sites(state, sets: _UnionFind) -> list[tuple[str, list[str], 
         out_key = _output_key(state, plan)
         if out_key is None or out_key not in state.fq:
             continue  # the output is not quantized: no integer rescale at this site
+        if state.fq[out_key].channel_exponents:
+            continue  # a sum written in channel-exponent form (§3.1) has a scale per channel: no shared one
         keys, problems = _site_members(state, plan, out_key)
         sets.join(keys)
         site_keys.append((plan.name, keys, problems))

@@ -20,7 +20,7 @@ from quantlens.march.opset import Category, op_def
 from quantlens.sites.tracer import TensorMarks
 
 __all__ = ["IntegerEmulator", "Deferred", "EmuCall", "current_emulator", "EMULATED_OPS", "emulates", "codes_of",
-           "straight_through"]
+           "read_codes", "ReadGrid", "straight_through", "exponent_axis"]
 
 
 _CURRENT: contextvars.ContextVar["IntegerEmulator | None"] = contextvars.ContextVar("quantlens_emulator",
@@ -79,19 +79,56 @@ def codes_scale(fq) -> torch.Tensor:
     return fq.scale.detach().to(torch.float64)
 
 
+def _along_channels(s: torch.Tensor, fq, dim: int) -> torch.Tensor:
+    """A per-channel scale shaped to broadcast along ``fq``'s channel axis of a ``dim``-dim tensor (a folded
+    weight's ``[out, in]`` scale as it is)."""
+    if s.dim() > 1 and s.dim() == dim:
+        return s
+    if s.numel() > 1 and fq.ch_axis is not None:
+        shape = [1] * dim
+        shape[fq.ch_axis] = -1
+        return s.reshape(shape)
+    return s
+
+
 def codes_of(x: torch.Tensor, fq) -> torch.Tensor:
     """The integers of a tensor on ``fq``'s grid (``x = fl32(q · s)``, so ``x / s`` is within 2**-24 of q)."""
-    s = codes_scale(fq)
-    if s.numel() > 1 and fq.ch_axis is not None:
-        shape = [1] * x.dim()
-        shape[fq.ch_axis] = -1
-        s = s.reshape(shape)
+    s = _along_channels(codes_scale(fq), fq, x.dim())
     return torch.round(x.detach().to(torch.float64) / s).to(torch.int64)
+
+
+@dataclass(frozen=True)
+class ReadGrid:
+    """The grid an integer op reads a fake quant's codes on when it is not the fake quant's own: the common int16
+    grid of channel-exponent codes (``docs/march.md`` §3.1). The rules read ``scale`` and ``dtype``."""
+
+    scale: torch.Tensor
+    dtype: QuantDType
+    ch_axis = None
+    channel_exponents = False
+
+
+def read_codes(x: torch.Tensor, fq) -> tuple[torch.Tensor, Any]:
+    """``(codes, grid)`` of ``x`` as an integer op reads it: on ``fq``'s own grid, or for channel-exponent codes
+    shifted onto their common grid (convert's ``channel_shift``, §3.1; exact)."""
+    q = codes_of(x, fq)
+    if not getattr(fq, "channel_exponents", False):
+        return q, fq
+    attrs, _ = rules.channel_shift(fq.scale)
+    attrs["axis"] = fq.ch_axis % q.dim()
+    scale, dtype = fq.read_grid()
+    return run_kernel("channel_shift", attrs, [q]), ReadGrid(scale.detach(), dtype)
+
+
+def exponent_axis(fq, dim: int) -> int | None:
+    """The channel axis of an output fake quant in channel-exponent form (the rules that write one take it)."""
+    return fq.ch_axis % dim if getattr(fq, "channel_exponents", False) else None
 
 
 def _value(codes: torch.Tensor, fq, like: torch.Tensor) -> torch.Tensor:
     """``q · s`` in float32, as the fake quant writes it."""
-    return (codes.to(torch.float32) * fq.scale.detach().to(torch.float32)).to(like.dtype)
+    s = _along_channels(fq.scale.detach().to(torch.float32), fq, codes.dim())
+    return (codes.to(torch.float32) * s).to(like.dtype)
 
 
 def _same_grid(a, b) -> bool:
@@ -124,10 +161,12 @@ class IntegerEmulator:
 
     # -- grids ------------------------------------------------------------------------------------------------
     def requantize_codes(self, q: torch.Tensor, src, dst) -> torch.Tensor:
-        """Integers on ``src``'s grid moved to ``dst``'s (convert's ``requantize`` node, §8)."""
+        """Integers on ``src``'s grid moved to ``dst``'s (convert's ``requantize`` node, §8; per channel from
+        channel-exponent codes, as convert moves them)."""
         if _same_grid(src, dst):
             return q
-        attrs = {**rules.move(src.scale, dst.scale, dst.dtype, self.qpp), "axis": None}
+        axis = src.ch_axis % q.dim() if src.scale.numel() > 1 and src.ch_axis is not None else None
+        attrs = {**rules.move(src.scale, dst.scale, dst.dtype, self.qpp), "axis": axis}
         return run_kernel("requantize", attrs, [q])
 
     def to_grid(self, x: torch.Tensor, src, dst, quantized: torch.Tensor) -> torch.Tensor:
@@ -136,7 +175,8 @@ class IntegerEmulator:
         pending = self.deferred.get(x)
         if pending is not None:
             codes = pending.codes(dst)
-        elif src is not None and src is not dst and src.dtype is not QuantDType.qint32 and src.scale.numel() == 1:
+        elif src is not None and src is not dst and src.dtype is not QuantDType.qint32 and (
+                src.scale.numel() == 1 or getattr(src, "channel_exponents", False)):
             codes = self.requantize_codes(codes_of(x, src), src, dst)
         else:
             return quantized
@@ -188,15 +228,14 @@ class IntegerEmulator:
         """conv / linear / matmul: the accumulator (exact, or the float32 result rounded to integers), then a
         value deferred to the output grid. Returns the float value of the int32 accumulator (what the quantized
         IR's high-precision output dequantizes to), carrying the float op's gradient (``float_op()``)."""
-        s_x, s_w = codes_scale(x_fq), codes_scale(w_fq)
+        x_grid, s_x, s_w = _gemm_grids(x_fq, w_fq)
         acc_scale = s_x * s_w  # exact product of float32 scales, as convert computes it
         output = None
         if self.exact:
-            acc = exact_acc() if exact_acc is not None else self._exact_acc(call, x_fq, w_fq, weight_pos, bias_pos,
-                                                                             module, module_weight)
-            if bias is not None:
-                s_bias = (x_fq.scale.detach().reshape(()) * w_fq.scale.detach()).reshape(-1).expand(
-                    bias.shape[0]).contiguous()
+            acc = exact_acc() if exact_acc is not None else self._exact_acc(call, x_grid, w_fq, weight_pos,
+                                                                             bias_pos, module, module_weight)
+            if bias is not None:  # the int32 bias at s_x · s_w (float32 values, exact in float64)
+                s_bias = (s_x.reshape(()) * s_w).to(torch.float32).reshape(-1).expand(bias.shape[0]).contiguous()
                 q_bias = quantize(bias.detach(), s_bias, QuantDType.qint32, 0).to(torch.float64)
                 bshape = [1] * acc.dim()
                 bshape[channel_dim % acc.dim()] = -1
@@ -218,7 +257,7 @@ class IntegerEmulator:
 
         def compute(fq, acc=acc, acc_scale=acc_scale, channel_dim=channel_dim):
             # convert folds a positive scalar multiply after the GEMM (attention's 1/sqrt(d)) into the multiplier
-            attrs = rules.gemm(x_fq.scale, w_fq.scale, fq.scale, fq.dtype, qpp, factor)
+            attrs = rules.gemm(s_x, s_w, fq.scale, fq.dtype, qpp, factor)
             attrs["axis"] = channel_dim if len(attrs["multiplier"]) > 1 else None
             return run_kernel("requantize", attrs, [acc.to(torch.int64)])
 
@@ -251,9 +290,9 @@ class IntegerEmulator:
         exact = self.resolve(value, fq, quantized, None)
         return quantized if exact is None else exact
 
-    def _exact_acc(self, call, x_fq, w_fq, weight_pos, bias_pos, module, module_weight) -> torch.Tensor:
+    def _exact_acc(self, call, x_grid, w_fq, weight_pos, bias_pos, module, module_weight) -> torch.Tensor:
         if module is not None:
-            q_x = codes_of(call.args[0], x_fq).to(torch.float64)
+            q_x = x_grid(call.args[0]).to(torch.float64)
             q_w = quantize(module_weight.detach(), w_fq.scale.detach(), w_fq.dtype, w_fq.ch_axis).to(torch.float64)
             return module._gemm(q_x, q_w, None, *call.args[1:])
         leaves = list(call.leaves)
@@ -263,9 +302,23 @@ class IntegerEmulator:
             elif pos == weight_pos:
                 leaves[pos] = codes_of(leaf, w_fq).to(torch.float64)
             elif pos in call.grids:
-                leaves[pos] = codes_of(leaf, call.grids[pos]).to(torch.float64)
+                leaves[pos] = read_codes(leaf, call.grids[pos])[0].to(torch.float64)
         args, kwargs = pytree.tree_unflatten(leaves, pytree.tree_flatten((call.args, call.kwargs))[1])
         return call.func(*args, **kwargs)
+
+
+def _gemm_grids(x_fq, w_fq) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, torch.Tensor]:
+    """How a GEMM reads its input (``x -> codes``) and the scales its accumulator is at, as convert's: a weight
+    folded with the input's channel exponents (an ``[out, in]`` scale, §3.1) multiplies the codes as they are at
+    ``s`` (the widest channel's) times its row scales; other channel-exponent codes are read on their common
+    grid."""
+    if getattr(x_fq, "channel_exponents", False) and w_fq.scale.dim() > 1:
+        rows = rules.folded_rows(w_fq.scale, x_fq.scale).to(torch.float64)
+        return (lambda x: codes_of(x, x_fq)), x_fq.scale.detach().amax().to(torch.float64), rows
+    if getattr(x_fq, "channel_exponents", False):
+        scale = x_fq.read_grid()[0].detach().to(torch.float64)
+        return (lambda x: read_codes(x, x_fq)[0]), scale, codes_scale(w_fq)
+    return (lambda x: codes_of(x, x_fq)), codes_scale(x_fq), codes_scale(w_fq)
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -315,7 +368,7 @@ def site_input(call: EmuCall, position: int, name: str):
         pos = next((p for p, leaf in enumerate(call.leaves) if leaf is value), None)
         fq = call.grids.get(pos) if pos is not None else None
         if fq is not None:
-            return codes_of(value, fq), fq
+            return read_codes(value, fq)
         if value.numel() == 1 and not value.requires_grad:
             return float(value), None
         return None

@@ -17,8 +17,10 @@ from quantlens.quantization.emulation.core import (
     codes_of,
     codes_scale,
     emulates,
+    exponent_axis,
     grid_op,
     on_one_input,
+    read_codes,
     run_kernel,
     site_input,
 )
@@ -37,8 +39,10 @@ def _add(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
     qpp = emu.qpp
 
     if a[1] is not None and b[1] is not None:
-        def compute(fq):
-            attrs = rules.add([a[1].scale, b[1].scale], fq.scale, fq.dtype, qpp)
+        rank = max(a[0].dim(), b[0].dim())
+
+        def compute(fq):  # (an output in channel-exponent form: each channel rescales with its exponent, §3.1)
+            attrs = rules.add([a[1].scale, b[1].scale], fq.scale, fq.dtype, qpp, out_axis=exponent_axis(fq, rank))
             return run_kernel(op, attrs, [a[0], b[0]], call.site)
         return Deferred(compute)
     # x ± k / k ± x: convert's add_const (the constant enters in the sum's fractional units)
@@ -67,8 +71,8 @@ def _cat(emu: IntegerEmulator, call: EmuCall) -> Deferred | None:
         fq = call.grids.get(pos) if pos is not None else None
         if fq is None:
             return None
-        q = codes_of(t, fq)
-        parts.append((q.unsqueeze(dim) if call.op_type == "stack" else q, fq))
+        q, grid = read_codes(t, fq)
+        parts.append((q.unsqueeze(dim) if call.op_type == "stack" else q, grid))
     qpp = emu.qpp
 
     def compute(fq):
