@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from test_channel_exponents import _data, _Exponents, _stages
+from test_channel_exponents import _data, _Exponents, _PostLN, _stages, _tables_and_ir
 from torch import nn
 
 from quantlens.compiler import load, save, to_onnx
@@ -52,27 +52,18 @@ def test_layer_norm_constants_take_each_channels_output_scale():
     assert tensor.shift == c.shift and int(tensor.gain[1]) == int(c.gain[1]) and int(tensor.bias[1]) == int(c.bias[1])
 
 
-class _PostLN(nn.Module):
-    """Two post-LN blocks and a head; ln1 has an outlier channel (gain 12): the stream's norm output is read by
-    fc2 (which folds its exponents) and by add_1 (which reads them shifted)."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.ln1 = nn.Linear(16, 16), nn.LayerNorm(16)
-        self.fc2, self.ln2 = nn.Linear(16, 16), nn.LayerNorm(16)
-        self.head = nn.Linear(16, 4)
-        with torch.no_grad():
-            self.ln1.weight[3] = 12.0
-
-    def forward(self, x):
-        h = self.ln1(self.fc1(x) + x)
-        h = self.ln2(self.fc2(h) + h)
-        return self.head(h)
+def _post_ln() -> nn.Module:
+    """Two post-LN blocks and a head (``test_channel_exponents._PostLN``); ln1 gets an outlier channel (gain 12):
+    the stream's norm output is read by fc2 (which folds its exponents) and by add_1 (which reads them shifted)."""
+    model = _PostLN().eval()
+    with torch.no_grad():
+        model.ln1.weight[3] = 12.0
+    return model
 
 
 def test_a_norm_writes_exponents_and_a_linear_folds_them_through_every_stage(tmp_path):
     torch.manual_seed(0)
-    model, x = _PostLN().eval(), _data()
+    model, x = _post_ln(), _data()
     prepared, qat_ir, q_ir = _stages(model, _Exponents(("add_0", "ln1", "add_1")), x)
     ln1 = prepared._quantlens_state.fq["ln1|out"]
     _, k = rules.channel_exponents(ln1.scale)
@@ -114,7 +105,7 @@ def test_a_weight_refolds_when_its_inputs_exponents_go():
     """When the norm's output loses its exponents (one scale), the linear's weight is per output channel again at
     its next forward: the scale of the weight alone."""
     torch.manual_seed(0)
-    model, x = _PostLN().eval(), _data()
+    model, x = _post_ln(), _data()
     prepared, _, _ = _stages(model, _Exponents(("add_0", "ln1", "add_1")), x)
     assert prepared.fc2.weight_fake_quant.scale.dim() == 2
     plain, _, q_ir = _stages(model, _Exponents(("add_0", "add_1")), x)
@@ -134,7 +125,7 @@ def test_learned_rounding_keeps_a_folded_weights_levels():
     from quantlens.search.remedies.learned_rounding import learn_rounding
 
     torch.manual_seed(0)
-    model, x = _PostLN().eval(), _data()
+    model, x = _post_ln(), _data()
     setter = _Exponents(("add_0", "ln1", "add_1"))
     rounded, layers = learn_rounding(model, x[:8], [x[:16], x[16:32]], setter, epochs=2)
     assert "fc2" in layers
@@ -154,12 +145,11 @@ def test_qat_at_level_1_trains_through_folded_exponents_and_deploys_what_it_trai
     """qat_distill at consistency level 1 on the post-LN stack with channel exponents at the sums and the norm
     (fc2 folds them): the QAT forward runs the integer rules (the exponent-form add, the folded GEMM), the held-out
     error drops, and the quantized IR of the result is its pre_export model in VALIDATION, bit for bit."""
-    from quantlens.compiler import convert, export
-    from quantlens.quantization import ConsistencyStrategy, pre_export
+    from quantlens.quantization import ConsistencyStrategy
     from quantlens.search.remedies.qat_distill import QatBudget, qat_distill
 
     torch.manual_seed(0)
-    model, x = _PostLN().eval(), _data()
+    model, x = _post_ln(), _data()
     setter = _Exponents(("add_0", "ln1", "add_1"))
     batches, held = [x[:16], x[16:32]], x[32:]
 
@@ -176,11 +166,7 @@ def test_qat_at_level_1_trains_through_folded_exponents_and_deploys_what_it_trai
         before, _ = error(model, setter)
         trained, trained_setter = qat_distill(model, x[:8], batches, setter, budget=QatBudget(steps=40, seconds=60))
         after, prepared = error(trained, trained_setter)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            tables = pre_export(prepared, example_inputs=x[:8])
-        set_fake_quantize(tables, FakeQuantState.VALIDATION)
-        q_ir = convert(export(tables, x[:8], dynamic_batch=True))
+        tables, q_ir = _tables_and_ir(prepared, x)
     finally:
         ConsistencyStrategy.disable()
     assert after < before, (before, after)

@@ -117,6 +117,17 @@ def _stages(model, setter, x):
         return prepared, qat_ir, convert(qat_ir)
 
 
+def _tables_and_ir(prepared, x):
+    """The pre_export model of a calibrated one, in VALIDATION, and its quantized IR (static example ``x[:8]``)."""
+    from quantlens.quantization import FakeQuantState, set_fake_quantize
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tables = pre_export(prepared, example_inputs=x[:8])
+    set_fake_quantize(tables, FakeQuantState.VALIDATION)
+    return tables, convert(export(tables, x[:8], dynamic_batch=True))
+
+
 def test_a_residual_stream_with_channel_exponents_through_every_stage(tmp_path):
     """The add writes int8 codes with a channel exponent each (the outlier channels keep k = 0, the others their
     own finer step); convert shifts them onto one int16 grid before the integer LayerNorm; the quantized IR
@@ -207,19 +218,13 @@ def test_at_consistency_levels_the_fake_quant_computes_the_channel_exponent_rule
     """Levels 1-4 emulate the integer rules in the fake quant: with channel exponents at a linear's output and at
     the sum (the add writes them, the norm reads them shifted), the pre_export model in VALIDATION is the quantized
     IR bit for bit (level 2: power-of-two scales for every channel, the sum in no shared-scale group)."""
-    from quantlens.quantization import FakeQuantState, set_fake_quantize
-
     torch.manual_seed(0)
     model, x = _Block().eval(), _data()
     ConsistencyStrategy.set_consistency_level(level)
     try:
         prepared = calibrate(prepare(model, x[:8], _Exponents(("fc", "add_0")), check_result_dir=None,
                                      allow_no_stubs=True), [x[:32]])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            tables = pre_export(prepared, example_inputs=x[:8])
-        set_fake_quantize(tables, FakeQuantState.VALIDATION)
-        q_ir = convert(export(tables, x[:8], dynamic_batch=True))
+        tables, q_ir = _tables_and_ir(prepared, x)
     finally:
         ConsistencyStrategy.disable()
     fq = tables._quantlens_state.fq["add_0|out"]
