@@ -203,7 +203,7 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
     int16_phase = _Int16Phase(state, example_inputs, batches, evaluate, setter, int16_budget, higher_is_better,
                               progress, evaluation_key)
     if int16 and not _reached(state.best, target, higher_is_better):
-        int16_phase.run(target, out / "int16")
+        int16_phase.run(target, out / "int16", "int16: ")
     deployed_value = None
     if deployed is not None:
         with clock.step("deployed: export, convert and evaluate the quantized IR"):
@@ -212,7 +212,8 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
             (state.best - deployed_value) if higher_is_better else (deployed_value - state.best))
         if int16 and gap > 0 and not _reached(deployed_value, target, higher_is_better):
             # (another aim is another search: its own folder, so each resumes its own measurements)
-            int16_phase.run(target + gap if higher_is_better else target - gap, out / "int16_deployed")
+            int16_phase.run(target + gap if higher_is_better else target - gap, out / "int16_deployed",
+                            f"int16 again, aiming at {target + gap if higher_is_better else target - gap:.6g}: ")
             with clock.step("deployed: export, convert and evaluate the quantized IR"):
                 deployed_value = deployed(state.model, int16_phase.setter)
     setter, promotions, mp = int16_phase.setter, int16_phase.promotions, int16_phase.mp
@@ -248,7 +249,7 @@ class _Int16Phase:
         self.best_before = state.best
         self.kept_before = (len(state.trials), len(state.configs))
 
-    def run(self, aim: float, out: Path) -> None:
+    def run(self, aim: float, out: Path, label: str) -> None:
         from quantlens.search import search_mixed_precision
 
         state = self.state
@@ -264,7 +265,7 @@ class _Int16Phase:
             self.setter = mp.setter()
             _add_int16_trials(state, mp, self.setter)
             state.best = mp.metric
-        state.clock.add(mp.step_times, "int16: ")
+        state.clock.add(mp.step_times, label)
 
 
 class _State:
