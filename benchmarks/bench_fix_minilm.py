@@ -26,14 +26,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench_fix_minilm_out"))
     ap.add_argument("--target", type=float, default=0.99)
     ap.add_argument("--qat", action="store_true")
-    ap.add_argument("--consistency-level", default="off")
+    ap.add_argument("--consistency-level", default=None, help="quantlens fix's (default: its own)")
     ap.add_argument("--no-deployed", action="store_true")
     args = ap.parse_args()
     if args.out.exists():
         shutil.rmtree(args.out)  # the benchmark's own folder: a replay would time nothing
     cmd = [sys.executable, "-m", "quantlens", "fix", str(CONFIG), "--target", str(args.target), "--out",
-           str(args.out), "--consistency-level", args.consistency_level] + (["--qat"] if args.qat else []) + (
-               ["--no-deployed"] if args.no_deployed else [])
+           str(args.out)] + (["--qat"] if args.qat else []) + (["--no-deployed"] if args.no_deployed else []) + (
+               ["--consistency-level", args.consistency_level] if args.consistency_level else [])
     env = {**os.environ, "COLUMNS": "160"}
     began = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

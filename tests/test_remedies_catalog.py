@@ -269,6 +269,7 @@ def test_fix_says_when_the_deployed_model_cannot_be_checked(tmp_path, capsys, fe
     assert main(["fix", str(cfg), *args, "--out", str(tmp_path / "a")]) == 0
     printed = capsys.readouterr().out
     assert "deployed quantized IR" in printed and "not checked" not in printed
+    assert "models prepared at consistency level off" in printed  # (without --qat: the strategy as it was)
     assert json.loads((tmp_path / "a" / "remedies.json").read_text())["deployed_value"] > 0.5
     cfg.write_text(cfg.read_text() + "\n\n_evaluate = evaluate\n\n\ndef evaluate(model):\n"
                    "    if not hasattr(model, '_quantlens_state'):\n"

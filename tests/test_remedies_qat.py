@@ -132,8 +132,9 @@ def test_the_search_tries_qat_only_when_asked_and_keeps_it_when_it_helps(blocks,
 
 
 def test_fix_takes_qat_and_refuses_a_bad_budget(tmp_path):
-    """`quantlens fix --qat` runs the QAT remedy (its checkpoint in --out, its trial in the saved result); a budget
-    of no step is refused in words."""
+    """`quantlens fix --qat` runs the QAT remedy (its checkpoint in --out, its trial in the saved result) at
+    consistency level 1 unless told otherwise (the integer rules in its forward, the deployed model checked); a
+    budget of no step is refused in words."""
     from tests.test_cli import ql
     from tests.test_fix_newcomers import CONFIG  # a CONFIG with evaluation data: fix measures the held-out metric
 
@@ -141,6 +142,7 @@ def test_fix_takes_qat_and_refuses_a_bad_budget(tmp_path):
     res = ql("fix", tmp_path / "cfg.py", "--target", "1.5", "--range-sites", "0", "--no-int16", "--qat",
              "--qat-steps", "5", "--out", tmp_path / "out")
     assert res.returncode == 1, res.stdout + res.stderr
+    assert "models prepared at consistency level 1" in res.stdout and "deployed quantized IR" in res.stdout
     assert (tmp_path / "out" / CHECKPOINT_FILE).is_file()
     assert "qat_distill" in (tmp_path / "out" / "remedies.csv").read_text()
     bad = ql("fix", tmp_path / "cfg.py", "--target", "1.5", "--qat", "--qat-steps", "0", "--out", tmp_path / "o2")

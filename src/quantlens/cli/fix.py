@@ -44,13 +44,14 @@ def add_parser(sub) -> None:
     p.add_argument("--latency", action="store_true", help="also estimate the latency (cycles, the march's cost "
                    "model) of the base, the result and each kept remedy")
     p.add_argument("--qat", action="store_true", help="also try QAT as a remedy: distillation from the float model on "
-                   "the calibration data (the CONFIG's train_qat(model) when it has one), kept when it helps")
+                   "the calibration data (the CONFIG's train_qat(model) when it has one), kept when it helps; at "
+                   "consistency level 1 unless --consistency-level says otherwise")
     p.add_argument("--qat-steps", type=int, default=200, help="the QAT remedy's step budget")
     p.add_argument("--qat-seconds", type=float, default=300.0, help="the QAT remedy's time budget")
-    p.add_argument("--consistency-level", default="off", choices=["off", "0", "1", "2", "3", "4"],
+    p.add_argument("--consistency-level", default=None, choices=["off", "0", "1", "2", "3", "4"],
                    help="the consistency level the search's models are prepared at (docs/consistency.md): 0 converts "
-                   "with the high-precision requantize, 1-4 emulate the integer rules in the fake quant (QAT trains "
-                   "on them)")
+                   "with the high-precision requantize, 1-4 emulate the integer rules in the fake quant, so QAT trains "
+                   "the integer model (default: 1 with --qat, else off)")
     p.add_argument("--no-deployed", action="store_true", help="do not check the result's deployed model (export -> "
                    "convert, the metric on the quantized IR; where it misses the target, int16 aims that much higher)")
     p.add_argument("--out", default="quantlens_fix", help="output folder (resumes a search with the same inputs)")
@@ -103,7 +104,8 @@ def run(args) -> int:
     from quantlens.quantization import ConsistencyStrategy
 
     before = ConsistencyStrategy.get_consistency_level()
-    ConsistencyStrategy.set_consistency_level(None if args.consistency_level == "off" else int(args.consistency_level))
+    level = args.consistency_level or ("1" if args.qat else "off")  # QAT trains what the integer model computes
+    ConsistencyStrategy.set_consistency_level(None if level == "off" else int(level))
     try:
         return _run(args)
     finally:  # (the CLI called in-process leaves the caller's level as it was)
@@ -119,6 +121,7 @@ def _run(args) -> int:
     from quantlens import set_march
     from quantlens._io import writable_dir_problem
     from quantlens.cli.config import load_config
+    from quantlens.quantization import ConsistencyStrategy
     from quantlens.search.evaluation import EvaluateError
     from quantlens.search.provenance import data_digest
     from quantlens.search.remedies import save_remedies, search_remedies
@@ -162,6 +165,8 @@ def _run(args) -> int:
     for skipped in result.skipped:
         out.print(f"warning: remedy {esc(skipped.name)} failed and was skipped: {esc(skipped.error)}")
     out.print(esc(metric_sentence(result)))
+    level = ConsistencyStrategy.get_consistency_level()
+    out.print(f"models prepared at consistency level {'off' if level is None else level} (--consistency-level)")
     if deployed is not None and deployed.problem:
         out.print(f"warning: the deployed model was not checked: {esc(deployed.problem)}")
     t = Table(title=f"remedies kept ({esc(result.base_value)} -> {esc(result.value)})")
