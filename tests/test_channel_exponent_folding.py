@@ -173,3 +173,26 @@ def test_qat_at_level_1_trains_through_folded_exponents_and_deploys_what_it_trai
     assert tables.fc2.weight_fake_quant.scale.dim() == 2
     with torch.no_grad():
         assert torch.equal(tables(held), q_ir(held))
+
+
+def test_a_chain_of_sums_that_reaches_no_norm_is_not_a_stream():
+    """Attention scores + a position bias + a mask before a softmax (MPNet's): sums read only by sums, but their
+    last dim is the key positions; the stream's sums lead to a norm (its channels are the norm's features)."""
+    from quantlens.search.remedies.channel_exponents import stream_sites
+    from quantlens.sites.record import record_model
+
+    class _Scores(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.ln = nn.Linear(16, 16), nn.LayerNorm(16)
+            self.register_buffer("bias", torch.randn(8, 8))
+
+        def forward(self, x):  # x: [batch, 8, 16]
+            scores = self.q(x) @ x.transpose(1, 2)
+            scores = scores + self.bias
+            scores = scores + torch.zeros(8)
+            h = torch.softmax(scores, dim=-1) @ x
+            return self.ln(h + x)
+
+    sites = stream_sites(record_model(_Scores().eval(), [torch.randn(2, 8, 16)]))
+    assert sites == ["add_2"], sites  # (the norm is the output: nothing reads it)

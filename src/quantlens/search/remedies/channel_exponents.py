@@ -34,6 +34,8 @@ __all__ = ["ChannelExponentQconfigSetter", "stream_sites", "has_stream_sites", "
 #: the op types that may read a residual stream's sum in channel-exponent form: another sum (the next residual add
 #: of a pre-LN stack) and the norms (a post-LN block's LayerNorm)
 STREAM_READERS = frozenset({"add", "sub", "layer_norm", "rms_norm"})
+#: the norms among them: a stream's sums lead to one (its channels are the norm's features)
+NORMS = frozenset({"layer_norm", "rms_norm"})
 
 
 def _readers(record: ModelRecord, name: str) -> list[str]:
@@ -58,6 +60,22 @@ def _folding_linear(record: ModelRecord, name: str) -> bool:
     return site.op_type == "linear" and site.is_module
 
 
+def _reaching_a_norm(record: ModelRecord, sums: set[str]) -> set[str]:
+    """The sums from which a norm is read through sums only: the stream's channels are the norm's normalized
+    features. (A chain of sums that ends elsewhere, attention scores + position bias + mask before a softmax, has
+    key positions on its last dim: never a stream, whose exponents would be tied to one sequence length.)"""
+    reach: dict[str, bool] = {}
+
+    def reaches(name: str) -> bool:
+        if name not in reach:
+            reach[name] = False  # (a cycle cannot occur in a record; this guards it anyway)
+            reach[name] = any(record.sites[r].op_type in NORMS or (r in sums and reaches(r))
+                              for r in _readers(record, name))
+        return reach[name]
+
+    return {name for name in sums if reaches(name)}
+
+
 def stream_sites(record: ModelRecord) -> list[str]:
     """The residual stream's op sites, in execution order: the add / sub op sites whose output only sums and norms
     read (:data:`STREAM_READERS`); the linears whose output only those sums read (a block's output projection:
@@ -65,9 +83,10 @@ def stream_sites(record: ModelRecord) -> list[str]:
     only sums, norms and linear modules read (a post-LN block's norm, read by the next block's projections and
     its residual add: the norm's gain per element writes the form, and each linear folds the exponents into its
     weight, int8 x int8); over a last dim of more than one channel."""
-    sums = {name for name, site in record.sites.items() if site.op_type in ("add", "sub") and _wide(site)
-            and (readers := _readers(record, name))
-            and all(record.sites[r].op_type in STREAM_READERS for r in readers)}
+    candidates = {name for name, site in record.sites.items() if site.op_type in ("add", "sub") and _wide(site)
+                  and (readers := _readers(record, name))
+                  and all(record.sites[r].op_type in STREAM_READERS for r in readers)}
+    sums = _reaching_a_norm(record, candidates)
     writers = {name for name, site in record.sites.items() if site.op_type == "linear" and _wide(site)
                and (readers := _readers(record, name)) and all(r in sums for r in readers)}
     norms = {name for name, site in record.sites.items() if site.op_type == "layer_norm" and _wide(site)
