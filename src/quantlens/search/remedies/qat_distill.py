@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -26,8 +27,8 @@ import torch
 from torch import nn
 
 from quantlens._io import atomic_write_bytes, safetensors_bytes
-from quantlens.errors import QuantLensError
-from quantlens.quantization import FakeQuantState, set_fake_quantize
+from quantlens.errors import QuantLensError, QuantLensWarning
+from quantlens.quantization import ConsistencyStrategy, FakeQuantState, set_fake_quantize
 from quantlens.search.bar import SearchBar
 from quantlens.search.remedies.learned_ranges import (
     FixedRangeQconfigSetter,
@@ -184,6 +185,12 @@ def qat_distill(model: nn.Module, example: Any, batches: Sequence[Any], setter: 
     own QAT, run instead of the distillation. ``out_dir``: where the checkpoint lives (a run with the same model,
     batches, setter and budget resumes from it). ``model`` is not changed."""
     batches = list(batches)
+    level = ConsistencyStrategy.get_consistency_level()
+    if level is None or level < 1:
+        warnings.warn(f"qat_distill trains at consistency level {'off' if level is None else level}: its forward is "
+                      "float math and fake quants, so the integer model will differ from what it trained by the "
+                      "integer rules. Set ConsistencyStrategy.set_consistency_level(1) (or higher) before, as "
+                      "`quantlens fix --qat` does, and deploy at that level.", QuantLensWarning, stacklevel=2)
     prepared = calibrated_with_learned_scales(model, example, batches, setter, "qat_distill")
     set_fake_quantize(prepared, FakeQuantState.QAT)
     path = None if out_dir is None else Path(out_dir) / CHECKPOINT_FILE
