@@ -196,3 +196,58 @@ def test_a_chain_of_sums_that_reaches_no_norm_is_not_a_stream():
 
     sites = stream_sites(record_model(_Scores().eval(), [torch.randn(2, 8, 16)]))
     assert sites == ["add_2"], sites  # (the norm is the output: nothing reads it)
+
+
+class _Pooled(nn.Module):
+    """A norm's exponent codes reach a linear through ``x[:, 0]`` (BERT's pooler): the select drops a dim before
+    the channels, which keep their exponents."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln, self.head = nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4)
+
+    def forward(self, x):  # [batch, 8, 16]
+        return self.head(self.ln(self.fc(x) + x)[:, 0])
+
+
+class _Padded(_Pooled):
+    """Padded along the tokens before the linear (Swin's window padding): a zero is on every channel's grid."""
+
+    def forward(self, x):
+        return self.head(torch.nn.functional.pad(self.ln(self.fc(x) + x), (0, 0, 0, 2)))
+
+
+class _Shared(_Pooled):
+    """One linear called at two op sites (ALBERT's shared layer): on the norm's codes and on a per-tensor value."""
+
+    def forward(self, x):
+        h = self.ln(self.fc(x) + x)
+        return self.fc(h) + self.fc(torch.relu(x))
+
+
+@pytest.mark.parametrize("model_class", [_Pooled, _Padded, _Shared])
+def test_exponent_codes_through_a_select_a_pad_or_into_a_shared_linear(model_class):
+    """Each computes on the NPU (no host op) at level 0, and at level 1 the pre_export model is the quantized IR
+    bit for bit: the select and the pad keep the exponents and the head folds them; a linear called at two op sites
+    keeps one weight scale (it reads the norm's codes on their common grid), so it exports and converts."""
+    from quantlens.quantization import ConsistencyStrategy
+
+    torch.manual_seed(0)
+    model = model_class().eval()
+    x = _data().reshape(8, 8, 16)
+    setter = _Exponents(("add_0", "ln"))
+    for level in (0, 1):
+        ConsistencyStrategy.set_consistency_level(level)
+        try:
+            prepared = calibrate(prepare(model, x[:2], setter, check_result_dir=None, allow_no_stubs=True), [x[:6]])
+            tables, q_ir = _tables_and_ir(prepared, x[:2].repeat(4, 1, 1))
+        finally:
+            ConsistencyStrategy.disable()
+        assert not [n.op for n in q_ir.graph.nodes if n.attrs.get("host")]
+        if model_class is _Shared:
+            assert prepared.fc.weight_fake_quant.scale.dim() == 1 and not prepared.fc.folds_input_exponents
+        else:
+            assert prepared.head.weight_fake_quant.scale.dim() == 2
+        if level == 1:
+            with torch.no_grad():
+                assert torch.equal(tables(x[6:]), q_ir(x[6:]))

@@ -3,6 +3,8 @@ under every name the model gives them and in the plain containers that hold them
 
 from __future__ import annotations
 
+import collections
+
 from torch import nn
 
 from quantlens.march import QuantDType
@@ -73,6 +75,7 @@ def swap_modules(
 ) -> dict[str, QuantDType]:
     """Replace weighted modules by QAT classes (fused with their BatchNorm where grouped), under every name."""
     bn_of = {g.head: g.bn for g in groups if g.bn is not None}
+    calls = collections.Counter(site.module_name for site in record.sites.values() if site.is_module)
     weight_dtypes: dict[str, QuantDType] = {}
     replaced: dict[int, tuple[nn.Module, nn.Module]] = {}
     for site in record.sites.values():
@@ -95,6 +98,8 @@ def swap_modules(
             if cls is None:
                 continue
             new = cls.from_float(module, wspec)
+            if calls[site.module_name] > 1:  # one weight fake quant for several op sites (ALBERT's shared layer):
+                new.folds_input_exponents = False  # it cannot fold one site's channel exponents and not another's
         _replace_module(model, site.module_name, new, replaced)
         weight_dtypes[site.name] = wspec.dtype
     _rebind_plain_containers(model, replaced)

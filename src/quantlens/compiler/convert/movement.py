@@ -70,6 +70,8 @@ def _moved_axis(c: Converter, node: Node, axis: int) -> int:
     axis %= len(in_shape)
     if node.op == "permute":
         return node.attrs["dims"].index(axis)
+    if node.op == "select" and node.attrs["dim"] % len(in_shape) != axis:  # (a pooler's x[:, 0]) one dim goes
+        return axis - (1 if node.attrs["dim"] % len(in_shape) < axis else 0)
     if node.op == "reshape":
         # The channel dim must survive whole: same size, same number of elements before it.
         out_shape = list(c.src.values[node.outputs[0]].shape)
@@ -83,8 +85,9 @@ def _moved_axis(c: Converter, node: Node, axis: int) -> int:
                 return j
             running *= dyn if d == -1 else d
     raise QuantLensError(
-        f"convert: op '{node.op}' at op site '{node.site}' splits or merges the channel dim of a per-channel int32 "
-        "high-precision output; dequantize it first (put the DeQuantStub right after the final conv/linear)."
+        f"convert: op '{node.op}' at op site '{node.site}' splits, merges or selects from the channel dim of a "
+        "per-channel value (an int32 high-precision output, or channel-exponent codes, docs/march.md §3.1); "
+        "dequantize it first (put the DeQuantStub right after the final conv/linear), or give it one scale."
     )
 
 
@@ -168,16 +171,30 @@ def _non_numeric(c, node):
 
 @converter("pad", "fill")
 def _pad(c, node):
-    """Padding and filling keep the grid; the constant is written as its integer on that grid."""
-    x = c.int_input(node, node.inputs[0])
+    """Padding and filling keep the grid; the constant is written as its integer on that grid. Channel-exponent
+    codes (§3.1) padded along other dims than their channels keep their form (a zero, or a copied edge, is on every
+    channel's own grid: Swin's window padding before its projections)."""
     attrs = dict(node.attrs)
+    raw = c.q.get(node.inputs[0])
+    keeps = (node.op == "pad" and raw is not None and raw.exponents and not _pads_dim(attrs, node, c, raw.axis)
+             and (attrs.get("mode") != "constant" or float(attrs.get("value", 0.0)) == 0.0))
+    x = raw if keeps else c.int_input(node, node.inputs[0])
     if node.op == "fill" or attrs.get("mode") == "constant":
-        require_per_tensor(c, node, x, node.op)
-        attrs["value"] = on_grid(attrs["value"], x)
+        if not keeps:
+            require_per_tensor(c, node, x, node.op)
+        attrs["value"] = 0 if keeps else on_grid(attrs["value"], x)
     name = c.fresh(node.outputs[0])
     c.out.nodes.append(Node(f"{node.op}_int", [x.name], [name], attrs, node.site))
-    c.out.values[name] = ValueInfo(c.src.values[node.outputs[0]].shape, c.out.values[x.name].dtype, x.qdtype.value)
-    c.q[node.outputs[0]] = QInfo(name, x.qdtype, x.scale, x.axis)
+    c.out.values[name] = ValueInfo(c.src.values[node.outputs[0]].shape, c.out.values[x.name].dtype, x.qdtype.value,
+                                   None, x.axis)
+    c.q[node.outputs[0]] = QInfo(name, x.qdtype, x.scale, x.axis, x.exponents)
+
+
+def _pads_dim(attrs: dict, node: Node, c: Converter, axis: int) -> bool:
+    """Whether a pad (``F.pad``'s order: the last dim's pair first) pads dim ``axis``."""
+    rank = len(c.src.values[node.inputs[0]].shape)
+    j = rank - 1 - axis % rank
+    return any(attrs.get("pad", [])[2 * j:2 * j + 2])
 
 
 @converter("select_scatter", "slice_scatter")

@@ -55,9 +55,11 @@ def _wide(site) -> bool:
 
 
 def _folding_linear(record: ModelRecord, name: str) -> bool:
-    """A linear module: its weight folds the exponents of the codes it reads (§3.1), so it multiplies int8."""
+    """A linear module called at this op site only: its weight folds the exponents of the codes it reads (§3.1), so
+    it multiplies int8 (a module called at several sites, ALBERT's shared layer, has one weight for all of them)."""
     site = record.sites[name]
-    return site.op_type == "linear" and site.is_module
+    return site.op_type == "linear" and site.is_module and sum(
+        1 for other in record.sites.values() if other.is_module and other.module_name == site.module_name) == 1
 
 
 def _reaching_a_norm(record: ModelRecord, sums: set[str]) -> set[str]:
