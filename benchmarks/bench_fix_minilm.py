@@ -5,7 +5,9 @@ command to the chosen configuration.
         [--consistency-level off|0|...] [--no-deployed]
 
 Prints the command's console (the kept remedies, the time of each step of the search) and its wall time. A fresh
---out folder each run: the search replays a folder's measurements.
+--out folder each run: the search replays a folder's measurements. ``--deployed-figures`` then loads the chosen
+configuration (``load_remedies``) at the same consistency level and prints it deployed: fake quant, qat IR,
+quantized IR and onnxruntime (default session options) against float (``bench_remedies.deployed_figures``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main() -> None:
     ap.add_argument("--qat", action="store_true")
     ap.add_argument("--consistency-level", default=None, help="quantlens fix's (default: its own)")
     ap.add_argument("--no-deployed", action="store_true")
+    ap.add_argument("--deployed-figures", action="store_true")
     args = ap.parse_args()
     if args.out.exists():
         shutil.rmtree(args.out)  # the benchmark's own folder: a replay would time nothing
@@ -43,6 +46,33 @@ def main() -> None:
         print(proc.stderr[-3000:])
     print(f"quantlens fix: exit {proc.returncode}, {seconds:.1f} s wall, OMP_NUM_THREADS="
           f"{os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    if args.deployed_figures and proc.returncode in (0, 1):
+        print(_deployed(args.out, args.consistency_level or ("1" if args.qat else "off")))
+
+
+def _deployed(out: Path, level: str) -> dict:
+    """The saved configuration through export -> convert and onnxruntime, at the level the search ran at."""
+    import importlib.util
+    import warnings
+
+    import torch
+    from bench_remedies import deployed_figures
+
+    from quantlens.quantization import ConsistencyStrategy
+    from quantlens.search.remedies import load_remedies
+
+    spec = importlib.util.spec_from_file_location("minilm_fix", CONFIG)
+    cfg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cfg)
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    ConsistencyStrategy.set_consistency_level(None if level == "off" else int(level))
+    model = cfg.float_model()
+    remedied, setter = load_remedies(model, out, cfg.calibration_qconfig_setter)
+    (held,) = cfg.evaluation_data()
+    with torch.no_grad():
+        ref = model(*held)
+    return deployed_figures(remedied, setter, cfg.example_inputs(), cfg.calibration_data(), held, ref, out)
 
 
 if __name__ == "__main__":
