@@ -142,6 +142,28 @@ def test_saved_weights_come_back_with_the_bias_bias_correction_added(tmp_path):
         load_remedies(other, tmp_path)
 
 
+def test_weights_tied_across_layers_are_saved_and_come_back_tied(tmp_path):
+    """A state dict whose parameters share memory (an embedding tied to its LM head, BART's encoder and decoder
+    embeddings) is written, each name with its values, and loading keeps the tie (found on transformers' BART:
+    the search ended in safetensors' "Some tensors share memory" and wrote nothing)."""
+    from quantlens.search.remedies import RemedyResult
+
+    def tied():
+        model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)).eval()
+        model[1].weight = model[0].weight
+        return model
+
+    changed = tied()
+    with torch.no_grad():
+        changed[0].weight.mul_(0.5)
+    result = RemedyResult(changed, default_calibration_qconfig_setter, 0.9, 0.8, {},
+                          transforms=("learned_rounding",), target=0.95)
+    save_remedies(result, tmp_path)
+    loaded, _ = load_remedies(tied(), tmp_path)
+    assert torch.equal(loaded[0].weight, changed[0].weight)
+    assert loaded[1].weight is loaded[0].weight
+
+
 def test_quantlens_fix_on_the_template(tmp_path, few_learning_epochs):
     from quantlens.cli import main
 
@@ -213,6 +235,26 @@ def test_learned_rounding_puts_weights_on_their_levels_and_beats_nearest():
         assert torch.equal(qat.weight_fake_quant(w), w)  # on the levels: prepare quantizes them exactly
         assert not torch.equal(w, getattr(model, name).weight.detach())
     assert 1 - evaluate(prepared) < 0.9 * (1 - nearest)
+
+
+def test_learned_rounding_on_a_model_whose_forward_reads_a_layers_weight():
+    """The rounding's ops run outside the model's forward (transformers' ViT reads its patch projection's weight
+    dtype in its own forward: the rounding's sigmoid was traced as an op site prepare never saw)."""
+    from quantlens.search.remedies.learned_rounding import learn_rounding
+
+    class ReadsWeight(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.proj(x.to(self.proj.weight.dtype))
+
+    torch.manual_seed(0)
+    model = ReadsWeight().eval()
+    batches = [(torch.randn(4, 8),) for _ in range(2)]
+    learned, layers = learn_rounding(model, batches[0], batches, epochs=2)
+    assert layers == ["proj"] and not torch.equal(learned.proj.weight, model.proj.weight)
 
 
 def test_a_setter_key_that_matches_no_op_site_is_warned_with_the_closest_names():

@@ -150,3 +150,31 @@ def test_a_deployed_model_below_the_target_makes_int16_aim_higher(tmp_path):
     assert checked.reached() and checked.deployed_value >= target
     assert [t.step for t in checked.step_times].count("deployed: export, convert and evaluate the quantized IR") == 2
     assert (tmp_path / "checked" / "int16_deployed").is_dir()
+
+
+@pytest.mark.parametrize("case", ["float_rounding", "int16_ran_out"])
+def test_the_int16_phase_does_not_run_again_where_a_higher_aim_cannot_change_it(tmp_path, case):
+    """A deployed value below the fake quant's by float rounding only (transformers' wav2vec2: 7e-9), or a first
+    int16 phase that did not reach the target itself (no candidate or budget left: the same greedy path would end
+    in the same place), makes no second int16 search."""
+    model = Outliers().eval()
+    batches, held_out = _data()
+    evaluate = _cosine(model, held_out)
+    calls = []
+
+    def deployed(m, setter):
+        value = evaluate(calibrate(prepare(m, batches[0], setter, check_result_dir=None), batches))
+        calls.append(value - 1e-9 if case == "float_rounding" else value - 1e-3)
+        return calls[-1]
+
+    if case == "float_rounding":  # a target the fake quant meets exactly: 1e-9 below it misses
+        target = search_remedies(model, batches[0], batches, evaluate, 0.9989, out_dir=tmp_path / "plain",
+                                 report=False).value
+        budget = None
+    else:
+        target, budget = 0.99999, 1
+    result = search_remedies(model, batches[0], batches, evaluate, target, out_dir=tmp_path / "checked",
+                             report=False, deployed=deployed, int16_budget=budget)
+    assert len(calls) == 1 and not (tmp_path / "checked" / "int16_deployed").exists()
+    assert result.deployed_value == calls[0] < target and not result.reached()
+    assert result.value >= target if case == "float_rounding" else result.value < target

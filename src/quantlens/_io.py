@@ -206,7 +206,7 @@ def safetensors_bytes(tensors: dict, metadata: dict[str, str] | None = None) -> 
 
     from safetensors.torch import save
 
-    blob = save(tensors, metadata=metadata)
+    blob = save(_unshared(tensors), metadata=metadata)
     n = int.from_bytes(blob[:8], "little")
     header = json.loads(blob[8:8 + n])
     text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
@@ -214,3 +214,21 @@ def safetensors_bytes(tensors: dict, metadata: dict[str, str] | None = None) -> 
         return blob
     return blob[:8] + text + b" " * (n - len(text)) + blob[8 + n:]
 
+
+
+def _unshared(tensors: dict) -> dict:
+    """``tensors`` with each one that shares memory with an earlier entry copied: safetensors refuses shared
+    storage, and a model's state dict has it wherever weights are tied (an embedding and its LM head, BART's
+    encoder and decoder embeddings). Each name keeps its own values; loading writes them back through every alias."""
+    import torch
+
+    seen: set[int] = set()
+    out = {}
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.numel():
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                t = t.clone()
+            seen.add(ptr)
+        out[name] = t
+    return out

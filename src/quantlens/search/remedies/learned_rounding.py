@@ -134,7 +134,13 @@ def learn_rounding(model: nn.Module, example: Any, batches: Sequence[Any],
     for _ in range(epochs):
         for batch, ref in zip(batches, refs):
             optimizer.zero_grad()
-            cosine_loss(output_tensors(call_model(prepared, batch)), ref).backward()
+            # Each parametrized weight is computed once here, before the forward: a model whose own forward
+            # reads a layer's weight (transformers' ViT reads its patch projection's dtype) would otherwise run
+            # the rounding's ops where op sites are traced, and prepare's plan has no such site.
+            with parametrize.cached():
+                for qat in layers.values():
+                    qat.weight  # noqa: B018 (fills the cache)
+                cosine_loss(output_tensors(call_model(prepared, batch)), ref).backward()
             optimizer.step()
     out = copy.deepcopy(model)
     with torch.no_grad():
