@@ -412,3 +412,22 @@ def test_the_shared_calibration_covers_the_fake_quants_inside_decomposed_ops():
         with torch.no_grad():
             assert torch.equal(fast(held), full(held)), selection
     assert build.stats.reused >= 2
+
+
+def test_a_search_that_misses_its_target_gives_the_best_set_it_measured(setup, tmp_path):
+    """Promotions past the best lower this metric (as on transformers' GPT-2 at a target it cannot reach: all 36
+    sites 0.99178, the first 15 0.99186): the greedy pass adds every candidate, then goes back to its best set."""
+    model, example, calib, _, _ = setup
+    cands = [Promotion(s, "activation") for s in ("add_0", "norm2", "act", "mean_0")]
+
+    def evaluate(prepared) -> float:  # best with exactly two int16 outputs
+        n = sum(p.output_dtype == "qint16" for p in prepared._quantlens_state.plans.values())
+        return -float((n - 2) ** 2)
+
+    result = search_mixed_precision(model, example, calib, evaluate, 1.0, candidates=cands, ranking=cands,
+                                    out_dir=tmp_path, progress=False, tries=1)
+    assert not result.reached and result.metric == 0.0 and result.num_int16 == 2
+    assert [p.metric for p in result.curve] == [-4.0, -1.0, 0.0, -1.0, -4.0, 0.0]
+    assert result.curve[-1].back and result.chosen == tuple(cands[:2])
+    assert "back to the best set measured" in (tmp_path / "mixed_precision_curve.html").read_text()
+    assert _build(model, example, calib, result.setter()) is not None

@@ -58,6 +58,8 @@ def _change(point: CurvePoint) -> str:
         return "+ " + html.escape(point.added.label())
     if point.removed is not None:
         return "&minus; " + html.escape(point.removed.label()) + " (pruned)"
+    if point.back:
+        return f"back to the best set measured: the first {point.num_int16} (the target was not reached)"
     if point.kept is not None:
         return f"the {point.kept} most needed sites (descend)"
     return "base"

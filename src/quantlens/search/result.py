@@ -28,6 +28,8 @@ class CurvePoint:
     removed: Promotion | None = None
     #: ``method="descend"``: the point keeps the ``kept`` most-needed op sites (no single promotion added)
     kept: int | None = None
+    #: the greedy pass ended short of the target: the point goes back to its best set (its first ``num_int16``)
+    back: bool = False
 
 
 @dataclass(frozen=True)
