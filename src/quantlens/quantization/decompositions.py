@@ -98,15 +98,26 @@ class SdpaDecomposition(SiteOverride):
             scores = self.mask_fq(scores + mask.masked_fill(blocked, 0.0))
             mask = torch.logical_not(blocked)
         fq = self.softmax_input_fq
+        float_mask = mask is not None and not fq.fake_quant_enabled
         if mask is not None:
-            lowest = fq.scale.reshape(()) * fq.dtype.qmin
-            scores = scores.masked_fill(torch.logical_not(mask), lowest)
+            # Fake quantizing: the march's rule (docs/march.md §13.6.2), a masked score is the lowest code of the
+            # grid. FLOAT and CALIBRATION: the float model's own masking (exp(-inf) = 0), so that the prepared
+            # model computes the float one there and calibration sees its probabilities (the lowest code of a
+            # tiny random model's narrow grid left masked keys most of the weight).
+            fill = float("-inf") if float_mask else fq.scale.reshape(()) * fq.dtype.qmin
+            scores = scores.masked_fill(torch.logical_not(mask), fill)
+        if float_mask:
+            none_kept = torch.logical_not(mask.any(dim=-1, keepdim=True))
+            if self.additive_mask:  # float: each key at score + finfo.min, all one value: a uniform row
+                scores = scores.masked_fill(none_kept, 0.0)
         if self.softmax_table is not None:
             table_call = OverrideCall(f"{call.site}.softmax", "softmax", (scores, -1), {}, None,
                                       [fq], self.probs_fq, torch.softmax)
             probs = self.softmax_table.compute(table_call)
         else:
             probs = torch.softmax(scores, dim=-1)
+        if float_mask and not self.additive_mask:  # every key masked: 0, as torch's attention gives (not NaN)
+            probs = probs.masked_fill(none_kept, 0.0)
         if self.softmax_table is not None and self.softmax_table.observes_output() and not self.probs_fq._learning():
             probs = self.probs_fq.quantize(probs)  # the table has observed the float softmax (QAT, level 3+)
         else:
