@@ -3,6 +3,7 @@ as a searched remedy, the search's report and saved result, and ``quantlens fix`
 
 import csv
 import json
+import warnings
 
 import pytest
 import torch
@@ -162,6 +163,32 @@ def test_weights_tied_across_layers_are_saved_and_come_back_tied(tmp_path):
     loaded, _ = load_remedies(tied(), tmp_path)
     assert torch.equal(loaded[0].weight, changed[0].weight)
     assert loaded[1].weight is loaded[0].weight
+
+
+def test_the_saved_search_names_its_consistency_level_and_loading_at_another_warns(tmp_path):
+    """The integer model the search measured is the one prepared at its level: remedies.json keeps the level, and
+    load_remedies warns where the level set now differs (the figure would belong to another integer model)."""
+    from quantlens.errors import QuantLensWarning
+    from quantlens.quantization import ConsistencyStrategy
+
+    model = WideRow().eval()
+    batches, held_out = _data()
+    before = ConsistencyStrategy.get_consistency_level()
+    try:
+        ConsistencyStrategy.set_consistency_level(0)
+        result = search_remedies(model, batches[0], batches, _cosine(model, held_out), 0.9999, range_sites=0,
+                                 int16=False, out_dir=tmp_path, progress=False, report=False)
+        assert result.consistency_level == 0
+        save_remedies(result, tmp_path)
+        assert json.loads((tmp_path / "remedies.json").read_text())["consistency_level"] == 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            load_remedies(model, tmp_path)  # the same level: no warning
+        ConsistencyStrategy.set_consistency_level(None)
+        with pytest.warns(QuantLensWarning, match=r"measured at consistency level 0, and the level set now is off"):
+            load_remedies(model, tmp_path)
+    finally:
+        ConsistencyStrategy.set_consistency_level(before)
 
 
 def test_quantlens_fix_on_the_template(tmp_path, few_learning_epochs):

@@ -187,13 +187,28 @@ def _run(args) -> int:
     for row in step_time_rows(result):
         times.add_row(*(esc(c) for c in row))
     out.print(times)
-    reached = result.reached()
+    for line in _closing_lines(result, args.target, out_dir):
+        out.print(esc(line))
+    return EXIT_OK if result.reached() else EXIT_PROBLEMS
+
+
+def _closing_lines(result, target: float, out_dir: Path) -> list[str]:
+    """The verdict, and how to deploy the configuration chosen: at the consistency level it was measured at."""
+    lines = []
     shown = "" if result.deployed_value is None else (f" (fake quant {result.value:.6g}, deployed quantized IR "
                                                       f"{result.deployed_value:.6g})")
-    out.print(f"target {args.target}: {'reached' if reached else 'NOT reached'}{esc(shown)} with {len(result.int16)} "
-              f"int16 op site(s); report {esc(out_dir / 'remedies.html')}; re-run the flow with "
-              f"load_remedies(float_model(), {esc(repr(str(out_dir)))}, calibration_qconfig_setter)")
-    return EXIT_OK if reached else EXIT_PROBLEMS
+    level = result.consistency_level
+    if level == "off" and any(s.step.startswith("int16 again") for s in result.step_times):
+        lines.append("note: the deployed model rounds differently from the fake quant at consistency level off (the "
+                     "cheap requantize profile), so int16 ran again; --consistency-level 0 converts with the "
+                     "high-precision requantize, which the fake quant follows (MiniLM: 3 int16 sites instead of 6; "
+                     "docs/remedies.md)")
+    at = "" if level == "off" else (f" at consistency level {level} (ConsistencyStrategy.set_consistency_level("
+                                    f"{level}) before prepare)")
+    lines.append(f"target {target}: {'reached' if result.reached() else 'NOT reached'}{shown} with "
+                 f"{len(result.int16)} int16 op site(s); report {out_dir / 'remedies.html'}; re-run the flow{at} "
+                 f"with load_remedies(float_model(), {str(out_dir)!r}, calibration_qconfig_setter)")
+    return lines
 
 
 class DeployedMetric:

@@ -74,6 +74,9 @@ class RemedyResult:
     #: ``search_remedies(deployed=...)``: the metric of the result's deployed model (the quantized IR), measured
     #: after the int16 phase (None: not measured)
     deployed_value: float | None = None
+    #: the consistency level every configuration was prepared at (``"off"``: none set): deploy at the same level,
+    #: or the integer model is not the one measured
+    consistency_level: int | str = "off"
 
     def reached(self, target: float | None = None, higher_is_better: bool | None = None) -> bool:
         """Whether ``value`` reaches ``target`` (default: the search's own), and the deployed model's value too

@@ -46,7 +46,8 @@ def save_remedies(result: RemedyResult, out_dir: str | Path) -> Path:
             "higher_is_better": result.higher_is_better,
             "weights_file": WEIGHTS_FILE if weights else None, "fixed_ranges": _fixed_ranges(result.setter),
             "metric": result.metric, "noise": result.noise, "latency_cycles": result.latency_cycles,
-            "skipped": [[s.name, s.error] for s in result.skipped], "model_digest": result.model_digest}
+            "skipped": [[s.name, s.error] for s in result.skipped], "model_digest": result.model_digest,
+            "consistency_level": result.consistency_level}
     return atomic_write_text(out / RESULT_FILE, json.dumps(data, indent=1, sort_keys=True))
 
 
@@ -68,6 +69,7 @@ def load_remedies(model: nn.Module, out_dir: str | Path,
         raise QuantLensError(f"load_remedies: {path} is not a remedies file of format {_FORMAT}.")
     _check_fields(data, path)
     _check_model(data, path, model)
+    _check_level(data, path)
     unknown = [t for t in data["transforms"] if t not in REMEDIES]
     bad_obs = [o for o in data.get("observers", {}).values() if o not in RANGE_OBSERVERS]
     if unknown or bad_obs:
@@ -109,6 +111,8 @@ _FIELDS = {
                                     and p[1] in ("activation", "weight") for p in v))),
     "weights_file": (False, "null or a file name", lambda v: v is None or isinstance(v, str)),
     "model_digest": (False, "the float model's fingerprint (a string)", lambda v: isinstance(v, str)),
+    "consistency_level": (False, "\"off\" or a level 0-4", lambda v: v == "off" or (
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 4)),
 }
 
 
@@ -129,6 +133,26 @@ def _check_fields(data: dict, path: Path) -> None:
             raise QuantLensError(f"load_remedies: {path}: field '{name}' is {got} where {expected} was expected "
                                  f"({str(data[name])[:60]}). Restore the file, or run the search again (quantlens "
                                  "fix) to write it.")
+
+
+def _check_level(data: dict, path: Path) -> None:
+    """Warn where the consistency level set now is not the one the search measured at (files written before the
+    level was saved have none and are not checked): the model prepared from the loaded setter is then another
+    integer model than the one whose value the file holds."""
+    import warnings
+
+    from quantlens.errors import QuantLensWarning
+    from quantlens.quantization import ConsistencyStrategy
+
+    saved = data.get("consistency_level")
+    now = ConsistencyStrategy.get_consistency_level()
+    now = "off" if now is None else int(now)
+    if saved is not None and saved != now:
+        warnings.warn(f"load_remedies: {path} was measured at consistency level {saved}, and the level set now is "
+                      f"{now}: the model prepared with its setter is not the integer model it measured. Call "
+                      f"ConsistencyStrategy.set_consistency_level({None if saved == 'off' else saved}) before "
+                      "prepare (a CONFIG: the same --consistency-level) to deploy what the search chose.",
+                      QuantLensWarning, stacklevel=3)
 
 
 def _check_model(data: dict, path: Path, model: nn.Module) -> None:

@@ -238,7 +238,7 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
     result = RemedyResult(state.model, setter, state.best, state.base, dict(state.chosen), promotions,
                           tuple(state.trials), tuple(state.applied), target, higher_is_better,
                           mp.curve if mp is not None else (), cycles, metric, base_noise, tuple(state.skipped),
-                          float_model_digest(model), tuple(clock.steps), deployed_value)
+                          float_model_digest(model), tuple(clock.steps), deployed_value, _level())
     if report:
         from quantlens.search.remedies.report import write_remedy_report  # (the page: jinja2, on use)
 
@@ -409,6 +409,14 @@ def _add_int16_trials(state: _State, mp, final_setter: Any) -> None:
         before = point.metric
     if so_far:
         state.configs[-1] = (state.model, final_setter)
+
+
+def _level() -> int | str:
+    """The consistency level set now (``"off"``: none), which every configuration of the search is prepared at."""
+    from quantlens.quantization import ConsistencyStrategy
+
+    level = ConsistencyStrategy.get_consistency_level()
+    return "off" if level is None else int(level)
 
 
 def _reached(value: float, target: float, higher_is_better: bool) -> bool:
