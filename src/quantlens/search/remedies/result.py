@@ -10,7 +10,15 @@ from torch import nn
 
 from quantlens.search.clock import StepTime
 
-__all__ = ["Trial", "SkippedRemedy", "RemedyResult"]
+__all__ = ["Trial", "SkippedRemedy", "RemedyResult", "level_now"]
+
+
+def level_now() -> int | str:
+    """The consistency level set now, as a result names it (``"off"``: none set)."""
+    from quantlens.quantization import ConsistencyStrategy
+
+    level = ConsistencyStrategy.get_consistency_level()
+    return "off" if level is None else int(level)
 
 
 @dataclass(frozen=True)

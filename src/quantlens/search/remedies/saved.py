@@ -20,7 +20,7 @@ from quantlens.search.remedies.catalog import REMEDIES
 from quantlens.search.remedies.channel_exponents import ChannelExponentQconfigSetter
 from quantlens.search.remedies.learned_ranges import FixedRangeQconfigSetter
 from quantlens.search.remedies.observers import RANGE_OBSERVERS, ObserverQconfigSetter
-from quantlens.search.remedies.result import RemedyResult
+from quantlens.search.remedies.result import RemedyResult, level_now
 from quantlens.search.remedies.weights import PerChannelWeightQconfigSetter
 
 __all__ = ["RESULT_FILE", "WEIGHTS_FILE", "save_remedies", "load_remedies"]
@@ -54,7 +54,9 @@ def save_remedies(result: RemedyResult, out_dir: str | Path) -> Path:
 def load_remedies(model: nn.Module, out_dir: str | Path,
                   base_setter: Any = default_calibration_qconfig_setter) -> tuple[nn.Module, Any]:
     """``(model', setter)`` from a saved search: a copy of ``model`` with the remedied weights, and the setter
-    (per-channel weights, ranges, int16 promotions on top of ``base_setter``, the one the search started from)."""
+    (per-channel weights, ranges, int16 promotions on top of ``base_setter``, the one the search started from).
+    Warns where the consistency level set now is not the one the search measured at (``remedies.json``'s
+    ``consistency_level``): prepare at that level to deploy the integer model it measured."""
     import copy
 
     from quantlens.search.setter import MixedPrecisionQconfigSetter
@@ -142,11 +144,8 @@ def _check_level(data: dict, path: Path) -> None:
     import warnings
 
     from quantlens.errors import QuantLensWarning
-    from quantlens.quantization import ConsistencyStrategy
 
-    saved = data.get("consistency_level")
-    now = ConsistencyStrategy.get_consistency_level()
-    now = "off" if now is None else int(now)
+    saved, now = data.get("consistency_level"), level_now()
     if saved is not None and saved != now:
         warnings.warn(f"load_remedies: {path} was measured at consistency level {saved}, and the level set now is "
                       f"{now}: the model prepared with its setter is not the integer model it measured. Call "

@@ -51,7 +51,7 @@ from quantlens.search.remedies.catalog import REMEDIES, QatOptions, RemedyContex
 from quantlens.search.remedies.noise import measure_noise
 from quantlens.search.remedies.observers import RANGE_OBSERVERS, ObserverQconfigSetter
 from quantlens.search.remedies.qat_distill import QatBudget
-from quantlens.search.remedies.result import RemedyResult, SkippedRemedy, Trial
+from quantlens.search.remedies.result import RemedyResult, SkippedRemedy, Trial, level_now
 
 __all__ = ["Trial", "SkippedRemedy", "RemedyResult", "search_remedies", "REMEDY_ERRORS"]
 
@@ -238,7 +238,7 @@ def search_remedies(model: nn.Module, example_inputs: Any, calibration_batches: 
     result = RemedyResult(state.model, setter, state.best, state.base, dict(state.chosen), promotions,
                           tuple(state.trials), tuple(state.applied), target, higher_is_better,
                           mp.curve if mp is not None else (), cycles, metric, base_noise, tuple(state.skipped),
-                          float_model_digest(model), tuple(clock.steps), deployed_value, _level())
+                          float_model_digest(model), tuple(clock.steps), deployed_value, level_now())
     if report:
         from quantlens.search.remedies.report import write_remedy_report  # (the page: jinja2, on use)
 
@@ -409,14 +409,6 @@ def _add_int16_trials(state: _State, mp, final_setter: Any) -> None:
         before = point.metric
     if so_far:
         state.configs[-1] = (state.model, final_setter)
-
-
-def _level() -> int | str:
-    """The consistency level set now (``"off"``: none), which every configuration of the search is prepared at."""
-    from quantlens.quantization import ConsistencyStrategy
-
-    level = ConsistencyStrategy.get_consistency_level()
-    return "off" if level is None else int(level)
 
 
 def _reached(value: float, target: float, higher_is_better: bool) -> bool:
